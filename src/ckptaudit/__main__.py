@@ -1,0 +1,5 @@
+import sys
+
+from ckptaudit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,127 @@
+"""The master-dtype contract and the precision findings held against it.
+
+Pure functions over tensor records. ``auto`` reads the contract from the checkpoint's own state: fp32
+optimizer moments beside the parameters mean fp32 masters; 16-bit moments beside 16-bit (or 16-bit-valued)
+parameters mean a run that trains with low-precision masters, which is a different contract, not a defect.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from ckptaudit.catalogue import finding
+from ckptaudit.model import Contract, Finding, Precision, TensorRecord
+
+__all__ = ["MASTER_DTYPES", "check_precision", "infer_contract"]
+
+MASTER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_WIDE = ("float32", "float64")
+_NARROW = ("bfloat16", "float16")
+
+
+def _majority(records: Sequence[TensorRecord]) -> str | None:
+    counts = Counter(r.dtype for r in records)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def infer_contract(
+    flag: str,
+    params: Sequence[TensorRecord],
+    moments: Sequence[TensorRecord],
+    manifest_dtype: str | None = None,
+) -> tuple[Contract, list[Finding]]:
+    """Decide the master dtype parameters are held to.
+
+    ``params``: the model's float parameters; ``moments``: the optimizer's element-wise float state.
+    """
+    if flag != "auto":
+        return Contract(flag, "flag", f"--master-dtype {flag}"), []
+    if manifest_dtype:
+        return Contract(manifest_dtype, "manifest", "recorded by the writer in manifest.json"), _low(
+            manifest_dtype, "the manifest records it"
+        )
+    moment_dtype = _majority(moments)
+    param_dtype = _majority(params)
+    if moment_dtype is not None:
+        if moment_dtype in _WIDE:
+            return Contract("float32", "optimizer-state", f"optimizer moments are {moment_dtype}"), []
+        effectively_narrow = bool(params) and all(
+            r.dtype in _NARROW or r.precision in (Precision.BF16, Precision.FP16, Precision.INCONCLUSIVE)
+            for r in params
+        )
+        if effectively_narrow:
+            why = f"parameters are {param_dtype} and optimizer moments are {moment_dtype}"
+            return Contract(moment_dtype, "optimizer-state", why), _low(moment_dtype, why)
+        return Contract("float32", "parameters",
+                        f"float32 parameters beside {moment_dtype} optimizer moments"), []
+    if param_dtype is None:
+        return Contract("unknown", "none", "no float parameters"), []
+    if param_dtype in _WIDE:
+        return Contract("float32", "parameters", f"parameters are {param_dtype} (no optimizer state)"), []
+    return Contract("unknown", "none", f"parameters are {param_dtype} and there is no optimizer state"), [
+        finding(
+            "contract.unknown",
+            "contract",
+            f"parameters are {param_dtype} and there is no optimizer state to tell low-precision masters from "
+            "a down-cast copy; pass --master-dtype float32 (or bfloat16) to hold them to a contract",
+        )
+    ]
+
+
+def _low(dtype: str, why: str) -> list[Finding]:
+    if dtype not in _NARROW:
+        return []
+    return [
+        finding(
+            "contract.low-precision-masters",
+            "contract",
+            f"this run trains with {dtype} masters ({why}); parameters are held to that contract, and no "
+            "full-precision master is expected",
+            master_dtype=dtype,
+        )
+    ]
+
+
+def check_precision(params: Sequence[TensorRecord], contract: Contract) -> list[Finding]:
+    """Per-parameter findings: stored or effectively rounded below the contract's master dtype."""
+    findings: list[Finding] = []
+    if contract.master_dtype not in ("float32", "float64"):
+        # A 16-bit contract: only a different 16-bit storage is a defect.
+        for r in params:
+            if r.dtype in _NARROW and r.dtype != contract.master_dtype:
+                findings.append(_storage(r, contract))
+        return findings
+    for r in params:
+        if r.dtype in _NARROW:
+            findings.append(_storage(r, contract))
+        elif r.dtype == "float32" and r.precision in (Precision.BF16, Precision.FP16) and r.stats is not None:
+            fmt, bits = ("bf16", 16) if r.precision is Precision.BF16 else ("fp16", 13)
+            informative = r.stats.informative_bf16 if fmt == "bf16" else r.stats.informative_fp16
+            findings.append(
+                finding(
+                    f"precision.{fmt}-rounded",
+                    r.name,
+                    f"{r.name}: float32 parameter whose {r.numel} values are all {fmt}-representable "
+                    f"({informative} informative values; a genuine fp32 tensor does this with probability "
+                    f"below 2^-{bits * min(informative, 64)}). Its low mantissa bits were lost before saving, "
+                    f"e.g. by capturing the {fmt} compute copy; save the sharded fp32 masters instead "
+                    "(get_state_dict + torch.distributed.checkpoint).",
+                    numel=r.numel,
+                    informative=informative,
+                    dtype=r.dtype,
+                )
+            )
+    return findings
+
+
+def _storage(r: TensorRecord, contract: Contract) -> Finding:
+    return finding(
+        "precision.low-precision-storage",
+        r.name,
+        f"{r.name}: parameter stored as {r.dtype}, but the contract expects {contract.master_dtype} masters "
+        f"({contract.detail}); the low bits are gone and cannot be recovered by loading into "
+        f"{contract.master_dtype}",
+        dtype=r.dtype,
+        expected=contract.master_dtype,
+    )

@@ -1,0 +1,225 @@
+"""Run a function on several real ``torch.distributed`` processes and collect what each returns.
+
+This is the one place where ckptaudit starts processes. Every other distributed part (the demo, the
+resume experiment, the probe's CLI, the tests) calls :func:`launch`.
+
+Order of events:
+
+1. (parent) makes a private temporary directory holding the ``FileStore`` file and one result file per rank.
+2. (all ranks, each a fresh ``spawn`` process) join the process group through the ``FileStore`` with a
+   bounded ``timeout`` (no free port is needed, so parallel launches cannot collide), run
+   ``fn(ctx, *args)``, write the result (or the formatted exception) to their result file, and tear the
+   group down.
+3. (parent) waits for all ranks until ``timeout_s``; when any rank fails or the deadline passes, it kills the
+   survivors and reaps every child, so no process outlives the call. Failures of all ranks are reported
+   once, in one :class:`DistributedError` tagged by rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DistributedError", "RankContext", "RankFailure", "launch"]
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank's function receives: its place in the job and a scratch directory shared by all ranks."""
+
+    rank: int
+    world_size: int
+    backend: str
+    shared_dir: str
+    """A directory every rank can read and write (on the parent's machine); removed after the launch."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank did not return a result."""
+
+    rank: int
+    reason: str
+    """``"exception"``, ``"exit"`` (the process died, e.g. by a signal) or ``"timeout"``."""
+    detail: str
+
+
+@dataclass
+class DistributedError(Exception):
+    """One or more ranks failed; ``failures`` holds one record per failed rank, in rank order."""
+
+    failures: list[RankFailure] = field(default_factory=list)
+    results: dict[int, Any] = field(default_factory=dict)
+    """Results of the ranks that did finish, by rank."""
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.failures)} rank(s) failed:"]
+        for f in self.failures:
+            detail = f.detail.strip().splitlines()
+            tail = detail[-1] if detail else ""
+            lines.append(f"  rank {f.rank}: {f.reason}: {tail}")
+        return "\n".join(lines)
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    backend: str,
+    store_path: str,
+    shared_dir: str,
+    result_path: str,
+    pg_timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    env: dict[str, str],
+) -> None:
+    # The child process body. Runs in a fresh interpreter (spawn), so imports happen here.
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    outcome: tuple[str, Any]
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        ctx = RankContext(rank=rank, world_size=world_size, backend=backend, shared_dir=shared_dir)
+        outcome = ("ok", fn(ctx, *args))
+    except BaseException:  # noqa: BLE001 - report everything, including DCP's BaseException subclass
+        outcome = ("error", traceback.format_exc())
+    try:
+        with open(result_path + ".tmp", "wb") as fh:
+            pickle.dump(outcome, fh)
+        os.replace(result_path + ".tmp", result_path)
+    except Exception:  # noqa: BLE001 - an unpicklable result becomes a failure the parent reports
+        with open(result_path + ".tmp", "wb") as fh:
+            pickle.dump(("error", "result could not be pickled:\n" + traceback.format_exc()), fh)
+        os.replace(result_path + ".tmp", result_path)
+    if dist.is_initialized():
+        # Do not barrier here: a failed rank must not wait for the others.
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001,S110 - teardown of a broken group is best effort
+            pass
+    # Skip interpreter teardown; gloo threads of a broken group can otherwise hang exit.
+    os._exit(0 if outcome[0] == "ok" else 1)
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout_s: float = 300.0,
+    backend: str | None = None,
+    pg_timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
+    shared_dir: str | None = None,
+) -> list[Any]:
+    """Run ``fn(ctx, *args)`` on ``world_size`` real processes; return the results in rank order.
+
+    ``fn`` must be importable by name (a module-level function), as must ``args``. ``backend`` defaults to
+    ``nccl`` when CUDA has enough devices, else ``gloo``. ``timeout_s`` bounds the whole launch;
+    ``pg_timeout_s`` (default: ``timeout_s``) bounds each collective, so a rank whose peer died ends with
+    an error instead of waiting forever. Raises :class:`DistributedError` when any rank fails.
+    """
+    import torch.multiprocessing as mp
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if backend is None:
+        backend = _default_backend(world_size)
+    ctx = mp.get_context("spawn")
+    own_tmp = tempfile.mkdtemp(prefix="ckptaudit-launch-")
+    try:
+        store_path = os.path.join(own_tmp, "store")
+        shared = shared_dir or os.path.join(own_tmp, "shared")
+        os.makedirs(shared, exist_ok=True)
+        result_paths = [os.path.join(own_tmp, f"result-{r}.pkl") for r in range(world_size)]
+        procs = []
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_child,
+                args=(
+                    rank,
+                    world_size,
+                    backend,
+                    store_path,
+                    shared,
+                    result_paths[rank],
+                    float(pg_timeout_s if pg_timeout_s is not None else timeout_s),
+                    fn,
+                    tuple(args),
+                    dict(env or {}),
+                ),
+                daemon=False,
+            )
+            p.start()
+            procs.append(p)
+        return _collect(procs, result_paths, timeout_s)
+    finally:
+        shutil.rmtree(own_tmp, ignore_errors=True)
+
+
+def _default_backend(world_size: int) -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+            return "nccl"
+    except Exception:  # noqa: BLE001 - no CUDA means gloo
+        pass
+    return "gloo"
+
+
+def _collect(procs: list[Any], result_paths: list[str], timeout_s: float) -> list[Any]:
+    deadline = time.monotonic() + timeout_s
+    killed: set[int] = set()
+    try:
+        # Ranks whose peer died end on their own through the process group's timeout; the deadline only
+        # catches what that does not (a rank stuck outside collectives).
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for rank, p in enumerate(procs):
+            if p.is_alive():
+                killed.add(rank)
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            p.join(timeout=10)
+    results: dict[int, Any] = {}
+    failures: list[RankFailure] = []
+    for rank, (p, rp) in enumerate(zip(procs, result_paths, strict=True)):
+        if os.path.exists(rp):
+            with open(rp, "rb") as fh:
+                status, value = pickle.load(fh)  # noqa: S301 - written by our own child process
+            if status == "ok":
+                results[rank] = value
+            else:
+                failures.append(RankFailure(rank, "exception", str(value)))
+        elif rank in killed:
+            failures.append(RankFailure(rank, "timeout", f"no result within {timeout_s:.0f} s; killed"))
+        else:
+            failures.append(RankFailure(rank, "exit", f"process ended with exit code {p.exitcode}"))
+    if failures:
+        raise DistributedError(failures=failures, results=results)
+    return [results[r] for r in range(len(procs))]

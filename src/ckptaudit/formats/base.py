@@ -1,0 +1,85 @@
+"""The reader interface: a checkpoint is a set of parts, each an object tree with lazy tensor leaves.
+
+Every reader turns one file or directory into a :class:`Part`; :func:`ckptaudit.formats.open_checkpoint`
+collects the parts of a path into a :class:`Checkpoint`. Interpreting the trees (which part is the model,
+which the optimizer) is :mod:`ckptaudit.layouts`' job, not the readers'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptaudit.formats.tensors import FileMaps, TensorData
+from ckptaudit.model import Finding
+
+__all__ = ["Checkpoint", "Part", "Unreadable", "walk"]
+
+
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A leaf whose value could not be read, and why (the matching finding is in the checkpoint)."""
+
+    reason: str
+    file: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One file (or one DCP directory) of a checkpoint, read into an object tree."""
+
+    name: str
+    """Path relative to the audited path; ``""`` when the audited path is this file itself."""
+    format: str
+    """``torch.save``, ``safetensors``, ``dcp``, ``json``, ``pickle`` or ``unknown``."""
+    tree: Any
+    """Nested dicts/lists with :class:`TensorData`, :class:`Unreadable` and plain-value leaves; ``None``
+    when the part was not loaded (see the findings)."""
+    metadata: dict[str, str] = field(default_factory=dict)
+    """Format-level metadata (safetensors ``__metadata__``)."""
+    order_known: bool = True
+    """Whether the tree's key order is the order the writer saw (false for safetensors: sorted by offset)."""
+
+
+@dataclass
+class Checkpoint:
+    """Everything read from one path. Owns the memory maps of its files: use it as a context manager."""
+
+    path: str
+    format: str
+    parts: list[Part]
+    findings: list[Finding]
+    files: dict[str, int] = field(default_factory=dict)
+    """Every file that belongs to the checkpoint (relative path -> size in bytes)."""
+    maps: FileMaps = field(default_factory=FileMaps)
+
+    def close(self) -> None:
+        self.maps.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def walk(tree: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Yield ``(path, leaf)`` for every leaf of a nested dict/list/tuple tree, in order."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from walk(v, (*prefix, k))
+    elif isinstance(tree, list | tuple) and not _is_rng_tuple(tree):
+        for i, v in enumerate(tree):
+            yield from walk(v, (*prefix, i))
+    else:
+        yield prefix, tree
+
+
+def _is_rng_tuple(value: Any) -> bool:
+    # Python's random.getstate() is a tuple of 625 ints; walking it leaf by leaf is pointless.
+    return isinstance(value, tuple) and len(value) > 64 and all(isinstance(v, int) for v in value[:8])
+
+
+def is_tensor(value: Any) -> bool:
+    return isinstance(value, TensorData)

@@ -1,0 +1,138 @@
+"""safetensors files, parsed directly: an 8-byte header length, a JSON header, then the raw tensor bytes.
+
+Parsing it ourselves (rather than through ``safe_open``) lets the reader check every declared size against
+the file before anything is mapped, and hand out the same lazy :class:`TensorData` as the other formats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ckptaudit.formats.tensors import DTYPES, Piece, TensorData
+
+__all__ = ["SafetensorsError", "SafetensorsFile", "read_safetensors"]
+
+MAX_HEADER_BYTES = 100_000_000
+"""The safetensors specification's own limit on the JSON header."""
+
+_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "C64": "complex64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+class SafetensorsError(Exception):
+    """A malformed safetensors file; ``offset`` is the byte offset of the problem where known."""
+
+    def __init__(self, message: str, offset: int | None = None) -> None:
+        super().__init__(message)
+        self.offset = offset
+
+
+@dataclass(frozen=True, slots=True)
+class SafetensorsFile:
+    tensors: dict[str, TensorData]
+    """In the order of their data in the file."""
+    metadata: dict[str, str]
+
+
+def read_safetensors(path: str) -> SafetensorsFile:
+    """Describe every tensor of a safetensors file without reading its data.
+
+    Raises :class:`SafetensorsError` when the header is truncated, not JSON, declares offsets outside the
+    file, sizes that do not match shape x dtype, or overlapping tensors.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise SafetensorsError(f"file has {size} bytes, too short for the 8-byte header length", 0)
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES:
+            raise SafetensorsError(f"header declares {n} bytes (limit {MAX_HEADER_BYTES})", 0)
+        if 8 + n > size:
+            raise SafetensorsError(f"header declares {n} bytes, only {size - 8} follow", 8)
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SafetensorsError(f"header is not valid JSON ({exc})", 8) from None
+    if not isinstance(header, dict):
+        raise SafetensorsError("header is not a JSON object", 8)
+    data_start = 8 + n
+    data_len = size - data_start
+    meta_raw = header.pop("__metadata__", None) or {}
+    if not isinstance(meta_raw, dict):
+        raise SafetensorsError("__metadata__ is not an object", 8)
+    metadata = {str(k): str(v) for k, v in meta_raw.items()}
+    entries: list[tuple[int, int, str, TensorData]] = []
+    for name, spec in header.items():
+        entries.append(_entry(path, name, spec, data_start, data_len))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    prev_end = 0
+    for begin, end, name, _ in entries:
+        if begin < prev_end:
+            raise SafetensorsError(f"tensor {name!r} overlaps the previous tensor", data_start + begin)
+        prev_end = end
+    return SafetensorsFile({name: td for _, _, name, td in entries}, metadata)
+
+
+def _entry(path: str, name: str, spec: Any, data_start: int, data_len: int) -> tuple[int, int, str, TensorData]:
+    if not isinstance(spec, dict):
+        raise SafetensorsError(f"entry {name!r} is not an object", 8)
+    dtype_name = _DTYPES.get(str(spec.get("dtype")))
+    if dtype_name is None:
+        raise SafetensorsError(f"tensor {name!r} has unknown dtype {spec.get('dtype')!r}", 8)
+    shape = spec.get("shape")
+    offsets = spec.get("data_offsets")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise SafetensorsError(f"tensor {name!r} has a bad shape {shape!r}", 8)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise SafetensorsError(f"tensor {name!r} has bad data_offsets {offsets!r}", 8)
+    begin, end = offsets
+    dtype = DTYPES[dtype_name]
+    expected = math.prod(shape) * dtype.itemsize
+    if begin < 0 or end < begin or end - begin != expected:
+        raise SafetensorsError(
+            f"tensor {name!r}: data_offsets {offsets} hold {end - begin} bytes, shape {shape} x {dtype_name} "
+            f"needs {expected}",
+            8,
+        )
+    if end > data_len:
+        raise SafetensorsError(
+            f"tensor {name!r} ends at byte {data_start + end}, the file has {data_start + data_len}",
+            data_start + begin,
+        )
+    strides = []
+    acc = 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    piece = Piece(
+        file=os.path.abspath(path),
+        data_offset=data_start + begin,
+        storage_offset=0,
+        sizes=tuple(shape),
+        stride=tuple(reversed(strides)),
+        offsets=(0,) * len(shape),
+    )
+    return begin, end, name, TensorData(dtype, tuple(shape), (piece,))

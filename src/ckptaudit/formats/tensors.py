@@ -1,0 +1,261 @@
+"""Lazy tensors: where a tensor's bytes lie in which file, and how to stream them in bounded chunks.
+
+Readers never materialise a tensor. They describe it (:class:`Piece`, :class:`TensorData`) and the checks
+stream its elements in row-major order through :func:`iter_chunks`, one chunk of at most ``chunk_bytes`` at a
+time, straight from a read-only memory map. Mapped pages already scanned are dropped with
+``madvise(MADV_DONTNEED)``, so resident memory stays bounded by the chunk, not by the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["DTYPES", "DType", "FileMaps", "Piece", "TensorData", "iter_chunks"]
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+"""1 MiB: small enough that the temporaries of a chunk stay in cache (see shared/PERFORMANCE.md)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    """A tensor element type as stored: its torch name, size and the NumPy type its raw bits are read as."""
+
+    name: str
+    """Torch's name without the prefix: ``float32``, ``bfloat16``, ``int64``, ..."""
+    itemsize: int
+    numpy: str
+    """NumPy dtype of the raw elements (``bfloat16`` and float8 are read as unsigned ints of their width)."""
+    is_float: bool
+
+
+def _d(name: str, size: int, np_name: str, is_float: bool) -> tuple[str, DType]:
+    return name, DType(name, size, np_name, is_float)
+
+
+DTYPES: dict[str, DType] = dict(
+    [
+        _d("float64", 8, "<f8", True),
+        _d("float32", 4, "<f4", True),
+        _d("float16", 2, "<f2", True),
+        _d("bfloat16", 2, "<u2", True),
+        _d("float8_e4m3fn", 1, "u1", True),
+        _d("float8_e5m2", 1, "u1", True),
+        _d("float8_e4m3fnuz", 1, "u1", True),
+        _d("float8_e5m2fnuz", 1, "u1", True),
+        _d("complex64", 8, "<c8", True),
+        _d("complex128", 16, "<c16", True),
+        _d("int64", 8, "<i8", False),
+        _d("int32", 4, "<i4", False),
+        _d("int16", 2, "<i2", False),
+        _d("int8", 1, "i1", False),
+        _d("uint8", 1, "u1", False),
+        _d("uint16", 2, "<u2", False),
+        _d("uint32", 4, "<u4", False),
+        _d("uint64", 8, "<u8", False),
+        _d("bool", 1, "?", False),
+    ]
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A rectangular block of a logical tensor stored at one place of one file.
+
+    The block covers ``offsets[i] : offsets[i] + sizes[i]`` of the logical tensor. Its elements are at
+    ``data_offset + (storage_offset + sum(idx[i] * stride[i])) * itemsize`` in ``file``.
+    """
+
+    file: str
+    """Absolute path."""
+    data_offset: int
+    storage_offset: int
+    sizes: tuple[int, ...]
+    stride: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.sizes), reversed(self.stride), strict=True):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class TensorData:
+    """A logical tensor: dtype, shape, and the pieces (one per shard) that hold it."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def coverage_error(self) -> str | None:
+        """Why the pieces do not tile the tensor exactly, or ``None`` when they do."""
+        total = 0
+        for p in self.pieces:
+            if len(p.offsets) != len(self.shape) or len(p.sizes) != len(self.shape):
+                return f"a shard has rank {len(p.sizes)}, the tensor has rank {len(self.shape)}"
+            for o, s, n in zip(p.offsets, p.sizes, self.shape, strict=True):
+                if o < 0 or s < 0 or o + s > n:
+                    return f"shard at offsets {list(p.offsets)} with sizes {list(p.sizes)} exceeds shape {list(self.shape)}"
+            total += p.numel
+        if total != self.numel:
+            return f"shards hold {total} elements, the tensor has {self.numel}"
+        return None
+
+
+class FileMaps:
+    """Read-only memory maps of the files being scanned, one per file, closed together.
+
+    Owned by one reader session (``Checkpoint``); not thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def get(self, path: str) -> mmap.mmap | None:
+        mm = self._maps.get(path)
+        if mm is None:
+            size = os.path.getsize(path)
+            if size == 0:
+                return None
+            with open(path, "rb") as fh:
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[path] = mm
+        return mm
+
+    def release(self, path: str, start: int, length: int) -> None:
+        """Drop mapped pages of ``[start, start+length)`` from this process's resident set."""
+        mm = self._maps.get(path)
+        if mm is None or length <= 0 or not hasattr(mm, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        lo = (start // page) * page
+        hi = min(len(mm), start + length)
+        if hi > lo:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            except (OSError, ValueError):  # best effort: the pages are reclaimable anyway
+                pass
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            try:
+                mm.close()
+            except BufferError:  # a chunk view is still alive somewhere; the GC will unmap it
+                pass
+        self._maps.clear()
+
+    def __enter__(self) -> FileMaps:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def iter_chunks(
+    data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[np.ndarray]:
+    """Yield the tensor's elements in row-major order as 1-D NumPy arrays of ``data.dtype.numpy``.
+
+    Each array is valid only until the next one is requested (it may view a memory map that is released).
+    Raises ``ValueError`` when the pieces do not tile the tensor (see :meth:`TensorData.coverage_error`).
+    """
+    err = data.coverage_error()
+    if err is not None:
+        raise ValueError(err)
+    if data.numel == 0:
+        return
+    npdt = np.dtype(data.dtype.numpy)
+    per_chunk = max(1, chunk_bytes // npdt.itemsize)
+    pieces = sorted(data.pieces, key=lambda p: p.offsets)
+    slabs = len(data.shape) == 0 or all(tuple(p.sizes[1:]) == data.shape[1:] for p in pieces)
+    if slabs:
+        for p in pieces:
+            yield from _piece_chunks(p, npdt, maps, per_chunk)
+    else:
+        yield from _assembled_chunks(data, pieces, npdt, maps, per_chunk)
+
+
+def _piece_array(p: Piece, npdt: np.dtype, maps: FileMaps) -> np.ndarray:
+    """A strided NumPy view of one piece, straight on the memory map."""
+    mm = maps.get(p.file)
+    if p.numel == 0 or mm is None:
+        return np.empty(p.sizes, dtype=npdt)
+    span = p.storage_offset + sum((s - 1) * st for s, st in zip(p.sizes, p.stride, strict=True)) + 1
+    base = np.frombuffer(mm, dtype=npdt, count=span, offset=p.data_offset)
+    view = np.lib.stride_tricks.as_strided(
+        base[p.storage_offset :],
+        shape=p.sizes,
+        strides=tuple(st * npdt.itemsize for st in p.stride),
+        writeable=False,
+    )
+    return view
+
+
+def _piece_chunks(p: Piece, npdt: np.dtype, maps: FileMaps, per_chunk: int) -> Iterator[np.ndarray]:
+    if p.numel == 0:
+        return
+    mm = maps.get(p.file)
+    if mm is None:
+        raise ValueError(f"{p.file} is empty")
+    if p.is_contiguous():
+        start = p.data_offset + p.storage_offset * npdt.itemsize
+        flat = np.frombuffer(mm, dtype=npdt, count=p.numel, offset=start)
+        released = start
+        for i in range(0, p.numel, per_chunk):
+            yield flat[i : i + per_chunk]
+            end = start + min(p.numel, i + per_chunk) * npdt.itemsize
+            if end - released >= 64 << 20:
+                maps.release(p.file, released, end - released)
+                released = end
+        del flat
+        maps.release(p.file, released, start + p.numel * npdt.itemsize - released)
+        return
+    # Non-contiguous: copy row blocks (bounded) into row-major order.
+    view = _piece_array(p, npdt, maps)
+    rows = view.reshape(view.shape[0], -1) if view.ndim > 1 else view.reshape(-1, 1)
+    row_len = rows.shape[1]
+    step = max(1, per_chunk // max(1, row_len))
+    for r in range(0, rows.shape[0], step):
+        yield np.ascontiguousarray(view[r : r + step]).reshape(-1)
+
+
+def _assembled_chunks(
+    data: TensorData, pieces: list[Piece], npdt: np.dtype, maps: FileMaps, per_chunk: int
+) -> Iterator[np.ndarray]:
+    # Pieces split along more than the first dimension: assemble blocks of leading rows.
+    shape = data.shape
+    row_elems = max(1, math.prod(shape[1:]))
+    step = max(1, per_chunk // row_elems)
+    views = [(p, _piece_array(p, npdt, maps)) for p in pieces]
+    for r0 in range(0, shape[0], step):
+        r1 = min(shape[0], r0 + step)
+        buf = np.empty((r1 - r0, *shape[1:]), dtype=npdt)
+        for p, view in views:
+            lo = max(r0, p.offsets[0])
+            hi = min(r1, p.offsets[0] + p.sizes[0])
+            if lo >= hi:
+                continue
+            dst = [slice(lo - r0, hi - r0)] + [slice(o, o + s) for o, s in zip(p.offsets[1:], p.sizes[1:], strict=True)]
+            buf[tuple(dst)] = view[lo - p.offsets[0] : hi - p.offsets[0]]
+        yield buf.reshape(-1)

@@ -1,0 +1,52 @@
+"""Loading ``torch.save`` files into real tensors, safely, for the parts of ckptaudit that need values
+(resuming, comparing, exporting): the pickle is scanned against the allowlist first, then loaded with
+``torch.load(weights_only=True, mmap=True)`` and only the NumPy globals RNG states need added.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ckptaudit.formats.dcp import UnsafeCheckpointError
+from ckptaudit.formats.torchzip import TorchZipError, is_zip, read_torch_zip
+
+__all__ = ["safe_torch_load"]
+
+
+def _numpy_globals() -> list[Any]:
+    import numpy as np
+
+    found: list[Any] = [np.ndarray, np.dtype]
+    for mod_name in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            mod = __import__(mod_name, fromlist=["_reconstruct"])
+        except ImportError:
+            continue
+        found += [getattr(mod, "_reconstruct", None), getattr(mod, "scalar", None)]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        found += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
+    return [g for g in found if g is not None]
+
+
+def safe_torch_load(path: str | os.PathLike[str]) -> Any:
+    """Load a ``torch.save`` zip archive without executing anything outside the allowlist.
+
+    Raises :class:`UnsafeCheckpointError` naming the offending globals, or ``ValueError`` for files that are not
+    readable ``torch.save`` archives.
+    """
+    import torch
+
+    path = os.fspath(path)
+    if not is_zip(path):
+        raise ValueError(f"{path} is not a torch.save zip archive")
+    try:
+        tz = read_torch_zip(path, load=False)
+    except TorchZipError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if not tz.scan.loadable:
+        bad = tz.scan.unsafe + tz.scan.harmless
+        raise UnsafeCheckpointError(f"{path} references {', '.join(bad)}; refusing to load it")
+    with torch.serialization.safe_globals(_numpy_globals()):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)

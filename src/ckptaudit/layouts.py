@@ -1,0 +1,400 @@
+"""Interpret a checkpoint's parts: which tensors are the model, which the optimizer, where the rest lives.
+
+Readers say *what is in the files*; this module says *what it means*, for the layouts real tools write:
+
+- ``torch.distributed.checkpoint`` with ``get_state_dict`` (``model``, ``optim``/``optimizer`` FQN-keyed),
+  and ckptaudit's own writer;
+- torchtitan (model FQNs at the top level, ``optimizer`` flattened to ``state.<fqn>.<name>`` and
+  ``param_groups.<fqn>.<key>``, ``lr_scheduler``, ``dataloader``, ``train_state``);
+- Hugging Face Trainer ``checkpoint-N/`` (``model.safetensors`` or ``pytorch_model.bin``, sharded with an
+  index or not; ``optimizer.pt``; ``scheduler.pt``; ``rng_state*.pth``; ``trainer_state.json``);
+- Accelerate ``save_state`` (``model*.safetensors``/``pytorch_model*.bin``, ``optimizer*.bin``,
+  ``scheduler*.bin``, ``random_states_*.pkl``, ``sampler*.bin``/``dl_state_dict*.bin``);
+- Lightning ``.ckpt`` (``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``loops``, ``global_step``);
+- plain dicts (``model``/``state_dict``/``module``, ``optimizer``/``optim``, ``scheduler``/``lr_scheduler``,
+  ``rng``/``rng_state``, ``step``/``train_state``/``data``/``dataloader``) and bare state dicts.
+
+Pure: no I/O beyond what the parts already describe.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
+from ckptaudit.formats.tensors import TensorData
+from ckptaudit.model import ComponentKind
+
+__all__ = ["ModelView", "OptimizerView", "TensorRef", "View", "interpret", "normalize_fqn"]
+
+MODEL_KEYS = ("model", "state_dict", "module", "model_state_dict", "model_state", "net", "network")
+OPTIMIZER_KEYS = ("optimizer", "optim", "optimizer_states", "optimizer_state_dict", "optimizer_state", "opt")
+SCHEDULER_KEYS = ("scheduler", "lr_scheduler", "lr_schedulers", "scheduler_state_dict", "lr_scheduler_state_dict",
+                  "schedulers")
+RNG_KEYS = ("rng", "rng_state", "rng_states", "random_state", "random_states", "rng_tracker")
+DATA_KEYS = ("data", "dataloader", "data_loader", "dataloaders", "loops", "sampler", "data_progress",
+             "dataloader_state", "data_state")
+STEP_KEYS = ("step", "global_step", "train_state", "iteration", "iter_num", "epoch")
+
+_FILE_RULES: tuple[tuple[str, ComponentKind | str], ...] = (
+    ("optimizer*.pt", ComponentKind.OPTIMIZER),
+    ("optimizer*.bin", ComponentKind.OPTIMIZER),
+    ("optimizer*.pth", ComponentKind.OPTIMIZER),
+    ("scheduler*.pt", ComponentKind.SCHEDULER),
+    ("scheduler*.bin", ComponentKind.SCHEDULER),
+    ("lr_scheduler*.pt", ComponentKind.SCHEDULER),
+    ("rng_state*.pth", ComponentKind.RNG),
+    ("random_states_*.pkl", ComponentKind.RNG),
+    ("sampler*.bin", ComponentKind.DATA_PROGRESS),
+    ("dl_state_dict*.bin", ComponentKind.DATA_PROGRESS),
+    ("trainer_state.json", ComponentKind.DATA_PROGRESS),
+    ("training_args.bin", "ignore"),
+    ("*.index.json", "index"),
+    ("manifest.json", "manifest"),
+    ("ckptaudit.json", "manifest"),
+    ("*.json", "ignore"),
+)
+
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.",
+                     "_forward_module.")
+
+
+def normalize_fqn(fqn: str) -> str:
+    """Strip the wrapper segments (``module.``, ``_orig_mod.``, FSDP1/activation-checkpoint wrappers)."""
+    for p in _WRAPPER_PREFIXES:
+        fqn = fqn.replace(p, "")
+    return fqn
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor leaf with a readable name and the file it lives in."""
+
+    name: str
+    data: TensorData | Unreadable
+    file: str
+
+
+@dataclass
+class ModelView:
+    params: dict[str, TensorRef]
+    """Model tensors by FQN, in the order the writer saw them (when ``order_known``)."""
+    where: list[str]
+    order_known: bool
+
+
+@dataclass
+class OptimizerView:
+    where: str
+    keyed: str
+    """``fqn`` or ``index``."""
+    state: dict[Any, dict[str, Any]]
+    """Parameter key (FQN or int) -> state name -> :class:`TensorRef` or plain value."""
+    groups: list[dict[str, Any]]
+    """``param_groups`` with their ``params`` lists (FQNs or ints) and, if saved, ``param_names``."""
+    count: int = 1
+    """How many optimizers the checkpoint holds (only the first is checked)."""
+
+
+@dataclass
+class View:
+    layout: str
+    model: ModelView | None
+    optimizer: OptimizerView | None
+    components: dict[ComponentKind, list[str]] = field(default_factory=dict)
+    details: dict[ComponentKind, str] = field(default_factory=dict)
+    tensors: list[tuple[TensorRef, str]] = field(default_factory=list)
+    """Every tensor with its component label (model tensors first)."""
+    step: int | None = None
+    indexes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    """Hugging Face ``*.index.json`` files: (name, parsed)."""
+    manifest: dict[str, Any] | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    """Format metadata of the model files (safetensors ``__metadata__``), merged."""
+
+
+def _file_rule(name: str) -> ComponentKind | str | None:
+    base = os.path.basename(name)
+    for pattern, kind in _FILE_RULES:
+        if fnmatch.fnmatch(base, pattern):
+            return kind
+    return None
+
+
+def _label(part: Part, *keys: Any) -> str:
+    bits = [part.name] if part.name else []
+    bits += [str(k) for k in keys]
+    return "/".join(bits) if bits else "(root)"
+
+
+def _is_state_dict(tree: Any) -> bool:
+    """A flat mapping whose values are mostly tensors: a model state dict."""
+    if not isinstance(tree, dict) or not tree:
+        return False
+    tensors = sum(isinstance(v, TensorData | Unreadable) for v in tree.values())
+    return tensors > 0 and tensors >= len(tree) / 2
+
+
+def interpret(ckpt: Checkpoint) -> View:
+    """Map the parts of ``ckpt`` to checkpoint components (see the module docstring for the layouts)."""
+    view = View(layout=ckpt.format, model=None, optimizer=None)
+    model_params: dict[str, TensorRef] = {}
+    model_where: list[str] = []
+    order_known = True
+    seen_tensors: set[int] = set()
+
+    def found(kind: ComponentKind, where: str, detail: str = "") -> None:
+        view.components.setdefault(kind, []).append(where)
+        if detail and kind not in view.details:
+            view.details[kind] = detail
+
+    def add_model(part: Part, tree: dict[str, Any], where: str, prefix: tuple[Any, ...]) -> None:
+        nonlocal order_known
+        for path, leaf in walk(tree):
+            if isinstance(leaf, TensorData | Unreadable):
+                fqn = ".".join(str(p) for p in path)
+                ref = TensorRef(_label(part, *prefix, fqn), leaf, _leaf_file(ckpt, part, leaf))
+                model_params[fqn] = ref
+                seen_tensors.add(id(leaf))
+        model_where.append(where)
+        order_known = order_known and part.order_known
+        found(ComponentKind.MODEL, where)
+
+    for part in ckpt.parts:
+        rule = _file_rule(part.name) if part.name else None
+        tree = part.tree
+        if rule == "ignore":
+            continue
+        if rule == "manifest":
+            if isinstance(tree, dict):
+                view.manifest = tree
+            continue
+        if rule == "index":
+            if isinstance(tree, dict):
+                view.indexes.append((part.name, tree))
+                found(ComponentKind.MODEL, part.name)
+            continue
+        if part.format == "safetensors":
+            view.metadata.update(part.metadata)
+        if isinstance(rule, ComponentKind) and rule is not ComponentKind.MODEL:
+            where = part.name
+            if rule is ComponentKind.OPTIMIZER:
+                if tree is not None:
+                    opt = _optimizer_view(part, tree, where, ckpt)
+                    if opt is not None and view.optimizer is None:
+                        view.optimizer = opt
+                found(rule, where)
+            elif rule is ComponentKind.DATA_PROGRESS and part.name.endswith("trainer_state.json"):
+                if isinstance(tree, dict) and "global_step" in tree:
+                    view.step = _as_int(tree.get("global_step"))
+                found(rule, where, "Trainer global_step/epoch (the sampler is re-seeded and skipped forward)")
+            else:
+                found(rule, where)
+            continue
+        if tree is None:
+            continue
+        if not isinstance(tree, dict):
+            continue
+        matched = _classify_keys(part, tree, view, found, add_model, ckpt)
+        if not matched and _is_state_dict(tree):
+            add_model(part, {k: v for k, v in tree.items() if isinstance(v, TensorData | Unreadable)},
+                      _label(part), ())
+
+    if model_params:
+        view.model = ModelView(model_params, model_where, order_known)
+    view.layout = _layout_name(ckpt, view)
+    # Every tensor, model first, each labelled with the component it belongs to.
+    for ref in model_params.values():
+        view.tensors.append((ref, ComponentKind.MODEL.value))
+    if view.optimizer is not None:
+        for entry in view.optimizer.state.values():
+            for value in entry.values():
+                if isinstance(value, TensorRef):
+                    seen_tensors.add(id(value.data))
+                    view.tensors.append((value, ComponentKind.OPTIMIZER.value))
+    for part in ckpt.parts:
+        if part.tree is None:
+            continue
+        comp = _component_of_part(part, view)
+        for path, leaf in walk(part.tree):
+            if isinstance(leaf, TensorData | Unreadable) and id(leaf) not in seen_tensors:
+                seen_tensors.add(id(leaf))
+                view.tensors.append(
+                    (TensorRef(_label(part, *path), leaf, _leaf_file(ckpt, part, leaf)), comp(path))
+                )
+    return view
+
+
+def _component_of_part(part: Part, view: View) -> Any:
+    rule = _file_rule(part.name) if part.name else None
+
+    def comp(path: tuple[Any, ...]) -> str:
+        if isinstance(rule, ComponentKind):
+            return rule.value
+        head = str(path[0]) if path else ""
+        for keys, kind in (
+            (SCHEDULER_KEYS, ComponentKind.SCHEDULER),
+            (RNG_KEYS, ComponentKind.RNG),
+            (DATA_KEYS, ComponentKind.DATA_PROGRESS),
+            (OPTIMIZER_KEYS, ComponentKind.OPTIMIZER),
+            (MODEL_KEYS, ComponentKind.MODEL),
+        ):
+            if head in keys:
+                return kind.value
+        return "other"
+
+    return comp
+
+
+def _leaf_file(ckpt: Checkpoint, part: Part, leaf: Any) -> str:
+    if isinstance(leaf, TensorData) and leaf.pieces:
+        return os.path.relpath(leaf.pieces[0].file, ckpt.path) if os.path.isdir(ckpt.path) else os.path.basename(
+            leaf.pieces[0].file
+        )
+    if isinstance(leaf, Unreadable) and leaf.file:
+        return leaf.file
+    return part.name or os.path.basename(ckpt.path)
+
+
+def _classify_keys(part: Part, tree: dict[str, Any], view: View, found: Any, add_model: Any,
+                   ckpt: Checkpoint) -> bool:
+    matched = False
+    top_tensors = {k: v for k, v in tree.items() if isinstance(v, TensorData | Unreadable)}
+    for key, value in tree.items():
+        k = str(key)
+        where = _label(part, k)
+        if k in MODEL_KEYS and isinstance(value, dict):
+            add_model(part, value, where, (k,))
+            matched = True
+        elif k in OPTIMIZER_KEYS:
+            matched = True
+            opt = _optimizer_view(part, value, where, ckpt)
+            if opt is not None:
+                if view.optimizer is None:
+                    view.optimizer = opt
+                found(ComponentKind.OPTIMIZER, where)
+        elif k in SCHEDULER_KEYS:
+            matched = True
+            if value not in (None, [], {}):
+                found(ComponentKind.SCHEDULER, where)
+        elif k in RNG_KEYS:
+            matched = True
+            if value not in (None, [], {}):
+                found(ComponentKind.RNG, where)
+        elif k in DATA_KEYS:
+            matched = True
+            if value not in (None, [], {}):
+                found(ComponentKind.DATA_PROGRESS, where, "data-loader / loop state")
+        elif k in STEP_KEYS:
+            matched = True
+            step = _find_step(value)
+            if step is not None and view.step is None:
+                view.step = step
+            found(ComponentKind.DATA_PROGRESS, where, f"step counter only ({k}); no data-loader position")
+    if matched and top_tensors and len(top_tensors) >= 1 and not any(
+        str(k) in MODEL_KEYS for k in tree
+    ):
+        # torchtitan: model FQNs at the top level beside optimizer/lr_scheduler/...
+        add_model(part, top_tensors, _label(part) + " (top-level keys)", ())
+    return matched
+
+
+def _find_step(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, dict):
+        for k in ("step", "global_step", "iteration"):
+            if k in value:
+                return _find_step(value[k])
+    return None
+
+
+def _as_int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+_TITAN_STATE = re.compile(r"^state\.(?P<fqn>.+)\.(?P<name>[^.]+)$")
+_TITAN_GROUP = re.compile(r"^param_groups\.(?P<fqn>.+)\.(?P<name>[^.]+)$")
+
+
+def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> OptimizerView | None:
+    count = 1
+    if isinstance(tree, list):  # Lightning: optimizer_states is a list, one per optimizer
+        count = len(tree)
+        if not tree:
+            return None
+        tree = tree[0]
+        where = where + "/0"
+    if not isinstance(tree, dict):
+        return None
+
+    def ref(path: tuple[Any, ...], leaf: Any) -> Any:
+        if isinstance(leaf, TensorData | Unreadable):
+            return TensorRef(_label(part, *where_keys, *path), leaf, _leaf_file(ckpt, part, leaf))
+        return leaf
+
+    where_keys = tuple(where.split("/")[1:]) if part.name else tuple(where.split("/"))
+    if where == "(root)" or where == part.name:
+        where_keys = ()
+    if "state" in tree:
+        raw_state = tree.get("state")
+        groups = tree.get("param_groups") or []
+        state: dict[Any, dict[str, Any]] = {}
+        items: list[tuple[Any, Any]]
+        if isinstance(raw_state, dict):
+            items = list(raw_state.items())
+        elif isinstance(raw_state, list):
+            items = list(enumerate(raw_state))
+        else:
+            items = []
+        for key, entry in items:
+            if isinstance(entry, dict):
+                state[key] = {str(n): ref(("state", key, n), v) for n, v in entry.items()}
+        keyed = "index" if any(isinstance(k, int) for k in state) else "fqn"
+        if not state and groups:
+            params = [p for g in groups if isinstance(g, dict) for p in g.get("params", [])]
+            keyed = "index" if any(isinstance(p, int) for p in params) else "fqn"
+        clean_groups = [g for g in groups if isinstance(g, dict)]
+        return OptimizerView(where, keyed, state, clean_groups, count)
+    # torchtitan flattened optimizer: state.<fqn>.<name>, param_groups.<fqn>.<key>
+    flat_state: dict[Any, dict[str, Any]] = {}
+    group_params: list[str] = []
+    for key, value in tree.items():
+        m = _TITAN_STATE.match(str(key))
+        if m:
+            flat_state.setdefault(m["fqn"], {})[m["name"]] = ref((key,), value)
+            continue
+        g = _TITAN_GROUP.match(str(key))
+        if g and g["fqn"] not in group_params:
+            group_params.append(g["fqn"])
+    if flat_state or group_params:
+        return OptimizerView(where, "fqn", flat_state, [{"params": group_params}] if group_params else [], count)
+    return None
+
+
+def _layout_name(ckpt: Checkpoint, view: View) -> str:
+    names = {os.path.basename(p.name) for p in ckpt.parts}
+    if ckpt.format == "dcp":
+        if view.manifest is not None:
+            return "ckptaudit"
+        if view.model is not None and any("(top-level keys)" in w for w in view.model.where):
+            return "torchtitan"
+        return "dcp"
+    if ckpt.format == "directory":
+        if "trainer_state.json" in names or any(n.startswith("rng_state") for n in names):
+            return "huggingface-trainer"
+        if any(n.startswith("random_states_") for n in names):
+            return "accelerate"
+        if any(n.endswith(".index.json") for n in names):
+            return "huggingface-sharded"
+        return "directory"
+    for part in ckpt.parts:
+        if isinstance(part.tree, dict) and "optimizer_states" in part.tree and "state_dict" in part.tree:
+            return "lightning"
+    return ckpt.format

@@ -1,0 +1,240 @@
+"""A tiny GPT-style language model: token and position embeddings, pre-norm attention + MLP blocks, LayerNorm.
+
+Small enough to train for a few steps on 2 CPU cores in a second, big enough to have every kind of tensor a
+real checkpoint has (embeddings, square and rectangular matrices, biases, norm weights initialised to ones).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    vocab_size: int = 64
+    seq_len: int = 16
+    d_model: int = 32
+    n_heads: int = 4
+    n_layers: int = 2
+    mlp_ratio: int = 4
+    dropout: float = 0.1
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        h = self.n_heads
+        q = q.view(b, t, h, c // h).transpose(1, 2)
+        k = k.view(b, t, h, c // h).transpose(1, 2)
+        v = v.view(b, t, h, c // h).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // h))
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = self.drop(att.masked_fill(~mask, float("-inf")).softmax(dim=-1))
+        y = (att @ v).transpose(1, 2).reshape(b, t, c)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The built-in recipe (see ckptaudit.recipe for the protocol)
+
+
+class SyntheticTokens:
+    """Seeded synthetic token sequences with a learnable rule; its position is its whole state.
+
+    Batch ``k`` of rank ``r`` depends only on ``(seed, k, r)``, so restoring ``position`` restores the stream.
+    """
+
+    def __init__(self, cfg: GPTConfig, *, seed: int, rank: int, batch_size: int) -> None:
+        self.cfg, self.seed, self.rank, self.batch_size = cfg, seed, rank, batch_size
+        self.position = 0
+
+    def batch_at(self, position: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + position * 8191 + self.rank * 131)
+        v, t = self.cfg.vocab_size, self.cfg.seq_len + 1
+        start = torch.randint(0, v, (self.batch_size, 1), generator=g)
+        stride = torch.randint(1, 7, (self.batch_size, 1), generator=g)
+        seq = (start + stride * torch.arange(t)) % v
+        noise = torch.rand(self.batch_size, t, generator=g) < 0.1
+        return torch.where(noise, torch.randint(0, v, (self.batch_size, t), generator=g), seq)
+
+    def next(self) -> torch.Tensor:
+        batch = self.batch_at(self.position)
+        self.position += 1
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "seed": self.seed, "rank": self.rank}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyGPTRecipe:
+    """A tiny GPT trained with AdamW and a warmup + cosine schedule on :class:`SyntheticTokens`.
+
+    ``wrap``: ``fsdp2`` (``fully_shard`` per block and at the root), ``ddp`` or ``none``.
+    ``param_dtype``: FSDP2 ``MixedPrecisionPolicy`` compute dtype (``None``: no mixed precision).
+    ``master_dtype``: the dtype of the sharded parameters the optimizer updates (``bfloat16`` casts the model
+    before ``fully_shard``: a run with low-precision masters).
+    """
+
+    name: str = "tinygpt"
+    seed: int = 0
+    cfg: GPTConfig = GPTConfig()
+    wrap: str = "fsdp2"
+    param_dtype: str | None = "bfloat16"
+    master_dtype: str = "float32"
+    lr: float = 3e-3
+    warmup_steps: int = 4
+    total_steps: int = 64
+    batch_size: int = 4
+
+    def setup(self, ctx: Any) -> Any:
+        from ckptaudit.recipe import Job
+
+        torch.manual_seed(self.seed)
+        base = TinyGPT(self.cfg)
+        if self.master_dtype != "float32":
+            base = base.to(getattr(torch, self.master_dtype))
+        model = self._wrap(base, ctx)
+        opt = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.01)
+        warm, total = self.warmup_steps, self.total_steps
+
+        def schedule(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            progress = min(1.0, (step - warm) / max(1, total - warm))
+            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        data = SyntheticTokens(self.cfg, seed=self.seed, rank=ctx.rank, batch_size=self.batch_size)
+        # Per-rank RNG stream for dropout, so ranks do not drop the same units.
+        torch.manual_seed(self.seed * 7919 + ctx.rank)
+        return Job(model=model, optimizer=opt, scheduler=sched, data=data)
+
+    def _wrap(self, model: nn.Module, ctx: Any) -> nn.Module:
+        if self.wrap == "none":
+            return model
+        if self.wrap == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(model)
+        if self.wrap != "fsdp2":
+            raise ValueError(f"wrap must be fsdp2, ddp or none, not {self.wrap!r}")
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        device = "cuda" if ctx.backend == "nccl" else "cpu"
+        if device == "cuda":
+            torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
+            model = model.cuda()
+        mesh = init_device_mesh(device, (ctx.world_size,))
+        kwargs: dict[str, Any] = {"mesh": mesh}
+        if self.param_dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=getattr(torch, self.param_dtype), reduce_dtype=torch.float32
+            )
+        blocks: list[nn.Module] = list(model.blocks) if isinstance(model, TinyGPT) else []
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+
+    def step(self, job: Any) -> float:
+        batch = job.data.next()
+        device = next(job.model.parameters()).device
+        batch = batch.to(device)
+        logits = job.model(batch[:, :-1])
+        loss = lm_loss(logits, batch[:, 1:])
+        loss.backward()
+        job.optimizer.step()
+        job.optimizer.zero_grad(set_to_none=True)
+        if job.scheduler is not None:
+            job.scheduler.step()
+        job.step += 1
+        return float(loss.detach())
+
+    def eval_batch(self, job: Any) -> torch.Tensor:
+        """A fixed held-out batch (positions far beyond any training run), for the serving quality gate."""
+        data = SyntheticTokens(self.cfg, seed=self.seed + 1, rank=0, batch_size=16)
+        return data.batch_at(10_000)
+
+    def build_model(self) -> nn.Module:
+        """An unwrapped model of this recipe's architecture (for offline evaluation)."""
+        return TinyGPT(self.cfg)
+
+    def eval_logits(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return model(batch[:, :-1])
+
+
+recipe = TinyGPTRecipe()
+"""The built-in recipe: FSDP2, bf16 compute, fp32 masters."""
+
+low_precision_recipe = TinyGPTRecipe(name="tinygpt-bf16-masters", master_dtype="bfloat16")
+"""The same job trained with bf16 masters (the model is cast to bf16 before ``fully_shard``)."""
+
+plain_recipe = TinyGPTRecipe(name="tinygpt-plain", wrap="none", param_dtype=None)
+"""No wrapping, fp32 throughout (one process or many replicas with identical data)."""

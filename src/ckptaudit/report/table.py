@@ -1,0 +1,87 @@
+"""The human-readable report: a verdict line, the findings (grouped), the components and the odd tensors."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TextIO
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ckptaudit.model import Precision, Report, Severity
+
+__all__ = ["render_table"]
+
+_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+MAX_PER_CODE = 6
+
+
+def console_for(out: TextIO) -> Console:
+    return Console(file=out, width=None if out.isatty() else 140, highlight=False, soft_wrap=False)
+
+
+def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
+    con = console_for(out)
+    worst = report.worst()
+    style = _STYLE.get(worst, "bold green") if worst is not None and worst > Severity.INFO else "bold green"
+    con.print(Text(f"ckptaudit {report.command}: {report.path}", style="bold"))
+    con.print(f"format: {report.format}", end="")
+    if report.contract is not None:
+        c = report.contract
+        con.print(f"   master dtype: {c.master_dtype} ({c.source}: {c.detail})", end="")
+    con.print()
+    if report.summary:
+        con.print(Text(report.summary, style=style))
+    for section in report.extra.get("sections", []):
+        _section(con, section)
+    if report.components:
+        t = Table(title="components", title_justify="left", show_edge=False)
+        t.add_column("component")
+        t.add_column("found")
+        t.add_column("where")
+        for comp in report.components:
+            t.add_row(comp.kind.value, "yes" if comp.found else Text("MISSING", style="red"),
+                      ", ".join(comp.where) + (f"  ({comp.detail})" if comp.detail else ""))
+        con.print(t)
+    if report.findings:
+        t = Table(title="findings", title_justify="left", show_edge=False)
+        t.add_column("severity")
+        t.add_column("code")
+        t.add_column("subject", overflow="fold")
+        t.add_column("message", overflow="fold", ratio=3)
+        by_code: dict[str, list[int]] = defaultdict(list)
+        for i, f in enumerate(report.findings):
+            by_code[f.code].append(i)
+        for f_idx, f in enumerate(report.findings):
+            same = by_code[f.code]
+            rank = same.index(f_idx)
+            if not verbose and rank >= MAX_PER_CODE:
+                if rank == MAX_PER_CODE:
+                    t.add_row("", f.code, f"... {len(same) - MAX_PER_CODE} more", "(--verbose lists all)")
+                continue
+            t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), f.code, f.subject, f.message)
+        con.print(t)
+    else:
+        con.print(Text("no findings", style="green"))
+    odd = [r for r in report.tensors if verbose or r.precision in (Precision.BF16, Precision.FP16, Precision.UNREAD)]
+    if odd:
+        t = Table(title="tensors" if verbose else "tensors below their dtype's precision", title_justify="left",
+                  show_edge=False)
+        for col in ("name", "role", "dtype", "shape", "effective", "hash"):
+            t.add_column(col, overflow="fold")
+        for r in odd[: None if verbose else 20]:
+            t.add_row(r.name, r.role, r.dtype, str(list(r.shape)), r.precision.value, (r.hash or "-")[:16])
+        if not verbose and len(odd) > 20:
+            t.add_row(f"... {len(odd) - 20} more", "", "", "", "", "")
+        con.print(t)
+
+
+def _section(con: Console, section: dict) -> None:
+    """A command-specific table: ``{"title", "columns", "rows"}``."""
+    t = Table(title=section.get("title"), title_justify="left", show_edge=False)
+    for col in section.get("columns", []):
+        t.add_column(str(col), overflow="fold")
+    for row in section.get("rows", []):
+        t.add_row(*[str(c) for c in row])
+    con.print(t)

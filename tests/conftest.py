@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptaudit.dist.launch import launch
+
+
+@pytest.fixture(scope="session")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Checkpoints from one real 2-rank FSDP2 run (bf16 MixedPrecisionPolicy), saved every way the tests need.
+
+    Read-only: a test that damages a checkpoint copies it first (see ``copy_of``).
+    """
+    out = tmp_path_factory.mktemp("fsdp")
+    info = launch(_jobs().write_variants, 2, (str(out), 6), timeout_s=240)[0]
+    launch(_jobs().write_low_precision, 2, (str(out), 6), timeout_s=240)
+    return {"dir": out, **info}
+
+
+def _jobs() -> Any:
+    import fsdp_jobs
+
+    return fsdp_jobs
+
+
+@pytest.fixture
+def copy_of(tmp_path: Path):  # type: ignore[no-untyped-def]
+    def copy(src: Path) -> Path:
+        dst = tmp_path / src.name
+        if src.is_dir():
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy2(src, dst)
+        return dst
+
+    return copy

@@ -1,0 +1,127 @@
+"""The offline audit on real checkpoints of a real 2-rank FSDP2 run with a bf16 MixedPrecisionPolicy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptaudit.audit import AuditOptions, audit
+from ckptaudit.formats.torchload import safe_torch_load
+from ckptaudit.model import ComponentKind, Precision, Report, Severity
+
+pytestmark = pytest.mark.dist
+
+
+def codes(report: Report, severity: Severity | None = None) -> set[str]:
+    return {f.code for f in report.findings if severity is None or f.severity is severity}
+
+
+def subjects(report: Report, code: str) -> set[str]:
+    return {f.subject for f in report.findings if f.code == code}
+
+
+def test_documented_path_is_clean(fsdp_run: dict[str, Any]) -> None:
+    report = audit(str(fsdp_run["dir"] / "faithful"))
+    assert report.format == "dcp"
+    assert report.findings == (), [f.message for f in report.findings]
+    assert report.contract is not None and report.contract.master_dtype == "float32"
+    assert all(c.found for c in report.components)
+    params = [t for t in report.tensors if t.component == "model" and t.role == "parameter"]
+    assert len(params) == len(fsdp_run["params"])
+    assert all(t.precision is Precision.EXACT for t in params)
+
+
+def test_compute_copy_upcast_is_flagged_on_exactly_the_parameters(fsdp_run: dict[str, Any]) -> None:
+    report = audit(str(fsdp_run["dir"] / "compute-copy-fp32.pt"))
+    flagged = subjects(report, "precision.bf16-rounded")
+    assert flagged == {f"model/{p}" for p in fsdp_run["params"]}
+    # Optimizer moments are faithful fp32 and are not flagged; the contract comes from them.
+    assert report.contract is not None and report.contract.source == "optimizer-state"
+    assert not any(s.startswith("optimizer/") for s in flagged)
+    assert report.fails(Severity.ERROR)
+
+
+def test_compute_copy_stored_as_bf16_is_low_precision_storage(fsdp_run: dict[str, Any]) -> None:
+    report = audit(str(fsdp_run["dir"] / "compute-copy-bf16.pt"))
+    assert subjects(report, "precision.low-precision-storage") == {f"model/{p}" for p in fsdp_run["params"]}
+    assert report.contract is not None and report.contract.master_dtype == "float32"
+
+
+def test_fp16_rounded_copy_is_flagged(fsdp_run: dict[str, Any]) -> None:
+    report = audit(str(fsdp_run["dir"] / "fp16-copy.pt"))
+    flagged = subjects(report, "precision.fp16-rounded")
+    # LayerNorm weights that are still ones after 6 steps could be inconclusive; the matrices must be caught.
+    matrices = {f"model/{n}" for n, s in fsdp_run["shapes"].items() if len(s) == 2}
+    assert matrices <= flagged
+    assert "precision.bf16-rounded" not in codes(report)
+
+
+def test_low_precision_master_run_is_clean_under_its_contract(fsdp_run: dict[str, Any]) -> None:
+    report = audit(str(fsdp_run["dir"] / "low-precision-masters"))
+    assert report.contract is not None and report.contract.master_dtype == "bfloat16"
+    assert codes(report) == {"contract.low-precision-masters"}
+    assert not report.fails(Severity.WARNING)
+    # The same checkpoint held to an fp32 contract is a defect.
+    strict = audit(str(fsdp_run["dir"] / "low-precision-masters"), AuditOptions(master_dtype="float32"))
+    assert "precision.low-precision-storage" in codes(strict, Severity.ERROR)
+
+
+def test_required_components_turn_warnings_into_errors(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
+    import torch
+
+
+    src = safe_torch_load(fsdp_run["dir"] / "compute-copy-fp32.pt")
+    slim = {"model": src["model"], "optimizer": src["optimizer"]}
+    path = tmp_path / "slim.pt"
+    torch.save(slim, path)
+    lenient = audit(str(path))
+    missing = {f.evidence["component"]: f.severity for f in lenient.findings if f.code == "component.missing"}
+    assert missing == {"scheduler": Severity.WARNING, "rng": Severity.WARNING, "data-progress": Severity.WARNING}
+    strict = audit(str(path), AuditOptions(require=frozenset({ComponentKind.SCHEDULER, ComponentKind.RNG})))
+    missing = {f.evidence["component"]: f.severity for f in strict.findings if f.code == "component.missing"}
+    assert missing["scheduler"] is Severity.ERROR and missing["rng"] is Severity.ERROR
+    assert missing["data-progress"] is Severity.WARNING
+    no_opt = tmp_path / "model-only.pt"
+    torch.save({"model": src["model"]}, no_opt)
+    report = audit(str(no_opt))
+    assert any(f.code == "component.missing" and f.subject == "optimizer" and f.severity is Severity.ERROR
+               for f in report.findings)
+
+
+def test_index_keyed_and_permuted_optimizer_state(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
+    import torch
+
+    src = safe_torch_load(fsdp_run["dir"] / "compute-copy-fp32.pt")
+    model = {k: v for k, v in src["model"].items()}
+    names = list(model)
+    fqn_state = src["optimizer"]["state"]
+    # optimizer.state_dict() style: integers in parameter order, one group.
+    state = {i: fqn_state[n] for i, n in enumerate(names)}
+    groups = [{**src["optimizer"]["param_groups"][0], "params": list(range(len(names)))}]
+    good = tmp_path / "index-keyed.pt"
+    torch.save({"model": model, "optimizer": {"state": state, "param_groups": groups}}, good)
+    report = audit(str(good))
+    assert "optimizer.index-keyed" in codes(report, Severity.WARNING)
+    assert "optimizer.shape-mismatch" not in codes(report)
+    # Permuted: the first two entries exchanged (an embedding and a position table of other shapes).
+    perm = dict(state)
+    perm[0], perm[2] = state[2], state[0]
+    bad = tmp_path / "permuted.pt"
+    torch.save({"model": model, "optimizer": {"state": perm, "param_groups": groups}}, bad)
+    assert "optimizer.shape-mismatch" in codes(audit(str(bad)), Severity.ERROR)
+
+
+def test_fqn_keyed_state_for_a_missing_parameter(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
+    import torch
+
+    src = safe_torch_load(fsdp_run["dir"] / "compute-copy-fp32.pt")
+    osd = src["optimizer"]
+    osd["state"]["blocks.9.ghost.weight"] = osd["state"]["head.weight"]
+    osd["state"]["head.weight"] = {**osd["state"]["head.weight"], "exp_avg": osd["state"]["head.weight"]["exp_avg"][:3]}
+    path = tmp_path / "ghost.pt"
+    torch.save({"model": src["model"], "optimizer": osd}, path)
+    report = audit(str(path))
+    assert "optimizer/state/blocks.9.ghost.weight" in subjects(report, "optimizer.unmatched")
+    assert any("head.weight" in s for s in subjects(report, "optimizer.shape-mismatch"))
