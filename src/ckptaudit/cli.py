@@ -24,8 +24,21 @@ class UsageError(Exception):
     """Bad arguments or an unusable path: exit code 2, message on stderr."""
 
 
+class _ArgumentError(Exception):
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports usage errors by raising, so ``main`` writes them to its own stderr and returns 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _ArgumentError(self, message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="ckptaudit",
         description="Is this checkpoint really my training state, and can I resume from it?",
     )
@@ -131,7 +144,11 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     parser = _parser()
     try:
         args = parser.parse_args(list(argv) if argv is not None else None)
-    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+    except _ArgumentError as exc:
+        exc.parser.print_usage(stderr)
+        stderr.write(f"{exc.parser.prog}: error: {exc}\n")
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help and --version exit 0
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     if not args.command:
         parser.print_help(stderr)

@@ -77,7 +77,7 @@ class PrecisionStats:
     informative_bf16: int
     """Values that carry evidence for bf16 rounding: finite, not integers, and needing at least five
     significant bits in bf16 (values such as 0, 1, 0.5 or 3 say nothing about where a tensor came from).
-    Counted only while every value so far was bf16-representable."""
+    Counted only while every value so far was bf16-representable, and only up to 64."""
     informative_fp16: int
     """The same for fp16."""
 

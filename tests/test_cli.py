@@ -1,0 +1,104 @@
+"""The command line: exit codes, usage errors that name the thing, and the JSON report schema (golden)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ckptaudit.cli import main
+from ckptaudit.model import SCHEMA_VERSION
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), stdout=out, stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def small_checkpoint(path: Path, *, rounded: bool = False) -> Path:
+    """A deterministic tiny training checkpoint: two parameters, fp32 AdamW state, scheduler, RNG, step."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 4, generator=g)
+    b = torch.randn(8, generator=g)
+    if rounded:
+        w, b = w.bfloat16().float(), b.bfloat16().float()
+    state = {
+        "model": {"lin.weight": w, "lin.bias": b},
+        "optimizer": {
+            "state": {
+                "lin.weight": {"step": torch.tensor(3.0), "exp_avg": torch.randn(8, 4, generator=g),
+                               "exp_avg_sq": torch.rand(8, 4, generator=g)},
+                "lin.bias": {"step": torch.tensor(3.0), "exp_avg": torch.randn(8, generator=g),
+                             "exp_avg_sq": torch.rand(8, generator=g)},
+            },
+            "param_groups": [{"lr": 0.1, "params": ["lin.weight", "lin.bias"]}],
+        },
+        "scheduler": {"last_epoch": 3, "base_lrs": [0.1]},
+        "rng": {"torch": torch.Generator().manual_seed(1).get_state()},
+        "step": 3,
+    }
+    torch.save(state, path)
+    return path
+
+
+def test_clean_checkpoint_exits_0(tmp_path: Path) -> None:
+    code, out, err = run("audit", str(small_checkpoint(tmp_path / "ok.pt")))
+    assert code == 0, out + err
+    assert "resumable" in out
+
+
+def test_findings_exit_1_and_fail_on_controls_the_level(tmp_path: Path) -> None:
+    bad = small_checkpoint(tmp_path / "bad.pt", rounded=True)
+    code, out, _ = run("audit", str(bad), "--format", "json")
+    assert code == 1
+    doc = json.loads(out)
+    assert {f["subject"] for f in doc["findings"] if f["code"] == "precision.bf16-rounded"} == {
+        "model/lin.weight", "model/lin.bias"}
+    # A warning-only checkpoint: clean at --fail-on error, failing at --fail-on warning.
+    warn = tmp_path / "warn.pt"
+    full = torch.load(small_checkpoint(tmp_path / "x.pt"), weights_only=True)
+    del full["rng"]
+    torch.save(full, warn)
+    assert run("audit", str(warn))[0] == 0
+    assert run("audit", str(warn), "--fail-on", "warning")[0] == 1
+
+
+def test_usage_errors_exit_2_with_a_message_that_names_the_problem(tmp_path: Path) -> None:
+    code, _, err = run("audit", str(tmp_path / "nope"))
+    assert code == 2 and "nope: no such file or directory" in err
+    code, _, err = run("audit", str(small_checkpoint(tmp_path / "a.pt")), "--require", "scheduler,weather")
+    assert code == 2 and "unknown component 'weather'" in err and "data-progress" in err
+    code, _, err = run("audit", str(tmp_path), "--master-dtype", "float8")
+    assert code == 2 and "invalid choice: 'float8'" in err
+    assert run()[0] == 2
+
+
+def test_output_file_and_require(tmp_path: Path) -> None:
+    ckpt = tmp_path / "c.pt"
+    full = torch.load(small_checkpoint(tmp_path / "x.pt"), weights_only=True)
+    del full["scheduler"]
+    torch.save(full, ckpt)
+    report = tmp_path / "r.json"
+    assert run("audit", str(ckpt), "--format", "json", "--output", str(report))[0] == 0
+    assert json.loads(report.read_text())["counts"]["warning"] == 1
+    assert run("audit", str(ckpt), "--require", "scheduler")[0] == 1
+
+
+def test_json_report_matches_the_golden_schema(tmp_path: Path) -> None:
+    ckpt = small_checkpoint(tmp_path / "golden.pt", rounded=True)
+    code, out, _ = run("audit", str(ckpt), "--format", "json")
+    assert code == 1
+    doc = json.loads(out)
+    assert doc["schema_version"] == SCHEMA_VERSION
+    doc["path"] = os.path.basename(doc["path"])
+    doc["tool"]["version"] = "X"
+    golden_path = GOLDEN / "audit_small.json"
+    if os.environ.get("CKPTAUDIT_UPDATE_GOLDEN"):
+        golden_path.write_text(json.dumps(doc, indent=2) + "\n")
+    assert doc == json.loads(golden_path.read_text())

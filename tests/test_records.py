@@ -1,0 +1,114 @@
+"""Effective precision and hashing: the bit tricks, the false-positive bound, and layout independence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckptaudit.formats.tensors import DTYPES, FileMaps, Piece, TensorData
+from ckptaudit.model import Precision
+from ckptaudit.records import MIN_INFORMATIVE, scan_tensor
+
+
+def fp32_tensor(tmp_path: Path, values: np.ndarray, name: str = "t.bin") -> TensorData:
+    path = tmp_path / name
+    arr = np.ascontiguousarray(values, dtype="<f4")
+    path.write_bytes(arr.tobytes())
+    shape = arr.shape
+    stride = tuple(s // 4 for s in arr.strides)
+    piece = Piece(str(path), 0, 0, shape, stride, (0,) * len(shape))
+    return TensorData(DTYPES["float32"], shape, (piece,))
+
+
+def precision_of(tmp_path: Path, values: np.ndarray, chunk_bytes: int = 1 << 20) -> Precision:
+    with FileMaps() as maps:
+        return scan_tensor(fp32_tensor(tmp_path, values), maps, chunk_bytes).precision
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+
+
+def test_uninformative_tensors_never_alarm(tmp_path: Path) -> None:
+    assert precision_of(tmp_path, np.zeros(4096, np.float32)) is Precision.INCONCLUSIVE
+    assert precision_of(tmp_path, np.ones(768, np.float32)) is Precision.INCONCLUSIVE  # fresh LayerNorm weight
+    assert precision_of(tmp_path, np.arange(1000, dtype=np.float32)) is Precision.INCONCLUSIVE  # integers
+    assert precision_of(tmp_path, np.array([0.5, -0.25, 1.5, 3.0], np.float32)) is Precision.INCONCLUSIVE
+
+
+def test_genuine_fp32_small_tensors_do_not_alarm(tmp_path: Path) -> None:
+    # The false-positive bound in practice: many 4-element fp32 biases, none called rounded.
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((20_000, MIN_INFORMATIVE)).astype(np.float32) * 0.02
+    with FileMaps() as maps:
+        td = fp32_tensor(tmp_path, data)
+        # Each row is a tensor: scan rows as separate 4-element tensors through the same code path.
+        flagged = 0
+        for i in range(0, 20_000, 997):
+            row = TensorData(td.dtype, (MIN_INFORMATIVE,), (Piece(td.pieces[0].file, i * 16, 0, (4,), (1,), (0,)),))
+            flagged += scan_tensor(row, maps).precision is not Precision.EXACT
+    assert flagged == 0
+
+
+def test_bf16_rounded_small_bias_is_caught_but_three_values_are_not_enough(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    bias = bf16_round(rng.standard_normal(4).astype(np.float32) * 0.02 + 0.013)
+    assert precision_of(tmp_path, bias) is Precision.BF16
+    assert precision_of(tmp_path, bias[:3]) is Precision.INCONCLUSIVE
+
+
+def test_rounded_matrix_is_bf16_and_one_extra_bit_makes_it_exact(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    w = bf16_round(rng.standard_normal((300, 700)).astype(np.float32))
+    assert precision_of(tmp_path, w, chunk_bytes=4096) is Precision.BF16
+    bits = w.view(np.uint32).copy()
+    bits[299, 699] |= 1  # one value in the last chunk needs the low bits
+    assert precision_of(tmp_path, bits.view(np.float32), chunk_bytes=4096) is Precision.EXACT
+
+
+def test_fp16_rounding_including_subnormals_and_range(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(1000).astype(np.float32)
+    halves = x.astype(np.float16).astype(np.float32)
+    assert precision_of(tmp_path, halves) is Precision.FP16
+    sub = np.concatenate([halves, np.float16([3e-7, -5.9e-8, 1e-6]).astype(np.float32)])  # fp16 subnormals
+    assert precision_of(tmp_path, sub) is Precision.FP16
+    too_big = np.concatenate([halves, np.float32([70000.0])])  # out of fp16 range (bf16-exact? no: 70000 needs bits)
+    assert precision_of(tmp_path, too_big) is Precision.EXACT
+    too_small = np.concatenate([halves, np.float32([2.0**-26])])  # below fp16's smallest subnormal
+    assert precision_of(tmp_path, too_small) is not Precision.FP16
+
+
+def test_hash_is_the_same_for_any_layout_of_the_same_values(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((6, 5)).astype(np.float32)
+    contiguous = fp32_tensor(tmp_path, a, "c.bin")
+    # The same logical tensor stored transposed (column-major storage, strided view).
+    tpath = tmp_path / "t.bin"
+    tpath.write_bytes(np.ascontiguousarray(a.T).tobytes())
+    strided = TensorData(DTYPES["float32"], (6, 5), (Piece(str(tpath), 0, 0, (6, 5), (1, 6), (0, 0)),))
+    # Two shards along dim 0 in two files (FSDP2's layout), and a 2-D block split.
+    s0, s1 = tmp_path / "s0.bin", tmp_path / "s1.bin"
+    s0.write_bytes(a[:3].tobytes())
+    s1.write_bytes(a[3:].tobytes())
+    sharded = TensorData(DTYPES["float32"], (6, 5), (
+        Piece(str(s1), 0, 0, (3, 5), (5, 1), (3, 0)), Piece(str(s0), 0, 0, (3, 5), (5, 1), (0, 0))))
+    b0, b1 = tmp_path / "b0.bin", tmp_path / "b1.bin"
+    b0.write_bytes(np.ascontiguousarray(a[:, :2]).tobytes())
+    b1.write_bytes(np.ascontiguousarray(a[:, 2:]).tobytes())
+    blocks = TensorData(DTYPES["float32"], (6, 5), (
+        Piece(str(b0), 0, 0, (6, 2), (2, 1), (0, 0)), Piece(str(b1), 0, 0, (6, 3), (3, 1), (0, 2))))
+    with FileMaps() as maps:
+        hashes = {scan_tensor(td, maps, chunk_bytes=16).hash for td in (contiguous, strided, sharded, blocks)}
+    assert len(hashes) == 1
+
+
+def test_shards_that_do_not_cover_the_tensor_are_an_error(tmp_path: Path) -> None:
+    a = np.ones((4, 4), np.float32)
+    td = fp32_tensor(tmp_path, a[:2])
+    bad = TensorData(td.dtype, (4, 4), (Piece(td.pieces[0].file, 0, 0, (2, 4), (4, 1), (0, 0)),))
+    with FileMaps() as maps, pytest.raises(ValueError, match="shards hold 8 elements, the tensor has 16"):
+        scan_tensor(bad, maps)
