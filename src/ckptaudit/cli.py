@@ -55,6 +55,19 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--require", default="",
                    help="comma-separated components whose absence is an error: scheduler,rng,data-progress")
 
+    r = sub.add_parser("resume-test", help="differential resume test of an exporter on a recipe")
+    r.add_argument("--recipe", default="ckptaudit.recipes.tinygpt:recipe",
+                   help="module:attr or path.py:attr of the recipe (default: the built-in tiny GPT)")
+    r.add_argument("--exporter", action="append", dest="exporters", metavar="MODULE:ATTR",
+                   help="exporter under test (repeatable; default ckptaudit.exporters:compute_copy)")
+    r.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
+    r.add_argument("--save-at", type=int, default=8, help="training steps before the checkpoint")
+    r.add_argument("--steps", type=int, default=8, help="steps after resuming")
+    r.add_argument("--margin", type=float, default=10.0, help="drift when deviation > margin x noise floor")
+    r.add_argument("--workdir", help="keep the checkpoints here (default: a temporary directory, removed)")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for each phase")
+    _output_args(r)
+
     d = sub.add_parser("demo", help="run the whole story on the built-in recipe (CPU, 2 ranks)")
     d.add_argument("--out", default="ckptaudit-demo", help="directory for checkpoints and reports")
     d.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
@@ -127,6 +140,33 @@ def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     return _emit(report, args, stdout)
 
 
+def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from ckptaudit.dist.launch import DistributedError
+    from ckptaudit.recipe import load_object, load_recipe
+    from ckptaudit.resume import ResumeConfig, run_resume_test
+
+    exporters = tuple(args.exporters or ("ckptaudit.exporters:compute_copy",))
+    try:
+        load_recipe(args.recipe)
+        for spec in exporters:
+            load_object(spec)
+        cfg = ResumeConfig(recipe=args.recipe, exporters=exporters, nproc=args.nproc, save_at=args.save_at,
+                           steps=args.steps, margin=args.margin, workdir=args.workdir, timeout_s=args.timeout)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+    def log(msg: str) -> None:
+        if not args.no_progress:
+            stderr.write(f"resume-test: {msg}\n")
+
+    try:
+        report = run_resume_test(cfg, log=log)
+    except DistributedError as exc:
+        stderr.write(f"ckptaudit resume-test: error: the training phase failed on the recipe {args.recipe}:\n{exc}\n")
+        return EXIT_USAGE
+    return _emit(report, args, stdout)
+
+
 def _cmd_demo(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from ckptaudit.demo import run_demo
 
@@ -135,7 +175,7 @@ def _cmd_demo(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     return run_demo(args.out, nproc=args.nproc, steps=args.steps, out=stdout, err=stderr).exit_code
 
 
-COMMANDS = {"audit": _cmd_audit, "demo": _cmd_demo}
+COMMANDS = {"audit": _cmd_audit, "demo": _cmd_demo, "resume-test": _cmd_resume}
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:

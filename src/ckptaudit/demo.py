@@ -17,7 +17,6 @@ from typing import Any, TextIO
 
 import torch
 
-from ckptaudit.dist.launch import RankContext, launch
 from ckptaudit.model import Severity
 
 __all__ = ["DemoResult", "capture_and_export", "run_demo"]
@@ -50,46 +49,68 @@ def capture_and_export(job: Any, exporter: Callable[..., None], path: str, ctx: 
     exporter(job, path, ctx, capture=capture)
 
 
-def _train_and_save(ctx: RankContext, out_dir: str, steps: int) -> list[float]:
-    from ckptaudit import exporters
-    from ckptaudit.recipes.tinygpt import recipe
-
-    job = recipe.setup(ctx)
-    losses = [recipe.step(job) for _ in range(steps)]
-    exporters.documented(job, os.path.join(out_dir, "faithful"), ctx)
-    capture_and_export(job, exporters.compute_copy, os.path.join(out_dir, "lossy-compute-copy.pt"), ctx, recipe)
-    return losses
-
-
 @dataclass(frozen=True)
 class DemoResult:
     out_dir: str
     exit_code: int
+    html: str
 
 
 def run_demo(out_dir: str, *, nproc: int = 2, steps: int = 8, out: TextIO = sys.stdout,
              err: TextIO = sys.stderr) -> DemoResult:
-    """Run the demo, print the verdicts to ``out``; progress goes to ``err``."""
+    """Run the demo, print the verdicts to ``out``; progress goes to ``err``.
+
+    Exit code 0 when the story holds (the faithful checkpoint is clean and resumes bit-identically; the lossy
+    one is flagged by the audit and drifts in the resume test), 1 otherwise.
+    """
     from ckptaudit.audit import audit
     from ckptaudit.report import OutputFormat, render
+    from ckptaudit.report.html import render_page
+    from ckptaudit.resume import ResumeConfig, run_resume_test
 
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.monotonic()
-    err.write(f"[1/2] training the tiny GPT for {steps} steps on {nproc} ranks (FSDP2, bf16 compute, gloo)...\n")
-    losses = launch(_train_and_save, nproc, (out_dir, steps), timeout_s=300)[0]
-    err.write(f"      loss {losses[0]:.3f} -> {losses[-1]:.3f}; saved both checkpoints "
-              f"({time.monotonic() - t0:.1f} s)\n")
-    err.write("[2/2] auditing both checkpoints...\n")
-    verdicts: dict[str, bool] = {}
-    for name, label in (("faithful", "documented path: get_state_dict + torch.distributed.checkpoint"),
-                        ("lossy-compute-copy.pt", "custom exporter: bf16 compute copies upcast to fp32")):
-        report = audit(os.path.join(out_dir, name))
-        out.write(f"\n=== {name}  ({label})\n")
+
+    def say(msg: str) -> None:
+        err.write(f"[{time.monotonic() - t0:5.1f}s] {msg}\n")
+        err.flush()
+
+    say(f"tiny GPT, FSDP2 with a bf16 MixedPrecisionPolicy (fp32 masters), {nproc} CPU ranks over gloo")
+    cfg = ResumeConfig(
+        exporters=("ckptaudit.exporters:compute_copy",),
+        nproc=nproc,
+        save_at=steps,
+        steps=steps,
+        workdir=out_dir,
+        reference_name="faithful",
+        candidate_names=("lossy-compute-copy.pt",),
+    )
+    resume_report = run_resume_test(cfg, log=say)
+    say("audit both checkpoints offline")
+    audits = {name: audit(os.path.join(out_dir, name)) for name in ("faithful", "lossy-compute-copy.pt")}
+    labels = {"faithful": "documented path: get_state_dict + torch.distributed.checkpoint",
+              "lossy-compute-copy.pt": "custom exporter: bf16 compute copies captured in forward, upcast to fp32"}
+    for name, report in audits.items():
+        out.write(f"\n=== audit {name}  ({labels[name]})\n")
         render(report, OutputFormat.TABLE, out)
         with open(os.path.join(out_dir, f"audit-{name.split('.')[0]}.json"), "w") as fh:
             render(report, OutputFormat.JSON, fh)
-        verdicts[name] = report.fails(Severity.ERROR)
-    out.write(f"\nreports written to {out_dir} ({time.monotonic() - t0:.1f} s in all)\n")
-    # The story holds when the faithful checkpoint is clean and the lossy one is caught.
-    as_expected = not verdicts["faithful"] and verdicts["lossy-compute-copy.pt"]
-    return DemoResult(out_dir, 0 if as_expected else 1)
+    out.write("\n=== differential resume test (fresh processes, same optimizer/scheduler/RNG/data state)\n")
+    render(resume_report, OutputFormat.TABLE, out)
+    with open(os.path.join(out_dir, "resume.json"), "w") as fh:
+        render(resume_report, OutputFormat.JSON, fh)
+    html_path = os.path.join(out_dir, "report.html")
+    with open(html_path, "w") as fh:
+        render_page([resume_report, *audits.values()], fh, title="ckptaudit demo")
+    faithful_ok = not audits["faithful"].fails(Severity.ERROR)
+    lossy_caught = audits["lossy-compute-copy.pt"].fails(Severity.ERROR)
+    candidates = resume_report.extra["resume"]["candidates"]
+    drift_caught = bool(candidates) and candidates[0].get("verdict") == "drift"
+    floor = resume_report.extra["resume"]["noise_floor"]
+    out.write(f"\nverdict: faithful checkpoint {'clean' if faithful_ok else 'NOT clean'} and resumes "
+              f"{'bit-identically' if floor == 0 else f'within the noise floor {floor:.1e}'}; lossy checkpoint "
+              f"{'caught by the audit' if lossy_caught else 'MISSED by the audit'} and "
+              f"{'drifts in the resume test' if drift_caught else 'did NOT drift'}.\n")
+    out.write(f"HTML report: {html_path}   ({time.monotonic() - t0:.0f} s)\n")
+    ok = faithful_ok and lossy_caught and drift_caught and floor == 0
+    return DemoResult(out_dir, 0 if ok else 1, html_path)

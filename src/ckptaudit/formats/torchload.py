@@ -50,3 +50,25 @@ def safe_torch_load(path: str | os.PathLike[str]) -> Any:
         raise UnsafeCheckpointError(f"{path} references {', '.join(bad)}; refusing to load it")
     with torch.serialization.safe_globals(_numpy_globals()):
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def materialize(data: Any, maps: Any) -> Any:
+    """Read a lazy :class:`~ckptaudit.formats.tensors.TensorData` into a real CPU tensor of its stored dtype.
+
+    Only for tensors that fit in memory by design (loading weights into a live model); the audit never does this.
+    """
+    import numpy as np
+    import torch
+
+    from ckptaudit.formats.tensors import iter_chunks
+
+    parts = [np.array(c, copy=True) for c in iter_chunks(data, maps)]
+    flat = np.concatenate(parts) if parts else np.empty(0, dtype=data.dtype.numpy)
+    name = data.dtype.name
+    if name == "bfloat16":
+        t = torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16)
+    elif data.dtype.numpy == "u1" and data.dtype.is_float:
+        t = torch.from_numpy(flat).view(getattr(torch, name))
+    else:
+        t = torch.from_numpy(flat)
+    return t.reshape(data.shape)

@@ -9,12 +9,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ckptaudit.catalogue import CATALOGUE
 from ckptaudit.model import Precision, Report, Severity
 
 __all__ = ["render_table"]
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
-MAX_PER_CODE = 6
+GROUP_ABOVE = 3
+MAX_SUBJECTS = 8
 
 
 def console_for(out: TextIO) -> Console:
@@ -36,14 +38,18 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
     for section in report.extra.get("sections", []):
         _section(con, section)
     if report.components:
-        t = Table(title="components", title_justify="left", show_edge=False)
-        t.add_column("component")
-        t.add_column("found")
-        t.add_column("where")
-        for comp in report.components:
-            t.add_row(comp.kind.value, "yes" if comp.found else Text("MISSING", style="red"),
-                      ", ".join(comp.where) + (f"  ({comp.detail})" if comp.detail else ""))
-        con.print(t)
+        missing = [c for c in report.components if not c.found]
+        if verbose or missing:
+            t = Table(title="components", title_justify="left", show_edge=False)
+            t.add_column("component")
+            t.add_column("found")
+            t.add_column("where")
+            for comp in report.components:
+                t.add_row(comp.kind.value, "yes" if comp.found else Text("MISSING", style="red"),
+                          ", ".join(comp.where) + (f"  ({comp.detail})" if comp.detail else ""))
+            con.print(t)
+        else:
+            con.print("components: " + ", ".join(f"{c.kind.value} ({', '.join(c.where)})" for c in report.components))
     if report.findings:
         t = Table(title="findings", title_justify="left", show_edge=False)
         t.add_column("severity")
@@ -53,18 +59,26 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
         by_code: dict[str, list[int]] = defaultdict(list)
         for i, f in enumerate(report.findings):
             by_code[f.code].append(i)
-        for f_idx, f in enumerate(report.findings):
+        shown: set[str] = set()
+        for f in report.findings:
             same = by_code[f.code]
-            rank = same.index(f_idx)
-            if not verbose and rank >= MAX_PER_CODE:
-                if rank == MAX_PER_CODE:
-                    t.add_row("", f.code, f"... {len(same) - MAX_PER_CODE} more", "(--verbose lists all)")
+            if verbose or len(same) <= GROUP_ABOVE:
+                t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), f.code, f.subject, f.message)
                 continue
-            t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), f.code, f.subject, f.message)
+            if f.code in shown:
+                continue
+            shown.add(f.code)
+            # Many findings of one code (e.g. every parameter rounded): one row, the subjects listed.
+            subjects = [report.findings[i].subject for i in same]
+            listed = ", ".join(subjects[:MAX_SUBJECTS]) + (", ..." if len(subjects) > MAX_SUBJECTS else "")
+            rule = CATALOGUE.get(f.code)
+            t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), f.code, f"{len(same)} subjects",
+                      f"{listed}\n{rule.summary if rule else f.message} (--verbose lists each)")
         con.print(t)
     else:
         con.print(Text("no findings", style="green"))
-    odd = [r for r in report.tensors if verbose or r.precision in (Precision.BF16, Precision.FP16, Precision.UNREAD)]
+    # Every tensor in verbose mode; otherwise only unreadable ones (rounded ones are already findings).
+    odd = [r for r in report.tensors if verbose or r.precision is Precision.UNREAD]
     if odd:
         t = Table(title="tensors" if verbose else "tensors below their dtype's precision", title_justify="left",
                   show_edge=False)
