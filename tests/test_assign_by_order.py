@@ -133,3 +133,15 @@ def test_adafactor_factored_statistics_are_not_shape_mismatches(tmp_path: Path) 
                 for n in names if model.get_parameter(n) is p}
     got = {int(t.name.split("/")[-2]): t.param for t in report.tensors if t.role == "row_var" or t.role == "variance"}
     assert got == expected
+
+
+def test_malformed_param_groups_give_findings_not_tracebacks(tmp_path: Path) -> None:
+    import torch
+
+    model = {"w": torch.randn(4, 4), "b": torch.randn(4)}
+    state = {0: {"step": torch.tensor(1.0), "exp_avg": torch.randn(4, 4), "exp_avg_sq": torch.rand(4, 4)}}
+    for groups in ([{"params": [[0], {"a": 1}, 0, True]}], "not a list", [{"params": 7}], [3, None]):
+        path = tmp_path / "odd.pt"
+        torch.save({"model": model, "optimizer": {"state": state, "param_groups": groups}}, path)
+        report = audit(str(path))
+        assert "optimizer.index-keyed" in {f.code for f in report.findings}

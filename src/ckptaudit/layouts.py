@@ -397,7 +397,7 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
         where_keys = ()
     if "state" in tree:
         raw_state = tree.get("state")
-        groups = tree.get("param_groups") or []
+        groups = _clean_groups(tree.get("param_groups"))
         state: dict[Any, dict[str, Any]] = {}
         items: list[tuple[Any, Any]]
         if isinstance(raw_state, dict):
@@ -411,10 +411,9 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
                 state[key] = {str(n): ref(("state", key, n), v) for n, v in entry.items()}
         keyed = "index" if any(isinstance(k, int) for k in state) else "fqn"
         if not state and groups:
-            params = [p for g in groups if isinstance(g, dict) for p in g.get("params", [])]
+            params = [p for g in groups for p in g["params"]]
             keyed = "index" if any(isinstance(p, int) for p in params) else "fqn"
-        clean_groups = [g for g in groups if isinstance(g, dict)]
-        return OptimizerView(where, keyed, state, clean_groups, count)
+        return OptimizerView(where, keyed, state, groups, count)
     # torchtitan flattened optimizer: state.<fqn>.<name>, param_groups.<fqn>.<key>
     flat_state: dict[Any, dict[str, Any]] = {}
     group_params: list[str] = []
@@ -429,6 +428,23 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
     if flat_state or group_params:
         return OptimizerView(where, "fqn", flat_state, [{"params": group_params}] if group_params else [], count)
     return None
+
+
+def _clean_groups(raw: Any) -> list[dict[str, Any]]:
+    """``param_groups`` as real optimizers save them: dicts whose ``params`` list holds ints or FQN strings.
+
+    Anything else a (damaged or hostile) file puts there is dropped, so the checks never meet unhashable keys.
+    """
+    if not isinstance(raw, list):
+        return []
+    groups = []
+    for g in raw:
+        if not isinstance(g, dict):
+            continue
+        ps = g.get("params")
+        ps = [p for p in ps if isinstance(p, int | str) and not isinstance(p, bool)] if isinstance(ps, list) else []
+        groups.append({**g, "params": ps})
+    return groups
 
 
 def _layout_name(ckpt: Checkpoint, view: View) -> str:

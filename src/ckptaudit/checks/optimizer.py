@@ -123,6 +123,7 @@ def moment_shape(entry: dict[str, Any]) -> tuple[int, ...] | None:
 
 
 def check_attachment(view: View) -> Attachment:
+    """Attach the optimizer state to the model's parameters: by name, by saved ``param_names``, or by order."""
     opt, model = view.optimizer, view.model
     if opt is None or model is None:
         return Attachment()
@@ -202,8 +203,8 @@ def _by_order(opt: OptimizerView, model: ModelView) -> Attachment:
                     f"{opt.where}: the model file does not keep parameter order (safetensors sorts its tensors), so "
                     f"the {groups_text} can only be checked as a multiset: every moment shape exists in the model, "
                     "but which parameter each entry belongs to cannot be verified offline (a permutation of "
-                    "entries would pass). Audit it beside a torch.save state dict of the same model, or save "
-                    "FQN-keyed optimizer state.",
+                    "entries would pass). Compare against a reference (ckptaudit compare) or save FQN-keyed "
+                    "optimizer state.",
                     entries=n_entries,
                 )
             )
