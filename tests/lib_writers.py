@@ -257,8 +257,9 @@ def run_writer(what: str, out: str, timeout_s: float = 600) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true",
            "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, __file__, what, out], env=env, capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
+    # cwd=out: whatever a library drops into its working directory (logs, caches) stays out of the repository.
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), what, out], env=env, cwd=out,
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"lib_writers {what} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 

@@ -8,18 +8,25 @@ factored statistics must not be mistaken for moments of another shape.
 from __future__ import annotations
 
 import itertools
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from ckptaudit.audit import audit
 from ckptaudit.checks import optimizer as optcheck
 from ckptaudit.checks.optimizer import assign_by_order
 
 Shape = tuple[int, ...]
+
+# Hypothesis keeps caches under ./.hypothesis (already while collecting); tests never write into the working
+# directory, so point it at the system temp directory before anything here is collected.
+set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "ckptaudit-hypothesis")
+
 M, V, W = (8, 4), (4,), (4, 4)  # an embedding-like matrix, a vector, a square matrix
 
 
@@ -92,7 +99,7 @@ def brute_force(params: Sequence[Shape], groups: Sequence[Sequence[Shape | None]
 shapes = st.sampled_from([M, V, W])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(params=st.lists(shapes, min_size=0, max_size=7),
        groups=st.lists(st.lists(st.one_of(shapes, st.none()), max_size=3), min_size=1, max_size=3))
 def test_matches_brute_force(params: list[Shape], groups: list[list[Shape | None]]) -> None:
