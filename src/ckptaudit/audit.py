@@ -81,7 +81,7 @@ def scan_checkpoint(path: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
             for sname, value in entry.items():
                 if isinstance(value, TensorRef):
                     opt_meta[id(value)] = (key, sname)
-    known_params = set(attachment.mapping.values())
+    known_params = set(attachment.params)
     if view.optimizer is not None and view.optimizer.keyed == "fqn":
         known_params |= {p for g in view.optimizer.groups for p in g.get("params", []) if isinstance(p, str)}
     total = sum(r.data.nbytes for r, _ in view.tensors if isinstance(r.data, TensorData))
@@ -96,6 +96,8 @@ def scan_checkpoint(path: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
             fqn = next((f for f, r in view.model.params.items() if r is ref), None)
             param = fqn
             role = "parameter" if (not known_params or fqn in known_params) else "buffer"
+            if fqn in view.model.aliases:  # a tied weight's second name: same bytes as its first
+                role, param = "tied", view.model.aliases[fqn]
         elif id(ref) in opt_meta:
             key, sname = opt_meta[id(ref)]
             role = sname

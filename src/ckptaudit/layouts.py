@@ -39,6 +39,8 @@ RNG_KEYS = ("rng", "rng_state", "rng_states", "random_state", "random_states", "
 DATA_KEYS = ("data", "dataloader", "data_loader", "dataloaders", "loops", "sampler", "data_progress",
              "dataloader_state", "data_state")
 STEP_KEYS = ("step", "global_step", "train_state", "iteration", "iter_num", "epoch")
+_STEP_PRIORITY = ("global_step", "step", "train_state", "iteration", "iter_num")
+"""Keys that hold the optimizer-step counter, best first; ``epoch`` counts epochs, never steps."""
 
 _FILE_RULES: tuple[tuple[str, ComponentKind | str], ...] = (
     ("optimizer*.pt", ComponentKind.OPTIMIZER),
@@ -85,6 +87,10 @@ class ModelView:
     """Model tensors by FQN, in the order the writer saw them (when ``order_known``)."""
     where: list[str]
     order_known: bool
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Tied weights: a later FQN -> the first FQN whose stored bytes it shares (``torch.save`` stores a shared
+    tensor once, e.g. ``lm_head.weight`` tied to the token embedding). ``named_parameters()`` yields such a
+    parameter once, under its first name."""
 
 
 @dataclass
@@ -143,6 +149,8 @@ def interpret(ckpt: Checkpoint) -> View:
     """Map the parts of ``ckpt`` to checkpoint components (see the module docstring for the layouts)."""
     view = View(layout=ckpt.format, model=None, optimizer=None)
     model_params: dict[str, TensorRef] = {}
+    model_aliases: dict[str, str] = {}
+    first_name: dict[TensorData, str] = {}
     model_where: list[str] = []
     order_known = True
     seen_tensors: set[int] = set()
@@ -160,6 +168,11 @@ def interpret(ckpt: Checkpoint) -> View:
                 ref = TensorRef(_label(part, *prefix, fqn), leaf, _leaf_file(ckpt, part, leaf))
                 model_params[fqn] = ref
                 seen_tensors.add(id(leaf))
+                if isinstance(leaf, TensorData) and leaf.numel > 0:
+                    # Equal descriptions mean the same bytes: a tied weight saved under a second name.
+                    original = first_name.setdefault(leaf, fqn)
+                    if original != fqn:
+                        model_aliases[fqn] = original
         model_where.append(where)
         order_known = order_known and part.order_known
         found(ComponentKind.MODEL, where)
@@ -205,7 +218,7 @@ def interpret(ckpt: Checkpoint) -> View:
                       _label(part), ())
 
     if model_params:
-        view.model = ModelView(model_params, model_where, order_known)
+        view.model = ModelView(model_params, model_where, order_known, model_aliases)
     view.layout = _layout_name(ckpt, view)
     # Every tensor, model first, each labelled with the component it belongs to.
     for ref in model_params.values():
@@ -280,27 +293,67 @@ def _classify_keys(part: Part, tree: dict[str, Any], view: View, found: Any, add
         elif k in SCHEDULER_KEYS:
             matched = True
             if value not in (None, [], {}):
-                found(ComponentKind.SCHEDULER, where)
+                found(ComponentKind.SCHEDULER, where, _unreadable_detail(where, value))
         elif k in RNG_KEYS:
             matched = True
             if value not in (None, [], {}):
-                found(ComponentKind.RNG, where)
+                found(ComponentKind.RNG, where, _unreadable_detail(where, value))
         elif k in DATA_KEYS:
             matched = True
             if value not in (None, [], {}):
-                found(ComponentKind.DATA_PROGRESS, where, "data-loader / loop state")
+                found(ComponentKind.DATA_PROGRESS, where)
         elif k in STEP_KEYS:
             matched = True
-            step = _find_step(value)
-            if step is not None and view.step is None:
-                view.step = step
-            found(ComponentKind.DATA_PROGRESS, where, f"step counter only ({k}); no data-loader position")
+            found(ComponentKind.DATA_PROGRESS, where)
+    step_key = next((k for k in _STEP_PRIORITY if k in tree and _find_step(tree[k]) is not None), None)
+    if step_key is not None and view.step is None:
+        view.step = _find_step(tree[step_key])
+    detail = _data_detail(tree, step_key)
+    if detail and (ComponentKind.DATA_PROGRESS not in view.details
+                   or view.details[ComponentKind.DATA_PROGRESS].startswith("step counter only")):
+        view.details[ComponentKind.DATA_PROGRESS] = detail
     if matched and top_tensors and len(top_tensors) >= 1 and not any(
         str(k) in MODEL_KEYS for k in tree
     ):
         # torchtitan: model FQNs at the top level beside optimizer/lr_scheduler/...
         add_model(part, top_tensors, _label(part) + " (top-level keys)", ())
     return matched
+
+
+def _unreadable_detail(where: str, value: Any) -> str:
+    """A note for a component whose every value is unreadable (e.g. its DCP data file is lost), else ``""``."""
+    leaves = [leaf for _, leaf in walk(value)]
+    if leaves and all(isinstance(leaf, Unreadable) for leaf in leaves):
+        return f"{where} is named, but its data is unreadable (see the integrity findings)"
+    return ""
+
+
+def _data_detail(tree: dict[str, Any], step_key: str | None) -> str:
+    """What the data-progress state of one top-level dict can restore, in a sentence for the inventory."""
+    loops = tree.get("loops")
+    if isinstance(loops, dict) and "fit_loop" in loops:
+        fit = loops.get("fit_loop")
+        fit_state = fit.get("state_dict") if isinstance(fit, dict) else None
+        where = f"epoch {tree.get('epoch')}, global step {tree.get('global_step')}"
+        if isinstance(fit_state, dict) and fit_state.get("combined_loader"):
+            return f"Lightning loop progress ({where}) with data-loader state (loops/fit_loop/state_dict/combined_loader)"
+        return (f"Lightning loop progress ({where}); no data-loader state (Lightning saves it only for stateful "
+                "data loaders), so a mid-epoch resume restarts the epoch's data")
+    loader = tree.get("dataloader")
+    if isinstance(loader, dict) and loader:
+        ranks = sorted(str(k)[len("dp_rank_"):] for k in loader if str(k).startswith("dp_rank_"))
+        if ranks:
+            world = loader.get("world_size")
+            lost = [r for r in ranks if isinstance(loader.get(f"dp_rank_{r}"), Unreadable)]
+            return (f"torchtitan data-loader state for dp rank(s) {', '.join(ranks)}"
+                    + (f" of world size {world}" if isinstance(world, int) else "")
+                    + (f"; rank(s) {', '.join(lost)} unreadable (see the integrity findings)" if lost else ""))
+    present = [k for k in tree if k in DATA_KEYS and tree[k] not in (None, [], {})]
+    if present:
+        return f"data-loader / loop state ({', '.join(map(str, present))})"
+    if step_key is not None or any(k in tree for k in STEP_KEYS):
+        return f"step counter only ({step_key or next(k for k in tree if k in STEP_KEYS)}); no data-loader position"
+    return ""
 
 
 def _find_step(value: Any) -> int | None:
@@ -344,7 +397,7 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
         where_keys = ()
     if "state" in tree:
         raw_state = tree.get("state")
-        groups = tree.get("param_groups") or []
+        groups = _clean_groups(tree.get("param_groups"))
         state: dict[Any, dict[str, Any]] = {}
         items: list[tuple[Any, Any]]
         if isinstance(raw_state, dict):
@@ -358,10 +411,9 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
                 state[key] = {str(n): ref(("state", key, n), v) for n, v in entry.items()}
         keyed = "index" if any(isinstance(k, int) for k in state) else "fqn"
         if not state and groups:
-            params = [p for g in groups if isinstance(g, dict) for p in g.get("params", [])]
+            params = [p for g in groups for p in g["params"]]
             keyed = "index" if any(isinstance(p, int) for p in params) else "fqn"
-        clean_groups = [g for g in groups if isinstance(g, dict)]
-        return OptimizerView(where, keyed, state, clean_groups, count)
+        return OptimizerView(where, keyed, state, groups, count)
     # torchtitan flattened optimizer: state.<fqn>.<name>, param_groups.<fqn>.<key>
     flat_state: dict[Any, dict[str, Any]] = {}
     group_params: list[str] = []
@@ -376,6 +428,23 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
     if flat_state or group_params:
         return OptimizerView(where, "fqn", flat_state, [{"params": group_params}] if group_params else [], count)
     return None
+
+
+def _clean_groups(raw: Any) -> list[dict[str, Any]]:
+    """``param_groups`` as real optimizers save them: dicts whose ``params`` list holds ints or FQN strings.
+
+    Anything else a (damaged or hostile) file puts there is dropped, so the checks never meet unhashable keys.
+    """
+    if not isinstance(raw, list):
+        return []
+    groups = []
+    for g in raw:
+        if not isinstance(g, dict):
+            continue
+        ps = g.get("params")
+        ps = [p for p in ps if isinstance(p, int | str) and not isinstance(p, bool)] if isinstance(ps, list) else []
+        groups.append({**g, "params": ps})
+    return groups
 
 
 def _layout_name(ckpt: Checkpoint, view: View) -> str:

@@ -91,7 +91,8 @@ class TensorRecord:
     component: str
     """``model``, ``optimizer``, ``scheduler``, ``rng``, ``data-progress``, ``serving`` or ``other``."""
     role: str
-    """``parameter``, ``buffer``, or the optimizer state name (``exp_avg``, ``step``, ...); ``""`` if unknown."""
+    """``parameter``, ``buffer``, ``tied`` (a second name for another model tensor's bytes), or the optimizer
+    state name (``exp_avg``, ``step``, ...); ``""`` if unknown."""
     param: str | None
     """The model parameter this tensor belongs to (itself, or the parameter an optimizer moment is attached to)."""
     file: str

@@ -7,9 +7,18 @@ Index-keyed state (``optimizer.state_dict()``, as Hugging Face Trainer's ``optim
 ``optimizer.bin`` and Lightning's ``optimizer_states`` are) carries no names. Groups that saved
 ``param_names`` are mapped by those. Otherwise the integers are mapped by the one thing real optimizers
 guarantee: each param group is an *order-preserving subsequence* of ``named_parameters()`` (Trainer builds a
-weight-decay group, then a no-decay group of biases and norms). :func:`assign_by_order` counts the
-order-consistent assignments of the groups to the model's parameters that fit every shape: none is a shape
-mismatch, exactly one verifies the attachment, several mean it cannot be verified offline.
+weight-decay group, then a no-decay group of biases and norms, so reading its ``optimizer.pt`` in plain
+parameter order puts the wrong shape on most entries of a checkpoint that resumes fine).
+:func:`assign_by_order` counts the order-consistent assignments of the groups to the model's parameters that
+fit every shape: none is a shape mismatch, exactly one verifies the attachment, several mean it cannot be
+verified offline (and say which entries are still pinned to one parameter).
+
+The model's parameter order is known for ``torch.save`` state dicts (``pytorch_model.bin``, Lightning's
+``state_dict``): its key order is ``named_parameters()`` order with buffers and tied aliases interleaved, which
+the assignment may skip. Safetensors files do not keep it (their tensors are sorted), so index-keyed state next
+to ``model.safetensors`` can only be checked as a multiset of shapes.
+
+Pure functions over the interpreted view; runs in one process, reads no tensor data.
 """
 
 from __future__ import annotations
@@ -22,28 +31,71 @@ from typing import Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.formats.tensors import TensorData
-from ckptaudit.layouts import OptimizerView, TensorRef, View, normalize_fqn
+from ckptaudit.layouts import ModelView, OptimizerView, TensorRef, View, normalize_fqn
 from ckptaudit.model import Finding, Severity
 
-__all__ = ["ELEMENTWISE_STATE", "Attachment", "assign_by_order", "check_attachment", "check_steps"]
+__all__ = [
+    "ELEMENTWISE_STATE",
+    "KNOWN_BUFFERS",
+    "Attachment",
+    "OrderFit",
+    "assign_by_order",
+    "check_attachment",
+    "check_steps",
+    "moment_shape",
+]
 
 ELEMENTWISE_STATE = frozenset(
     "exp_avg exp_avg_sq max_exp_avg_sq momentum_buffer square_avg acc_delta sum ax prev exp_inf grad_avg "
-    "momentum exp_avg_diff".split()
+    "momentum exp_avg_diff variance".split()
 )
 """State names that always have their parameter's shape (torch.optim's optimizers)."""
 
-MAX_DP_STATES = 50_000
+_FACTORED_STATE = (("exp_avg_sq_row", "exp_avg_sq_col", False), ("row_var", "col_var", True))
+"""Adafactor's factored second moments: (row name, column name, whether the reduced dim is kept as 1).
+Hugging Face's ``exp_avg_sq_row`` has shape ``p[:-1]`` and ``exp_avg_sq_col`` ``p[:-2] + p[-1:]``;
+torch.optim's ``row_var`` has ``p[:-1] + (1,)`` and ``col_var`` ``p[:-2] + (1,) + p[-1:]``."""
+
+KNOWN_BUFFERS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+"""Leaf names torch's own modules (BatchNorm, InstanceNorm) register as buffers: never optimizer-attached, so
+they are not offered to the order-consistent assignment (they have their weight's shape and would make every
+norm layer ambiguous)."""
+
+MAX_DP_STATES = 200_000
+"""Search states (summed over all parameters) :func:`assign_by_order` may visit before it gives up."""
 
 
 @dataclass
 class Attachment:
     mapping: dict[Any, str] = field(default_factory=dict)
-    """State key -> model FQN, where it is known (by name, or by the unique order-consistent assignment)."""
+    """State key -> model FQN, where it is known (by name, or pinned by every order-consistent assignment)."""
     status: str = "none"
     """``by-name``, ``by-param-names``, ``unique-order``, ``ambiguous``, ``unknown-order``, ``mismatch``,
     ``none``."""
     findings: list[Finding] = field(default_factory=list)
+    params: frozenset[str] = frozenset()
+    """Model FQNs that carry optimizer state in some fitting attachment (the trainable parameters); empty when
+    that cannot be told (unknown order, mismatch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OrderFit:
+    """What :func:`assign_by_order` found."""
+
+    count: int
+    """Order-consistent assignments that fit: 0, 1, or 2 meaning "two or more"."""
+    options: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    """Per group, per entry: the parameter indices some fitting assignment gives that entry (one index when the
+    entry is pinned). Empty when ``count`` is 0 or the search gave up."""
+    exhausted: bool = False
+    """The search exceeded :data:`MAX_DP_STATES` and stopped; ``count`` is then 2 (cannot verify)."""
+
+    @property
+    def solution(self) -> list[list[int]] | None:
+        """The parameter index of every entry when exactly one assignment fits."""
+        if self.count != 1:
+            return None
+        return [[opts[0] for opts in group] for group in self.options]
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
@@ -53,118 +105,198 @@ def _shape(value: Any) -> tuple[int, ...] | None:
 
 
 def moment_shape(entry: dict[str, Any]) -> tuple[int, ...] | None:
-    """The parameter shape an optimizer state entry implies (from its element-wise moments)."""
-    fallback = None
+    """The parameter shape an optimizer state entry implies, or ``None`` when its state names do not say.
+
+    Only state known to have the parameter's shape (:data:`ELEMENTWISE_STATE`) or to factor it (Adafactor's
+    row/column statistics) counts: guessing from an unknown optimizer's tensors would turn per-row statistics
+    into false shape mismatches.
+    """
     for name, value in entry.items():
         shp = _shape(value)
-        if shp is None:
-            continue
-        if name in ELEMENTWISE_STATE:
+        if shp is not None and name in ELEMENTWISE_STATE:
             return shp
-        if fallback is None and len(shp) >= 1 and name != "step":
-            fallback = shp
-    return fallback
+    for row_name, col_name, keepdim in _FACTORED_STATE:
+        row, col = _shape(entry.get(row_name)), _shape(entry.get(col_name))
+        if row is not None and col is not None and len(row) >= 1 and len(col) >= 1:
+            return (row[:-1] if keepdim else row) + col[-1:]
+    return None
 
 
 def check_attachment(view: View) -> Attachment:
+    """Attach the optimizer state to the model's parameters: by name, by saved ``param_names``, or by order."""
     opt, model = view.optimizer, view.model
     if opt is None or model is None:
         return Attachment()
     if opt.keyed == "fqn":
         return _by_names(opt, model.params, {k: k for k in opt.state}, "by-name", opt.where)
-    result = Attachment()
-    result.findings.append(
-        finding(
-            "optimizer.index-keyed",
-            opt.where,
-            f"{opt.where}: optimizer state is keyed by integers, so which parameter each entry belongs to "
-            "depends on parameter order (pytorch/pytorch#1489); save it FQN-keyed with "
-            "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict",
-        )
-    )
     names = _param_names(opt)
     if names is not None:
-        sub = _by_names(opt, model.params, names, "by-param-names", opt.where)
-        sub.findings[:0] = result.findings
-        return sub
+        result = _by_names(opt, model.params, names, "by-param-names", opt.where)
+        result.findings.insert(0, _index_keyed(opt, result.status, "the param groups saved param_names, so every "
+                                               "entry was matched to its parameter by name"))
+        return result
+    return _by_order(opt, model)
+
+
+def _index_keyed(opt: OptimizerView, status: str, outcome: str, **evidence: Any) -> Finding:
+    return finding(
+        "optimizer.index-keyed",
+        opt.where,
+        f"{opt.where}: optimizer state is keyed by integers (optimizer.state_dict()), so which parameter each entry "
+        f"belongs to depends on parameter order (pytorch/pytorch#1489); {outcome}. Save it FQN-keyed "
+        "(torch.distributed.checkpoint.state_dict.get_optimizer_state_dict) to make it independent of order.",
+        attachment=status,
+        **evidence,
+    )
+
+
+def _candidates(model: ModelView) -> list[tuple[str, tuple[int, ...]]]:
+    """The model tensors an index-keyed entry may belong to, in the writer's order.
+
+    Tied aliases (a second name for a stored tensor) are left out: ``named_parameters()`` yields a shared
+    parameter once, under its first name. So are the buffers of torch's norm layers (:data:`KNOWN_BUFFERS`).
+    """
+    out = []
+    for fqn, ref in model.params.items():
+        if not isinstance(ref.data, TensorData) or not ref.data.dtype.is_float:
+            continue
+        if fqn in model.aliases or fqn.rsplit(".", 1)[-1] in KNOWN_BUFFERS:
+            continue
+        out.append((fqn, ref.data.shape))
+    return out
+
+
+def _by_order(opt: OptimizerView, model: ModelView) -> Attachment:
+    result = Attachment()
+    findings: list[Finding] = []
     grouped: list[list[Any]] = [list(g.get("params", [])) for g in opt.groups]
     in_groups = {k for g in grouped for k in g}
-    stray = [k for k in opt.state if k not in in_groups] if grouped else []
-    for k in stray:
-        result.findings.append(
-            finding("optimizer.unmatched", f"{opt.where}/state/{k}",
-                    f"optimizer state entry {k} belongs to no param group", key=str(k))
-        )
-    if not grouped:
+    if grouped:
+        for k in (k for k in opt.state if k not in in_groups):
+            findings.append(
+                finding("optimizer.unmatched", f"{opt.where}/state/{k}",
+                        f"optimizer state entry {k} belongs to no param group", key=str(k))
+            )
+    else:
         grouped = [list(opt.state)]
+    sizes = [len(g) for g in grouped]
+    n_entries = sum(sizes)
+    groups_text = f"{n_entries} entries in {len(grouped)} param group(s) ({', '.join(map(str, sizes))})"
     expected = [[moment_shape(opt.state[k]) if k in opt.state else None for k in g] for g in grouped]
-    candidates = [(fqn, ref.data.shape) for fqn, ref in model.params.items()
-                  if isinstance(ref.data, TensorData) and ref.data.dtype.is_float]
-    n_entries = sum(len(g) for g in grouped)
+    candidates = _candidates(model)
     if not model.order_known:
         have = Counter(shape for _, shape in candidates)
         need = Counter(s for g in expected for s in g if s is not None)
         missing = {s: c - have.get(s, 0) for s, c in need.items() if c > have.get(s, 0)}
         if missing or n_entries > len(candidates):
             result.status = "mismatch"
-            result.findings.append(_mismatch(opt, n_entries, len(candidates), expected, candidates, missing))
+            detail = (f"moment shapes the model lacks: {', '.join(f'{c} x {list(s)}' for s, c in missing.items())}"
+                      if missing else f"{n_entries} entries but only {len(candidates)} float model tensors")
+            findings.append(_mismatch(opt, groups_text, len(candidates), detail, "as a multiset"))
+            outcome = "their shapes do not fit the model's (see optimizer.shape-mismatch)"
         else:
             result.status = "unknown-order"
-            result.findings.append(
+            findings.append(
                 finding(
                     "optimizer.attachment-unverified",
                     opt.where,
-                    f"{opt.where}: the model file does not keep parameter order (safetensors sorts names), so "
-                    f"the {n_entries} index-keyed entries can only be checked as a multiset: every moment "
-                    "shape exists in the model, but which parameter each belongs to cannot be verified offline",
+                    f"{opt.where}: the model file does not keep parameter order (safetensors sorts its tensors), so "
+                    f"the {groups_text} can only be checked as a multiset: every moment shape exists in the model, "
+                    "but which parameter each entry belongs to cannot be verified offline (a permutation of "
+                    "entries would pass). Compare against a reference (ckptaudit compare) or save FQN-keyed "
+                    "optimizer state.",
+                    entries=n_entries,
                 )
             )
+            outcome = "the model file keeps no parameter order, so only the multiset of shapes was checked"
+        result.findings = [_index_keyed(opt, result.status, outcome, groups=sizes), *findings]
         return result
-    count, solution = assign_by_order([s for _, s in candidates], expected)
-    if count == 0:
+    fit = assign_by_order([s for _, s in candidates], expected)
+    if fit.count == 0:
         result.status = "mismatch"
-        result.findings.append(_mismatch(opt, n_entries, len(candidates), expected, candidates, {}))
-    elif count == 1 and solution is not None:
+        findings.append(_mismatch(opt, groups_text, len(candidates), _diagnose(expected, grouped, candidates),
+                                  "in the model's parameter order"))
+        outcome = "no order-consistent assignment fits their shapes (see optimizer.shape-mismatch)"
+    elif fit.count == 1:
         result.status = "unique-order"
-        for g, keys in enumerate(grouped):
-            for j, key in enumerate(keys):
-                result.mapping[key] = candidates[solution[g][j]][0]
+        outcome = (f"the {groups_text} fit the model's parameter order in exactly one order-consistent way, so the "
+                   "attachment is verified")
     else:
         result.status = "ambiguous"
-        result.findings.append(
-            finding(
-                "optimizer.attachment-unverified",
-                opt.where,
-                f"{opt.where}: the {n_entries} index-keyed entries fit the model's parameter shapes in more than "
-                "one order-consistent way (parameters of equal shape); the attachment cannot be verified "
-                "offline. Compare against a reference (ckptaudit compare) or save FQN-keyed state.",
-            )
-        )
+        outcome = (f"the {groups_text} fit the model's parameter order in more than one way, so the attachment "
+                   "cannot be verified offline (see optimizer.attachment-unverified)")
+        findings.append(_ambiguous(opt, groups_text, fit, grouped, candidates))
+    if fit.count >= 1 and not fit.exhausted:
+        for g, keys in enumerate(grouped):
+            for j, key in enumerate(keys):
+                opts = fit.options[g][j]
+                if len(opts) == 1:
+                    result.mapping[key] = candidates[opts[0]][0]
+        result.params = frozenset(candidates[i][0] for group in fit.options for opts in group for i in opts)
+    result.findings = [_index_keyed(opt, result.status, outcome, groups=sizes), *findings]
     return result
 
 
-def _mismatch(opt: OptimizerView, n_entries: int, n_params: int, expected: list[list[Any]],
-              candidates: list[tuple[str, tuple[int, ...]]], missing: dict[Any, int]) -> Finding:
-    # Evidence: the first disagreement when the entries are read in plain parameter order.
-    flat = [s for g in expected for s in g]
-    first = next(
-        ((i, s, candidates[i]) for i, s in enumerate(flat) if i < len(candidates) and s is not None
-         and s != candidates[i][1]), None)
-    detail = ""
-    if first is not None:
-        i, s, (fqn, shp) = first
-        detail = f" (in plain order, entry {i} has shape {list(s)} but parameter {fqn} has {list(shp)})"
-    if missing:
-        detail = f" (moment shapes with no parameter: {', '.join(str(list(s)) for s in missing)})"
+def _ambiguous(opt: OptimizerView, groups_text: str, fit: OrderFit, grouped: list[list[Any]],
+               candidates: list[tuple[str, tuple[int, ...]]]) -> Finding:
+    if fit.exhausted:
+        why = (f"the search for order-consistent assignments exceeded {MAX_DP_STATES} states and stopped, so it "
+               "cannot tell whether exactly one fits")
+        loose: list[tuple[Any, list[str]]] = []
+    else:
+        loose = [(grouped[g][j], [candidates[i][0] for i in opts])
+                 for g, group in enumerate(fit.options) for j, opts in enumerate(group) if len(opts) > 1]
+        example = ""
+        if loose:
+            key, fqns = loose[0]
+            example = f", e.g. entry {key} could belong to {' or '.join(fqns[:3])}" + (" or ..." if len(fqns) > 3 else "")
+        fits = "entry fits" if len(loose) == 1 else "entries fit"
+        why = (f"{len(loose)} {fits} more than one parameter of equal shape (a frozen parameter or a buffer could "
+               f"sit on either side){example}; the other entries are pinned to one parameter each")
+    return finding(
+        "optimizer.attachment-unverified",
+        opt.where,
+        f"{opt.where}: the {groups_text} fit the model's parameter order in more than one order-consistent way: "
+        f"{why}. Which of them the optimizer really held cannot be verified offline; compare against a reference "
+        "(ckptaudit compare) or save FQN-keyed state.",
+        entries=sum(len(g) for g in grouped),
+        unpinned={str(k): v for k, v in loose[:20]},
+    )
+
+
+def _mismatch(opt: OptimizerView, groups_text: str, n_params: int, detail: str, how: str) -> Finding:
     return finding(
         "optimizer.shape-mismatch",
         opt.where,
-        f"{opt.where}: no order-consistent assignment of the {n_entries} index-keyed entries "
-        f"({len(expected)} group(s)) to the model's {n_params} float parameters fits their shapes{detail}: "
-        "this optimizer state belongs to another model or another parameter order",
-        entries=n_entries,
+        f"{opt.where}: no order-consistent assignment of the {groups_text} to the model's {n_params} float tensors "
+        f"fits their shapes {how} ({detail}): this optimizer state belongs to another model, or its entries were "
+        "reordered",
         parameters=n_params,
     )
+
+
+def _diagnose(expected: list[list[tuple[int, ...] | None]], grouped: list[list[Any]],
+              candidates: list[tuple[str, tuple[int, ...]]]) -> str:
+    """Why no assignment fits: the first entry a group cannot place, or the shapes the groups compete for."""
+    shapes = [s for _, s in candidates]
+    for g, group in enumerate(expected):
+        # Greedy earliest placement decides whether one group alone embeds in order, and where it stops.
+        pos, prev = 0, -1
+        for j, want in enumerate(group):
+            while pos < len(shapes) and not (want is None or shapes[pos] == want):
+                pos += 1
+            if pos == len(shapes):
+                after = f" after {candidates[prev][0]} (where entry {grouped[g][j - 1]} fits)" if prev >= 0 else ""
+                shape = list(want) if want is not None else "any"
+                return (f"entry {grouped[g][j]}, position {j} of group {g}, has moment shape {shape} and no parameter "
+                        f"of that shape comes{after} in the model's order")
+            prev, pos = pos, pos + 1
+    need = Counter(s for group in expected for s in group if s is not None)
+    have = Counter(shapes)
+    short = [f"{need[s]} x {list(s)} needed, {have[s]} in the model" for s in need if need[s] > have[s]]
+    if short:
+        return "; ".join(short)
+    return "each group fits the parameter order on its own, but not all of them at once"
 
 
 def _param_names(opt: OptimizerView) -> dict[Any, str] | None:
@@ -200,6 +332,14 @@ def _by_names(opt: OptimizerView, params: dict[str, TensorRef], names: dict[Any,
         pshape = pdata.shape if isinstance(pdata, TensorData) else None
         if pshape is None:
             continue
+        implied = moment_shape(entry)
+        if implied is not None and implied != pshape and not any(n in ELEMENTWISE_STATE for n in entry):
+            # Adafactor's factored statistics imply another shape.
+            result.findings.append(
+                finding("optimizer.shape-mismatch", f"{where}/state/{name}",
+                        f"the factored optimizer statistics of {name!r} imply shape {list(implied)}, its parameter "
+                        f"{fqn} has {list(pshape)}", param=fqn, state_shape=list(implied), param_shape=list(pshape))
+            )
         for sname, value in entry.items():
             shp = _shape(value)
             if shp is None:
@@ -242,6 +382,7 @@ def _by_names(opt: OptimizerView, params: dict[str, TensorRef], names: dict[Any,
                     param=fqn,
                 )
             )
+    result.params = frozenset(result.mapping.values())
     return result
 
 
@@ -265,61 +406,63 @@ def check_steps(opt: OptimizerView | None, steps: dict[Any, float]) -> list[Find
 
 def assign_by_order(
     params: Sequence[tuple[int, ...]], groups: Sequence[Sequence[tuple[int, ...] | None]]
-) -> tuple[int, list[list[int]] | None]:
-    """Count order-consistent assignments of ``groups`` to ``params`` (saturating at 2).
+) -> OrderFit:
+    """Count the order-consistent assignments of ``groups`` to ``params`` (saturating at 2).
 
-    Each group is a sequence of expected shapes (``None`` matches any parameter: an entry with no state). An
-    assignment gives every group entry a distinct parameter, preserving order within each group, with the
-    shapes equal; parameters may be left out (buffers, frozen parameters) when there are more parameters than
-    entries. Returns the count (0, 1 or 2 meaning "two or more") and, when exactly one, the parameter index
-    of every entry. When the search space exceeds :data:`MAX_DP_STATES` the count is 2 (cannot verify).
+    ``params``: the shapes of the model's tensors in the writer's order. Each group is a sequence of expected
+    shapes (``None`` matches any tensor: an entry with no shape-bearing state). An assignment gives every entry
+    a distinct tensor, preserving the order within each group, with equal shapes; tensors may be left out
+    (buffers, frozen parameters) as long as every entry is placed. Groups may interleave (Trainer's decay and
+    no-decay groups do).
+
+    A dynamic programme over "entries placed per group" after each tensor: forward it counts the paths, backward
+    it keeps the states that still reach the end, so every transition between a forward-reached and a
+    backward-live state belongs to some fitting assignment; those give :attr:`OrderFit.options`.
     """
     k = len(groups)
     sizes = tuple(len(g) for g in groups)
-    total = sum(sizes)
-    slack = len(params) - total
+    n = len(params)
+    slack = n - sum(sizes)
     if slack < 0:
-        return 0, None
-    start = (0,) * k
-    # layer[i] maps a state (entries consumed per group) to (count, predecessor state, group or -1).
-    layers: list[dict[tuple[int, ...], tuple[int, tuple[int, ...] | None, int]]] = [{start: (1, None, -1)}]
-    for i, shape in enumerate(params):
-        nxt: dict[tuple[int, ...], tuple[int, tuple[int, ...] | None, int]] = {}
-        for state, (count, _, _) in layers[-1].items():
-            used = sum(state)
-            if i - used < slack:  # leave parameter i out
-                _add(nxt, state, count, state, -1)
-            for g in range(k):
-                j = state[g]
-                if j < sizes[g]:
-                    want = groups[g][j]
-                    if want is None or want == shape:
-                        new = (*state[:g], j + 1, *state[g + 1:])
-                        _add(nxt, new, count, state, g)
-        if len(nxt) > MAX_DP_STATES:
-            return 2, None
+        return OrderFit(0)
+
+    def moves(i: int, state: tuple[int, ...]) -> list[tuple[tuple[int, ...], int]]:
+        out: list[tuple[tuple[int, ...], int]] = []
+        if i - sum(state) < slack:  # leave tensor i out
+            out.append((state, -1))
+        for g in range(k):
+            j = state[g]
+            if j < sizes[g]:
+                want = groups[g][j]
+                if want is None or want == params[i]:
+                    out.append(((*state[:g], j + 1, *state[g + 1:]), g))
+        return out
+
+    layers: list[dict[tuple[int, ...], int]] = [{(0,) * k: 1}]
+    visited = 1
+    for i in range(n):
+        nxt: dict[tuple[int, ...], int] = {}
+        for state, count in layers[-1].items():
+            for new, _ in moves(i, state):
+                nxt[new] = min(nxt.get(new, 0) + count, 2)
+        visited += len(nxt)
+        if visited > MAX_DP_STATES:
+            return OrderFit(2, exhausted=True)
+        if not nxt:
+            return OrderFit(0)
         layers.append(nxt)
-    final = layers[-1].get(sizes)
-    if final is None:
-        return 0, None
-    count = final[0]
-    if count != 1:
-        return 2, None
-    solution: list[list[int]] = [[0] * s for s in sizes]
-    state = sizes
-    for i in range(len(params), 0, -1):
-        _, prev, g = layers[i][state]
-        if g >= 0:
-            solution[g][state[g] - 1] = i - 1
-        assert prev is not None
-        state = prev
-    return 1, solution
-
-
-def _add(layer: dict[tuple[int, ...], tuple[int, tuple[int, ...] | None, int]], state: tuple[int, ...],
-         count: int, prev: tuple[int, ...], g: int) -> None:
-    old = layer.get(state)
-    if old is None:
-        layer[state] = (min(count, 2), prev, g)
-    else:
-        layer[state] = (min(old[0] + count, 2), old[1], old[2])
+    count = layers[n].get(sizes, 0)
+    if count == 0:
+        return OrderFit(0)
+    options: list[list[set[int]]] = [[set() for _ in range(s)] for s in sizes]
+    live = {sizes}
+    for i in range(n - 1, -1, -1):
+        prev_live: set[tuple[int, ...]] = set()
+        for state in layers[i]:
+            for new, g in moves(i, state):
+                if new in live:
+                    prev_live.add(state)
+                    if g >= 0:
+                        options[g][state[g]].add(i)
+        live = prev_live
+    return OrderFit(count, tuple(tuple(tuple(sorted(o)) for o in group) for group in options))

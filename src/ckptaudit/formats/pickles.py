@@ -108,6 +108,7 @@ DCP_METADATA_GLOBALS: frozenset[str] = frozenset(
 HARMLESS_GLOBALS: tuple[str, ...] = (
     "transformers.training_args.",
     "transformers.trainer_utils.",
+    "transformers.trainer_pt_utils.AcceleratorConfig",
     "transformers.utils.generic.",
     "transformers.debug_utils.",
     "accelerate.state.",

@@ -1,0 +1,250 @@
+"""The audit on what Hugging Face Trainer, Accelerate ``save_state`` and ``save_pretrained`` really write.
+
+Checkpoints come from the real libraries (tiny GPT-2 / Llama configs, CPU, 2 steps; see ``lib_writers.py``), written
+once per module in a fresh interpreter. ``<checkpoint>.truth.json`` holds what the live optimizer really held.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptaudit.audit import audit
+from ckptaudit.formats.torchload import safe_torch_load
+from ckptaudit.formats.torchzip import read_torch_zip
+from ckptaudit.model import ComponentKind, Report, Severity
+
+pytestmark = pytest.mark.libs
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import lib_writers
+
+    out = tmp_path_factory.mktemp("hf")
+    lib_writers.run_writer("hf", str(out))
+    return out
+
+
+def codes(report: Report, severity: Severity | None = None) -> set[str]:
+    return {f.code for f in report.findings if severity is None or f.severity is severity}
+
+
+def one(report: Report, code: str) -> Any:
+    found = [f for f in report.findings if f.code == code]
+    assert len(found) == 1, [f.message for f in report.findings]
+    return found[0]
+
+
+def where(report: Report) -> dict[ComponentKind, tuple[str, ...]]:
+    return {c.kind: c.where for c in report.components}
+
+
+def truth(checkpoint: Path) -> dict[str, Any]:
+    return json.loads(Path(str(checkpoint) + ".truth.json").read_text())
+
+
+def truth_by_key(checkpoint: Path, optimizer_file: str) -> dict[int, str]:
+    """Index key -> parameter name, from the saved groups' integer lists and the live optimizer's groups."""
+    osd = safe_torch_load(checkpoint / optimizer_file)
+    groups = truth(checkpoint)["groups"]
+    return {k: n for g, names in zip(osd["param_groups"], groups, strict=True)
+            for k, n in zip(g["params"], names, strict=True)}
+
+
+def attached(report: Report) -> dict[int, str | None]:
+    """Index key -> the parameter the audit attached that entry's exp_avg to."""
+    return {int(t.name.split("/")[-2]): t.param for t in report.tensors
+            if t.component == "optimizer" and t.role == "exp_avg"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trainer
+
+
+def test_trainer_checkpoint_components_contract_and_step(hf: Path) -> None:
+    ckpt = hf / "trainer-safetensors" / "checkpoint-2"
+    report = audit(str(ckpt))
+    assert report.format == "huggingface-trainer"
+    assert where(report) == {
+        ComponentKind.MODEL: ("model.safetensors",),
+        ComponentKind.OPTIMIZER: ("optimizer.pt",),
+        ComponentKind.SCHEDULER: ("scheduler.pt",),
+        ComponentKind.RNG: ("rng_state.pth",),
+        ComponentKind.DATA_PROGRESS: ("trainer_state.json",),
+    }
+    assert report.extra["step"] == 2
+    assert report.contract is not None and report.contract.master_dtype == "float32"
+    assert report.contract.source == "optimizer-state"
+    assert not codes(report, Severity.ERROR), [f.message for f in report.findings]
+    params = [t for t in report.tensors if t.component == "model" and t.role == "parameter"]
+    assert sorted(t.name.split("/", 1)[1] for t in params) == sorted(truth(ckpt)["params"])
+
+
+def test_rng_states_load_through_the_allowlist(hf: Path) -> None:
+    for path, keys in ((hf / "trainer-safetensors" / "checkpoint-2" / "rng_state.pth", {"python", "numpy", "cpu"}),
+                       (hf / "accelerate" / "random_states_0.pkl", {"random_state", "numpy_random_seed"})):
+        tz = read_torch_zip(str(path))
+        # They do need NumPy's RNG globals, and our allowlist admits them: loaded, nothing unsafe.
+        assert any(g.startswith("numpy.") for g in tz.scan.globals), tz.scan.globals
+        assert tz.loaded and not tz.scan.unsafe
+        state = safe_torch_load(path)
+        assert keys <= set(state)
+        report = audit(str(path.parent))
+        assert not [f for f in report.findings if f.subject == path.name], [f.message for f in report.findings]
+        assert where(report)[ComponentKind.RNG] == (path.name,)
+
+
+def test_training_args_are_reported_not_loaded_and_never_executed(hf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from transformers import TrainingArguments
+
+    made: list[str] = []
+
+    def tripwire(cls: type, *args: Any, **kwargs: Any) -> Any:
+        made.append(cls.__name__)
+        raise RuntimeError("TrainingArguments was unpickled")
+
+    monkeypatch.setattr(TrainingArguments, "__new__", staticmethod(tripwire))
+    ckpt = hf / "trainer-bin" / "checkpoint-2"
+    report = audit(str(ckpt))
+    f = one(report, "security.not-loaded")
+    assert f.subject == "training_args.bin" and f.severity is Severity.WARNING
+    assert "transformers.training_args.TrainingArguments" in f.evidence["globals"]
+    assert "security.unsafe-pickle" not in codes(report)
+    assert made == []
+    # The tripwire works: loading the file the unsafe way does construct the object.
+    with pytest.raises(RuntimeError, match="unpickled"):
+        torch.load(ckpt / "training_args.bin", weights_only=False)
+    assert made == ["TrainingArguments"]
+
+
+def test_trainer_decay_split_is_attached_by_the_unique_order_consistent_assignment(hf: Path) -> None:
+    ckpt = hf / "trainer-bin" / "checkpoint-2"
+    groups = truth(ckpt)["groups"]
+    assert len(groups) == 2 and all(n.endswith("bias") or ".ln_" in n for n in groups[1])
+    # Read in plain parameter order, most entries of this healthy checkpoint get the wrong shape.
+    osd = safe_torch_load(ckpt / "optimizer.pt")
+    model = safe_torch_load(ckpt / "pytorch_model.bin")
+    params = truth(ckpt)["params"]
+    wrong = sum(osd["state"][i]["exp_avg"].shape != model[params[i]].shape for i in range(len(params)))
+    assert wrong > len(params) // 2
+
+    report = audit(str(ckpt))
+    f = one(report, "optimizer.index-keyed")
+    assert f.severity is Severity.WARNING
+    assert f.evidence["attachment"] == "unique-order" and f.evidence["groups"] == [len(g) for g in groups]
+    assert report.extra["attachment"] == "unique-order"
+    assert not codes(report) & {"optimizer.shape-mismatch", "optimizer.attachment-unverified", "optimizer.unmatched"}
+    assert attached(report) == truth_by_key(ckpt, "optimizer.pt")
+    # The tied head is the embedding's bytes under a second name, not a parameter of its own.
+    (head,) = (t for t in report.tensors if t.name == "pytorch_model.bin/lm_head.weight")
+    assert (head.role, head.param) == ("tied", "transformer.wte.weight")
+    assert not codes(report, Severity.ERROR)
+
+
+def test_trainer_safetensors_order_unknown_is_unverified_not_mismatched(hf: Path) -> None:
+    report = audit(str(hf / "trainer-safetensors" / "checkpoint-2"))
+    assert one(report, "optimizer.index-keyed").evidence["attachment"] == "unknown-order"
+    assert one(report, "optimizer.attachment-unverified").severity is Severity.WARNING
+    assert "optimizer.shape-mismatch" not in codes(report)
+
+
+def _swap_first_entries_of_different_shapes(src: Path, dst: Path) -> tuple[int, int]:
+    import torch
+
+    shutil.copytree(src, dst)
+    osd = safe_torch_load(src / "optimizer.pt")
+    state = osd["state"]
+    a = osd["param_groups"][0]["params"][0]
+    b = next(k for k in osd["param_groups"][0]["params"] if state[k]["exp_avg"].shape != state[a]["exp_avg"].shape)
+    state[a], state[b] = state[b], state[a]
+    torch.save(osd, dst / "optimizer.pt")
+    return a, b
+
+
+def test_swapped_entries_of_different_shapes_are_a_shape_mismatch(hf: Path, tmp_path: Path) -> None:
+    a, b = _swap_first_entries_of_different_shapes(hf / "trainer-bin" / "checkpoint-2", tmp_path / "swapped")
+    report = audit(str(tmp_path / "swapped"))
+    f = one(report, "optimizer.shape-mismatch")
+    assert f.severity is Severity.ERROR and f.subject == "optimizer.pt"
+    assert f"entry {a}," in f.message or f"entry {b}," in f.message
+    assert report.extra["attachment"] == "mismatch"
+    # Beside model.safetensors (no parameter order) the same swap keeps the multiset of shapes: it can only be
+    # reported as unverified, never as verified.
+    _swap_first_entries_of_different_shapes(hf / "trainer-safetensors" / "checkpoint-2", tmp_path / "swapped-st")
+    st = audit(str(tmp_path / "swapped-st"))
+    assert "optimizer.attachment-unverified" in codes(st)
+    assert st.extra["attachment"] == "unknown-order"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Accelerate
+
+
+def test_accelerate_save_state_components(hf: Path) -> None:
+    report = audit(str(hf / "accelerate"))
+    assert report.format == "accelerate"
+    found = where(report)
+    assert found[ComponentKind.MODEL] == ("model.safetensors",)
+    assert found[ComponentKind.OPTIMIZER] == ("optimizer.bin",)
+    assert found[ComponentKind.SCHEDULER] == ("scheduler.bin",)
+    assert found[ComponentKind.RNG] == ("random_states_0.pkl",)
+    # A map-style DataLoader in one process: Accelerate writes no sampler / data-loader state at all.
+    assert found[ComponentKind.DATA_PROGRESS] == ()
+    missing = [f for f in report.findings if f.code == "component.missing"]
+    assert [(f.subject, f.severity) for f in missing] == [("data-progress", Severity.WARNING)]
+    assert report.contract is not None and report.contract.master_dtype == "float32"
+    assert report.extra["attachment"] == "unknown-order"
+    assert not codes(report, Severity.ERROR)
+
+
+def test_frozen_parameter_of_a_repeated_shape_makes_the_attachment_ambiguous(hf: Path) -> None:
+    ckpt = hf / "accelerate-bin-frozen"
+    frozen = truth(ckpt)["frozen"]
+    sibling = frozen.replace("gate_proj", "up_proj")
+    report = audit(str(ckpt))
+    assert report.extra["attachment"] == "ambiguous"
+    f = one(report, "optimizer.attachment-unverified")
+    expected = truth_by_key(ckpt, "optimizer.bin")
+    (loose_key,) = (k for k, n in expected.items() if n == sibling)
+    assert f.evidence["unpinned"] == {str(loose_key): [frozen, sibling]}
+    assert "optimizer.shape-mismatch" not in codes(report)
+    # Every other entry is still pinned to the parameter the optimizer really held.
+    assert attached(report) == {**expected, loose_key: None}
+    names = list(itertools.chain(*truth(ckpt)["groups"]))
+    assert frozen not in names and len(names) == len(truth(ckpt)["params"]) - 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sharded save_pretrained
+
+
+def test_sharded_safetensors_with_index(hf: Path, tmp_path: Path) -> None:
+    src = hf / "sharded"
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2
+    report = audit(str(src))
+    assert report.format == "huggingface-sharded"
+    assert set(where(report)[ComponentKind.MODEL]) == {*shards, "model.safetensors.index.json"}
+    model = sorted(t.name.split("/", 1)[1] for t in report.tensors if t.component == "model")
+    assert model == sorted(truth(src)["params"]) == sorted(index["weight_map"])
+    assert not {c for c in codes(report) if c.startswith("integrity.")}
+
+    damaged = tmp_path / "sharded"
+    shutil.copytree(src, damaged)
+    lost = shards[1]
+    (damaged / lost).unlink()
+    report = audit(str(damaged))
+    f = one(report, "integrity.incomplete")
+    assert f.subject == lost and f.severity is Severity.ERROR
+    assert f.evidence["tensors"] == sorted(t for t, s in index["weight_map"].items() if s == lost)

@@ -1,0 +1,92 @@
+"""The audit on the ``.ckpt`` files ``lightning.Trainer``'s ``ModelCheckpoint`` really writes.
+
+A LightningModule around the tiny GPT with nanoGPT's decay / no-decay param groups and a persistent buffer
+registered before the model, trained 2 steps on CPU with ``precision="32-true"`` and ``"bf16-true"`` (bf16
+parameters and bf16 AdamW moments: a run with low-precision masters). Written once per module in a fresh
+interpreter (``lib_writers.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptaudit.audit import AuditOptions, audit
+from ckptaudit.formats.torchload import safe_torch_load
+from ckptaudit.model import ComponentKind, Report, Severity
+
+pytestmark = pytest.mark.libs
+
+pytest.importorskip("lightning")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    import lib_writers
+
+    out = tmp_path_factory.mktemp("lightning")
+    lib_writers.run_writer("lightning", str(out))
+    return {p: next((out / p).glob("*.ckpt")) for p in ("fp32", "bf16-true")}
+
+
+def truth(ckpt: Path) -> dict[str, Any]:
+    return json.loads(Path(str(ckpt) + ".truth.json").read_text())
+
+
+def codes(report: Report, severity: Severity | None = None) -> set[str]:
+    return {f.code for f in report.findings if severity is None or f.severity is severity}
+
+
+def test_fp32_run_components_step_and_contract(ckpts: dict[str, Path]) -> None:
+    report = audit(str(ckpts["fp32"]))
+    assert report.format == "lightning"
+    comps = {c.kind: c for c in report.components}
+    assert comps[ComponentKind.MODEL].where == ("state_dict",)
+    assert comps[ComponentKind.OPTIMIZER].where == ("optimizer_states",)
+    assert comps[ComponentKind.SCHEDULER].where == ("lr_schedulers",)
+    assert "loops" in comps[ComponentKind.DATA_PROGRESS].where
+    assert "Lightning loop progress" in comps[ComponentKind.DATA_PROGRESS].detail
+    # Lightning saves no RNG state: a warning, not an error.
+    assert not comps[ComponentKind.RNG].found
+    assert [(f.subject, f.severity) for f in report.findings if f.code == "component.missing"] == [
+        ("rng", Severity.WARNING)]
+    assert report.extra["step"] == 2  # global_step, not the epoch counter
+    assert report.contract is not None and report.contract.master_dtype == "float32"
+    assert not codes(report, Severity.ERROR), [f.message for f in report.findings]
+
+
+def test_decay_groups_and_leading_buffer_are_attached_exactly(ckpts: dict[str, Path]) -> None:
+    ckpt = ckpts["fp32"]
+    groups = truth(ckpt)["groups"]
+    report = audit(str(ckpt))
+    index_keyed = next(f for f in report.findings if f.code == "optimizer.index-keyed")
+    assert index_keyed.evidence["attachment"] == "unique-order"
+    assert index_keyed.evidence["groups"] == [len(g) for g in groups]
+    osd = safe_torch_load(ckpt)["optimizer_states"][0]
+    expected = {k: n
+                for g, names in zip(osd["param_groups"], groups, strict=True)
+                for k, n in zip(g["params"], names, strict=True)}
+    got = {int(t.name.split("/")[-2]): t.param for t in report.tensors
+           if t.component == "optimizer" and t.role == "exp_avg"}
+    assert got == expected
+    roles = {t.name.split("/", 1)[1]: t.role for t in report.tensors if t.component == "model"}
+    assert roles.pop("tokens_seen") == "buffer"
+    assert set(roles.values()) == {"parameter"}
+
+
+def test_bf16_true_is_clean_under_its_low_precision_contract(ckpts: dict[str, Path]) -> None:
+    report = audit(str(ckpts["bf16-true"]))
+    params = [t for t in report.tensors if t.component == "model" and t.role == "parameter"]
+    moments = [t for t in report.tensors if t.component == "optimizer" and t.role in ("exp_avg", "exp_avg_sq")]
+    assert {t.dtype for t in params} == {"bfloat16"} and {t.dtype for t in moments} == {"bfloat16"}
+    assert report.contract is not None and report.contract.master_dtype == "bfloat16"
+    assert "contract.low-precision-masters" in codes(report, Severity.INFO)
+    assert not codes(report, Severity.ERROR)
+    assert not {c for c in codes(report) if c.startswith("precision.")}
+    # Held to fp32 masters, every parameter is low-precision storage.
+    strict = audit(str(ckpts["bf16-true"]), AuditOptions(master_dtype="float32"))
+    flagged = {f.subject for f in strict.findings if f.code == "precision.low-precision-storage"}
+    assert flagged == {t.name for t in params}

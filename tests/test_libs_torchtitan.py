@@ -1,0 +1,73 @@
+"""The audit on torchtitan's checkpoint layout, written by a real 2-rank FSDP2 job with DCP.
+
+torchtitan itself is not a dependency: ``lib_writers.write_torchtitan`` saves the keys its ``CheckpointManager``
+saves (model FQNs at the top level, the flattened ``optimizer``, ``lr_scheduler``, per-rank ``dataloader``,
+``train_state``) from the built-in FSDP2 recipe (bf16 ``MixedPrecisionPolicy``, fp32 masters) on 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptaudit.audit import audit
+from ckptaudit.dist.launch import launch
+from ckptaudit.model import ComponentKind, Precision, Severity
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def titan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    import lib_writers
+
+    out = tmp_path_factory.mktemp("torchtitan")
+    info: dict[str, Any] = launch(lib_writers.write_torchtitan, 2, (str(out), 2), timeout_s=240)[0]
+    return info
+
+
+def test_torchtitan_layout_is_read_where_it_is_and_clean(titan: dict[str, Any]) -> None:
+    path = Path(titan["path"])
+    assert path.name == "step-2"
+    report = audit(str(path))
+    assert report.format == "torchtitan"
+    comps = {c.kind: c for c in report.components}
+    assert comps[ComponentKind.MODEL].where == ("(root) (top-level keys)",)
+    assert comps[ComponentKind.OPTIMIZER].where == ("optimizer",)
+    assert comps[ComponentKind.SCHEDULER].where == ("lr_scheduler",)
+    assert set(comps[ComponentKind.DATA_PROGRESS].where) == {"dataloader", "train_state"}
+    assert comps[ComponentKind.DATA_PROGRESS].detail == "torchtitan data-loader state for dp rank(s) 0, 1 of world size 2"
+    assert report.extra["step"] == titan["step"] == 2
+    # torchtitan saves no RNG state by default: the only finding, a warning.
+    assert [(f.code, f.subject, f.severity) for f in report.findings] == [
+        ("component.missing", "rng", Severity.WARNING)]
+    assert report.contract is not None and report.contract.master_dtype == "float32"
+    params = {t.name: t for t in report.tensors if t.component == "model" and t.role == "parameter"}
+    assert set(params) == set(titan["params"])
+    assert all(t.precision is Precision.EXACT and t.dtype == "float32" for t in params.values())
+
+
+def test_flattened_optimizer_state_is_attached_by_name(titan: dict[str, Any]) -> None:
+    report = audit(titan["path"])
+    assert report.extra["attachment"] == "by-name"
+    moments = [t for t in report.tensors if t.component == "optimizer" and t.role in ("exp_avg", "exp_avg_sq")]
+    assert {t.name for t in moments} == {f"optimizer/state.{p}.{m}" for p in titan["params"]
+                                         for m in ("exp_avg", "exp_avg_sq")}
+    assert all(t.param == t.name.split(".", 1)[1].rsplit(".", 1)[0] for t in moments)
+
+
+def test_a_lost_rank_file_names_what_it_took(titan: dict[str, Any], tmp_path: Path) -> None:
+    damaged = tmp_path / "step-2"
+    shutil.copytree(titan["path"], damaged)
+    # DCP writes replicated items (the scheduler, world_size, step scalars) into the last rank's file.
+    (damaged / "__1_0.distcp").unlink()
+    report = audit(str(damaged))
+    incomplete = [f for f in report.findings if f.code == "integrity.incomplete"]
+    assert [f.subject for f in incomplete] == ["__1_0.distcp"]
+    assert report.fails(Severity.ERROR)
+    comps = {c.kind: c for c in report.components}
+    assert "unreadable" in comps[ComponentKind.SCHEDULER].detail
+    assert comps[ComponentKind.DATA_PROGRESS].detail.endswith("rank(s) 1 unreadable (see the integrity findings)")
