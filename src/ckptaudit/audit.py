@@ -90,10 +90,11 @@ def scan_checkpoint(path: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     refs: list[TensorRef] = []
     steps: dict[Any, float] = {}
     corrupt_files: set[str] = set()
+    fqn_of = {id(r): f for f, r in view.model.params.items()} if view.model is not None else {}
     for ref, comp in view.tensors:
         role, param = "", None
         if comp == ComponentKind.MODEL.value and view.model is not None:
-            fqn = next((f for f, r in view.model.params.items() if r is ref), None)
+            fqn = fqn_of.get(id(ref))
             param = fqn
             role = "parameter" if (not known_params or fqn in known_params) else "buffer"
             if fqn in view.model.aliases:  # a tied weight's second name: same bytes as its first
