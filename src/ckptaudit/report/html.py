@@ -14,7 +14,8 @@ from ckptaudit.model import Precision, Report, Severity
 
 __all__ = ["render_html", "render_page"]
 
-_COLORS = ["#d62728", "#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+_COLORS = ["#2ca02c", "#d62728", "#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+"""The first series (the reference) is green; candidates follow."""
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1100px;
 color:#222;padding:0 1em}
