@@ -173,6 +173,22 @@ def _torch_table() -> dict[str, Any]:
     return table
 
 
+_SCAN_CACHE: dict[bytes, PickleScan] = {}
+
+
+def _scan_cached(data: bytes) -> PickleScan:
+    """:func:`scan`, memoised on the pickle's bytes: every DCP item of a given shape carries the same small
+    ``data.pkl``, and a checkpoint has thousands of items but few distinct shapes."""
+    hit = _SCAN_CACHE.get(data)
+    if hit is None:
+        hit = scan(data)
+        if len(data) <= 4096:
+            if len(_SCAN_CACHE) >= 4096:
+                _SCAN_CACHE.clear()
+            _SCAN_CACHE[data] = hit
+    return hit
+
+
 def _local_data_offset(fh: Any, region_start: int, info: zipfile.ZipInfo) -> int:
     """Absolute offset of a stored member's data (after its local header)."""
     header_at = region_start + info.header_offset
@@ -224,7 +240,7 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
                 data = zf.read(pkl[0])
             except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
                 raise TorchZipError(f"cannot read data.pkl ({exc})", offset) from None
-            result = scan(data)
+            result = _scan_cached(data)
             if result.error is not None:
                 raise TorchZipError(f"data.pkl: {result.error}", offset)
             if not load or not result.loadable:
