@@ -21,6 +21,7 @@ from ckptaudit.audit import AuditOptions, audit, scan_checkpoint
 from ckptaudit.checks.artifact import HASH_PREFIX, manifest_hash
 from ckptaudit.cli import SERVING_DTYPES, main
 from ckptaudit.formats import open_checkpoint
+from ckptaudit.formats.dcp import check_metadata_safe
 from ckptaudit.formats.torchload import materialize
 from ckptaudit.layouts import interpret
 from ckptaudit.store.gate import GateThresholds, compare_logits, judge, next_token_targets
@@ -67,6 +68,22 @@ def training_weights(src: Path) -> dict[str, torch.Tensor]:
         return {k: materialize(r.data, ckpt.maps) for k, r in view.model.params.items()}
 
 
+def dcp_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The model weights as torch.distributed.checkpoint itself reads them (independently of ckptaudit's reader)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    check_metadata_safe(str(path))
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+          if k.startswith("model.") and hasattr(v, "size")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
+        dcp.load(sd, checkpoint_id=str(path))
+    return {k.removeprefix("model."): v for k, v in sd.items()}
+
+
 def metadata(path: Path) -> dict[str, str]:
     with safe_open(str(path), framework="pt") as fh:
         return dict(fh.metadata() or {})
@@ -90,7 +107,7 @@ def test_bf16_export_passes_the_gate_is_exactly_the_rounded_weights_and_audits_c
     assert sorted(os.listdir(out)) == ["model.safetensors"]
     # The artifact holds the training weights rounded to bf16, nothing else and nothing lost besides that.
     exported = load_file(str(out / "model.safetensors"))
-    weights = training_weights(src)
+    weights = dcp_model_weights(src)
     assert set(exported) == set(weights) == set(fsdp_run["params"])
     for name, w in weights.items():
         assert exported[name].dtype == torch.bfloat16
@@ -198,6 +215,7 @@ def test_sharded_export_has_an_index_and_audits_clean(fsdp_run: dict[str, Any], 
     assert code == 0, err
     shards = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
     assert len(shards) > 2 and INDEX_FILE in os.listdir(out)
+    assert sorted(f["name"] for f in report["serving"]["files"]) == sorted([*shards, INDEX_FILE])
     index = json.loads((out / INDEX_FILE).read_text())
     union: dict[str, str] = {}
     for shard in shards:

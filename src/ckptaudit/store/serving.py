@@ -170,8 +170,7 @@ class ExportResult:
                      for c in self.gate.checks]
         m = self.gate.metrics
         sections: list[dict[str, Any]] = [{
-            "title": f"quality gate: {self.dtype} vs full precision on {self.batch} ({m.positions} positions, "
-                     f"vocabulary {m.vocab}, device {self.device})",
+            "title": f"quality gate: {self.dtype} vs fp32 on {m.positions} positions ({self.device})",
             "columns": ["metric", "value", "limit", "flag", "result"],
             "rows": gate_rows,
         }]
@@ -437,7 +436,7 @@ def _eval_batch(recipe: Any, options: ExportOptions) -> tuple[Any, str]:
         raise ExportError("the recipe has no eval_batch(); give --eval-batch FILE.pt (a torch.save tensor of token "
                           "ids) or add eval_batch(job) to the recipe")
     # Offline there is no live job: the recipe receives None (the built-in one does not use it).
-    return fn(None), "the recipe's eval_batch"
+    return fn(None), "recipe eval_batch"
 
 
 def _eval_model(recipe: Any, exported: dict[str, torch.Tensor], compute: torch.dtype) -> nn.Module:
