@@ -301,6 +301,7 @@ def test_usage_errors_name_the_problem_and_touch_nothing(fsdp_run: dict[str, Any
         (["--recipe", RECIPE, "--keep-fp32", "*nothing*"], "--keep-fp32 '*nothing*' matches no tensor"),
         (["--recipe", RECIPE, "--max-shard-size", "lots"], "--max-shard-size 'lots' is not a size"),
         (["--recipe", RECIPE, "--min-cosine", "2"], "--min-cosine must be between 0 and 1"),
+        (["--recipe", RECIPE, "--device", "gpu"], "--device 'gpu' is not a torch device"),
         (["--recipe", RECIPE, "--eval-batch", str(tmp_path / "missing.pt")], "no such file"),
     ]
     for extra, message in cases:

@@ -109,6 +109,10 @@ class ExportOptions:
             raise ExportError(f"--max-shard-size must be positive, got {self.max_shard_bytes} bytes")
         if not self.out:
             raise ExportError("--out is empty; name the directory the serving artifact goes to")
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            raise ExportError(f"--device {self.device!r} is not a torch device; use cpu, cuda or cuda:N") from None
         for pattern in self.keep_fp32:
             if not pattern:
                 raise ExportError("--keep-fp32 got an empty pattern; give a glob such as '*norm*'")
