@@ -166,7 +166,7 @@ def _judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
     view = s.view
     findings = list(s.findings)
     findings += check_indexes(s.ckpt, view)
-    serving_findings, is_serving = check_artifact(view, options.expect)
+    serving_findings, is_serving = check_artifact(view, options.expect, ckpt=s.ckpt, records=s.records)
     findings += serving_findings
     params = [r for r in s.records if r.component == ComponentKind.MODEL.value and r.role == "parameter"
               and r.precision is not Precision.NOT_FLOAT and r.precision is not Precision.UNREAD]

@@ -69,6 +69,17 @@ _RULES: tuple[Rule, ...] = (
     Rule("artifact.no-quality-gate", W, "A serving artifact that records no output-quality gate."),
     Rule("artifact.gate-failed", E, "A serving artifact whose recorded quality gate failed."),
     Rule("artifact.not-serving", E, "--expect serving, but the checkpoint is not marked as a serving artifact."),
+    # serving export (ckptaudit export-serving, ckptaudit.store.serving) and its audit (checks/artifact.py)
+    Rule("artifact.mixed-shards", E, "The shards of a serving artifact carry different serving metadata (dtype, "
+         "source, weights hash or quality gate): they come from different exports, so no one gate covers them."),
+    Rule("artifact.weights-changed", E, "A serving artifact's weights no longer hash to the weights_hash its quality "
+         "gate evaluated: a tensor was changed, added or removed after the export."),
+    Rule("gate.failed", E, "The serving export's output-quality gate failed: a metric comparing the exported "
+         "model's logits with the full-precision model's is beyond its limit. Nothing is written (unless --force)."),
+    Rule("gate.forced", W, "A serving export whose quality gate failed was written anyway (--force); the failure "
+         "is recorded in its metadata, and `audit --expect serving` reports artifact.gate-failed."),
+    Rule("gate.no-loss", INFO, "The evaluation batch gives no next-token targets (not a 2-D tensor of token ids "
+         "matching the logits), so the loss difference was not checked."),
 )
 
 CATALOGUE: dict[str, Rule] = {r.code: r for r in _RULES}

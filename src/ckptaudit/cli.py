@@ -68,11 +68,40 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for each phase")
     _output_args(r)
 
+    e = sub.add_parser("export-serving", help="export the model weights for serving (bf16/fp16 safetensors) behind "
+                       "an output-quality gate, marked as a serving artifact")
+    e.add_argument("path", metavar="CKPT", help="the training checkpoint (any format `audit` reads)")
+    e.add_argument("--recipe", required=True,
+                   help="module:attr or path.py:attr of the recipe: build_model() and the evaluation batch")
+    e.add_argument("--dtype", default="bfloat16", choices=SERVING_DTYPES, help="export dtype (default bfloat16)")
+    e.add_argument("--out", required=True, help="directory to create for the artifact (must not exist, or be empty)")
+    e.add_argument("--keep-fp32", nargs="+", action="extend", default=[], metavar="PATTERN",
+                   help="glob(s) of tensor names kept in fp32, e.g. '*ln*' '*norm*'")
+    e.add_argument("--force", action="store_true",
+                   help="write even when the gate fails (the failure is recorded in the metadata; exit code still 1)")
+    e.add_argument("--max-shard-size", default="2GiB", help="shard the safetensors above this size (default 2GiB)")
+    e.add_argument("--eval-batch", metavar="FILE.pt",
+                   help="torch.save file with a (batch, sequence) tensor of token ids (default: the recipe's)")
+    e.add_argument("--device", default="cpu", help="where both models run for the gate (default cpu)")
+    e.add_argument("--convert", metavar="MODULE:ATTR",
+                   help="custom conversion (name, tensor, dtype) -> tensor (default: tensor.to(dtype))")
+    g = e.add_argument_group("quality gate thresholds (defaults: see README, 'Serving export')")
+    g.add_argument("--max-abs-diff", type=float, help="largest absolute logit difference")
+    g.add_argument("--max-rel-diff", type=float, help="largest logit difference relative to the position's max |logit|")
+    g.add_argument("--min-cosine", type=float, help="smallest per-position cosine similarity of the logits")
+    g.add_argument("--min-top1", type=float, help="smallest share of positions whose top-1 token agrees")
+    g.add_argument("--max-loss-diff", type=float, help="largest next-token cross-entropy difference (nats)")
+    _output_args(e)
+
     d = sub.add_parser("demo", help="run the whole story on the built-in recipe (CPU, 2 ranks)")
     d.add_argument("--out", default="ckptaudit-demo", help="directory for checkpoints and reports")
     d.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
     d.add_argument("--steps", type=int, default=8, help="training steps before the checkpoint")
     return p
+
+
+SERVING_DTYPES = ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"]
+"""``ckptaudit.store.serving.EXPORT_DTYPES`` (listed here so that parsing arguments does not import torch)."""
 
 
 def _output_args(p: argparse.ArgumentParser) -> None:
@@ -167,6 +196,37 @@ def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
     return _emit(report, args, stdout)
 
 
+def _cmd_export_serving(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from ckptaudit.recipe import load_object
+    from ckptaudit.store.gate import GateThresholds
+    from ckptaudit.store.serving import ExportError, ExportOptions, export_serving, parse_size
+
+    if not os.path.exists(args.path):
+        raise UsageError(f"{args.path}: no such file or directory; give the path of a training checkpoint")
+    limits = {k: getattr(args, k) for k in ("max_abs_diff", "max_rel_diff", "min_cosine", "min_top1",
+                                            "max_loss_diff") if getattr(args, k) is not None}
+    try:
+        convert = load_object(args.convert) if args.convert else None
+        if convert is not None and not callable(convert):
+            raise ValueError(f"--convert {args.convert} is not callable; name a function (name, tensor, dtype)")
+        options = ExportOptions(recipe=args.recipe, out=args.out, dtype=args.dtype, keep_fp32=tuple(args.keep_fp32),
+                                force=args.force, max_shard_bytes=parse_size(args.max_shard_size),
+                                eval_batch=args.eval_batch, device=args.device, thresholds=GateThresholds(**limits),
+                                convert=convert)
+    except ValueError as exc:  # ExportError is a ValueError
+        raise UsageError(str(exc)) from None
+
+    def log(msg: str) -> None:
+        if not args.no_progress:
+            stderr.write(f"export-serving: {msg}\n")
+
+    try:
+        result = export_serving(args.path, options, log=log)
+    except ExportError as exc:
+        raise UsageError(str(exc)) from None
+    return _emit(result.report(), args, stdout)
+
+
 def _cmd_demo(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from ckptaudit.demo import run_demo
 
@@ -175,7 +235,8 @@ def _cmd_demo(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     return run_demo(args.out, nproc=args.nproc, steps=args.steps, out=stdout, err=stderr).exit_code
 
 
-COMMANDS = {"audit": _cmd_audit, "demo": _cmd_demo, "resume-test": _cmd_resume}
+COMMANDS = {"audit": _cmd_audit, "demo": _cmd_demo, "export-serving": _cmd_export_serving,
+            "resume-test": _cmd_resume}
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:

@@ -16,7 +16,9 @@ a data source whose progress can be saved and restored, and it runs one training
         def step(self, job: Job) -> float:               # (all ranks) one training step; returns the loss
             ...
 
-        def eval_batch(self, job: Job) -> Any: ...       # optional: the batch the serving gate evaluates
+        def eval_batch(self, job: Job | None) -> Any: ...    # optional: the batch the serving gate evaluates
+                                                             # (export-serving runs offline: job is None)
+        def build_model(self) -> nn.Module: ...              # optional: the unwrapped model (export-serving)
         def eval_logits(self, model, batch) -> Tensor: ...   # optional: logits for the serving gate
 
 Recipes are named ``module:attr`` (an instance, a class, or a zero-argument factory) or ``path/to/file.py:attr``.

@@ -1,0 +1,1 @@
+"""Writers: the serving export behind a quality gate (:mod:`ckptaudit.store.serving`, :mod:`ckptaudit.store.gate`)."""
