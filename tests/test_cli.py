@@ -102,3 +102,12 @@ def test_json_report_matches_the_golden_schema(tmp_path: Path) -> None:
     if os.environ.get("CKPTAUDIT_UPDATE_GOLDEN"):
         golden_path.write_text(json.dumps(doc, indent=2) + "\n")
     assert doc == json.loads(golden_path.read_text())
+
+
+def test_table_prints_hostile_names_verbatim(tmp_path: Path) -> None:
+    # Tensor names come from the checkpoint: rich markup in them must be printed, not interpreted.
+    path = tmp_path / "markup.pt"
+    torch.save({"model": {"[/]x[bold]:smile:": torch.ones(3).bfloat16()}}, path)
+    code, out, err = run("audit", str(path), "--verbose")
+    assert code == 1, err
+    assert "[/]x[bold]:smile:" in out

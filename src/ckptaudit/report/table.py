@@ -20,7 +20,9 @@ MAX_SUBJECTS = 8
 
 
 def console_for(out: TextIO) -> Console:
-    return Console(file=out, width=None if out.isatty() else 140, highlight=False, soft_wrap=False)
+    # Markup and emoji off: names and messages come from untrusted checkpoints ("[/]" would be a markup error).
+    return Console(file=out, width=None if out.isatty() else 140, highlight=False, soft_wrap=False, markup=False,
+                   emoji=False)
 
 
 def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
