@@ -80,6 +80,17 @@ _RULES: tuple[Rule, ...] = (
          "is recorded in its metadata, and `audit --expect serving` reports artifact.gate-failed."),
     Rule("gate.no-loss", INFO, "The evaluation batch gives no next-token targets (not a 2-D tensor of token ids "
          "matching the logits), so the loss difference was not checked."),
+    # resume test (ckptaudit.resume)
+    Rule("resume.drift", E, "Resuming from the candidate does not reproduce the uninterrupted run: "
+         "its parameters deviate beyond the noise floor of the kernels (by the documented margin)."),
+    Rule("resume.loss-looks-normal", W, "The candidate's loss stays within a small threshold of "
+         "the uninterrupted run while its parameters drift: a loss curve would not reveal the defect."),
+    Rule("resume.reference-not-reproducible", E, "Resuming from the documented-path reference does "
+         "not reproduce the uninterrupted run: the recipe is not deterministic or saves too little state; "
+         "candidates cannot be judged."),
+    Rule("resume.noise-floor", INFO, "The reference's own deviation from the uninterrupted run (kernel "
+         "nondeterminism); candidates are judged against it."),
+    Rule("resume.candidate-failed", E, "The candidate could not be written or restored."),
 )
 
 CATALOGUE: dict[str, Rule] = {r.code: r for r in _RULES}
@@ -117,5 +128,24 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
+def update_readme(path: str) -> bool:
+    """Rewrite the table between the catalogue markers of ``path``; True when it changed."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    start, end = "<!-- catalogue:start -->", "<!-- catalogue:end -->"
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    new = f"{head}{start}\n{markdown()}\n{end}{tail}"
+    if new != text:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(new)
+    return new != text
+
+
 if __name__ == "__main__":
-    print(markdown())
+    import sys
+
+    if sys.argv[1:2] == ["--update"]:
+        print("updated" if update_readme(sys.argv[2]) else "unchanged")
+    else:
+        print(markdown())

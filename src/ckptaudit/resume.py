@@ -33,27 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from ckptaudit.catalogue import Rule, finding, register
+from ckptaudit.catalogue import finding
 from ckptaudit.dist.launch import RankContext, launch
-from ckptaudit.model import Finding, Report, Severity
+from ckptaudit.model import Finding, Report
 
 __all__ = ["ResumeConfig", "Trajectory", "compare_trajectories", "load_weights", "run_resume_test"]
 
 DEFAULT_RECIPE = "ckptaudit.recipes.tinygpt:recipe"
 
-for _rule in (
-    Rule("resume.drift", Severity.ERROR, "Resuming from the candidate does not reproduce the uninterrupted run: "
-         "its parameters deviate beyond the noise floor of the kernels (by the documented margin)."),
-    Rule("resume.loss-looks-normal", Severity.WARNING, "The candidate's loss stays within a small threshold of "
-         "the uninterrupted run while its parameters drift: a loss curve would not reveal the defect."),
-    Rule("resume.reference-not-reproducible", Severity.ERROR, "Resuming from the documented-path reference does "
-         "not reproduce the uninterrupted run: the recipe is not deterministic or saves too little state; "
-         "candidates cannot be judged."),
-    Rule("resume.noise-floor", Severity.INFO, "The reference's own deviation from the uninterrupted run (kernel "
-         "nondeterminism); candidates are judged against it."),
-    Rule("resume.candidate-failed", Severity.ERROR, "The candidate could not be written or restored."),
-):
-    register(_rule)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
