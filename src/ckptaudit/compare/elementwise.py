@@ -1,27 +1,29 @@
 """Element-wise comparison of two tensors streamed as chunks: pure NumPy, no I/O, bounded memory.
 
-A pair of tensors is classified in two streaming passes over equal-length chunk pairs (see
-:func:`paired_chunks`; the two sides may be sharded and chunked differently):
+Both tensors arrive as equal-length chunk pairs (:func:`paired_chunks` re-aligns two sides that are sharded
+and chunked differently), and :func:`compare_streams` classifies them:
 
-1. :class:`Classifier` keeps a set of hypotheses alive -- *equal*, and for an fp32 reference the candidate
-   being the reference rounded to bf16 / fp16 by round-to-nearest-even, by round-toward-zero (truncation), or
-   to one of the two neighbouring 16-bit values by some other rule (stochastic rounding) -- and drops each at
-   the first chunk that contradicts it. When none is left the pass stops early: a genuinely different tensor
-   costs one chunk.
+1. :class:`Classifier` keeps hypotheses alive -- *equal*, and for an fp32 reference the candidate being the
+   reference rounded to bf16 / fp16 by round-to-nearest-even, by round-toward-zero (truncation), or to one of
+   the two neighbouring 16-bit values by some other rule (stochastic rounding) -- and drops each at the first
+   chunk that contradicts it. When none is left the pass stops: a genuinely different tensor costs one chunk.
+   A hypothesis the verdict ranks lower (fp16 below bf16 below equal) is not tested while a higher one holds;
+   if the higher one fails after the first chunk, the pass restarts without it.
 2. Only for a tensor that is *different*, :class:`DiffAccumulator` measures how: maximum absolute difference,
    maximum difference in units in the last place of the reference dtype, relative L2 error, and the fraction
    of elements that differ.
 
 The bf16 rules work on the raw fp32 bits. With ``u`` the reference bits, ``c`` the candidate's (a bf16 value
-widened to fp32, low 16 bits zero) and ``d = u - c`` modulo 2**32:
+widened to fp32: low 16 bits zero) and ``d = u - c`` modulo 2**32:
 
 - truncation (round toward zero)  <=>  ``0 <= d <= 0xFFFF``;
 - one of the two neighbours        <=>  ``-0xFFFF <= d <= 0xFFFF``;
-- round-to-nearest-even           <=>  ``-0x8000 < d < 0x8000``, or ``|d| == 0x8000`` (a tie) with ``c`` even.
+- round-to-nearest-even           <=>  ``c == (u + 0x7FFF + lsb) & ~0xFFFF`` with ``lsb`` bit 16 of ``u`` (ties
+  to even), i.e. ``0 <= d + lsb + 0x7FFF <= 0xFFFF``.
 
-Floats are sign-magnitude, so the same tests hold for negative values, and a sign change fails them all.
-fp16 uses NumPy's float32 -> float16 conversion (round-to-nearest-even) and steps one unit toward zero on
-the 16-bit pattern for truncation.
+Each is one reduction (a maximum) per chunk. Floats are sign-magnitude, so the same tests hold for negative
+values, and a sign change fails them all. fp16 uses NumPy's float32 -> float16 conversion (round-to-nearest-
+even) and steps one unit toward zero on the 16-bit pattern for truncation. NaN against NaN counts as equal.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ __all__ = [
     "DiffStats",
     "Pool",
     "compare_streams",
-    "decode",
     "paired_chunks",
 ]
 
@@ -50,16 +51,6 @@ ROUNDINGS = ("round-to-nearest-even", "round-toward-zero", "stochastic-or-other"
 
 _U32 = np.uint32
 _NUMERIC_FLOATS = ("float64", "float32", "float16", "bfloat16")
-
-
-def decode(chunk: np.ndarray, dtype: DType) -> np.ndarray:
-    """Raw chunk -> NumPy values: bf16 widened exactly to float32; other numeric types as read.
-
-    float8 and complex stay as read (float8 as raw bytes): they are compared, not measured in ULPs.
-    """
-    if dtype.name == "bfloat16":
-        return (chunk.astype(_U32) << _U32(16)).view(np.float32)
-    return chunk
 
 
 def _numeric(dtype: DType) -> bool:
@@ -133,7 +124,8 @@ class Pool:
 
 
 def _decode_into(chunk: np.ndarray, dtype: DType, pool: Pool, name: str) -> np.ndarray:
-    """:func:`decode` without a temporary for bf16."""
+    """Raw chunk -> NumPy values, bf16 widened exactly to float32 in the pool's ``name`` array (float8 and
+    complex stay as read: they are compared, not measured in ULPs)."""
     if dtype.name != "bfloat16":
         return chunk
     out = pool.get(name, _U32, len(chunk))
