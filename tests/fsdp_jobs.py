@@ -18,12 +18,41 @@ def write_variants(ctx: RankContext, out_dir: str, steps: int) -> dict[str, Any]
     for _ in range(steps):
         recipe.step(job)
     exporters.documented(job, os.path.join(out_dir, "faithful"), ctx)
+    write_torch_save_copy(job, os.path.join(out_dir, "faithful.pt"), ctx)
     capture_and_export(job, exporters.compute_copy, os.path.join(out_dir, "compute-copy-fp32.pt"), ctx, recipe)
     capture_and_export(job, exporters.compute_copy_bf16, os.path.join(out_dir, "compute-copy-bf16.pt"), ctx, recipe)
     exporters.fp16_copy(job, os.path.join(out_dir, "fp16-copy.pt"), ctx)
     exporters.swapped_moments(job, os.path.join(out_dir, "swapped.pt"), ctx)
     full = exporters.full_model_state(job.model)
     return {"params": [n for n, _ in job.model.named_parameters()], "shapes": {k: tuple(v.shape) for k, v in full.items()}}
+
+
+def write_torch_save_copy(job: Any, path: str, ctx: RankContext) -> None:
+    """(all ranks, collective) The state ``documented`` saved, written by rank 0 with ``torch.save``.
+
+    Full (unsharded) model and FQN-keyed optimizer tensors, the scheduler, and every rank's RNG state and data
+    position gathered, under the keys a hand-written exporter would use (``optimizer``, ``step``) rather than
+    the DCP checkpoint's (``optim``, ``train_state``): the same training state in another format and layout.
+    Nothing here draws random numbers, so the RNG states equal the ones the DCP checkpoint holds.
+    """
+    import torch
+    import torch.distributed as dist
+
+    model = exporters.full_model_state(job.model)
+    optim = exporters.full_optimizer_state(job.model, job.optimizer)
+    mine = {"rng": exporters.rng_state(), "data": job.data.state_dict() if job.data is not None else None}
+    every: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(every, mine)
+    if ctx.rank == 0:
+        torch.save({
+            "model": model,
+            "optimizer": optim,
+            "scheduler": job.scheduler.state_dict() if job.scheduler is not None else None,
+            "rng": {f"rank{r}": s["rng"] for r, s in enumerate(every)},
+            "data": {f"rank{r}": s["data"] for r, s in enumerate(every)},
+            "step": job.step,
+        }, path)
+    dist.barrier()
 
 
 def write_low_precision(ctx: RankContext, out_dir: str, steps: int) -> None:

@@ -91,6 +91,24 @@ _RULES: tuple[Rule, ...] = (
     Rule("resume.noise-floor", INFO, "The reference's own deviation from the uninterrupted run (kernel "
          "nondeterminism); candidates are judged against it."),
     Rule("resume.candidate-failed", E, "The candidate could not be written or restored."),
+    # --- compare (ckptaudit compare REF CAND) -------------------------------------------------------------
+    # In a comparison, precision.bf16-rounded / precision.fp16-rounded name each candidate tensor (parameter
+    # or optimizer moment) whose values are exactly the reference's rounded to 16 bits.
+    Rule("optimizer.misattached", E, "Compared with a reference: the candidate's optimizer state of a parameter "
+         "equals the reference's state of another parameter of the same shape (e.g. swapped moments)."),
+    Rule("load.silent-cast", W, "Compared with a reference: a tensor whose dtype differs from the reference's; "
+         "torch.distributed.checkpoint.load copies it into the template's dtype without a check "
+         "(pytorch/pytorch#187138). Info when the values are equal (lossless)."),
+    Rule("compare.component-missing", E, "A component the reference has (model, optimizer, scheduler, rng, "
+         "data-progress) is absent from the candidate. Error for model and optimizer, warning for the others."),
+    Rule("compare.component-extra", INFO, "The candidate has a component the reference lacks (not compared)."),
+    Rule("compare.missing", E, "Tensors or values of the reference absent from the candidate (one finding per "
+         "component). Error for model and optimizer, warning for the others."),
+    Rule("compare.extra", INFO, "Tensors or values only in the candidate (one finding per component)."),
+    Rule("compare.shape-mismatch", E, "A tensor whose shape differs between reference and candidate."),
+    Rule("compare.different", E, "Tensors or values that differ from the reference other than by a 16-bit "
+         "rounding (one finding per component, with max abs / ULP / relative L2 differences). Warning for rng, "
+         "info for unclassified entries."),
 )
 
 CATALOGUE: dict[str, Rule] = {r.code: r for r in _RULES}

@@ -1,0 +1,255 @@
+"""One status per matched pair of entries, and where a mismatched optimizer moment really came from.
+
+Tensors are read once, both sides together in equal-length chunks, and each chunk does all its work while
+it is in cache: the content hash of both sides (xxh3-128, as the audit computes it) and the element-wise
+:class:`~ckptaudit.compare.elementwise.Classifier`. The hash is the cheap test for the common case: when the
+first chunk is bitwise equal, the rest is only hashed and the digests decide ``identical``. A pair found
+*different* is measured (:class:`~ckptaudit.compare.elementwise.DiffAccumulator`) from that chunk on, in the
+same pass. Rare cases read again: digests that differ after an equal first chunk, a preferred hypothesis
+failing late, the chunks before a pair turned out different. Plain values (scheduler fields, step counters,
+RNG tuples, optimizer hyperparameters) are compared directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ckptaudit.audit import scalar_value
+from ckptaudit.compare.elementwise import Classifier, DiffAccumulator, DiffStats, Pool, compare_streams, paired_chunks
+from ckptaudit.compare.matching import Entry
+from ckptaudit.formats.base import Unreadable
+from ckptaudit.formats.tensors import FileMaps, TensorData, iter_chunks
+
+__all__ = ["STATUSES", "Pair", "classify", "classify_tensors", "compare_values", "find_moment_sources", "hash_entry",
+           "is_moment"]
+
+STATUSES = ("identical", "equal-values", "bf16-rounded", "fp16-rounded", "different", "shape-mismatch",
+            "missing", "extra", "unread")
+"""Every status a pair can have (``missing``: only in the reference; ``extra``: only in the candidate)."""
+
+@dataclass
+class Pair:
+    key: tuple[str, ...]
+    ref: Entry | None
+    cand: Entry | None
+    status: str
+    rounding: str | None = None
+    """For ``*-rounded``: ``round-to-nearest-even``, ``round-toward-zero`` or ``stochastic-or-other``."""
+    stats: DiffStats | None = None
+    """For ``different`` tensors."""
+    source: tuple[Entry, str] | None = None
+    """For a ``different`` optimizer moment: the reference entry it equals (another parameter's), and how."""
+    note: str = ""
+
+    @property
+    def entry(self) -> Entry:
+        e = self.cand or self.ref
+        assert e is not None
+        return e
+
+
+def is_moment(e: Entry) -> bool:
+    """An element-wise optimizer state tensor (not a step counter)."""
+    return e.component == "optimizer" and e.kind == "tensor" and e.data is not None and len(e.shape) >= 1 and (
+        e.role != "step")
+
+
+def _stream(r: TensorData, c: TensorData, rmaps: FileMaps, cmaps: FileMaps,
+            chunk_bytes: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    # Equal element counts per chunk on both sides, so that re-chunking rarely splits a chunk.
+    elems = max(1, chunk_bytes // max(r.dtype.itemsize, c.dtype.itemsize))
+    return paired_chunks(iter_chunks(r, rmaps, elems * r.dtype.itemsize),
+                         iter_chunks(c, cmaps, elems * c.dtype.itemsize))
+
+
+def classify_tensors(r: TensorData, c: TensorData, rmaps: FileMaps, cmaps: FileMaps, chunk_bytes: int,
+                     *, measure: bool = True, pool: Pool | None = None) -> tuple[str, str | None, DiffStats | None]:
+    """(status, rounding, stats) of two readable tensors of the same shape, without hashing. Raises
+    ``ValueError``/``OSError`` when the data cannot be read. ``measure=False``: no statistics for a
+    *different* pair (one pass, stops at the first chunk that rules everything out)."""
+    return compare_streams(lambda: _stream(r, c, rmaps, cmaps, chunk_bytes), r.dtype, c.dtype, measure=measure,
+                           pool=pool)
+
+
+def _bytes(chunk: np.ndarray) -> memoryview:
+    return np.ascontiguousarray(chunk).data.cast("B")
+
+
+def hash_entry(e: Entry, maps: FileMaps, chunk_bytes: int) -> None:
+    """Set ``e.hash`` (a tensor no other checkpoint's tensor is paired with). Raises ``ValueError``/``OSError``."""
+    if e.data is None:
+        return
+    h = xxhash.xxh3_128()
+    for chunk in iter_chunks(e.data, maps, chunk_bytes):
+        h.update(_bytes(chunk))
+    e.hash = h.hexdigest()
+    e.hashed = True
+
+
+def _fused(r: TensorData, c: TensorData, rmaps: FileMaps, cmaps: FileMaps, chunk_bytes: int,
+           pool: Pool) -> tuple[str, str | None, DiffStats | None, str | None, str | None]:
+    """One pass over both tensors. Returns (status, rounding, stats, ref hash, cand hash).
+
+    The first chunk decides the route. Bitwise equal: the rest is only hashed (both sides) and equal digests
+    mean ``identical`` -- the common case of a faithful copy costs two hash updates per chunk. Otherwise the
+    rest is classified without hashing (the digests would not change the verdict; they are ``None``), and a
+    pair that turns out *different* is measured from that chunk on in the same pass.
+    """
+    hr: Any = xxhash.xxh3_128()
+    hc: Any = xxhash.xxh3_128()
+    cl = Classifier(r.dtype, c.dtype, pool=pool)
+    acc: DiffAccumulator | None = None
+    mode = "classify"  # -> "hash-only" (first chunk bitwise equal), "measure" (different), "again" (restart)
+    first_measured = 0
+    for i, (a, b) in enumerate(_stream(r, c, rmaps, cmaps, chunk_bytes)):
+        if mode == "hash-only":
+            hr.update(_bytes(a))
+            hc.update(_bytes(b))
+        elif mode == "classify":
+            alive = cl.update(a, b)
+            if i == 0 and cl.bitwise and alive:
+                mode = "hash-only"
+                hr.update(_bytes(a))
+                hc.update(_bytes(b))
+            elif cl.restart:
+                mode = "again"
+            elif not alive:
+                mode, first_measured = "measure", i
+                acc = DiffAccumulator(r.dtype, c.dtype, pool=pool)
+                acc.update(a, b)
+        elif mode == "measure" and acc is not None:
+            acc.update(a, b)
+        else:  # "again": a preferred hypothesis failed after the first chunk; read again below
+            break
+    if mode == "hash-only":
+        ref_hash, cand_hash = hr.hexdigest(), hc.hexdigest()
+        if ref_hash == cand_hash:
+            return "identical", None, None, ref_hash, cand_hash
+        # Equal first chunk, different digests: classify from the start (rare).
+        status, rounding, stats = classify_tensors(r, c, rmaps, cmaps, chunk_bytes, pool=pool)
+        return status, rounding, stats, ref_hash, cand_hash
+    if mode == "classify":
+        cl.finish()
+        verdict = None if cl.restart else cl.verdict()
+        if verdict is not None:
+            return verdict[0], verdict[1], None, None, None
+    if mode == "measure" and acc is not None:
+        for j, (a, b) in enumerate(_stream(r, c, rmaps, cmaps, chunk_bytes)):
+            if j >= first_measured:
+                break
+            acc.update(a, b)
+        return "different", None, acc.result(), None, None
+    status, rounding, stats = classify_tensors(r, c, rmaps, cmaps, chunk_bytes, pool=pool)
+    return status, rounding, stats, None, None
+
+
+def classify(key: tuple[str, ...], re: Entry | None, ce: Entry | None, ref: FileMaps, cand: FileMaps,
+             chunk_bytes: int, pool: Pool | None = None) -> Pair:
+    """The status of one matched pair."""
+    if re is None:
+        assert ce is not None
+        return Pair(key, None, ce, "extra")
+    if ce is None:
+        return Pair(key, re, None, "missing")
+    if re.kind == "value" and ce.kind == "value":
+        return Pair(key, re, ce, compare_values(re.value, ce.value))
+    if re.kind != ce.kind:
+        return _tensor_vs_value(key, re, ce, ref, cand)
+    if re.data is None or ce.data is None:
+        return Pair(key, re, ce, "unread", note=re.unreadable or ce.unreadable)
+    if re.data.shape != ce.data.shape:
+        note = "same element count, other shape" if re.data.numel == ce.data.numel else ""
+        return Pair(key, re, ce, "shape-mismatch", note=note)
+    try:
+        status, rounding, stats, re.hash, ce.hash = _fused(re.data, ce.data, ref, cand, chunk_bytes,
+                                                           pool or Pool())
+        re.hashed = ce.hashed = True
+    except (ValueError, OSError) as exc:
+        return Pair(key, re, ce, "unread", note=f"cannot read: {exc}")
+    return Pair(key, re, ce, status, rounding, stats)
+
+
+def _tensor_vs_value(key: tuple[str, ...], re: Entry, ce: Entry, ref: FileMaps, cand: FileMaps) -> Pair:
+    # A step counter saved as a 0-d tensor on one side and as a Python number on the other.
+    t, side = (re, ref) if re.kind == "tensor" else (ce, cand)
+    v = ce.value if re.kind == "tensor" else re.value
+    if t.data is not None and t.data.numel == 1 and isinstance(v, int | float) and not isinstance(v, bool):
+        x = scalar_value(t.data, side)
+        if x is not None:
+            same = x == v or (math.isnan(x) and isinstance(v, float) and math.isnan(v))
+            return Pair(key, re, ce, "equal-values" if same else "different", note="tensor vs plain value")
+    return Pair(key, re, ce, "different", note="tensor vs plain value")
+
+
+def compare_values(a: Any, b: Any) -> str:
+    """``identical`` (same type, same value), ``equal-values`` (e.g. 6 vs 6.0), ``unread`` or ``different``."""
+    if isinstance(a, Unreadable) or isinstance(b, Unreadable):
+        return "unread"
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
+            return "different"
+        if a.dtype == b.dtype and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"):
+            return "identical"
+        try:
+            return "equal-values" if np.array_equal(a, b) else "different"
+        except TypeError:
+            return "different"
+    if type(a) is type(b):
+        if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+            return "identical"
+        try:
+            return "identical" if bool(a == b) else "different"
+        except Exception:  # noqa: BLE001 - an exotic __eq__ on a restricted-unpickled value
+            return "different"
+    numbers = (int, float)
+    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
+        return "equal-values" if a == b else "different"
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):  # DCP round trips turn tuples into lists
+        return "equal-values" if list(a) == list(b) else "different"
+    return "different"
+
+
+def find_moment_sources(pairs: list[Pair], ref_entries: list[Entry], ref: FileMaps, cand: FileMaps, chunk_bytes: int,
+                        *, max_value_checks: int = 256, pool: Pool | None = None) -> None:
+    """For every ``different`` optimizer moment of the candidate, look for the reference moment (same state
+    name, same shape, another parameter) it equals: hashes first, then values (equal, or rounded to 16 bits).
+
+    Sets :attr:`Pair.source`. Value checks stop at the first chunk that differs, and at most
+    ``max_value_checks`` are made per state name and shape (a model with thousands of same-shape layers whose
+    moments all differ is another state, not a permutation).
+    """
+    by_shape: dict[tuple[str, tuple[int, ...]], list[Entry]] = {}
+    for e in ref_entries:
+        if is_moment(e) and e.data is not None:
+            by_shape.setdefault((e.role, e.data.shape), []).append(e)
+    budget: dict[tuple[str, tuple[int, ...]], int] = {}
+    for p in pairs:
+        ce = p.cand
+        if p.status != "different" or ce is None or not is_moment(ce) or ce.data is None:
+            continue
+        group_key = (ce.role, ce.data.shape)
+        others = [e for e in by_shape.get(group_key, []) if e.param != ce.param]
+        hit = next((e for e in others if e.data is not None and e.hash is not None and e.dtype == ce.dtype
+                    and e.hash == ce.hash), None)
+        if hit is not None:
+            p.source = (hit, "identical")
+            continue
+        for e in others:
+            if budget.get(group_key, 0) >= max_value_checks:
+                break
+            budget[group_key] = budget.get(group_key, 0) + 1
+            assert e.data is not None
+            try:
+                status, rounding, _ = classify_tensors(e.data, ce.data, ref, cand, chunk_bytes,
+                                                       measure=False, pool=pool)
+            except (ValueError, OSError):
+                continue
+            if status != "different":
+                p.source = (e, status if rounding is None else f"{status} ({rounding})")
+                break
