@@ -123,7 +123,8 @@ class View:
     """Format metadata of the model files (safetensors ``__metadata__``), merged."""
 
 
-def _file_rule(name: str) -> ComponentKind | str | None:
+def file_rule(name: str) -> ComponentKind | str | None:
+    """What a file of a checkpoint directory holds, by its name: a component, ``index``, ``manifest``, ``ignore``."""
     base = os.path.basename(name)
     for pattern, kind in _FILE_RULES:
         if fnmatch.fnmatch(base, pattern):
@@ -178,7 +179,7 @@ def interpret(ckpt: Checkpoint) -> View:
         found(ComponentKind.MODEL, where)
 
     for part in ckpt.parts:
-        rule = _file_rule(part.name) if part.name else None
+        rule = file_rule(part.name) if part.name else None
         tree = part.tree
         if rule == "ignore":
             continue
@@ -243,7 +244,7 @@ def interpret(ckpt: Checkpoint) -> View:
 
 
 def _component_of_part(part: Part, view: View) -> Any:
-    rule = _file_rule(part.name) if part.name else None
+    rule = file_rule(part.name) if part.name else None
 
     def comp(path: tuple[Any, ...]) -> str:
         if isinstance(rule, ComponentKind):

@@ -40,7 +40,7 @@ from ckptaudit.layouts import (
     interpret,
     normalize_fqn,
 )
-from ckptaudit.layouts import _file_rule as _layout_file_rule
+from ckptaudit.layouts import file_rule as _layout_file_rule
 from ckptaudit.model import ComponentKind
 
 __all__ = ["Entry", "Side", "align_ranks", "entries_of", "key_text", "open_side"]
