@@ -60,6 +60,10 @@ def test_swapped_moments_are_caught_and_named(experiment: tuple[Report, Path]) -
     swapped = safe_torch_load(work / "candidate-1-swapped_moments")["swapped"]
     named = [p["name"] for p in c["top_parameters"][:2]]
     assert sorted(named) == sorted(swapped)
+    # The offline comparison names the pair exactly.
+    misattached = [f for f in report.findings if f.code == "optimizer.misattached"]
+    assert len(misattached) == 1 and all(p in misattached[0].subject for p in swapped)
+    assert "rounded to bf16" in candidate(report, "compute_copy")["forensics"]
 
 
 def test_reports_render_as_table_json_and_html(experiment: tuple[Report, Path]) -> None:

@@ -318,7 +318,7 @@ def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: Trajectory,
     results: list[dict[str, Any]] = []
     rows: list[list[str]] = [["reference (documented path)", _fmt(floor), _fmt(max(ref_dev.max_abs)),
                               f"{max(ref_dev.loss_rel, default=0.0):.2%}", "-",
-                              "bit-identical" if floor == 0 else "noise floor"]]
+                              "bit-identical" if floor == 0 else "noise floor", "-"]]
     summaries = [f"reference resumes {'bit-identically' if floor == 0 else f'within {floor:.1e}'}"]
     for spec, traj, error in candidates:
         name = spec.rpartition(":")[2]
@@ -326,10 +326,14 @@ def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: Trajectory,
             findings.append(finding("resume.candidate-failed", spec,
                                     f"candidate {spec} could not be restored: {error}"))
             results.append({"exporter": spec, "verdict": "failed", "error": error})
-            rows.append([name, "-", "-", "-", "-", "FAILED"])
+            rows.append([name, "-", "-", "-", "-", "FAILED", "-"])
             summaries.append(f"{name}: FAILED to restore")
             continue
         dev = compare_trajectories(base, traj)
+        forensics, misattached = _forensics(workdir, cfg, spec)
+        for f in misattached:
+            findings.append(finding("optimizer.misattached", f"{name}: {f.subject}", f"{name}: {f.message}",
+                                    **f.evidence))
         drifting = [k for k, r in enumerate(dev.rel_l2) if r > threshold]
         worst_step = int(np.argmax(dev.rel_l2))
         top = sorted(dev.per_param[worst_step].items(), key=lambda kv: -kv[1])[:5]
@@ -354,9 +358,10 @@ def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: Trajectory,
             "exporter": spec, "verdict": verdict, "drift_start": drifting[0] if drifting else None,
             "rel_l2": dev.rel_l2, "max_abs": dev.max_abs, "loss_diff": dev.loss_diff, "loss_rel": dev.loss_rel,
             "top_parameters": [{"name": n, "rel_l2": v} for n, v in top],
+            "forensics": forensics,
         })
         rows.append([name, _fmt(max(dev.rel_l2)), _fmt(max(dev.max_abs)), f"{max_loss_rel:.2%}",
-                     str(drifting[0]) if drifting else "-", "DRIFT" if drifting else "faithful"])
+                     str(drifting[0]) if drifting else "-", "DRIFT" if drifting else "faithful", forensics])
         summaries.append(f"{name}: DRIFT (rel. L2 {max(dev.rel_l2):.1e}, loss within {max_loss_rel:.2%})"
                          if drifting else f"{name}: resumes faithfully")
     findings.sort(key=lambda f: (-int(f.severity), f.code, f.subject))
@@ -370,10 +375,27 @@ def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: Trajectory,
         "recorded": "full" if base.full else "norms",
     }
     section = {"title": f"resume test: {cfg.steps} steps after step {cfg.save_at}, {cfg.nproc} ranks",
-               "columns": ["run", "max rel. L2 dev.", "max |dev.|", "max loss diff.", "drift from step", "verdict"],
+               "columns": ["run", "max rel. L2 dev.", "max |dev.|", "max loss diff.", "drift from step", "verdict",
+                           "offline compare with the reference"],
                "rows": rows}
     return Report(command="resume-test", path=workdir, format=cfg.recipe, findings=tuple(findings),
                   summary="; ".join(summaries), extra={"resume": doc, "sections": [section]})
+
+
+def _forensics(workdir: str, cfg: ResumeConfig, spec: str) -> tuple[str, list[Finding]]:
+    """The offline comparison of a candidate with the reference: its summary, and its misattached moments
+    (the comparison names swapped parameters exactly; the trajectory only shows where drift is largest)."""
+    from ckptaudit.compare import compare
+
+    i = cfg.exporters.index(spec)
+    path = os.path.join(workdir, cfg.candidate_name(i))
+    if not os.path.exists(path):
+        return "candidate not found on disk", []
+    try:
+        report = compare(os.path.join(workdir, cfg.reference_name), path)
+    except Exception as exc:  # noqa: BLE001 - forensics are a bonus; the trajectory verdict stands alone
+        return f"not compared ({exc})", []
+    return report.summary, [f for f in report.findings if f.code == "optimizer.misattached"]
 
 
 def _fmt(x: float) -> str:
