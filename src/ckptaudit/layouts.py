@@ -344,7 +344,11 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
         where_keys = ()
     if "state" in tree:
         raw_state = tree.get("state")
-        groups = tree.get("param_groups") or []
+        raw_groups = tree.get("param_groups")
+        # Unreadable or malformed groups (a DCP item that could not be read, a damaged file) must not break the
+        # checks: keep dict groups, each with a list of params.
+        groups = [g if isinstance(g.get("params", []), list) else {**g, "params": []}
+                  for g in (raw_groups if isinstance(raw_groups, list) else []) if isinstance(g, dict)]
         state: dict[Any, dict[str, Any]] = {}
         items: list[tuple[Any, Any]]
         if isinstance(raw_state, dict):
@@ -358,10 +362,9 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
                 state[key] = {str(n): ref(("state", key, n), v) for n, v in entry.items()}
         keyed = "index" if any(isinstance(k, int) for k in state) else "fqn"
         if not state and groups:
-            params = [p for g in groups if isinstance(g, dict) for p in g.get("params", [])]
+            params = [p for g in groups for p in g.get("params", [])]
             keyed = "index" if any(isinstance(p, int) for p in params) else "fqn"
-        clean_groups = [g for g in groups if isinstance(g, dict)]
-        return OptimizerView(where, keyed, state, clean_groups, count)
+        return OptimizerView(where, keyed, state, groups, count)
     # torchtitan flattened optimizer: state.<fqn>.<name>, param_groups.<fqn>.<key>
     flat_state: dict[Any, dict[str, Any]] = {}
     group_params: list[str] = []

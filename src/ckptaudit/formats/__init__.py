@@ -67,6 +67,9 @@ def open_checkpoint(path: str) -> Checkpoint:
                         files.update(read.files)
                         if read.part is not None:
                             parts.append(read.part)
+                    elif _recognised_name(name):
+                        findings.append(finding("integrity.corrupt", name,
+                                                f"{name} is a directory, not a checkpoint file; not read"))
                     continue
                 if not _recognised_name(name):
                     continue

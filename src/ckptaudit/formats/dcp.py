@@ -69,7 +69,9 @@ def _metadata_problem(root: str) -> tuple[str, str, bytes | None]:
     meta_path = os.path.join(root, METADATA)
     escape = _path_problem(root, METADATA)
     if escape is not None:
-        return "integrity.path-escape", f"{METADATA} {escape.replace('names data file', 'is')}", None
+        return ("integrity.path-escape",
+                f"{METADATA} is a link leading outside the directory (to {os.path.realpath(meta_path)}); not read",
+                None)
     try:
         return "", "", read_limited(meta_path, MAX_METADATA_BYTES, METADATA)
     except LimitExceeded as exc:

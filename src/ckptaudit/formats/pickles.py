@@ -24,6 +24,7 @@ It is an allowlist, not a denylist: anything nobody vetted (``io.open``, ``torch
 
 from __future__ import annotations
 
+import _compat_pickle
 import collections
 import io
 import math
@@ -105,8 +106,7 @@ TORCH_GLOBALS: frozenset[str] = frozenset(
         "collections.OrderedDict",
         "_codecs.encode",
     ]
-    # Protocol 2 (torch.save's default) spells builtins the Python 2 way.
-    + [f"{mod}.{name}" for mod in ("builtins", "__builtin__") for name in ("set", "frozenset", "complex", "slice")]
+    + [f"builtins.{name}" for name in ("set", "frozenset", "complex", "slice")]
     + [f"torch.{s}" for s in _STORAGE_TYPES]
     + [f"torch.{d}" for d in _TORCH_DTYPES]
 )
@@ -284,6 +284,17 @@ _CONST_OPS = frozenset(
 )
 
 
+def global_name(module: str, name: str, proto: int) -> str:
+    """The global an unpickler really resolves for ``GLOBAL module name``: below protocol 3, Python's
+    unpicklers map Python 2 names (``__builtin__.set``, ``commands.call`` is ``subprocess.call``)."""
+    if proto < 3:
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
+    return f"{module}.{name}"
+
+
 def _is_const(value: Any) -> bool:
     return isinstance(value, str | _Const | _Tuple)
 
@@ -304,6 +315,7 @@ class _Walker:
         self.marks: list[int] = []
         self.memo: dict[int, Any] = {}
         self.op_at = self.start
+        self.proto = 0
 
     # -- argument decoding, bounded by what the stream still holds ------------------------------------------
     def _remaining(self) -> int:
@@ -419,9 +431,10 @@ class _Walker:
             elif name == "PROTO":
                 if not 0 <= int(arg) <= pickle.HIGHEST_PROTOCOL:
                     raise _ScanError(f"unsupported pickle protocol {arg}")
+                self.proto = int(arg)
             elif name in ("GLOBAL", "INST"):
                 module, _, attr = str(arg).partition(" ")
-                full = f"{module}.{attr}"
+                full = global_name(module, attr, self.proto)
                 self.found.setdefault(full, None)
                 if name == "INST":
                     args = self._pop_mark(name)
@@ -434,7 +447,7 @@ class _Walker:
                 attr_obj = self._pop(name)
                 module_obj = self._pop(name)
                 if isinstance(module_obj, str) and isinstance(attr_obj, str):
-                    full = f"{module_obj}.{attr_obj}"
+                    full = global_name(module_obj, attr_obj, self.proto)
                 else:
                     full = "<unresolvable STACK_GLOBAL>"
                 self.found.setdefault(full, None)
@@ -609,7 +622,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         self._budget = CALL_BUDGET_FACTOR * size + (16 << 20)
 
     def find_class(self, module: str, name: str) -> Any:
-        key = f"{module}.{name}"
+        key = global_name(module, name, self.proto)  # the same name the scanner vetted
         try:
             return self._table[key]
         except KeyError:
@@ -824,9 +837,9 @@ def base_table() -> dict[str, Any]:
         "torch.Size": torch.Size,
         "torch.device": torch.device,
     }
-    for mod in ("builtins", "__builtin__"):
-        table.update({f"{mod}.set": set, f"{mod}.frozenset": frozenset, f"{mod}.complex": complex,
-                      f"{mod}.slice": slice})
+    # (Protocol 2, torch.save's default, spells them __builtin__.set etc.: see global_name.)
+    table.update({"builtins.set": set, "builtins.frozenset": frozenset, "builtins.complex": complex,
+                  "builtins.slice": slice})
     for d in _TORCH_DTYPES:
         value = getattr(torch, d, None)
         if isinstance(value, torch.dtype):
@@ -871,33 +884,67 @@ def dcp_metadata_loads(data: bytes) -> Any:
     return md
 
 
+_LEAF_TYPES = frozenset({str, bytes, bytearray, int, float, complex, bool, type(None)})
+
+
+def _children(value: Any) -> list[Any] | tuple[Any, ...] | None:
+    """The sub-objects of a container (dataclass instances, such as DCP metadata, through their fields)."""
+    if type(value) in _LEAF_TYPES:
+        return None
+    if isinstance(value, dict):
+        return [x for kv in value.items() for x in kv]
+    if isinstance(value, list | tuple):
+        return value
+    if isinstance(value, set | frozenset):
+        return list(value)
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return list(vars(value).values())
+    return None
+
+
 def check_tree(obj: Any, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES) -> str | None:
-    """Why a loaded object tree is unsafe to walk recursively (too deep, cyclic, or too large once shared
-    sub-trees are expanded), or ``None``. Iterative, and stops as soon as a limit is reached."""
-    nodes = 0
-    # (object, depth); dataclass instances (DCP metadata) are walked through their __dict__.
-    todo: list[tuple[Any, int]] = [(obj, 0)]
+    """Why a loaded object tree is unsafe to walk recursively, or ``None``: cyclic, nested deeper than
+    ``max_depth``, or more than ``max_nodes`` nodes once shared sub-trees are expanded (a pickle can share one
+    list a billion times through its memo). Iterative; costs one visit per distinct object, not per path."""
+    too_many = f"the loaded object tree has more than {max_nodes} nodes (shared sub-trees counted each time)"
+    size: dict[int, int] = {}  # id -> nodes of the expanded sub-tree
+    height: dict[int, int] = {}
+    kids: dict[int, list[Any]] = {}  # the container children of a node being visited
+    on_path: set[int] = set()
+    seen = 0
+    todo: list[tuple[Any, bool]] = [(obj, False)]
     while todo:
-        value, depth = todo.pop()
-        nodes += 1
-        if nodes > max_nodes:
-            return f"the loaded object tree has more than {max_nodes} nodes (shared sub-trees counted each time)"
-        if depth > max_depth:
-            return f"the loaded object tree nests deeper than {max_depth} levels (or is cyclic)"
-        if isinstance(value, str | bytes | bytearray | int | float | complex | bool) or value is None:
+        node, done = todo.pop()
+        key = id(node)
+        if done:
+            on_path.discard(key)
+            containers = kids.pop(key)
+            n = size[key] + sum(size[id(c)] for c in containers)
+            h = 1 + max((height[id(c)] for c in containers), default=0)
+            size[key], height[key] = n, h
+            if n > max_nodes:
+                return too_many
+            if h > max_depth:
+                return f"the loaded object tree nests deeper than {max_depth} levels"
             continue
-        if isinstance(value, dict):
-            children: Iterable[Any] = (x for kv in value.items() for x in kv)
-        elif isinstance(value, list | tuple | set | frozenset):
-            children = value
-        elif hasattr(value, "__dict__") and not isinstance(value, type):
-            children = vars(value).values()
-        else:
+        if key in height:  # done: a shared sub-tree
             continue
-        for child in children:
-            todo.append((child, depth + 1))
-            if len(todo) > max_nodes:
-                return f"the loaded object tree has more than {max_nodes} nodes"
+        children = _children(node)
+        if children is None:
+            continue
+        if key in on_path:
+            return "the loaded object tree contains itself (a cycle)"
+        if len(on_path) >= max_depth:
+            return f"the loaded object tree nests deeper than {max_depth} levels"
+        seen += len(children) + 1
+        if seen > max_nodes:
+            return too_many
+        containers = [c for c in children if type(c) not in _LEAF_TYPES and _children(c) is not None]
+        size[key] = 1 + len(children) - len(containers)  # itself and its leaves; containers added when done
+        kids[key] = containers
+        on_path.add(key)
+        todo.append((node, True))
+        todo.extend((c, False) for c in containers if id(c) not in height)
     return None
 
 

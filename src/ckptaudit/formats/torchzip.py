@@ -358,6 +358,10 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
                 problem = check_tree(obj)
                 if problem is not None:
                     raise PickleLimitError(problem)
+                if _tensor_bytes(obj) > VIEW_BUDGET_FACTOR * length + (64 << 20):
+                    raise PickleLimitError(
+                        f"the archive's tensors address more than {VIEW_BUDGET_FACTOR}x its bytes (the same tensor "
+                        "referenced over and over)")
             except MemoryError:
                 raise
             except TorchZipError:
@@ -369,19 +373,41 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
     return TorchZip(result, _bind_file(obj, os.path.abspath(path)), True)
 
 
-def _bind_file(obj: Any, path: str) -> Any:
-    """Fill in the file of every tensor piece (the unpickler does not know it)."""
+def _bind_file(obj: Any, path: str, memo: dict[int, Any] | None = None) -> Any:
+    """Fill in the file of every tensor piece (the unpickler does not know it). Objects the pickle shares
+    (tied weights, memo references) stay shared, so each is scanned once."""
+    memo = {} if memo is None else memo
+    done = memo.get(id(obj))
+    if done is not None:
+        return done
     if isinstance(obj, TensorData):
-        return TensorData(obj.dtype, obj.shape, tuple(_with_file(p, path) for p in obj.pieces))
-    if isinstance(obj, dict):
-        return type(obj)((k, _bind_file(v, path)) for k, v in obj.items()) if type(obj) is not dict else {
-            k: _bind_file(v, path) for k, v in obj.items()
-        }
-    if isinstance(obj, list):
-        return [_bind_file(v, path) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_bind_file(v, path) for v in obj)
-    return obj
+        out: Any = TensorData(obj.dtype, obj.shape, tuple(_with_file(p, path) for p in obj.pieces))
+    elif isinstance(obj, dict):
+        items = [(k, _bind_file(v, path, memo)) for k, v in obj.items()]
+        out = type(obj)(items) if type(obj) is not dict else dict(items)
+    elif isinstance(obj, list):
+        out = [_bind_file(v, path, memo) for v in obj]
+    elif isinstance(obj, tuple):
+        out = tuple(_bind_file(v, path, memo) for v in obj)
+    else:
+        return obj
+    memo[id(obj)] = out
+    return out
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor leaf, counted once per path that reaches it (what a walk of the tree scans).
+    The tree is bounded by :func:`check_tree` first."""
+    total, todo = 0, [obj]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, TensorData):
+            total += value.nbytes
+        elif isinstance(value, dict):
+            todo.extend(value.values())
+        elif isinstance(value, list | tuple):
+            todo.extend(value)
+    return total
 
 
 def _with_file(p: Piece, path: str) -> Piece:
