@@ -2,7 +2,9 @@
 
 The parent (:class:`AuditWorker`) sends one path per line; the child runs ``ckptaudit.audit.audit`` on it,
 renders the report as JSON and as a table (rendering must not fail either), and answers one JSON line:
-``{"ok": true, "codes": [...], "seconds": s, "maxrss_mib": m}`` or ``{"ok": false, "error": traceback}``.
+``{"ok": true, "codes": [...], "seconds": s, "maxrss_mib": m}`` or ``{"ok": false, "error": traceback}``. The one
+accepted error is the documented one: the top-level path is missing or unreadable (``OSError``), and then the CLI
+must exit 2 naming the path.
 
 Bounds: the parent waits at most ``timeout_s`` for each answer (a hang fails the test and the child is killed);
 the child runs under ``RLIMIT_AS`` = its address space after warm-up + ``headroom_mib`` (a reader that tries to
@@ -39,6 +41,7 @@ def _serve(headroom_mib: int) -> None:
 
     import ckptaudit.formats.safeio  # noqa: F401 - import everything the audit needs before limiting memory
     from ckptaudit.audit import audit
+    from ckptaudit.cli import main
     from ckptaudit.report import OutputFormat, render
 
     out = sys.stdout
@@ -63,6 +66,15 @@ def _serve(headroom_mib: int) -> None:
                 "findings": [[f["code"], f["subject"], f["message"][:300]] for f in doc["findings"]],
                 "tensors": len(doc["tensors"]),
             }
+        except OSError as exc:
+            # The documented clear error: the top-level path itself is missing or unreadable. The CLI must turn
+            # it into exit code 2 with a message naming the path.
+            err = io.StringIO()
+            code = main(["audit", request["path"], "--no-progress"], stdout=io.StringIO(), stderr=err)
+            top_level = exc.filename == request["path"] or str(exc) == request["path"]
+            answer = {"ok": top_level and code == 2 and request["path"] in err.getvalue(), "codes": [],
+                      "findings": [], "tensors": 0, "exit": code,
+                      "error": traceback.format_exc()[-4000:] + f"\nCLI exit {code}: {err.getvalue()}"}
         except BaseException:  # the test wants every failure, MemoryError included
             answer = {"ok": False, "error": traceback.format_exc()[-4000:]}
         answer["seconds"] = time.perf_counter() - start
