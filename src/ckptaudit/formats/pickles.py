@@ -595,6 +595,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     stack: list[Any]
     append: Callable[[Any], None]
     read: Callable[[int], bytes]
+    proto: int
 
     dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
