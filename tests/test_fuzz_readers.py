@@ -43,6 +43,8 @@ from ckptaudit.formats.pickles import dcp_metadata_loads
 
 EXAMPLES_PER_KIND = 4
 """Hypothesis inputs per kind of damage and file (about 60 kinds; 0.1 s each on a loaded 2-core machine)."""
+STRUCTURE_EXAMPLES = 100
+"""Hypothesis trees saved as torch.save / JSON files of the common layouts."""
 TIME_BOUND_S = 30.0
 """Per input; a healthy audit of these checkpoints takes well under a second."""
 RSS_GROWTH_MIB = 300
@@ -446,3 +448,89 @@ def test_damaged_checkpoints_never_crash_hang_or_blow_up(
     # The damage was real: most inputs were reported broken.
     broken = tally.codes.get("integrity.corrupt", 0) + tally.codes.get("integrity.incomplete", 0)
     assert broken > tally.inputs // 2, tally.codes
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Structure: well-formed files whose content is arbitrary (what a byte fuzzer rarely produces)
+
+KEYS = ["model", "state_dict", "optimizer", "optim", "optimizer_states", "state", "param_groups", "params",
+        "param_names", "lr", "step", "exp_avg", "exp_avg_sq", "scheduler", "lr_schedulers", "rng", "loops",
+        "global_step", "weight_map", "0.weight", "module.layer.bias", "", "\x1b[2J", "[/x]"]
+
+
+def _leaves() -> st.SearchStrategy[Any]:
+    import torch
+
+    tensors = st.sampled_from([(), (0,), (3,), (2, 3), (1, 1, 1)]).flatmap(
+        lambda shape: st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool]).map(
+            lambda dt: torch.zeros(shape, dtype=dt)))
+    return st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70),
+                     st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(KEYS), tensors)
+
+
+def _trees() -> st.SearchStrategy[Any]:
+    keys = st.one_of(st.sampled_from(KEYS), st.integers(-3, 5), st.booleans(), st.floats(-1, 1),
+                     st.tuples(st.integers(0, 2)))
+    return st.recursive(_leaves(), lambda kids: st.one_of(
+        st.lists(kids, max_size=5), st.dictionaries(keys, kids, max_size=6),
+        st.tuples(kids, kids)), max_leaves=30)
+
+
+def _training_trees() -> st.SearchStrategy[Any]:
+    """Trees shaped like training checkpoints (model / optimizer state and groups / scheduler / step) whose
+    keys, values and nesting are arbitrary."""
+    anything = _trees()
+    keys = st.one_of(st.sampled_from(KEYS), st.integers(-3, 5), st.booleans(), st.floats(-1, 1),
+                     st.tuples(st.integers(0, 2)), st.text(max_size=8))
+    state_entry = st.one_of(anything, st.dictionaries(st.one_of(st.sampled_from(["exp_avg", "exp_avg_sq", "step",
+                                                                                  "momentum_buffer"]), keys),
+                                                      st.one_of(_leaves(), anything), max_size=4))
+    group = st.one_of(anything, st.fixed_dictionaries(
+        {"params": st.one_of(st.lists(st.one_of(keys, anything), max_size=6), anything)},
+        optional={"param_names": st.one_of(st.lists(st.one_of(keys, anything), max_size=6), anything),
+                  "lr": _leaves(), "weight_decay": _leaves()}))
+    optimizer = st.one_of(anything, st.fixed_dictionaries(
+        {"state": st.one_of(st.dictionaries(keys, state_entry, max_size=6), st.lists(state_entry, max_size=4),
+                            anything)},
+        optional={"param_groups": st.one_of(st.lists(group, max_size=3), anything)}))
+    model = st.one_of(anything, st.dictionaries(keys, st.one_of(_leaves(), anything), max_size=8))
+    return st.fixed_dictionaries({}, optional={
+        "model": model, "state_dict": model, "optimizer": optimizer, "optimizer_states": st.lists(optimizer, max_size=2),
+        "scheduler": anything, "lr_schedulers": anything, "rng": anything, "step": _leaves(),
+        "global_step": _leaves(), "loops": anything, "weight_map": st.dictionaries(keys, anything, max_size=4),
+    })
+
+
+def test_well_formed_files_with_arbitrary_structure_never_crash(
+    worker: AuditWorker, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    tally = Tally()
+
+    @settings(max_examples=STRUCTURE_EXAMPLES, derandomize=True, database=None, deadline=None,
+              phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                     HealthCheck.function_scoped_fixture])
+    @given(st.one_of(_training_trees(), _trees()), st.sampled_from(["checkpoint.pt", "dir/optimizer.pt", "dir/trainer_state.json",
+                                      "dir/model.safetensors.index.json", "model.ckpt"]))
+    def fuzz(tree: Any, name: str) -> None:
+        tally.slowest += 1  # used as a case counter here
+        case = tmp_path / f"tree{int(tally.slowest)}"
+        target = case / name
+        target.parent.mkdir(parents=True)
+        if target.suffix == ".json":
+            target.write_text(json.dumps(tree, skipkeys=True,
+                                         default=lambda t: t.tolist() if hasattr(t, "tolist") else str(t)))
+        else:
+            torch.save(tree if not isinstance(tree, dict) else {**tree}, target)
+        audited = case / "dir" if name.startswith("dir/") else target
+        answer = worker.audit(str(audited), timeout_s=TIME_BOUND_S * 3)
+        tally.inputs += 1
+        assert answer["ok"], f"{name}: {tree!r}\n{answer['error']}"
+        assert answer["seconds"] < TIME_BOUND_S
+        shutil.rmtree(case, ignore_errors=True)
+
+    fuzz()
+    with capsys.disabled():
+        print(f"\nfuzz: {tally.inputs} well-formed files of arbitrary structure audited, 0 crashes")

@@ -659,3 +659,16 @@ def test_hostile_names_cannot_drive_the_terminal(bases: dict[str, Path], tmp_pat
     js = io.StringIO()
     render(report, OutputFormat.JSON, js)
     assert evil in {t["name"] for t in json.loads(js.getvalue())["tensors"]}
+
+
+@pytest.mark.parametrize("gate", ["1" * 5000, "[" * 100_000, '{"passed": false, "failures": 7}'])
+def test_serving_metadata_that_is_not_what_it_claims_is_a_finding(gate: str, bases: dict[str, Path],
+                                                                  tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from ckptaudit.audit import AuditOptions
+
+    path = tmp_path / "model.safetensors"
+    save_file(load_file(str(bases["st"])), str(path), metadata={"artifact": "serving", "quality_gate": gate})
+    report = audit(str(path), AuditOptions(expect="serving"))
+    assert codes(report) & {"integrity.corrupt", "artifact.gate-failed"}

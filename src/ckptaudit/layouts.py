@@ -347,7 +347,8 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
         raw_groups = tree.get("param_groups")
         # Unreadable or malformed groups (a DCP item that could not be read, a damaged file) must not break the
         # checks: keep dict groups, each with a list of params.
-        groups = [g if isinstance(g.get("params", []), list) else {**g, "params": []}
+        groups = [{**g, "params": [p for p in g.get("params", []) if isinstance(p, str | int)]
+                   if isinstance(g.get("params", []), list) else []}
                   for g in (raw_groups if isinstance(raw_groups, list) else []) if isinstance(g, dict)]
         state: dict[Any, dict[str, Any]] = {}
         items: list[tuple[Any, Any]]
@@ -359,6 +360,7 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
             items = []
         for key, entry in items:
             if isinstance(entry, dict):
+                key = key if isinstance(key, str | int) else str(key)  # state is keyed by FQN or index
                 state[key] = {str(n): ref(("state", key, n), v) for n, v in entry.items()}
         keyed = "index" if any(isinstance(k, int) for k in state) else "fqn"
         if not state and groups:

@@ -52,10 +52,11 @@ def check_artifact(view: View, expect: str) -> tuple[list[Finding], bool]:
         ], True
     try:
         gate = json.loads(gate_raw)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, digits past Python's limit, nesting too deep
         return [finding("integrity.corrupt", subject, "quality_gate metadata is not valid JSON")], True
     if not isinstance(gate, dict) or not gate.get("passed", False):
         failed = gate.get("failures", []) if isinstance(gate, dict) else []
+        failed = failed if isinstance(failed, list) else [failed]
         return [
             finding(
                 "artifact.gate-failed",

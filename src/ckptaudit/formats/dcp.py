@@ -348,7 +348,9 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
 
     flat: dict[Any, Any] = {}
     corrupt: list[tuple[str, str, str, int | None]] = []
+    where_of: dict[int, str] = {}  # corrupt entry -> file of the item
     for fqn, item in sd_meta.items():
+        first = len(corrupt)
         try:
             if type(item).__name__ == "TensorStorageMetadata":
                 flat[fqn] = _tensor_item(str(fqn), item, located, corrupt)
@@ -358,8 +360,16 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
             corrupt.append(("integrity.corrupt", str(fqn),
                             f"its metadata entry is malformed ({type(exc).__name__}: {exc})", None))
             flat[fqn] = Unreadable("malformed metadata entry")
-    for code, fqn, reason, at in corrupt:
-        findings.append(finding(code, fqn, f"item {fqn}: {reason}", offset=at))
+        leaf = flat[fqn]
+        if isinstance(leaf, Unreadable) and leaf.file:
+            rel_file = os.path.relpath(leaf.file, path) if os.path.isabs(leaf.file) else leaf.file
+            for i in range(first, len(corrupt)):
+                where_of[i] = os.path.join(name, rel_file) if name else rel_file
+    for i, (code, fqn, reason, at) in enumerate(corrupt):
+        item_evidence: dict[str, Any] = {"offset": at}
+        if i in where_of:
+            item_evidence["file"] = where_of[i]
+        findings.append(finding(code, fqn, f"item {fqn}: {reason}", **item_evidence))
     tree = _unflatten(flat, getattr(md, "planner_data", None))
     return DcpRead(Part(name, "dcp", tree), findings, files, md)
 

@@ -8,7 +8,8 @@ of a ``.distcp`` file), ``.metadata`` of ``torch.distributed.checkpoint`` direct
    every global the pickle references, also through ``STACK_GLOBAL`` and memo indirections, and reports those
    outside the allowlist. Declared lengths are checked against the bytes that remain before anything is
    read (a ``BINBYTES8`` claiming terabytes is an error, not an allocation), long byte strings are skipped
-   rather than read, and opcode count, memo indices and stack depth have hard limits.
+   rather than read, memo indices may not run ahead of the opcodes, and opcode count and stack depth have
+   hard limits.
 2. Only when every global is allowed does a reader unpickle, through :class:`RestrictedUnpickler`: a
    pure-Python unpickler whose ``find_class`` maps each allowed name to a vetted implementation (the
    allowlist is checked twice), which refuses ``EXT``/``INST``/``OBJ``, lets ``BUILD`` touch only
@@ -58,10 +59,9 @@ __all__ = [
 # Limits. Real checkpoints stay far below them; a hostile pickle meets them long before it can exhaust memory or
 # time. Hitting one is reported as a finding naming the limit, never a crash.
 
-MAX_OPCODES = 20_000_000
-"""Opcodes walked per pickle (a state dict of 100k tensors needs about 3M)."""
-MAX_MEMO_INDEX = 1 << 22
-"""Largest memo index accepted (picklers number memo entries 0, 1, 2, ...)."""
+MAX_OPCODES = 50_000_000
+"""Opcodes walked per pickle (a state dict of 100k tensors needs about 3M; walking costs about 1 µs each, and a
+pickle has at most one opcode per byte, so time stays proportional to the file)."""
 MAX_STACK = 1 << 22
 """Deepest symbolic stack accepted."""
 MAX_LINE = 1 << 16
@@ -418,8 +418,11 @@ class _Walker:
                 if not stack or (self.marks and len(stack) == self.marks[-1]):
                     raise _ScanError(f"{name} with nothing to remember")
                 index = len(self.memo) if name == "MEMOIZE" else int(arg)
-                if not 0 <= index <= MAX_MEMO_INDEX:
-                    raise _ScanError(f"memo index {index} outside 0..{MAX_MEMO_INDEX}", limit=index > 0)
+                # Picklers number memo entries 0, 1, 2, ...; a far larger index would make C unpicklers (DCP's
+                # pickle.load of .metadata) allocate a memo array of that size.
+                if not 0 <= index <= count:
+                    raise _ScanError(f"memo index {index} is beyond the {count} opcodes read so far (picklers number "
+                                     "memo entries in order)")
                 self.memo[index] = stack[-1]
             elif name in ("GET", "BINGET", "LONG_BINGET"):
                 if int(arg) not in self.memo:
