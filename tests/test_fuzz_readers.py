@@ -41,9 +41,9 @@ import real_checkpoints as rc
 from audit_worker import AuditWorker
 from ckptaudit.formats.pickles import dcp_metadata_loads
 
-EXAMPLES_PER_KIND = 4
+EXAMPLES_PER_KIND = 6
 """Hypothesis inputs per kind of damage and file (about 60 kinds; 0.1 s each on a loaded 2-core machine)."""
-STRUCTURE_EXAMPLES = 100
+STRUCTURE_EXAMPLES = 150
 """Hypothesis trees saved as torch.save / JSON files of the common layouts."""
 TIME_BOUND_S = 30.0
 """Per input; a healthy audit of these checkpoints takes well under a second."""

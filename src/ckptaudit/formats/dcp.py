@@ -20,6 +20,7 @@ from ckptaudit.catalogue import finding
 from ckptaudit.formats.base import Part, Unreadable
 from ckptaudit.formats.pickles import (
     DCP_METADATA_GLOBALS,
+    MAX_METADATA_OPCODES,
     PickleLimitError,
     PickleScan,
     dcp_metadata_loads,
@@ -35,8 +36,8 @@ __all__ = ["DcpRead", "UnsafeCheckpointError", "check_metadata_safe", "is_dcp_di
 METADATA = ".metadata"
 MAX_BYTES_ITEM = 64 << 20
 """Non-tensor items larger than this are not loaded (real ones are a few bytes to a few KiB)."""
-MAX_METADATA_BYTES = 1 << 30
-"""``.metadata`` larger than this is not read (a 70B model on 1024 ranks writes tens of MiB)."""
+MAX_METADATA_BYTES = 512 << 20
+"""``.metadata`` larger than this is not read (real ones: a few KiB to tens of MiB)."""
 
 
 def is_dcp_dir(path: str) -> bool:
@@ -137,7 +138,7 @@ def check_metadata_safe(path: str) -> None:
     _code, message, data = _metadata_problem(path)
     if data is None:
         raise UnsafeCheckpointError(f"{meta_path}: {message}")
-    problem = _scan_problem(scan(data, DCP_METADATA_GLOBALS))
+    problem = _scan_problem(scan(data, DCP_METADATA_GLOBALS, max_opcodes=MAX_METADATA_OPCODES))
     if problem is not None:
         raise UnsafeCheckpointError(f"{meta_path}: {problem[1]}; refusing to load it")
     md, why = _load_metadata(data)
@@ -242,7 +243,7 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
     if data is None:
         findings.append(finding(code, meta_subject, f"{subject}: {message}", file=meta_subject))
         return DcpRead(None, findings, files)
-    result = scan(data, DCP_METADATA_GLOBALS)
+    result = scan(data, DCP_METADATA_GLOBALS, max_opcodes=MAX_METADATA_OPCODES)
     problem = _scan_problem(result)
     if problem is not None:
         evidence: dict[str, Any] = {"globals": list(result.unsafe + result.harmless)} if problem[0].startswith(

@@ -41,6 +41,7 @@ __all__ = [
     "DCP_METADATA_GLOBALS",
     "HARMLESS_GLOBALS",
     "MAX_DEPTH",
+    "MAX_METADATA_OPCODES",
     "MAX_NODES",
     "MAX_OPCODES",
     "NUMPY_GLOBALS",
@@ -59,9 +60,13 @@ __all__ = [
 # Limits. Real checkpoints stay far below them; a hostile pickle meets them long before it can exhaust memory or
 # time. Hitting one is reported as a finding naming the limit, never a crash.
 
-MAX_OPCODES = 50_000_000
-"""Opcodes walked per pickle (a state dict of 100k tensors needs about 3M; walking costs about 1 µs each, and a
-pickle has at most one opcode per byte, so time stays proportional to the file)."""
+MAX_OPCODES = 5_000_000
+"""Opcodes walked per pickle (``torch.save`` needs about 25 per tensor: 200k tensors). Walking costs about 1 µs
+per opcode and loading about 2 µs; each opcode makes at most one object (at most ~70 bytes), which bounds the
+memory of what a pickle can build to a few hundred MiB."""
+MAX_METADATA_OPCODES = 20_000_000
+"""The same for DCP ``.metadata`` (about 25 opcodes per shard of a tensor: 800k shards, e.g. a 70B model's
+parameters and Adam moments over 300 ranks)."""
 MAX_STACK = 1 << 22
 """Deepest symbolic stack accepted."""
 MAX_LINE = 1 << 16
@@ -302,8 +307,9 @@ def _is_const(value: Any) -> bool:
 class _Walker:
     """One pass over one pickle's opcodes with a symbolic stack and memo."""
 
-    def __init__(self, stream: IO[bytes], allowed: frozenset[str]) -> None:
+    def __init__(self, stream: IO[bytes], allowed: frozenset[str], max_opcodes: int) -> None:
         self.stream = stream
+        self.max_opcodes = max_opcodes
         self.start = stream.tell()
         stream.seek(0, io.SEEK_END)
         self.size = stream.tell()
@@ -405,8 +411,23 @@ class _Walker:
             if op is None:
                 raise _ScanError(f"unknown opcode {code!r}")
             count += 1
-            if count > MAX_OPCODES:
-                raise _ScanError(f"more than {MAX_OPCODES} opcodes", limit=True)
+            if count > self.max_opcodes:
+                raise _ScanError(f"more than {self.max_opcodes} opcodes", limit=True)
+            generic = _GENERIC[code[0]]
+            if generic is not None:  # the common container and constant opcodes: no names, no calls
+                has_mark, pops, pushes = generic
+                if op.arg is not None:
+                    self._arg(op)
+                if has_mark:
+                    self._pop_mark(op.name)
+                if pops > len(stack) - (self.marks[-1] if self.marks else 0):
+                    raise _ScanError(f"stack underflow at {op.name}" + (" (it would pop a MARK)" if self.marks else ""))
+                if pops:
+                    del stack[-pops:]
+                stack.extend(pushes)
+                if len(stack) > MAX_STACK:
+                    raise _ScanError(f"stack deeper than {MAX_STACK}", limit=True)
+                continue
             arg = self._arg(op)
             name = op.name
             if name == "STOP":
@@ -518,16 +539,38 @@ class _Walker:
 _STRING_OPS = frozenset(
     "STRING BINSTRING SHORT_BINSTRING UNICODE BINUNICODE SHORT_BINUNICODE BINUNICODE8".split()
 )
+_SPECIAL_OPS = frozenset(
+    "STOP MARK PUT BINPUT LONG_BINPUT MEMOIZE GET BINGET LONG_BINGET FRAME PROTO GLOBAL INST STACK_GLOBAL EXT1 "
+    "EXT2 EXT4 REDUCE NEWOBJ NEWOBJ_EX OBJ EMPTY_TUPLE TUPLE1 TUPLE2 TUPLE3 TUPLE POP DUP".split()
+) | _STRING_OPS
 
 
-def scan(data: bytes | bytearray | memoryview | IO[bytes], allowed: frozenset[str] = ALL_SAFE) -> PickleScan:
+def _generic(op: pickletools.OpcodeInfo) -> tuple[bool, int, tuple[Any, ...]] | None:
+    """(pops to a MARK first, fixed items popped, items pushed) for opcodes whose effect needs no modelling."""
+    if op.name in _SPECIAL_OPS:
+        return None
+    if op.name in _CONST_OPS:
+        return False, 0, (_CONST,)
+    before = op.stack_before
+    has_mark = pickletools.markobject in before
+    fixed = before.index(pickletools.markobject) if has_mark else len(before)
+    return has_mark, fixed, tuple(_UNKNOWN for _ in op.stack_after)
+
+
+_GENERIC: list[tuple[bool, int, tuple[Any, ...]] | None] = [
+    None if op is None else _generic(op) for op in _OPS
+]
+
+
+def scan(data: bytes | bytearray | memoryview | IO[bytes], allowed: frozenset[str] = ALL_SAFE, *,
+         max_opcodes: int = MAX_OPCODES) -> PickleScan:
     """Walk one pickle's opcodes (never executing them) and classify every global it references.
 
     ``data`` is the pickle's bytes or a seekable stream positioned at its start; a stream is left just past
     ``STOP`` (or where the walk stopped). Offsets in the result are positions in the stream.
     """
     stream: IO[bytes] = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
-    walker = _Walker(stream, allowed)
+    walker = _Walker(stream, allowed, max_opcodes)
     error: str | None = None
     error_offset: int | None = None
     limit = False
@@ -911,44 +954,58 @@ def check_tree(obj: Any, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES)
     ``max_depth``, or more than ``max_nodes`` nodes once shared sub-trees are expanded (a pickle can share one
     list a billion times through its memo). Iterative; costs one visit per distinct object, not per path."""
     too_many = f"the loaded object tree has more than {max_nodes} nodes (shared sub-trees counted each time)"
-    size: dict[int, int] = {}  # id -> nodes of the expanded sub-tree
-    height: dict[int, int] = {}
-    kids: dict[int, list[Any]] = {}  # the container children of a node being visited
+    too_deep = f"the loaded object tree nests deeper than {max_depth} levels"
+    root = _children(obj)
+    if root is None:
+        return None
+    done: dict[int, tuple[int, int]] = {}  # id -> (nodes of the expanded sub-tree, height), once visited
+    pending: dict[int, tuple[int, int, list[Any]]] = {}  # id -> (own nodes, own height, container children)
     on_path: set[int] = set()
     seen = 0
-    todo: list[tuple[Any, bool]] = [(obj, False)]
+    todo: list[tuple[Any, Any, bool]] = [(obj, root, False)]
     while todo:
-        node, done = todo.pop()
+        node, children, finished = todo.pop()
         key = id(node)
-        if done:
+        if finished:
             on_path.discard(key)
-            containers = kids.pop(key)
-            n = size[key] + sum(size[id(c)] for c in containers)
-            h = 1 + max((height[id(c)] for c in containers), default=0)
-            size[key], height[key] = n, h
+            n, h, containers = pending.pop(key)
+            for c in containers:
+                cn, ch = done[id(c)]
+                n, h = n + cn, max(h, ch + 1)
+            done[key] = (n, h)
             if n > max_nodes:
                 return too_many
             if h > max_depth:
-                return f"the loaded object tree nests deeper than {max_depth} levels"
+                return too_deep
             continue
-        if key in height:  # done: a shared sub-tree
-            continue
-        children = _children(node)
-        if children is None:
+        if key in done:  # a shared sub-tree, already measured
             continue
         if key in on_path:
             return "the loaded object tree contains itself (a cycle)"
         if len(on_path) >= max_depth:
-            return f"the loaded object tree nests deeper than {max_depth} levels"
+            return too_deep
         seen += len(children) + 1
         if seen > max_nodes:
             return too_many
-        containers = [c for c in children if type(c) not in _LEAF_TYPES and _children(c) is not None]
-        size[key] = 1 + len(children) - len(containers)  # itself and its leaves; containers added when done
-        kids[key] = containers
         on_path.add(key)
-        todo.append((node, True))
-        todo.extend((c, False) for c in containers if id(c) not in height)
+        todo.append((node, None, True))
+        n, h, containers = 1, 1, []
+        for c in children:
+            if type(c) in _LEAF_TYPES:
+                n += 1
+                continue
+            if id(c) in done:
+                containers.append(c)
+                continue
+            grand = _children(c)
+            if grand is None:
+                n += 1
+            elif not grand:  # an empty container: counted here, no bookkeeping
+                n, h = n + 1, max(h, 2)
+            else:
+                containers.append(c)
+                todo.append((c, grand, False))
+        pending[key] = (n, h, containers)
     return None
 
 
