@@ -672,3 +672,18 @@ def test_serving_metadata_that_is_not_what_it_claims_is_a_finding(gate: str, bas
     save_file(load_file(str(bases["st"])), str(path), metadata={"artifact": "serving", "quality_gate": gate})
     report = audit(str(path), AuditOptions(expect="serving"))
     assert codes(report) & {"integrity.corrupt", "artifact.gate-failed"}
+
+
+def test_legacy_torch_save_is_scanned_and_never_loaded(tmp_path: Path) -> None:
+    import torch
+
+    clean, evil = tmp_path / "clean.pt", tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2)}, clean, _use_new_zipfile_serialization=False)
+    sentinel = tmp_path / "legacy.sentinel"
+    torch.save({"w": torch.ones(2), "x": hf.payload_object("os.system", str(sentinel))}, evil,
+               _use_new_zipfile_serialization=False)
+    assert codes(audit(str(clean))) >= {"format.unsupported"}
+    assert "security.unsafe-pickle" not in codes(audit(str(clean)))
+    report = audit(str(evil))
+    assert any(f.code == "security.unsafe-pickle" and "posix.system" in f.message for f in report.findings)
+    assert not sentinel.exists()

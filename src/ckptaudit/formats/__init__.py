@@ -239,7 +239,7 @@ def _read_legacy(full: str, name: str, subject: str, findings: list[Finding]) ->
         unsafe: list[str] = []
         harmless: list[str] = []
         names: list[str] = []
-        for _ in range(4):  # magic, protocol, sys info, object tree
+        for _ in range(5):  # magic, protocol, sys info, object tree, storage keys: torch.load unpickles all five
             r = scan(fh)
             unsafe += r.unsafe
             harmless += r.harmless

@@ -282,7 +282,8 @@ _PREFIXED = {
     "long1": ("<B", "long"),
     "long4": ("<i", "long"),
 }
-_FIXED = {"uint1": "<B", "uint2": "<H", "int4": "<i", "uint4": "<I", "uint8": "<Q", "float8": ">d"}
+_FIXED = {name: struct.Struct(fmt) for name, fmt in
+          {"uint1": "<B", "uint2": "<H", "int4": "<i", "uint4": "<I", "uint8": "<Q", "float8": ">d"}.items()}
 _CONST_OPS = frozenset(
     "NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT BINFLOAT BINBYTES SHORT_BINBYTES "
     "BINBYTES8 BYTEARRAY8".split()
@@ -347,9 +348,11 @@ class _Walker:
         desc = op.arg
         if desc is None:
             return None
-        if desc.n > 0:
-            (value,) = struct.unpack(_FIXED[desc.name], self._exact(desc.n, op.name))
-            return value
+        if desc.n > 0:  # a few bytes: read them, no allocation to check
+            data = self.stream.read(desc.n)
+            if len(data) != desc.n:
+                raise _ScanError(f"{op.name}: its {desc.n}-byte argument is truncated")
+            return _FIXED[desc.name].unpack(data)[0]
         if desc.n == pickletools.UP_TO_NEWLINE:
             lines = self._line()
             if desc.name == "stringnl_noescape_pair":
@@ -627,6 +630,9 @@ class _Capped:
         return self._s.tell()
 
 
+_SIZED = frozenset({str, bytes, bytearray, tuple, list, dict, set, frozenset})
+
+
 class RestrictedUnpickler(pickle._Unpickler):
     """An unpickler that resolves globals only through ``table`` (``module.name`` -> object) and never runs
     anything else: no ``EXT``, ``INST`` or ``OBJ``; ``NEWOBJ`` only on classes of the table; ``BUILD`` only on
@@ -683,8 +689,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     # -- charged calls ----------------------------------------------------------------------------------------
     def _charge(self, *values: Any) -> None:
         for v in values:
-            cost = len(v) if isinstance(v, str | bytes | bytearray | tuple | list | dict | set | frozenset) else 1
-            self._budget -= cost + 1
+            self._budget -= (len(v) if type(v) in _SIZED else 1) + 1
         if self._budget < 0:
             raise PickleLimitError("the pickle's calls build more than the budget allows (a copy amplification)")
 
