@@ -687,3 +687,15 @@ def test_legacy_torch_save_is_scanned_and_never_loaded(tmp_path: Path) -> None:
     report = audit(str(evil))
     assert any(f.code == "security.unsafe-pickle" and "posix.system" in f.message for f in report.findings)
     assert not sentinel.exists()
+
+
+def test_shard_index_naming_files_outside_the_directory(tmp_path: Path, bases: dict[str, Path]) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(bases["st"], ckpt / "model-00001-of-00001.safetensors")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"0.weight": "../../etc/passwd", "0.bias": "/etc/shadow",
+                        "1.weight": "model-00001-of-00001.safetensors"}}))
+    report = audit(str(ckpt))
+    escapes = {f.evidence["shard"] for f in report.findings if f.code == "integrity.path-escape"}
+    assert escapes == {"../../etc/passwd", "/etc/shadow"}
