@@ -145,7 +145,8 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
         stderr.write(f"ckptaudit {args.command}: error: {exc.filename}: permission denied\n")
         return EXIT_USAGE
     except OSError as exc:  # the top-level path itself cannot be read (files inside become findings)
-        stderr.write(f"ckptaudit {args.command}: error: {exc.filename or ''}: {exc.strerror or exc}\n")
+        where = f"{exc.filename}: " if exc.filename else ""
+        stderr.write(f"ckptaudit {args.command}: error: {where}{exc.strerror or exc}\n")
         return EXIT_USAGE
     except MemoryError:
         stderr.write(f"ckptaudit {args.command}: error: out of memory; please report the checkpoint that caused "
