@@ -284,6 +284,14 @@ def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, std
     except PermissionError as exc:
         stderr.write(f"ckptaudit {args.command}: error: {exc.filename}: permission denied\n")
         return EXIT_USAGE
+    except OSError as exc:  # the top-level path itself cannot be read (files inside become findings)
+        where = f"{exc.filename}: " if exc.filename else ""
+        stderr.write(f"ckptaudit {args.command}: error: {where}{exc.strerror or exc}\n")
+        return EXIT_USAGE
+    except MemoryError:
+        stderr.write(f"ckptaudit {args.command}: error: out of memory; please report the checkpoint that caused "
+                     "it (readers are meant to check every declared size first)\n")
+        return EXIT_USAGE
     except KeyboardInterrupt:
         stderr.write("interrupted\n")
         return 130

@@ -409,6 +409,7 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
             items = []
         for key, entry in items:
             if isinstance(entry, dict):
+                key = key if isinstance(key, str | int) else str(key)  # state is keyed by FQN or index
                 state[key] = {str(n): ref(("state", key, n), v) for n, v in entry.items()}
         keyed = "index" if any(isinstance(k, int) for k in state) else "fqn"
         if not state and groups:

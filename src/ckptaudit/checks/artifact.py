@@ -107,7 +107,7 @@ def check_artifact(view: View, expect: str, *, ckpt: Checkpoint | None = None,
         return findings, True
     try:
         gate = json.loads(gate_raw)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, digits past Python's limit, nesting too deep
         return [*findings, finding("integrity.corrupt", subject, "quality_gate metadata is not valid JSON")], True
     if not isinstance(gate, dict) or gate.get("passed") is not True:
         failed = gate.get("failures", []) if isinstance(gate, dict) else []

@@ -27,6 +27,13 @@ def check_indexes(ckpt: Checkpoint, view: View) -> list[Finding]:
             by_shard.setdefault(str(shard), []).append(str(tensor))
         for shard, tensors in by_shard.items():
             rel = os.path.join(base, shard) if base else shard
+            if os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/") or "\x00" in shard:
+                findings.append(
+                    finding("integrity.path-escape", name,
+                            f"{name} puts {len(tensors)} tensor(s) in {shard!r}, outside the checkpoint directory; "
+                            "not read", shard=shard, tensors=sorted(tensors)[:20])
+                )
+                continue
             if rel not in ckpt.files:
                 findings.append(
                     finding("integrity.incomplete", rel,

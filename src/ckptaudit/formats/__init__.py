@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.dcp import is_dcp_dir, read_dcp
-from ckptaudit.formats.pickles import RestrictedUnpickler, base_table, scan
+from ckptaudit.formats.pickles import PickleLimitError, PickleScan, RestrictedUnpickler, base_table, check_tree, scan
+from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, describe_kind, open_regular, read_limited
 from ckptaudit.formats.safetensors import SafetensorsError, read_safetensors
 from ckptaudit.formats.tensors import TensorData
-from ckptaudit.formats.torchzip import TorchZipError, is_zip, read_torch_zip
+from ckptaudit.formats.torchzip import TorchZipError, read_torch_zip
 from ckptaudit.model import Finding
 
 __all__ = ["Checkpoint", "Part", "TensorData", "Unreadable", "open_checkpoint", "walk"]
@@ -30,7 +32,9 @@ _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 def open_checkpoint(path: str) -> Checkpoint:
     """Read ``path`` (a file, a DCP directory, or a directory of component files) into a :class:`Checkpoint`.
 
-    Raises ``FileNotFoundError`` when ``path`` does not exist; everything else becomes a finding.
+    Raises ``FileNotFoundError`` when ``path`` does not exist and ``OSError`` (e.g. ``PermissionError``) when
+    the directory ``path`` cannot be listed; everything else, down to a named pipe given as ``path``, becomes a
+    finding. Nothing but regular files is ever opened.
     """
     if not os.path.exists(path):
         raise FileNotFoundError(path)
@@ -48,9 +52,8 @@ def open_checkpoint(path: str) -> Checkpoint:
             fmt = "dcp"
             for extra in ("manifest.json", "ckptaudit.json"):
                 extra_path = os.path.join(path, extra)
-                if os.path.isfile(extra_path):
-                    files[extra] = os.path.getsize(extra_path)
-                    part = _read_file(extra_path, extra, findings)
+                if os.path.lexists(extra_path):
+                    part = _read_entry(extra_path, extra, findings, files)
                     if part is not None:
                         parts.append(part)
         else:
@@ -64,14 +67,16 @@ def open_checkpoint(path: str) -> Checkpoint:
                         files.update(read.files)
                         if read.part is not None:
                             parts.append(read.part)
+                    elif _recognised_name(name):
+                        findings.append(finding("integrity.corrupt", name,
+                                                f"{name} is a directory, not a checkpoint file; not read"))
                     continue
                 if not _recognised_name(name):
                     continue
-                files[name] = os.path.getsize(full)
-                part = _read_file(full, name, findings)
+                part = _read_entry(full, name, findings, files)
                 if part is not None:
                     parts.append(part)
-            if not files:
+            if not files and not findings:
                 findings.append(
                     finding(
                         "format.unrecognized",
@@ -82,18 +87,42 @@ def open_checkpoint(path: str) -> Checkpoint:
                     )
                 )
     else:
-        name = os.path.basename(path)
-        files[name] = os.path.getsize(path)
-        part = _read_file(path, "", findings)
+        part = _read_entry(path, "", findings, files)
         fmt = part.format if part is not None else "unknown"
         if part is not None:
             parts.append(part)
     return Checkpoint(path=path, format=fmt, parts=parts, findings=findings, files=files)
 
 
+def _limit(flag: bool) -> dict[str, Any]:
+    """Evidence that a finding is a reader's safety limit rather than malformed data."""
+    return {"limit": True} if flag else {}
+
+
 def _recognised_name(name: str) -> bool:
     lower = name.lower()
     return lower.endswith((".safetensors", ".json", *TORCH_EXTENSIONS))
+
+
+def _read_entry(full: str, name: str, findings: list[Finding], files: dict[str, int]) -> Part | None:
+    """Read one file of the checkpoint if it is a regular file (symlinks followed); record it in ``files``."""
+    subject = name or os.path.basename(full)
+    try:
+        st = os.stat(full)
+    except FileNotFoundError:
+        findings.append(finding("integrity.incomplete", subject,
+                                f"{subject} is a symbolic link to {os.readlink(full)!r}, which does not exist"
+                                if os.path.islink(full) else f"{subject} disappeared while it was being read"))
+        return None
+    except OSError as exc:
+        findings.append(finding("integrity.corrupt", subject, f"cannot read {subject}: {exc.strerror or exc}"))
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        findings.append(finding("integrity.corrupt", subject,
+                                f"{subject} is {describe_kind(st.st_mode)}, not a regular file; not opened"))
+        return None
+    files[name or os.path.basename(full)] = st.st_size
+    return _read_file(full, name, findings)
 
 
 def _read_file(full: str, name: str, findings: list[Finding]) -> Part | None:
@@ -105,6 +134,12 @@ def _read_file(full: str, name: str, findings: list[Finding]) -> Part | None:
         if lower.endswith(".json"):
             return _read_json(full, name, subject, findings)
         return _read_pickled(full, name, subject, findings)
+    except NotRegularFile as exc:
+        findings.append(finding("integrity.corrupt", subject, f"{subject}: {exc.strerror}"))
+        return None
+    except LimitExceeded as exc:
+        findings.append(finding("integrity.corrupt", subject, f"{subject}: {exc}; not read", limit=True))
+        return None
     except OSError as exc:
         findings.append(finding("integrity.corrupt", subject, f"cannot read {subject}: {exc.strerror or exc}"))
         return None
@@ -123,102 +158,123 @@ def _read_safetensors(full: str, name: str, subject: str, findings: list[Finding
 
 
 def _read_json(full: str, name: str, subject: str, findings: list[Finding]) -> Part | None:
-    size = os.path.getsize(full)
-    if size > MAX_JSON_BYTES:
-        findings.append(finding("format.unsupported", subject, f"{subject}: JSON of {size} bytes not read"))
-        return None
-    with open(full, "rb") as fh:
-        raw = fh.read()
+    raw = read_limited(full, MAX_JSON_BYTES, "JSON file")
     try:
         value = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        findings.append(finding("integrity.corrupt", subject, f"{subject}: not valid JSON ({exc})"))
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError, bad UTF-8 and integers beyond Python's digit limit.
+        findings.append(finding("integrity.corrupt", subject, f"{subject}: not valid JSON ({exc or 'nests too deep'})"))
+        return None
+    problem = check_tree(value)
+    if problem is not None:
+        findings.append(finding("integrity.corrupt", subject, f"{subject}: {problem}; not read", limit=True))
         return None
     return Part(name, "json", value)
 
 
+def _corrupt_pickle(subject: str, result: PickleScan, findings: list[Finding]) -> None:
+    findings.append(
+        finding("format.unrecognized" if result.error_offset == 0 else "integrity.corrupt", subject,
+                f"{subject}: not a torch.save archive, safetensors file or readable pickle "
+                f"({result.error} at byte {result.error_offset})", offset=result.error_offset,
+                **_limit(result.limit))
+    )
+
+
 def _read_pickled(full: str, name: str, subject: str, findings: list[Finding]) -> Part | None:
-    size = os.path.getsize(full)
+    with open_regular(full) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        head = fh.read(4)
     if size == 0:
         findings.append(finding("integrity.corrupt", subject, f"{subject} is empty (0 bytes)", offset=0))
         return None
-    if is_zip(full):
+    if head == b"PK\x03\x04":
         try:
             tz = read_torch_zip(full)
         except TorchZipError as exc:
             findings.append(
                 finding("integrity.corrupt", subject, f"{subject}: not a readable torch.save archive: {exc}",
-                        offset=exc.offset)
+                        offset=exc.offset, **_limit(exc.limit))
             )
             return None
         if not tz.loaded:
-            _report_unloaded(subject, tz.scan.unsafe, tz.scan.harmless, findings)
+            _report_unloaded(subject, tz.scan, findings)
             return Part(name, "torch.save", None)
         return Part(name, "torch.save", tz.obj)
     # Not a zip: a plain pickle, or the legacy (pre-1.6) torch.save format, which starts with a pickled magic.
-    with open(full, "rb") as fh:
+    with open_regular(full) as fh:
         result = scan(fh)
+        if result.unsafe or result.harmless:
+            _report_unloaded(subject, result, findings)
+            return Part(name, "pickle", None)
         if result.error is not None:
-            findings.append(
-                finding("format.unrecognized" if result.error_offset == 0 else "integrity.corrupt", subject,
-                        f"{subject}: not a torch.save archive, safetensors file or readable pickle "
-                        f"({result.error} at byte {result.error_offset})", offset=result.error_offset)
-            )
+            _corrupt_pickle(subject, result, findings)
             return None
         fh.seek(0)
-        first = _small_pickle_value(fh, result.end) if result.loadable else None
+        first = _small_pickle_value(fh, result.end)
     if first == _LEGACY_MAGIC:
-        with open(full, "rb") as fh:
-            unsafe: list[str] = []
-            harmless: list[str] = []
-            for _ in range(4):  # magic, protocol, sys info, object tree
-                r = scan(fh)
-                if r.error is not None:
-                    break
-                unsafe += r.unsafe
-                harmless += r.harmless
-        if unsafe or harmless:
-            _report_unloaded(subject, tuple(unsafe), tuple(harmless), findings)
-        findings.append(
-            finding("format.unsupported", subject,
-                    f"{subject} uses the legacy torch.save format (torch < 1.6); its tensors are not read. "
-                    "Re-save it with a current torch.save to audit it.")
-        )
-        return Part(name, "torch.save-legacy", None)
-    if not result.loadable:
-        _report_unloaded(subject, result.unsafe, result.harmless, findings)
-        return Part(name, "pickle", None)
+        return _read_legacy(full, name, subject, findings)
     if result.end != size:
         findings.append(
             finding("integrity.corrupt", subject, f"{subject}: {size - result.end} bytes after the pickle's end",
                     offset=result.end)
         )
-    with open(full, "rb") as fh:
+    with open_regular(full) as fh:
         try:
-            value = RestrictedUnpickler(fh, base_table()).load()  # type: ignore[arg-type]
-        except Exception as exc:  # noqa: BLE001
-            findings.append(finding("integrity.corrupt", subject, f"{subject}: cannot be unpickled ({exc})"))
+            value = RestrictedUnpickler(fh, base_table(), size=result.end).load()
+            problem = check_tree(value)
+            if problem is not None:
+                raise PickleLimitError(problem)
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the pickle does wrong is a corrupt file
+            findings.append(finding("integrity.corrupt", subject, f"{subject}: cannot be unpickled ({exc})",
+                                    **_limit(isinstance(exc, PickleLimitError))))
             return None
     return Part(name, "pickle", value)
+
+
+def _read_legacy(full: str, name: str, subject: str, findings: list[Finding]) -> Part | None:
+    with open_regular(full) as fh:
+        unsafe: list[str] = []
+        harmless: list[str] = []
+        names: list[str] = []
+        for _ in range(5):  # magic, protocol, sys info, object tree, storage keys: torch.load unpickles all five
+            r = scan(fh)
+            unsafe += r.unsafe
+            harmless += r.harmless
+            names += r.globals
+            if r.error is not None:
+                break
+    if unsafe or harmless:
+        _report_unloaded(subject, PickleScan(tuple(names), tuple(unsafe), tuple(harmless)), findings)
+    findings.append(
+        finding("format.unsupported", subject,
+                f"{subject} uses the legacy torch.save format (torch < 1.6); its tensors are not read. "
+                "Re-save it with a current torch.save to audit it.")
+    )
+    return Part(name, "torch.save-legacy", None)
 
 
 def _small_pickle_value(fh: Any, end: int) -> Any:
     if end > 4096:
         return None
     try:
-        return RestrictedUnpickler(fh, {}).load()
-    except Exception:  # noqa: BLE001
+        return RestrictedUnpickler(fh, {}, size=end).load()
+    except Exception:  # noqa: BLE001 - only the legacy magic number matters here
         return None
 
 
-def _report_unloaded(subject: str, unsafe: tuple[str, ...], harmless: tuple[str, ...],
-                     findings: list[Finding]) -> None:
+def _report_unloaded(subject: str, result: PickleScan, findings: list[Finding]) -> None:
+    unsafe, harmless = result.unsafe, result.harmless
     if unsafe:
+        misused = [n for n in unsafe if n in result.misused]
+        why = (f" ({', '.join(misused)} called with arguments its own pickling never uses)" if misused else "")
         findings.append(
             finding(
                 "security.unsafe-pickle",
                 subject,
-                f"{subject} references {', '.join(unsafe)}, outside the safe allowlist; it was not loaded and "
+                f"{subject} references {', '.join(unsafe)}, outside the safe allowlist{why}; it was not loaded and "
                 "nothing in it was executed. Do not torch.load it with weights_only=False.",
                 globals=list(unsafe + harmless),
             )
@@ -233,6 +289,10 @@ def _report_unloaded(subject: str, unsafe: tuple[str, ...], harmless: tuple[str,
                 globals=list(harmless),
             )
         )
+    if result.error is not None:
+        findings.append(finding("integrity.corrupt", subject,
+                                f"{subject}: the pickle is also malformed ({result.error} at byte "
+                                f"{result.error_offset})", offset=result.error_offset))
 
 
 def tensors_in(tree: Any) -> list[tuple[tuple[Any, ...], TensorData | Unreadable]]:

@@ -18,7 +18,15 @@ from typing import Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.formats.base import Part, Unreadable
-from ckptaudit.formats.pickles import DCP_METADATA_GLOBALS, UnsafeGlobalError, dcp_metadata_loads, scan
+from ckptaudit.formats.pickles import (
+    DCP_METADATA_GLOBALS,
+    MAX_METADATA_OPCODES,
+    PickleLimitError,
+    PickleScan,
+    dcp_metadata_loads,
+    scan,
+)
+from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, file_kind, read_limited
 from ckptaudit.formats.tensors import DTYPES, Piece, TensorData
 from ckptaudit.formats.torchzip import TorchZipError, read_torch_zip
 from ckptaudit.model import Finding
@@ -28,14 +36,20 @@ __all__ = ["DcpRead", "UnsafeCheckpointError", "check_metadata_safe", "is_dcp_di
 METADATA = ".metadata"
 MAX_BYTES_ITEM = 64 << 20
 """Non-tensor items larger than this are not loaded (real ones are a few bytes to a few KiB)."""
+MAX_METADATA_BYTES = 512 << 20
+"""``.metadata`` larger than this is not read (real ones: a few KiB to tens of MiB)."""
 
 
 def is_dcp_dir(path: str) -> bool:
+    """Whether ``path`` is a directory with ``.metadata`` or ``.distcp`` files (``False`` if unreadable)."""
     if not os.path.isdir(path):
         return False
-    if os.path.exists(os.path.join(path, METADATA)):
+    if os.path.lexists(os.path.join(path, METADATA)):
         return True
-    return any(n.endswith(".distcp") for n in os.listdir(path))
+    try:
+        return any(n.endswith(".distcp") for n in os.listdir(path))
+    except OSError:
+        return False
 
 
 @dataclass
@@ -47,45 +61,141 @@ class DcpRead:
 
 
 class UnsafeCheckpointError(Exception):
-    """A DCP directory whose ``.metadata`` must not be given to ``torch.distributed.checkpoint.load``."""
+    """A DCP directory (or file) that must not be given to ``torch.distributed.checkpoint.load`` (or
+    ``torch.load``): it would execute code, leave its directory, block, or read past its files."""
+
+
+def _metadata_problem(root: str) -> tuple[str, str, bytes | None]:
+    """Read ``root/.metadata`` safely: ``(code, message, None)`` on failure, ``("", "", data)`` on success."""
+    meta_path = os.path.join(root, METADATA)
+    escape = _path_problem(root, METADATA)
+    if escape is not None:
+        return ("integrity.path-escape",
+                f"{METADATA} is a link leading outside the directory (to {os.path.realpath(meta_path)}); not read",
+                None)
+    try:
+        return "", "", read_limited(meta_path, MAX_METADATA_BYTES, METADATA)
+    except LimitExceeded as exc:
+        return "integrity.corrupt", str(exc), None
+    except NotRegularFile as exc:
+        return "integrity.corrupt", f"{METADATA} is not a regular file ({exc.strerror}); not opened", None
+    except OSError as exc:
+        return "integrity.corrupt", f"cannot read {METADATA} ({exc.strerror or exc})", None
+
+
+def _scan_problem(result: PickleScan) -> tuple[str, str] | None:
+    bad = result.unsafe + result.harmless
+    if bad:
+        return "security.unsafe-pickle", (
+            f"{METADATA} references {', '.join(bad)}, outside the DCP metadata allowlist; it was not loaded "
+            "(torch.distributed.checkpoint.load would have executed it)")
+    if result.error is not None:
+        return "integrity.corrupt", (
+            f"{METADATA} is not a readable pickle (byte {result.error_offset}: {result.error})")
+    return None
+
+
+def _load_metadata(data: bytes) -> tuple[Any, str | None]:
+    """Unpickle (restricted) and check the shape of the metadata: ``(md, None)`` or ``(None, why)``."""
+    try:
+        md = dcp_metadata_loads(data)
+    except MemoryError:
+        raise
+    except PickleLimitError as exc:
+        return None, f"{METADATA} exceeds a safety limit ({exc})"
+    except Exception as exc:  # noqa: BLE001 - any failure of the restricted unpickler is corrupt metadata
+        return None, f"{METADATA} cannot be interpreted ({type(exc).__name__}: {exc})"
+    sd_meta = getattr(md, "state_dict_metadata", None)
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(sd_meta, dict) or not isinstance(storage, dict):
+        return None, f"{METADATA} cannot be interpreted (state_dict_metadata or storage_data is not a dict)"
+    return md, None
+
+
+def _item_range(info: Any) -> tuple[str, int, int] | str:
+    """``(relative path, offset, length)`` of a storage entry, or why it is malformed."""
+    rel = getattr(info, "relative_path", None)
+    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+    if not isinstance(rel, str):
+        return f"data file {rel!r} is not a path"
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+        return f"bad offset/length {offset!r}/{length!r}"
+    return rel, offset, length
 
 
 def check_metadata_safe(path: str) -> None:
-    """Raise :class:`UnsafeCheckpointError` unless ``path/.metadata`` exists, parses, and references only the
-    DCP allowlist, and every file it names lies inside ``path``.
+    """Raise :class:`UnsafeCheckpointError` unless ``torch.distributed.checkpoint.load`` can be given ``path``
+    without running code from it, leaving it, blocking on it or reading past its files.
 
-    Run this before any ``torch.distributed.checkpoint.load``: DCP unpickles ``.metadata`` with plain
-    ``pickle``, so a hostile one would run code.
+    Checks: ``path/.metadata`` is a regular file inside ``path``, parses, and references only the DCP
+    allowlist; every file it names lies inside ``path`` (no ``..``, absolute path or escaping link) and, if
+    present, is a regular file holding the item's byte range; and every non-tensor item (which DCP's
+    ``DefaultLoadPlanner.load_bytes`` unpickles with ``torch.load(weights_only=False)``) is a ``torch.save``
+    archive whose pickle references only the allowlist. DCP unpickles ``.metadata`` with plain ``pickle``, so
+    call this before every ``torch.distributed.checkpoint.load``.
     """
     meta_path = os.path.join(path, METADATA)
-    try:
-        with open(meta_path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise UnsafeCheckpointError(f"{meta_path}: cannot read ({exc.strerror})") from None
-    result = scan(data, DCP_METADATA_GLOBALS)
-    if result.error is not None:
-        raise UnsafeCheckpointError(f"{meta_path}: malformed pickle at byte {result.error_offset}: {result.error}")
-    bad = result.unsafe + result.harmless
-    if bad:
-        raise UnsafeCheckpointError(
-            f"{meta_path} references {', '.join(bad)}, outside the DCP metadata allowlist; refusing to load it"
-        )
-    try:
-        md = dcp_metadata_loads(data)
-    except Exception as exc:  # noqa: BLE001
-        raise UnsafeCheckpointError(f"{meta_path}: cannot be read ({exc})") from None
-    for info in (getattr(md, "storage_data", None) or {}).values():
-        rel = getattr(info, "relative_path", None)
-        problem = _path_problem(path, rel)
-        if problem:
-            raise UnsafeCheckpointError(f"{meta_path}: {problem}")
+    _code, message, data = _metadata_problem(path)
+    if data is None:
+        raise UnsafeCheckpointError(f"{meta_path}: {message}")
+    problem = _scan_problem(scan(data, DCP_METADATA_GLOBALS, max_opcodes=MAX_METADATA_OPCODES))
+    if problem is not None:
+        raise UnsafeCheckpointError(f"{meta_path}: {problem[1]}; refusing to load it")
+    md, why = _load_metadata(data)
+    if why is not None:
+        raise UnsafeCheckpointError(f"{meta_path}: {why}")
+    entries: dict[Any, tuple[str, int, int, Any]] = {}
+    for index, info in md.storage_data.items():
+        where = _item_range(info)
+        item = getattr(index, "fqn", index)
+        if isinstance(where, str):
+            raise UnsafeCheckpointError(f"{meta_path}: item {item}: {where}")
+        rel, offset, length = where
+        escape = _path_problem(path, rel)
+        if escape is not None:
+            raise UnsafeCheckpointError(f"{meta_path} {escape} (item {item})")
+        full = os.path.join(path, rel)
+        try:
+            kind = file_kind(full)
+        except OSError:
+            continue  # missing: torch.distributed.checkpoint.load fails on it with a clear error
+        if kind is not None:
+            raise UnsafeCheckpointError(f"{full} is {kind}, not a regular file (item {item})")
+        size = os.path.getsize(full)
+        if offset + length > size:
+            raise UnsafeCheckpointError(
+                f"{meta_path}: item {item} needs bytes {offset}..{offset + length} of {rel}, which has {size}")
+        entries[_key(index)] = (full, offset, length, info)
+    for fqn, item_md in md.state_dict_metadata.items():
+        if type(item_md).__name__ == "TensorStorageMetadata":
+            continue  # tensors are loaded with torch.load(weights_only=True)
+        found = entries.get((fqn, None))
+        if found is None:
+            continue
+        full, offset, length, info = found
+        if getattr(info, "transform_descriptors", None):
+            raise UnsafeCheckpointError(
+                f"{meta_path}: non-tensor item {fqn} is stored through transforms {info.transform_descriptors}; "
+                "its pickle cannot be vetted before torch.load(weights_only=False) runs it")
+        try:
+            tz = read_torch_zip(full, offset, length, load=False)
+        except TorchZipError as exc:
+            raise UnsafeCheckpointError(
+                f"{full}: non-tensor item {fqn} at byte {offset} is not a readable torch.save archive ({exc}); "
+                "torch.distributed.checkpoint.load would unpickle it with weights_only=False") from None
+        bad = tz.scan.unsafe + tz.scan.harmless
+        if bad or tz.scan.error is not None:
+            raise UnsafeCheckpointError(
+                f"{full}: non-tensor item {fqn} at byte {offset} references {', '.join(bad) or 'unvettable data'}; "
+                "torch.distributed.checkpoint.load would unpickle it with torch.load(weights_only=False)")
 
 
 def _path_problem(root: str, rel: Any) -> str | None:
     if not isinstance(rel, str) or not rel:
         return f"names a data file {rel!r} that is not a relative path"
-    if os.path.isabs(rel) or rel.startswith(("/", "\\")):
+    if "\x00" in rel:
+        return f"names data file {rel!r} with a NUL byte"
+    if os.path.isabs(rel) or rel.startswith(("/", "\\")) or (len(rel) > 1 and rel[1] == ":"):
         return f"names data file {rel!r} by an absolute path"
     if ".." in rel.replace("\\", "/").split("/"):
         return f"names data file {rel!r} outside its directory"
@@ -100,94 +210,96 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
     """Read a DCP directory's metadata and describe every item, without loading tensor data."""
     findings: list[Finding] = []
     subject = name or os.path.basename(os.path.normpath(path))
-    files = {
-        n: os.path.getsize(os.path.join(path, n))
-        for n in sorted(os.listdir(path))
-        if os.path.isfile(os.path.join(path, n)) and (n.endswith(".distcp") or n == METADATA)
-    }
-    files = {os.path.join(name, n) if name else n: s for n, s in files.items()}
+    files: dict[str, int] = {}
+    try:
+        listing = sorted(os.listdir(path))
+    except OSError as exc:
+        findings.append(finding("integrity.corrupt", subject or path,
+                                f"{subject}: cannot list the directory ({exc.strerror or exc})"))
+        return DcpRead(None, findings, files)
+    for n in listing:
+        if not (n.endswith(".distcp") or n == METADATA):
+            continue
+        try:
+            st_kind, size = file_kind(os.path.join(path, n)), os.path.getsize(os.path.join(path, n))
+        except OSError:
+            continue
+        if st_kind is None:
+            files[os.path.join(name, n) if name else n] = size
     meta_path = os.path.join(path, METADATA)
-    if not os.path.exists(meta_path):
+    meta_subject = os.path.join(name, METADATA) if name else METADATA
+    if not os.path.lexists(meta_path):
         findings.append(
             finding(
                 "integrity.incomplete",
-                os.path.join(name, METADATA) if name else METADATA,
+                meta_subject,
                 f"{subject}: no {METADATA} file; torch.distributed.checkpoint writes it last, so the save did "
                 "not finish (or the file was lost). The data files cannot be interpreted without it.",
                 data_files=[f for f in files if f.endswith(".distcp")],
             )
         )
         return DcpRead(None, findings, files)
-    with open(meta_path, "rb") as fh:
-        data = fh.read()
-    meta_subject = os.path.join(name, METADATA) if name else METADATA
-    result = scan(data, DCP_METADATA_GLOBALS)
-    if result.error is not None:
-        findings.append(
-            finding(
-                "integrity.corrupt",
-                meta_subject,
-                f"{METADATA} is not a readable pickle (byte {result.error_offset}: {result.error})",
-                offset=result.error_offset,
-            )
-        )
+    code, message, data = _metadata_problem(path)
+    if data is None:
+        findings.append(finding(code, meta_subject, f"{subject}: {message}", file=meta_subject))
         return DcpRead(None, findings, files)
-    bad = result.unsafe + result.harmless
-    if bad:
-        findings.append(
-            finding(
-                "security.unsafe-pickle",
-                meta_subject,
-                f"{METADATA} references {', '.join(bad)}, outside the DCP metadata allowlist; it was not "
-                "loaded (torch.distributed.checkpoint.load would have executed it)",
-                globals=list(bad),
-            )
-        )
+    result = scan(data, DCP_METADATA_GLOBALS, max_opcodes=MAX_METADATA_OPCODES)
+    problem = _scan_problem(result)
+    if problem is not None:
+        evidence: dict[str, Any] = {"globals": list(result.unsafe + result.harmless)} if problem[0].startswith(
+            "security") else {"offset": result.error_offset}
+        findings.append(finding(problem[0], meta_subject, problem[1], file=meta_subject, **evidence))
         return DcpRead(None, findings, files)
-    try:
-        md = dcp_metadata_loads(data)
-        sd_meta = md.state_dict_metadata
-        storage = md.storage_data
-        if not isinstance(sd_meta, dict) or not isinstance(storage, dict):
-            raise ValueError("state_dict_metadata or storage_data is not a dict")
-    except (UnsafeGlobalError, Exception) as exc:  # noqa: BLE001
-        findings.append(
-            finding("integrity.corrupt", meta_subject, f"{METADATA} cannot be interpreted ({exc})")
-        )
+    md, why = _load_metadata(data)
+    if why is not None:
+        findings.append(finding("integrity.corrupt", meta_subject, why, file=meta_subject))
         return DcpRead(None, findings, files)
+    sd_meta, storage = md.state_dict_metadata, md.storage_data
 
-    # Locate every storage item once: file inside the directory, range inside the file.
+    # Locate every storage item once: file inside the directory, a regular file, range inside the file, and
+    # no two items sharing bytes (a hostile metadata could point a million items at one range).
     located: dict[Any, tuple[str, int, int] | Unreadable] = {}
     missing_files: dict[str, list[str]] = {}
     short_files: dict[str, tuple[int, int]] = {}
+    by_file: dict[str, list[tuple[int, int, Any]]] = {}
     for index, info in storage.items():
-        rel = getattr(info, "relative_path", None)
-        fqn = getattr(index, "fqn", "?")
-        problem = _path_problem(path, rel)
-        if problem:
+        fqn = str(getattr(index, "fqn", "?"))
+        where = _item_range(info)
+        if isinstance(where, str):
+            located[_key(index)] = Unreadable(where)
+            findings.append(finding("integrity.corrupt", meta_subject, f"{METADATA}: item {fqn}: {where}",
+                                    item=fqn))
+            continue
+        rel, offset, length = where
+        problem_path = _path_problem(path, rel)
+        if problem_path:
             findings.append(
-                finding("integrity.path-escape", meta_subject, f"{METADATA} {problem} (item {fqn}); not read",
+                finding("integrity.path-escape", meta_subject, f"{METADATA} {problem_path} (item {fqn}); not read",
                         item=fqn, file=str(rel))
             )
-            located[_key(index)] = Unreadable(problem, str(rel))
+            located[_key(index)] = Unreadable(problem_path, str(rel))
             continue
-        assert isinstance(rel, str)
-        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         full = os.path.join(path, rel)
         rel_name = os.path.join(name, rel) if name else rel
-        if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
-            located[_key(index)] = Unreadable(f"bad offset/length {offset!r}/{length!r}", rel_name)
-            continue
         if getattr(info, "transform_descriptors", None):
             located[_key(index)] = Unreadable(
                 f"storage transforms {info.transform_descriptors} are not supported", rel_name
             )
             continue
-        if not os.path.isfile(full):
+        try:
+            kind = file_kind(full)
+            size = os.path.getsize(full)
+        except OSError:
             missing_files.setdefault(rel_name, []).append(fqn)
             located[_key(index)] = Unreadable(f"data file {rel_name} is missing", rel_name)
             continue
-        size = os.path.getsize(full)
+        if kind is not None:
+            if rel_name not in short_files and not any(f.subject == rel_name for f in findings):
+                findings.append(finding("integrity.corrupt", rel_name,
+                                        f"data file {rel_name} is {kind}, not a regular file; not opened",
+                                        file=rel_name))
+            located[_key(index)] = Unreadable(f"{rel_name} is {kind}", rel_name)
+            continue
         files.setdefault(rel_name, size)
         if offset + length > size:
             need = max(offset + length, short_files.get(rel_name, (0, 0))[0])
@@ -197,6 +309,23 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
             )
             continue
         located[_key(index)] = (full, offset, length)
+        by_file.setdefault(full, []).append((offset, length, index))
+    for full, ranges in by_file.items():
+        ranges.sort(key=lambda r: (r[0], r[1]))
+        prev_end, prev_index = 0, None
+        for offset, length, index in ranges:
+            if length and offset < prev_end:
+                rel_name = os.path.relpath(full, path)
+                rel_name = os.path.join(name, rel_name) if name else rel_name
+                fqn = str(getattr(index, "fqn", "?"))
+                findings.append(finding(
+                    "integrity.corrupt", rel_name,
+                    f"{METADATA} puts item {fqn} at bytes {offset}..{offset + length} of {rel_name}, overlapping "
+                    f"item {getattr(prev_index, 'fqn', '?')}; torch.distributed.checkpoint never shares bytes "
+                    "between items", offset=offset, item=fqn))
+                located[_key(index)] = Unreadable("overlaps another item", rel_name)
+                continue
+            prev_end, prev_index = max(prev_end, offset + length), index
     for rel_name, fqns in missing_files.items():
         findings.append(
             finding(
@@ -218,17 +347,30 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
             )
         )
 
-    flat: dict[str, Any] = {}
-    corrupt: list[tuple[str, str, int | None]] = []
+    flat: dict[Any, Any] = {}
+    corrupt: list[tuple[str, str, str, int | None]] = []
+    where_of: dict[int, str] = {}  # corrupt entry -> file of the item
     for fqn, item in sd_meta.items():
-        if type(item).__name__ == "TensorStorageMetadata":
-            flat[fqn] = _tensor_item(fqn, item, located, corrupt)
-        else:
-            flat[fqn] = _bytes_item(fqn, located, corrupt)
-    for fqn, reason, offset in corrupt:
-        findings.append(
-            finding("integrity.corrupt", fqn, f"item {fqn}: {reason}", offset=offset)
-        )
+        first = len(corrupt)
+        try:
+            if type(item).__name__ == "TensorStorageMetadata":
+                flat[fqn] = _tensor_item(str(fqn), item, located, corrupt)
+            else:
+                flat[fqn] = _bytes_item(str(fqn), located, corrupt)
+        except (AttributeError, TypeError, ValueError, KeyError, OverflowError) as exc:
+            corrupt.append(("integrity.corrupt", str(fqn),
+                            f"its metadata entry is malformed ({type(exc).__name__}: {exc})", None))
+            flat[fqn] = Unreadable("malformed metadata entry")
+        leaf = flat[fqn]
+        if isinstance(leaf, Unreadable) and leaf.file:
+            rel_file = os.path.relpath(leaf.file, path) if os.path.isabs(leaf.file) else leaf.file
+            for i in range(first, len(corrupt)):
+                where_of[i] = os.path.join(name, rel_file) if name else rel_file
+    for i, (code, fqn, reason, at) in enumerate(corrupt):
+        item_evidence: dict[str, Any] = {"offset": at}
+        if i in where_of:
+            item_evidence["file"] = where_of[i]
+        findings.append(finding(code, fqn, f"item {fqn}: {reason}", **item_evidence))
     tree = _unflatten(flat, getattr(md, "planner_data", None))
     return DcpRead(Part(name, "dcp", tree), findings, files, md)
 
@@ -242,19 +384,21 @@ def _tensor_item(
     fqn: str,
     item: Any,
     located: dict[Any, tuple[str, int, int] | Unreadable],
-    corrupt: list[tuple[str, str, int | None]],
+    corrupt: list[tuple[str, str, str, int | None]],
 ) -> TensorData | Unreadable:
     dtype_name = str(getattr(item.properties, "dtype", "")).replace("torch.", "")
     dtype = DTYPES.get(dtype_name)
-    shape = tuple(int(s) for s in item.size)
+    shape = _ints(item.size, "size")
     if dtype is None:
-        corrupt.append((fqn, f"unsupported dtype {dtype_name}", None))
+        corrupt.append(("integrity.corrupt", fqn, f"unsupported dtype {dtype_name}", None))
         return Unreadable(f"unsupported dtype {dtype_name}")
     pieces: list[Piece] = []
     for chunk in item.chunks:
-        where = located.get((fqn, tuple(chunk.offsets)))
+        offsets, sizes = _ints(chunk.offsets, "chunk offsets"), _ints(chunk.sizes, "chunk sizes")
+        where = located.get((fqn, offsets))
         if where is None:
-            corrupt.append((fqn, f"no storage entry for the shard at offsets {list(chunk.offsets)}", None))
+            corrupt.append(("integrity.corrupt", fqn, f"no storage entry for the shard at offsets {list(offsets)}",
+                            None))
             return Unreadable("shard not in storage_data")
         if isinstance(where, Unreadable):
             return where
@@ -262,36 +406,48 @@ def _tensor_item(
         try:
             tz = read_torch_zip(file, offset, length)
         except TorchZipError as exc:
-            corrupt.append((fqn, f"shard at offsets {list(chunk.offsets)}: {exc}", exc.offset))
+            corrupt.append(("integrity.corrupt", fqn, f"shard at offsets {list(offsets)}: {exc}", exc.offset))
             return Unreadable(str(exc), file)
         td = tz.obj
-        if not tz.loaded or not isinstance(td, TensorData):
-            corrupt.append((fqn, "shard does not hold a plain tensor", offset))
+        if not tz.loaded:
+            corrupt.append(("security.unsafe-pickle", fqn, f"shard at offsets {list(offsets)} references "
+                            f"{', '.join(tz.scan.unsafe + tz.scan.harmless)}, outside the safe allowlist; not "
+                            "loaded, never executed", offset))
+            return Unreadable("unsafe pickle", file)
+        if not isinstance(td, TensorData):
+            corrupt.append(("integrity.corrupt", fqn, "shard does not hold a plain tensor", offset))
             return Unreadable("shard does not hold a plain tensor", file)
-        if td.dtype != dtype or td.shape != tuple(chunk.sizes):
+        if td.dtype != dtype or td.shape != sizes:
             corrupt.append(
-                (fqn, f"shard holds {td.dtype.name}{list(td.shape)}, metadata says {dtype.name}{list(chunk.sizes)}",
-                 offset)
+                ("integrity.corrupt", fqn,
+                 f"shard holds {td.dtype.name}{list(td.shape)}, metadata says {dtype.name}{list(sizes)}", offset)
             )
             return Unreadable("shard does not match the metadata", file)
         p = td.pieces[0]
-        pieces.append(Piece(p.file, p.data_offset, p.storage_offset, p.sizes, p.stride, tuple(chunk.offsets)))
+        pieces.append(Piece(p.file, p.data_offset, p.storage_offset, p.sizes, p.stride, offsets))
     td = TensorData(dtype, shape, tuple(pieces))
     err = td.coverage_error()
     if err is not None:
-        corrupt.append((fqn, err, None))
+        corrupt.append(("integrity.corrupt", fqn, err, None))
         return Unreadable(err)
     return td
+
+
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    out = tuple(values)
+    if len(out) > 64 or not all(type(v) is int and v >= 0 for v in out):
+        raise ValueError(f"{what} {list(out)[:8]} are not sizes")
+    return out
 
 
 def _bytes_item(
     fqn: str,
     located: dict[Any, tuple[str, int, int] | Unreadable],
-    corrupt: list[tuple[str, str, int | None]],
+    corrupt: list[tuple[str, str, str, int | None]],
 ) -> Any:
     where = located.get((fqn, None))
     if where is None:
-        corrupt.append((fqn, "no storage entry", None))
+        corrupt.append(("integrity.corrupt", fqn, "no storage entry", None))
         return Unreadable("no storage entry")
     if isinstance(where, Unreadable):
         return where
@@ -301,20 +457,28 @@ def _bytes_item(
     try:
         tz = read_torch_zip(file, offset, length)
     except TorchZipError as exc:
-        corrupt.append((fqn, str(exc), exc.offset))
+        corrupt.append(("integrity.corrupt", fqn, str(exc), exc.offset))
         return Unreadable(str(exc), file)
     if not tz.loaded:
-        corrupt.append((fqn, f"references {', '.join(tz.scan.unsafe + tz.scan.harmless)}; not loaded", offset))
+        corrupt.append(("security.unsafe-pickle", fqn,
+                        f"references {', '.join(tz.scan.unsafe + tz.scan.harmless)}, outside the safe allowlist; "
+                        "not loaded, never executed (torch.distributed.checkpoint.load would run it: it unpickles "
+                        "non-tensor items with torch.load(weights_only=False))", offset))
         return Unreadable("unsafe pickle", file)
     return tz.obj
 
 
-def _unflatten(flat: dict[str, Any], mapping: Any) -> Any:
+_MAX_PATH = 32
+"""Longest key path rebuilt from DCP's planner data (real ones: under 10)."""
+
+
+def _unflatten(flat: dict[Any, Any], mapping: Any) -> Any:
     """Rebuild the nested state dict from DCP's flattened keys, using the saved path tuples."""
     root: dict[Any, Any] = {}
     for key, value in flat.items():
         path = mapping.get(key) if isinstance(mapping, dict) else None
-        if not isinstance(path, tuple | list) or not path:
+        if (not isinstance(path, tuple | list) or not path or len(path) > _MAX_PATH
+                or not all(isinstance(p, str | int) for p in path)):
             path = (key,)
         node = root
         for p in path[:-1]:

@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ckptaudit.formats.safeio import open_regular
 from ckptaudit.formats.tensors import DTYPES, Piece, TensorData
 
 __all__ = ["SafetensorsError", "SafetensorsFile", "read_safetensors"]
@@ -58,32 +59,36 @@ class SafetensorsFile:
 def read_safetensors(path: str) -> SafetensorsFile:
     """Describe every tensor of a safetensors file without reading its data.
 
-    Raises :class:`SafetensorsError` when the header is truncated, not JSON, declares offsets outside the
-    file, sizes that do not match shape x dtype, or overlapping tensors.
+    Raises :class:`SafetensorsError` when the header is truncated, larger than the specification's limit, not
+    a JSON object of the specified shape, declares offsets outside the file, sizes that do not match
+    shape x dtype, or overlapping tensors. Every size is checked before anything is read.
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
+        size = os.fstat(fh.fileno()).st_size
         head = fh.read(8)
         if len(head) < 8:
             raise SafetensorsError(f"file has {size} bytes, too short for the 8-byte header length", 0)
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES:
-            raise SafetensorsError(f"header declares {n} bytes (limit {MAX_HEADER_BYTES})", 0)
+            raise SafetensorsError(f"header declares {n} bytes (the format's limit is {MAX_HEADER_BYTES})", 0)
         if 8 + n > size:
             raise SafetensorsError(f"header declares {n} bytes, only {size - 8} follow", 8)
         raw = fh.read(n)
+    if len(raw) != n:
+        raise SafetensorsError(f"header declares {n} bytes, read {len(raw)}", 8)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SafetensorsError(f"header is not valid JSON ({exc})", 8) from None
+    except (ValueError, RecursionError) as exc:
+        # ValueError: JSONDecodeError, bad UTF-8, integers past Python's digit limit; RecursionError: nesting.
+        raise SafetensorsError(f"header is not valid JSON ({exc or 'nested too deeply'})", 8) from None
     if not isinstance(header, dict):
         raise SafetensorsError("header is not a JSON object", 8)
     data_start = 8 + n
     data_len = size - data_start
     meta_raw = header.pop("__metadata__", None) or {}
-    if not isinstance(meta_raw, dict):
-        raise SafetensorsError("__metadata__ is not an object", 8)
-    metadata = {str(k): str(v) for k, v in meta_raw.items()}
+    if not isinstance(meta_raw, dict) or not all(isinstance(v, str) for v in meta_raw.values()):
+        raise SafetensorsError("__metadata__ is not an object of strings", 8)
+    metadata = dict(meta_raw)
     entries: list[tuple[int, int, str, TensorData]] = []
     for name, spec in header.items():
         entries.append(_entry(path, name, spec, data_start, data_len))
@@ -104,9 +109,9 @@ def _entry(path: str, name: str, spec: Any, data_start: int, data_len: int) -> t
         raise SafetensorsError(f"tensor {name!r} has unknown dtype {spec.get('dtype')!r}", 8)
     shape = spec.get("shape")
     offsets = spec.get("data_offsets")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+    if not (isinstance(shape, list) and len(shape) <= 64 and all(type(d) is int and d >= 0 for d in shape)):
         raise SafetensorsError(f"tensor {name!r} has a bad shape {shape!r}", 8)
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
         raise SafetensorsError(f"tensor {name!r} has bad data_offsets {offsets!r}", 8)
     begin, end = offsets
     dtype = DTYPES[dtype_name]

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ckptaudit.formats.safeio import open_regular
+
 __all__ = ["DTYPES", "DType", "FileMaps", "Piece", "TensorData", "iter_chunks"]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -136,10 +138,9 @@ class FileMaps:
     def get(self, path: str) -> mmap.mmap | None:
         mm = self._maps.get(path)
         if mm is None:
-            size = os.path.getsize(path)
-            if size == 0:
-                return None
-            with open(path, "rb") as fh:
+            with open_regular(path) as fh:  # a pipe swapped in after reading must not block
+                if os.fstat(fh.fileno()).st_size == 0:
+                    return None
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps[path] = mm
         return mm

@@ -1,6 +1,11 @@
-"""Loading ``torch.save`` files into real tensors, safely, for the parts of ckptaudit that need values
-(resuming, comparing, exporting): the pickle is scanned against the allowlist first, then loaded with
-``torch.load(weights_only=True, mmap=True)`` and only the NumPy globals RNG states need added.
+"""Loading checkpoints into real tensors, safely, for the parts of ckptaudit that need values (resuming,
+comparing, exporting).
+
+- :func:`safe_torch_load`: the pickle is scanned against the allowlist first, then loaded with
+  ``torch.load(weights_only=True, mmap=True)`` and only the NumPy globals RNG states need added.
+- :func:`safe_dcp_load`: :func:`ckptaudit.formats.dcp.check_metadata_safe` first (``.metadata`` and every
+  non-tensor item are pickles that ``torch.distributed.checkpoint.load`` unpickles without restriction), then
+  ``torch.distributed.checkpoint.load``. Call it on every rank, like ``torch.distributed.checkpoint.load``.
 """
 
 from __future__ import annotations
@@ -8,10 +13,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ckptaudit.formats.dcp import UnsafeCheckpointError
+from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe
 from ckptaudit.formats.torchzip import TorchZipError, is_zip, read_torch_zip
 
-__all__ = ["safe_torch_load"]
+__all__ = ["safe_dcp_load", "safe_torch_load"]
 
 
 def _numpy_globals() -> list[Any]:
@@ -72,3 +77,17 @@ def materialize(data: Any, maps: Any) -> Any:
     else:
         t = torch.from_numpy(flat)
     return t.reshape(data.shape)
+
+
+def safe_dcp_load(state_dict: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> None:
+    """``torch.distributed.checkpoint.load(state_dict, checkpoint_id=path, **kwargs)``, but only after
+    :func:`~ckptaudit.formats.dcp.check_metadata_safe` accepted ``path`` (raises
+    :class:`UnsafeCheckpointError` otherwise, before anything of the checkpoint is unpickled).
+
+    (all ranks) every rank checks the directory itself, so no rank unpickles an unchecked file.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = os.fspath(path)
+    check_metadata_safe(path)
+    dcp.load(state_dict, checkpoint_id=path, **kwargs)

@@ -8,34 +8,52 @@ works on a byte region of a file.
 The pickle is scanned first (:func:`ckptaudit.formats.pickles.scan`); only a pickle whose every global is
 allowed is unpickled, through a restricted unpickler that turns each tensor into a :class:`TensorData`
 pointing into the file. Storage sizes and tensor views are checked against the archive before anything is
-described, so a hostile header cannot make us allocate or read past the file.
+described, so a hostile header cannot make us allocate or read past the file: ``data.pkl`` must declare at
+most :data:`MAX_PICKLE_BYTES` (checked before it is inflated, and inflation stops at the declared size), every
+storage must be stored uncompressed inside the archive, and the tensors of one archive may together address
+at most a few times the archive's bytes (overlapping views cannot turn a small file into an endless scan).
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from ckptaudit.formats.pickles import PickleScan, RestrictedUnpickler, base_table, scan
+from ckptaudit.formats.pickles import (
+    PickleLimitError,
+    PickleScan,
+    RestrictedUnpickler,
+    base_table,
+    check_tree,
+    scan,
+)
+from ckptaudit.formats.safeio import open_regular
 from ckptaudit.formats.tensors import DTYPES, DType, Piece, TensorData
 
 __all__ = ["TorchZip", "TorchZipError", "is_zip", "read_torch_zip"]
 
-MAX_PICKLE_BYTES = 512 << 20
+MAX_PICKLE_BYTES = 256 << 20
 """A ``data.pkl`` larger than this is refused: object trees of real checkpoints are far smaller."""
+VIEW_BUDGET_FACTOR = 4
+"""The tensors of one archive may address at most this many times the archive's bytes (plus 64 MiB): tied
+weights share a storage, but no real checkpoint views the same bytes more than a few times."""
 
 
 class TorchZipError(Exception):
-    """The archive is not a readable ``torch.save`` zip; ``offset`` is the absolute byte offset if known."""
+    """The archive is not a readable ``torch.save`` zip; ``offset`` is the absolute byte offset if known;
+    ``limit`` says the archive exceeds a safety limit rather than being malformed."""
 
-    def __init__(self, message: str, offset: int | None = None) -> None:
+    def __init__(self, message: str, offset: int | None = None, *, limit: bool = False) -> None:
         super().__init__(message)
         self.offset = offset
+        self.limit = limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +69,7 @@ class TorchZip:
 class _Region(io.RawIOBase):
     """A read-only, seekable view of ``[start, start+length)`` of an open file."""
 
-    def __init__(self, fh: io.BufferedReader, start: int, length: int) -> None:
+    def __init__(self, fh: Any, start: int, length: int) -> None:
         self._fh, self._start, self._len, self._pos = fh, start, length, 0
 
     def readable(self) -> bool:
@@ -68,6 +86,20 @@ class _Region(io.RawIOBase):
         self._pos = max(0, base + pos)
         return self._pos
 
+    def read(self, n: int | None = -1) -> bytes:
+        # Never allocate a buffer of a declared size: read only what the region holds.
+        left = max(0, self._len - self._pos)
+        n = left if n is None or n < 0 else min(n, left)
+        if n == 0:
+            return b""
+        self._fh.seek(self._start + self._pos)
+        data = self._fh.read(n)
+        self._pos += len(data)
+        return data
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
     def readinto(self, b: Any) -> int:
         n = min(len(b), self._len - self._pos)
         if n <= 0:
@@ -80,12 +112,14 @@ class _Region(io.RawIOBase):
 
 
 def is_zip(path: str, offset: int = 0) -> bool:
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         fh.seek(offset)
         return fh.read(4) == b"PK\x03\x04"
 
 
 class _StorageType:
+    __slots__ = ("dtype",)
+
     def __init__(self, dtype: DType) -> None:
         self.dtype = dtype
 
@@ -113,33 +147,43 @@ _STORAGE_DTYPES = {
 }
 
 
-def _rebuild_tensor(
-    storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any
-) -> TensorData:
-    if not isinstance(storage, _StorageRef):
-        raise pickle.UnpicklingError("tensor rebuilt from something that is not a storage")
-    ints = [storage_offset, *size, *stride]
-    if not all(isinstance(v, int) and v >= 0 for v in ints) or len(size) != len(stride):
-        raise pickle.UnpicklingError(f"bad tensor view: offset={storage_offset} size={size} stride={stride}")
-    size_t, stride_t = tuple(size), tuple(stride)
-    numel = 1
-    for s in size_t:
-        numel *= s
-    if numel:
-        last = storage_offset + sum((s - 1) * st for s, st in zip(size_t, stride_t, strict=True))
-        if last >= storage.numel:
-            raise pickle.UnpicklingError(
-                f"tensor view of shape {list(size_t)} reaches element {last}, its storage has {storage.numel}"
+class _ViewBudget:
+    """Bytes the tensors of one archive may address in total (see :data:`VIEW_BUDGET_FACTOR`)."""
+
+    def __init__(self, archive_bytes: int) -> None:
+        self.left = VIEW_BUDGET_FACTOR * archive_bytes + (64 << 20)
+
+    def rebuild_tensor(self, storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> TensorData:
+        if not isinstance(storage, _StorageRef):
+            raise pickle.UnpicklingError("tensor rebuilt from something that is not a storage")
+        if not isinstance(size, tuple | list) or not isinstance(stride, tuple | list) or len(size) > 64:
+            raise pickle.UnpicklingError(f"bad tensor view: size={size!r} stride={stride!r}")
+        ints = [storage_offset, *size, *stride]
+        if not all(type(v) is int and v >= 0 for v in ints) or len(size) != len(stride):
+            raise pickle.UnpicklingError(f"bad tensor view: offset={storage_offset} size={size} stride={stride}")
+        size_t, stride_t = tuple(size), tuple(stride)
+        numel = math.prod(size_t)
+        if numel:
+            last = storage_offset + sum((s - 1) * st for s, st in zip(size_t, stride_t, strict=True))
+            if last >= storage.numel:
+                raise pickle.UnpicklingError(
+                    f"tensor view of shape {list(size_t)} reaches element {last}, its storage has {storage.numel}"
+                )
+        self.left -= numel * storage.dtype.itemsize
+        if self.left < 0:
+            raise PickleLimitError(
+                f"the archive's tensors address more than {VIEW_BUDGET_FACTOR}x its bytes (overlapping views of "
+                f"the same storage, e.g. a tensor of shape {list(size_t)} with strides {list(stride_t)})"
             )
-    piece = Piece(
-        file="",
-        data_offset=storage.data_offset,
-        storage_offset=int(storage_offset),
-        sizes=size_t,
-        stride=stride_t,
-        offsets=(0,) * len(size_t),
-    )
-    return TensorData(storage.dtype, size_t, (piece,))
+        piece = Piece(
+            file="",
+            data_offset=storage.data_offset,
+            storage_offset=int(storage_offset),
+            sizes=size_t,
+            stride=stride_t,
+            offsets=(0,) * len(size_t),
+        )
+        return TensorData(storage.dtype, size_t, (piece,))
 
 
 def _rebuild_parameter(data: Any, requires_grad: Any = False, hooks: Any = None, state: Any = None) -> Any:
@@ -147,23 +191,27 @@ def _rebuild_parameter(data: Any, requires_grad: Any = False, hooks: Any = None,
 
 
 class _TensorType:
-    pass
+    __slots__ = ()
 
 
-def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> Any:
-    if new_type is not _TensorType or func is not _rebuild_tensor:
-        raise pickle.UnpicklingError("only plain tensors and parameters may be rebuilt")
-    return func(*args)
+def _rebuild_from_type(budget: _ViewBudget) -> Any:
+    def rebuild(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+        if new_type is not _TensorType or func != budget.rebuild_tensor or not isinstance(args, tuple):
+            raise pickle.UnpicklingError("only plain tensors and parameters may be rebuilt")
+        return func(*args)
+
+    return rebuild
 
 
-def _torch_table() -> dict[str, Any]:
+def _torch_table(budget: _ViewBudget) -> dict[str, Any]:
     table = base_table()
     for name in ("_rebuild_tensor", "_rebuild_tensor_v2"):
-        table[f"torch._utils.{name}"] = _rebuild_tensor
+        table[f"torch._utils.{name}"] = budget.rebuild_tensor
     table["torch._utils._rebuild_parameter"] = _rebuild_parameter
     table["torch._utils._rebuild_parameter_with_state"] = _rebuild_parameter
-    table["torch._utils._rebuild_from_type_v2"] = _rebuild_from_type
-    table["torch._tensor._rebuild_from_type_v2"] = _rebuild_from_type
+    table["torch._utils._rebuild_from_type_v2"] = table["torch._tensor._rebuild_from_type_v2"] = (
+        _rebuild_from_type(budget)
+    )
     table["torch.Tensor"] = _TensorType
     table["torch.nn.parameter.Parameter"] = _TensorType
     for storage_name, dtype_name in _STORAGE_DTYPES.items():
@@ -189,8 +237,11 @@ def _scan_cached(data: bytes) -> PickleScan:
     return hit
 
 
-def _local_data_offset(fh: Any, region_start: int, info: zipfile.ZipInfo) -> int:
-    """Absolute offset of a stored member's data (after its local header)."""
+def _local_data_offset(fh: Any, region_start: int, region_len: int, info: zipfile.ZipInfo) -> int:
+    """Absolute offset of a member's data (after its local header), checked to lie inside the region."""
+    if not 0 <= info.header_offset <= region_len - 30:
+        raise TorchZipError(f"{info.filename}: local header offset {info.header_offset} is outside the archive",
+                            region_start)
     header_at = region_start + info.header_offset
     fh.seek(header_at)
     header = fh.read(30)
@@ -200,95 +251,179 @@ def _local_data_offset(fh: Any, region_start: int, info: zipfile.ZipInfo) -> int
     return header_at + 30 + name_len + extra_len
 
 
+def _read_member(fh: Any, region_start: int, region_len: int, info: zipfile.ZipInfo, limit: int) -> bytes:
+    """A small member's bytes, read by us rather than by ``zipfile``: sizes are checked against the region
+    and ``limit`` before anything is read or inflated, inflation stops at the declared size, and the CRC-32
+    must match."""
+    if info.file_size > limit:
+        raise TorchZipError(f"{info.filename} declares {info.file_size} bytes, more than the reader's safety "
+                            f"limit of {limit}", region_start, limit=True)
+    start = _local_data_offset(fh, region_start, region_len, info)
+    if start + info.compress_size > region_start + region_len:
+        raise TorchZipError(f"{info.filename} declares {info.compress_size} bytes at offset {start}, past the end "
+                            f"of the archive", start)
+    if info.compress_type == zipfile.ZIP_STORED:
+        if info.compress_size != info.file_size:
+            raise TorchZipError(f"{info.filename}: stored member with two different sizes", start)
+        fh.seek(start)
+        data = fh.read(info.file_size)
+    elif info.compress_type == zipfile.ZIP_DEFLATED:
+        if info.compress_size > limit:
+            raise TorchZipError(f"{info.filename} is {info.compress_size} bytes compressed, over the limit",
+                                start, limit=True)
+        fh.seek(start)
+        inflater = zlib.decompressobj(-15)
+        try:
+            data = inflater.decompress(fh.read(info.compress_size), info.file_size + 1)
+        except zlib.error as exc:
+            raise TorchZipError(f"{info.filename}: cannot inflate ({exc})", start) from None
+        if len(data) > info.file_size or inflater.unconsumed_tail:
+            raise TorchZipError(f"{info.filename} inflates past its declared {info.file_size} bytes", start)
+    else:
+        raise TorchZipError(f"{info.filename} uses zip compression method {info.compress_type}; torch.save "
+                            "writes members uncompressed", start)
+    if len(data) != info.file_size:
+        raise TorchZipError(f"{info.filename} is truncated ({len(data)} of {info.file_size} bytes)", start)
+    if zlib.crc32(data) != info.CRC:
+        raise TorchZipError(f"{info.filename}: CRC-32 mismatch (the bytes were altered)", start)
+    return data
+
+
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error,
+               OverflowError, NotImplementedError)
+
+
 def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, load: bool = True) -> TorchZip:
     """Read the ``torch.save`` archive stored at ``[offset, offset+length)`` of ``path``.
 
     Raises :class:`TorchZipError` for anything malformed: not a zip, no ``data.pkl``, compressed storages,
-    big-endian data, storages or views larger than the archive, a truncated pickle.
+    big-endian data, storages or views larger than the archive, a truncated pickle, and for archives past a
+    safety limit (``limit=True``). A pickle that references globals outside the allowlist is returned
+    unloaded (``loaded=False``), even when it is also truncated (``scan.error``).
     """
-    file_size = os.path.getsize(path)
-    if length is None:
-        length = file_size - offset
-    if offset < 0 or length < 0 or offset + length > file_size:
-        raise TorchZipError(
-            f"archive at offset {offset} with length {length} exceeds the file ({file_size} bytes)", offset
-        )
-    with open(path, "rb") as raw:
-        fh = io.BufferedReader(raw)  # type: ignore[arg-type]
+    with open_regular(path) as raw:
+        file_size = os.fstat(raw.fileno()).st_size
+        if length is None:
+            length = file_size - offset
+        if offset < 0 or length < 0 or offset + length > file_size:
+            raise TorchZipError(
+                f"archive at offset {offset} with length {length} exceeds the file ({file_size} bytes)", offset
+            )
+        fh = raw
         try:
             zf = zipfile.ZipFile(_Region(fh, offset, length))  # type: ignore[arg-type]
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        except _ZIP_ERRORS as exc:
             raise TorchZipError(f"not a readable zip archive ({exc})", offset) from None
         with zf:
             infos = zf.infolist()
+            names = [i.filename for i in infos]
+            if len(set(names)) != len(names):
+                raise TorchZipError("zip archive names a member twice (readers could disagree on which one "
+                                    "counts)", offset)
+            # torch.save puts every member under one top-level folder and the pickle at <folder>/data.pkl.
             pkl = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") <= 1]
-            if not pkl:
-                raise TorchZipError("zip archive without data.pkl: not a torch.save file", offset)
+            if len(pkl) != 1:
+                raise TorchZipError(
+                    "zip archive without data.pkl: not a torch.save file" if not pkl
+                    else f"zip archive with {len(pkl)} data.pkl members", offset)
             prefix = pkl[0].filename[: -len("data.pkl")]
+            if prefix and any(not n.startswith(prefix) for n in names):
+                raise TorchZipError(f"zip archive members outside the {prefix!r} folder of its data.pkl", offset)
             by_name = {i.filename: i for i in infos}
             bo = by_name.get(prefix + "byteorder")
-            if bo is not None and bo.file_size < 16:
-                try:
-                    order = zf.read(bo).decode("ascii", "replace").strip()
-                except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-                    raise TorchZipError(f"cannot read byteorder ({exc})", offset) from None
+            if bo is not None:
+                order = _read_member(fh, offset, length, bo, 16).decode("ascii", "replace").strip()
                 if order != "little":
                     raise TorchZipError(f"byte order {order!r} is not supported (only little-endian)", offset)
-            if pkl[0].file_size > MAX_PICKLE_BYTES:
-                raise TorchZipError(f"data.pkl declares {pkl[0].file_size} bytes; refusing", offset)
-            try:
-                data = zf.read(pkl[0])
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
-                raise TorchZipError(f"cannot read data.pkl ({exc})", offset) from None
+            data = _read_member(fh, offset, length, pkl[0], MAX_PICKLE_BYTES)
             result = _scan_cached(data)
-            if result.error is not None:
-                raise TorchZipError(f"data.pkl: {result.error}", offset)
-            if not load or not result.loadable:
+            if result.unsafe or result.harmless:
                 return TorchZip(result, None, False)
+            if result.error is not None:
+                raise TorchZipError(f"data.pkl: {result.error} (pickle byte {result.error_offset})", offset,
+                                    limit=result.limit)
+            if not load:
+                return TorchZip(result, None, False)
+            budget = _ViewBudget(length)
 
             def persistent_load(pid: Any) -> Any:
                 if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
                     raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
                 _, stype, key, _location, numel = pid
-                if not isinstance(stype, _StorageType) or not isinstance(numel, int) or numel < 0:
+                if not isinstance(stype, _StorageType) or type(numel) is not int or numel < 0 or \
+                        not isinstance(key, str):
                     raise pickle.UnpicklingError(f"bad storage reference {pid!r}")
                 info = by_name.get(f"{prefix}data/{key}")
                 if info is None:
                     raise pickle.UnpicklingError(f"storage {key!r} is missing from the archive")
                 if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
                     raise pickle.UnpicklingError(f"storage {key!r} is compressed; torch.save never does that")
-                if numel * stype.dtype.itemsize > info.file_size:
+                nbytes = numel * stype.dtype.itemsize
+                if nbytes > info.file_size:
                     raise pickle.UnpicklingError(
                         f"storage {key!r} declares {numel} {stype.dtype.name} elements, "
                         f"the archive holds {info.file_size} bytes"
                     )
-                start = _local_data_offset(fh, offset, info)
-                if start + numel * stype.dtype.itemsize > offset + length:
+                start = _local_data_offset(fh, offset, length, info)
+                if start + nbytes > offset + length:
                     raise pickle.UnpicklingError(f"storage {key!r} runs past the end of the archive")
                 return _StorageRef(stype.dtype, start, numel)
 
             try:
-                obj = RestrictedUnpickler(io.BytesIO(data), _torch_table(), persistent_load).load()
+                obj = RestrictedUnpickler(io.BytesIO(data), _torch_table(budget), persistent_load).load()
+                problem = check_tree(obj)
+                if problem is not None:
+                    raise PickleLimitError(problem)
+                if _tensor_bytes(obj) > VIEW_BUDGET_FACTOR * length + (64 << 20):
+                    raise PickleLimitError(
+                        f"the archive's tensors address more than {VIEW_BUDGET_FACTOR}x its bytes (the same tensor "
+                        "referenced over and over)")
+            except MemoryError:
+                raise
             except TorchZipError:
                 raise
+            except PickleLimitError as exc:
+                raise TorchZipError(f"data.pkl: {exc}", offset, limit=True) from None
             except Exception as exc:  # noqa: BLE001 - anything the pickle does wrong is a corrupt archive
                 raise TorchZipError(f"data.pkl: {exc}", offset) from None
     return TorchZip(result, _bind_file(obj, os.path.abspath(path)), True)
 
 
-def _bind_file(obj: Any, path: str) -> Any:
-    """Fill in the file of every tensor piece (the unpickler does not know it)."""
+def _bind_file(obj: Any, path: str, memo: dict[int, Any] | None = None) -> Any:
+    """Fill in the file of every tensor piece (the unpickler does not know it). Objects the pickle shares
+    (tied weights, memo references) stay shared, so each is scanned once."""
+    memo = {} if memo is None else memo
+    done = memo.get(id(obj))
+    if done is not None:
+        return done
     if isinstance(obj, TensorData):
-        return TensorData(obj.dtype, obj.shape, tuple(_with_file(p, path) for p in obj.pieces))
-    if isinstance(obj, dict):
-        return type(obj)((k, _bind_file(v, path)) for k, v in obj.items()) if type(obj) is not dict else {
-            k: _bind_file(v, path) for k, v in obj.items()
-        }
-    if isinstance(obj, list):
-        return [_bind_file(v, path) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_bind_file(v, path) for v in obj)
-    return obj
+        out: Any = TensorData(obj.dtype, obj.shape, tuple(_with_file(p, path) for p in obj.pieces))
+    elif isinstance(obj, dict):
+        items = [(k, _bind_file(v, path, memo)) for k, v in obj.items()]
+        out = type(obj)(items) if type(obj) is not dict else dict(items)
+    elif isinstance(obj, list):
+        out = [_bind_file(v, path, memo) for v in obj]
+    elif isinstance(obj, tuple):
+        out = tuple(_bind_file(v, path, memo) for v in obj)
+    else:
+        return obj
+    memo[id(obj)] = out
+    return out
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor leaf, counted once per path that reaches it (what a walk of the tree scans).
+    The tree is bounded by :func:`check_tree` first."""
+    total, todo = 0, [obj]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, TensorData):
+            total += value.nbytes
+        elif isinstance(value, dict):
+            todo.extend(value.values())
+        elif isinstance(value, list | tuple):
+            todo.extend(value)
+    return total
 
 
 def _with_file(p: Piece, path: str) -> Piece:

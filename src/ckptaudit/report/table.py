@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
-from typing import TextIO
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
@@ -18,6 +19,20 @@ _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO:
 GROUP_ABOVE = 3
 MAX_SUBJECTS = 8
 
+# Names and messages come from untrusted files: C0/C1 control characters (terminal escape sequences), lone
+# surrogates (unencodable) and bidirectional overrides are shown escaped, and no string is parsed as markup.
+_UNSAFE_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def clean(value: Any) -> str:
+    """``value`` as text that is safe to print on a terminal."""
+    return _UNSAFE_CHARS.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                             else f"\\u{ord(m.group()):04x}", str(value))
+
+
+def _t(value: Any, style: str = "") -> Text:
+    return Text(clean(value), style=style)
+
 
 def console_for(out: TextIO) -> Console:
     # Markup and emoji off: names and messages come from untrusted checkpoints ("[/]" would be a markup error).
@@ -29,14 +44,14 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
     con = console_for(out)
     worst = report.worst()
     style = _STYLE.get(worst, "bold green") if worst is not None and worst > Severity.INFO else "bold green"
-    con.print(Text(f"ckptaudit {report.command}: {report.path}", style="bold"))
-    con.print(f"format: {report.format}", end="")
+    con.print(_t(f"ckptaudit {report.command}: {report.path}", "bold"))
+    con.print(_t(f"format: {report.format}"), end="")
     if report.contract is not None:
         c = report.contract
-        con.print(f"   master dtype: {c.master_dtype} ({c.source}: {c.detail})", end="")
+        con.print(_t(f"   master dtype: {c.master_dtype} ({c.source}: {c.detail})"), end="")
     con.print()
     if report.summary:
-        con.print(Text(report.summary, style=style))
+        con.print(_t(report.summary, style))
     for section in report.extra.get("sections", []):
         _section(con, section)
     if report.components:
@@ -48,10 +63,11 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
             t.add_column("where")
             for comp in report.components:
                 t.add_row(comp.kind.value, "yes" if comp.found else Text("MISSING", style="red"),
-                          ", ".join(comp.where) + (f"  ({comp.detail})" if comp.detail else ""))
+                          _t(", ".join(comp.where) + (f"  ({comp.detail})" if comp.detail else "")))
             con.print(t)
         else:
-            con.print("components: " + ", ".join(f"{c.kind.value} ({', '.join(c.where)})" for c in report.components))
+            con.print(_t("components: " + ", ".join(f"{c.kind.value} ({', '.join(c.where)})"
+                                                    for c in report.components)))
     if report.findings:
         t = Table(title="findings", title_justify="left", show_edge=False)
         t.add_column("severity")
@@ -65,7 +81,7 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
         for f in report.findings:
             same = by_code[f.code]
             if verbose or len(same) <= GROUP_ABOVE:
-                t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), f.code, f.subject, f.message)
+                t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), _t(f.code), _t(f.subject), _t(f.message))
                 continue
             if f.code in shown:
                 continue
@@ -74,8 +90,8 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
             subjects = [report.findings[i].subject for i in same]
             listed = ", ".join(subjects[:MAX_SUBJECTS]) + (", ..." if len(subjects) > MAX_SUBJECTS else "")
             rule = CATALOGUE.get(f.code)
-            t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), f.code, f"{len(same)} subjects",
-                      f"{listed}\n{rule.summary if rule else f.message} (--verbose lists each)")
+            t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), _t(f.code), f"{len(same)} subjects",
+                      _t(f"{listed}\n{rule.summary if rule else f.message} (--verbose lists each)"))
         con.print(t)
     else:
         con.print(Text("no findings", style="green"))
@@ -87,7 +103,7 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
         for col in ("name", "role", "dtype", "shape", "effective", "hash"):
             t.add_column(col, overflow="fold")
         for r in odd[: None if verbose else 20]:
-            t.add_row(r.name, r.role, r.dtype, str(list(r.shape)), r.precision.value, (r.hash or "-")[:16])
+            t.add_row(_t(r.name), _t(r.role), _t(r.dtype), str(list(r.shape)), r.precision.value, (r.hash or "-")[:16])
         if not verbose and len(odd) > 20:
             t.add_row(f"... {len(odd) - 20} more", "", "", "", "", "")
         con.print(t)
@@ -95,9 +111,9 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
 
 def _section(con: Console, section: dict) -> None:
     """A command-specific table: ``{"title", "columns", "rows"}``."""
-    t = Table(title=section.get("title"), title_justify="left", show_edge=False)
+    t = Table(title=_t(section.get("title") or ""), title_justify="left", show_edge=False)
     for col in section.get("columns", []):
-        t.add_column(str(col), overflow="fold")
+        t.add_column(_t(col), overflow="fold")
     for row in section.get("rows", []):
-        t.add_row(*[str(c) for c in row])
+        t.add_row(*[_t(c) for c in row])
     con.print(t)

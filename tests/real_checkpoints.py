@@ -1,0 +1,105 @@
+"""Small real checkpoints, written by the real libraries, for the security and fuzz tests (single process)."""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from pathlib import Path
+from typing import Any
+
+
+def _model_and_optimizer() -> tuple[Any, Any, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    for _ in range(2):
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, sched
+
+
+def torch_save_checkpoint(path: Path) -> Path:
+    """A plain-dict ``torch.save`` training checkpoint: model, optimizer, scheduler, RNG states, step."""
+    import numpy as np
+    import torch
+
+    model, opt, sched = _model_and_optimizer()
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "step": 2,
+        },
+        path,
+    )
+    return path
+
+
+def safetensors_file(path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    model, _, _ = _model_and_optimizer()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path), metadata={"format": "pt"})
+    return path
+
+
+def dcp_checkpoint(path: Path, extra: dict[str, Any] | None = None) -> Path:
+    """``torch.distributed.checkpoint.save`` of model + FQN-keyed optimizer state, in one process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, _ = _model_and_optimizer()
+    names = {id(p): n for n, p in model.named_parameters()}
+    osd = opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = {names[id(params[i])]: s for i, s in osd["state"].items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]}
+              for g in osd["param_groups"]]
+    sd: dict[str, Any] = {"model": model.state_dict(), "optim": {"state": state, "param_groups": groups},
+                          "step": torch.tensor(2)}
+    sd.update(extra or {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group": single-process save is what we want
+        dcp.save(sd, checkpoint_id=str(path))
+    return path
+
+
+def hf_sharded_directory(path: Path) -> Path:
+    """A Hugging Face model directory from ``save_pretrained``: sharded safetensors + index json + config."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=32, bos_token_id=0,
+                        eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    model.save_pretrained(str(path), max_shard_size="20KB")
+    assert any(n.endswith(".index.json") for n in os.listdir(path)), os.listdir(path)
+    return path
+
+
+def accelerate_directory(path: Path, random_states_extra: dict[str, Any] | None = None) -> Path:
+    """A directory laid out as Accelerate's ``save_state`` writes it: ``model.safetensors``, ``optimizer.bin``,
+    ``scheduler.bin`` and ``random_states_0.pkl`` (a ``torch.save`` file despite its name)."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    model, opt, sched = _model_and_optimizer()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    torch.save(opt.state_dict(), path / "optimizer.bin")
+    torch.save(sched.state_dict(), path / "scheduler.bin")
+    states = {"step": 0, "random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+              "torch_manual_seed": torch.get_rng_state()}
+    states.update(random_states_extra or {})
+    torch.save(states, path / "random_states_0.pkl")
+    return path
