@@ -255,12 +255,10 @@ def documented_load(job: Job, path: str, ctx: Any = None) -> None:
     """(all ranks, collective) Restore everything :func:`documented` saved: model, optimizer, scheduler, step,
     and this rank's RNG state and data position. Refuses a directory whose ``.metadata`` is unsafe to unpickle.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from ckptaudit.formats.dcp import check_metadata_safe
+    from ckptaudit.formats.torchload import safe_dcp_load
 
-    check_metadata_safe(path)
     msd, osd = get_state_dict(job.model, job.optimizer)
     rank = _rank()
     state: dict[str, Any] = {
@@ -273,7 +271,7 @@ def documented_load(job: Job, path: str, ctx: Any = None) -> None:
         state["scheduler"] = job.scheduler.state_dict()
     if job.data is not None:
         state["data"] = {f"rank{rank}": job.data.state_dict()}
-    dcp.load(state, checkpoint_id=path)
+    safe_dcp_load(state, path)
     set_state_dict(job.model, job.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if job.scheduler is not None:
         job.scheduler.load_state_dict(state["scheduler"])
