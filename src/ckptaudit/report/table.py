@@ -91,7 +91,7 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
             listed = ", ".join(subjects[:MAX_SUBJECTS]) + (", ..." if len(subjects) > MAX_SUBJECTS else "")
             rule = CATALOGUE.get(f.code)
             t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), _t(f.code), f"{len(same)} subjects",
-                      _t(f"{listed}\n{rule.summary if rule else f.message} (--verbose lists each)"))
+                      _t(f"{listed}. {rule.summary if rule else f.message} (--verbose lists each)"))
         con.print(t)
     else:
         con.print(Text("no findings", style="green"))
