@@ -17,6 +17,7 @@ from ckptaudit.catalogue import finding
 from ckptaudit.checks.artifact import check_artifact
 from ckptaudit.checks.components import check_components
 from ckptaudit.checks.integrity import check_indexes
+from ckptaudit.checks.manifest import check_manifest
 from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_attachment, check_steps
 from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract
 from ckptaudit.formats import open_checkpoint
@@ -163,6 +164,8 @@ def _judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
     view = s.view
     findings = list(s.findings)
     findings += check_indexes(s.ckpt, view)
+    seen = {(f.code, f.subject) for f in findings}
+    findings += [f for f in check_manifest(s.ckpt, view, s.records) if (f.code, f.subject) not in seen]
     serving_findings, is_serving = check_artifact(view, options.expect)
     findings += serving_findings
     params = [r for r in s.records if r.component == ComponentKind.MODEL.value and r.role == "parameter"
