@@ -25,7 +25,7 @@ from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts import OptimizerView, TensorRef, View, normalize_fqn
 from ckptaudit.model import Finding, Severity
 
-__all__ = ["ELEMENTWISE_STATE", "Attachment", "assign_by_order", "check_attachment", "check_steps"]
+__all__ = ["ELEMENTWISE_STATE", "Attachment", "assign_by_order", "check_attachment", "check_steps", "group_params"]
 
 ELEMENTWISE_STATE = frozenset(
     "exp_avg exp_avg_sq max_exp_avg_sq momentum_buffer square_avg acc_delta sum ax prev exp_inf grad_avg "
@@ -87,7 +87,7 @@ def check_attachment(view: View) -> Attachment:
         sub = _by_names(opt, model.params, names, "by-param-names", opt.where)
         sub.findings[:0] = result.findings
         return sub
-    grouped: list[list[Any]] = [list(g.get("params", [])) for g in opt.groups]
+    grouped: list[list[Any]] = [group_params(g) for g in opt.groups]
     in_groups = {k for g in grouped for k in g}
     stray = [k for k in opt.state if k not in in_groups] if grouped else []
     for k in stray:
@@ -167,6 +167,12 @@ def _mismatch(opt: OptimizerView, n_entries: int, n_params: int, expected: list[
     )
 
 
+def group_params(group: dict[str, Any]) -> list[Any]:
+    """A param group's ``params`` list; ``[]`` when it is absent or could not be read (its file is lost)."""
+    params = group.get("params")
+    return list(params) if isinstance(params, list) else []
+
+
 def _param_names(opt: OptimizerView) -> dict[Any, str] | None:
     names: dict[Any, str] = {}
     for g in opt.groups:
@@ -219,7 +225,7 @@ def _by_names(opt: OptimizerView, params: dict[str, TensorRef], names: dict[Any,
                         param_shape=list(pshape),
                     )
                 )
-    listed = [p for g in opt.groups for p in g.get("params", [])]
+    listed = [p for g in opt.groups for p in group_params(g)]
     for key in listed:
         name = names.get(key, key if isinstance(key, str) else None)
         if name is None:

@@ -167,6 +167,9 @@ def validate(c: Candidate, *, verify: str = "hashes",
         temp = uncommitted(c.path)
         assert temp is not None
         return Checked(c, False, (temp,))
+    if os.path.isdir(c.path) and not os.listdir(c.path):
+        return Checked(c, False, (finding("integrity.incomplete", c.name,
+                                          f"{c.name} is empty: the save died before writing anything"),))
     if verify == "full":
         from ckptaudit.audit import AuditOptions, audit
 

@@ -33,7 +33,7 @@ def _resumable_quick(path: str) -> bool:
 
 
 def plan_retention(root: str, keep_last: int, *, protect: Iterable[str] = ()) -> list[str]:
-    """Names of the directories under ``root`` that retention would delete (oldest last). Pure: deletes nothing.
+    """Names of the directories under ``root`` that retention would delete, oldest first. Pure: deletes nothing.
 
     Walks the committed ``step-N`` directories with a manifest from newest to oldest, keeping each until
     ``keep_last`` resumable ones have been kept; everything older is deleted, except the names in ``protect``
@@ -60,7 +60,7 @@ def plan_retention(root: str, keep_last: int, *, protect: Iterable[str] = ()) ->
             continue
         if name not in keep:
             doomed.append(name)
-    return doomed
+    return doomed[::-1]
 
 
 def apply_retention(root: str, keep_last: int, *, protect: Iterable[str] = ()) -> list[str]:

@@ -15,12 +15,14 @@ process group, everything runs locally (one process).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import pickle
 import shutil
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -154,6 +156,15 @@ class _Group:
 # DCP extensions: fingerprint every item as it is written; fire the write-time fault points.
 
 
+@contextlib.contextmanager
+def _single_process_quiet(group: _Group) -> Iterator[None]:
+    """Without a process group DCP warns that it assumes a single process; that is the documented intent here."""
+    with warnings.catch_warnings():
+        if not group.on:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _offsets(offset: Any) -> tuple[int, ...] | None:
     return tuple(int(o) for o in offset) if offset is not None else None
 
@@ -267,7 +278,11 @@ def _blob(obj: Any, what: str) -> bytes:
     """``torch.save`` bytes of ``obj``, checked to load back with ``weights_only=True`` (fail at save time,
     not at resume time)."""
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    try:
+        torch.save(obj, buf)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise CheckpointSaveError(f"{what} cannot be saved ({exc}); make it return plain values (numbers, strings, "
+                                  "lists, dicts) and tensors") from None
     try:
         safe_loads(buf.getvalue(), what)
     except CheckpointLoadError as exc:
@@ -569,7 +584,8 @@ def save_checkpoint(
     planner = _save_planner(hook)
     writer = _storage_writer(tmp, final_name, hook)
     try:
-        dcp.save(state, storage_writer=writer, planner=planner, no_dist=not group.on)
+        with _single_process_quiet(group):
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=not group.on)
     except CheckpointException as exc:
         # DCP gathered every rank's outcome before raising, so no rank is still writing: safe to clean up.
         if group.coordinator:
@@ -635,8 +651,8 @@ def save_checkpoint(
                                   f"`ckptaudit latest {root}` says which one is") from None
     if outcome[0] != "ok":
         raise CheckpointSaveError(f"{what}: {outcome[1]}")
-    deleted, warnings = outcome[1]
-    return SavedCheckpoint(os.path.join(root, final_name), step, tuple(deleted), tuple(warnings))
+    deleted, notes = outcome[1]
+    return SavedCheckpoint(os.path.join(root, final_name), step, tuple(deleted), tuple(notes))
 
 
 def _commit_and_tidy(root: str, tmp_name: str, final_name: str, keep_last: int | None,
@@ -651,11 +667,11 @@ def _commit_and_tidy(root: str, tmp_name: str, final_name: str, keep_last: int |
                          "was committed")
     if hook is not None:
         hook("commit.renamed")
-    warnings: list[str] = []
+    notes: list[str] = []
     try:
         layout.write_durably(os.path.join(root, layout.POINTER), (final_name + "\n").encode())
     except OSError as exc:
-        warnings.append(f"committed, but the {layout.POINTER} pointer was not updated ({exc.strerror or exc}); "
+        notes.append(f"committed, but the {layout.POINTER} pointer was not updated ({exc.strerror or exc}); "
                         "`ckptaudit latest` finds the checkpoint without it")
     if hook is not None:
         hook("commit.pointer")
@@ -664,8 +680,8 @@ def _commit_and_tidy(root: str, tmp_name: str, final_name: str, keep_last: int |
         try:
             deleted = apply_retention(root, keep_last, protect=(final_name,))
         except OSError as exc:
-            warnings.append(f"committed, but retention failed ({exc.strerror or exc}); older checkpoints remain")
-    return ("ok", (deleted, warnings))
+            notes.append(f"committed, but retention failed ({exc.strerror or exc}); older checkpoints remain")
+    return ("ok", (deleted, notes))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -815,7 +831,8 @@ def load_checkpoint(
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(tmpl, checkpoint_id=ckpt, planner=_load_planner(), no_dist=not group.on)
+        with _single_process_quiet(group):
+            dcp.load(tmpl, checkpoint_id=ckpt, planner=_load_planner(), no_dist=not group.on)
     except CheckpointException as exc:
         raise CheckpointLoadError(f"torch.distributed.checkpoint.load of {ckpt} failed ({_failures(exc)})") from None
     except Exception as exc:  # noqa: BLE001 - a collective inside DCP failed, or DCP rejected the state dict
