@@ -43,3 +43,47 @@ def reference_and_resumes(ctx: RankContext, total: int, roots: list[str]) -> dic
         out["resumed"][root] = {"from": loaded.path, "start": loaded.step, "extras": loaded.extras,
                                 **_run(ctx, job, total - loaded.step)}
     return out
+
+
+def failing_storage_then_stall(ctx: RankContext, root: str, stall_s: float) -> dict[str, Any]:
+    """(2 ranks) Step 2 committed; step 4 fails on rank 1 with ENOSPC mid-write; the retry commits (retention
+    keep_last=1 then removes step 2); step 5 stalls on rank 1 after writing, so rank 0 meets the group timeout."""
+    import errno
+    import os
+    import time
+
+    from ckptaudit.store import CheckpointSaveError
+
+    job = SMALL.setup(ctx)
+    for _ in range(2):
+        SMALL.step(job)
+    save_checkpoint(job, root)
+    for _ in range(2):
+        SMALL.step(job)
+
+    def full_disk(point: str) -> None:
+        if ctx.rank == 1 and point == "write.partial":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    out: dict[str, Any] = {}
+    try:
+        save_checkpoint(job, root, keep_last=1, fault_hook=full_disk)
+    except CheckpointSaveError as exc:
+        out["enospc"] = str(exc)
+    out["listing"] = sorted(os.listdir(root))
+    saved = save_checkpoint(job, root, keep_last=1)
+    out["saved"], out["deleted"] = saved.path, list(saved.deleted)
+    SMALL.step(job)
+
+    def stall(point: str) -> None:
+        if ctx.rank == 1 and point == "write.done":
+            time.sleep(stall_s)
+            os._exit(3)  # a hung rank that never comes back
+
+    t0 = time.monotonic()
+    try:
+        save_checkpoint(job, root, fault_hook=stall)
+    except CheckpointSaveError as exc:
+        out["stall"] = str(exc)
+    out["stall_s"] = time.monotonic() - t0
+    return out

@@ -207,8 +207,11 @@ def test_a_really_full_disk(tmp_path: Path) -> None:
     try:
         first = save_checkpoint(job, disk, keep_last=1)
         plain_recipe.step(job)
-        with pytest.raises(CheckpointSaveError, match="No space left on device"):
+        with pytest.raises(CheckpointSaveError) as err:
             save_checkpoint(job, disk, keep_last=1)
+        # torch's zip writer may report ENOSPC as a short write; the message says what the disk looks like.
+        assert "is full" in str(err.value) or "No space left on device" in str(err.value), err.value
+        assert "the previous checkpoint step-000002 is untouched" in str(err.value)
         assert sorted(os.listdir(disk)) == ["latest", "step-000002"]
         assert find_latest(str(disk)).latest is not None
         assert load_checkpoint(trained(0), disk).path == first.path
@@ -327,7 +330,7 @@ def test_unsaveable_state_fails_at_save_time_with_the_fix(tmp_path: Path) -> Non
     job.data = BadData()
     with pytest.raises(CheckpointSaveError, match=r"job.data.state_dict\(\).*plain values"):
         save_checkpoint(job, tmp_path)
-    assert not os.path.exists(tmp_path / "step-000001")
+    assert os.listdir(tmp_path) == []  # no checkpoint, no temporary left behind
 
 
 def test_mismatched_jobs_and_world_sizes_are_refused(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ Pure: reading and hashing files, no torch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
 import os
@@ -52,31 +53,50 @@ class ManifestError(Exception):
 
 
 def hash_file(path: str, ranges: Sequence[tuple[int, int]] = ()) -> tuple[int, str, list[str | None]]:
-    """``(size, xxh3-128 of the whole file, xxh3-128 of each (offset, length) range)``, streaming.
+    """``(size, xxh3-128 of the whole file, xxh3-128 of each (offset, length) range)``.
 
-    A range that does not fit inside the file gets ``None``.
+    One sequential pass when the ranges do not overlap (DCP items never do): each 1 MiB block feeds the file's
+    hash and, while still in cache, its item's. A range that does not fit inside the file gets ``None``.
     """
     size = os.path.getsize(path)
     whole = xxhash.xxh3_128()
-    parts: list[str | None] = []
+    parts: list[str | None] = [None] * len(ranges)
+    valid = sorted((off, length, i) for i, (off, length) in enumerate(ranges)
+                   if off >= 0 and length >= 0 and off + length <= size)
+    disjoint = all(a[0] + a[1] <= b[0] for a, b in itertools.pairwise(valid))
     if size == 0:
-        return 0, whole.hexdigest(), [None if length else xxhash.xxh3_128().hexdigest() for _, length in ranges]
+        for _, _, i in valid:
+            parts[i] = xxhash.xxh3_128().hexdigest()
+        return 0, whole.hexdigest(), parts
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         view = memoryview(mm)
         try:
-            for start in range(0, size, HASH_BLOCK):
-                whole.update(view[start:start + HASH_BLOCK])
-            for offset, length in ranges:
-                if offset < 0 or length < 0 or offset + length > size:
-                    parts.append(None)
-                    continue
-                h = xxhash.xxh3_128()
-                for start in range(offset, offset + length, HASH_BLOCK):
-                    h.update(view[start:min(start + HASH_BLOCK, offset + length)])
-                parts.append(h.hexdigest())
+            if disjoint:
+                pos = 0
+                for off, length, i in valid:
+                    _feed(view, pos, off, whole)
+                    item = xxhash.xxh3_128()
+                    _feed(view, off, off + length, whole, item)
+                    parts[i] = item.hexdigest()
+                    pos = off + length
+                _feed(view, pos, size, whole)
+            else:
+                _feed(view, 0, size, whole)
+                for off, length, i in valid:
+                    item = xxhash.xxh3_128()
+                    _feed(view, off, off + length, item)
+                    parts[i] = item.hexdigest()
         finally:
             view.release()
     return size, whole.hexdigest(), parts
+
+
+def _feed(view: memoryview, start: int, stop: int, *hashers: Any) -> None:
+    for block in range(start, stop, HASH_BLOCK):
+        chunk = view[block:min(block + HASH_BLOCK, stop)]
+        for h in hashers:
+            h.update(chunk)
+        chunk.release()
 
 
 def is_manifest(value: Any) -> bool:

@@ -478,7 +478,7 @@ def _build_manifest(tmp: str, step: int, world: int, reports: list[dict[str, Any
 def _write_manifest(tmp: str, manifest: dict[str, Any]) -> None:
     path = os.path.join(tmp, layout.MANIFEST)
     with open(path, "wb") as fh:
-        fh.write(json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8"))
+        fh.write(json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode("utf-8"))
         fh.flush()
         os.fsync(fh.fileno())
     layout.fsync_dir(tmp)
@@ -496,6 +496,17 @@ def _commit(root: str, tmp_name: str, final_name: str) -> None:
     layout.fsync_dir(root)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def _free_space(root: str) -> str:
+    """`` [the filesystem is full: N bytes free]`` or `` [N MiB free on ROOT's filesystem]``, for messages."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return ""
+    if free < 1 << 20:
+        return f" [the filesystem holding {root} is full: {free} bytes free]"
+    return f" [{free >> 20} MiB free on the filesystem holding {root}]"
 
 
 def _failures(exc: BaseException) -> str:
@@ -573,7 +584,12 @@ def save_checkpoint(
     tmp_name: str = prep[1]
     tmp = os.path.join(root, tmp_name)
 
-    state, inventory = _collect(job, step, group.rank, extras)
+    try:
+        state, inventory = _collect(job, step, group.rank, extras)
+    except CheckpointSaveError:
+        if group.coordinator:  # the same error on every rank (it depends on the job's objects): nobody writes
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     contract = _contract(job)
     if hook is not None:
         hook("collect")
@@ -587,13 +603,14 @@ def save_checkpoint(
         with _single_process_quiet(group):
             dcp.save(state, storage_writer=writer, planner=planner, no_dist=not group.on)
     except CheckpointException as exc:
+        disk = _free_space(root)  # before the clean-up: torch's writer may report a full disk as a short write
         # DCP gathered every rank's outcome before raising, so no rank is still writing: safe to clean up.
         if group.coordinator:
             shutil.rmtree(tmp, ignore_errors=True)
         prev = _previous(root, final_name if not overwrite else "")
         raise CheckpointSaveError(
-            f"{what} failed while writing ({_failures(exc)}); nothing was committed and the temporary directory "
-            f"{tmp_name} was removed; "
+            f"{what} failed while writing ({_failures(exc)}){disk}; nothing was committed and the temporary "
+            f"directory {tmp_name} was removed; "
             + (f"the previous checkpoint {prev} is untouched" if prev else "there is no previous checkpoint")
         ) from None
     except Exception as exc:  # noqa: BLE001 - a collective inside DCP failed: a peer died or stalled
