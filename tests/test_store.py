@@ -444,6 +444,10 @@ def test_cli_latest_json_and_exit_codes(tmp_path: Path) -> None:
     assert [(c["name"], c["resumable"]) for c in doc["candidates"]] == [("step-000002", False),
                                                                         ("step-000001", True)]
     assert doc["candidates"][0]["findings"][0]["code"] == "integrity.corrupt"
+    out = io.StringIO()
+    assert main(["latest", str(tmp_path / "run"), "--verify", "full", "--format", "json"], stdout=out,
+                stderr=err) == 0
+    assert json.loads(out.getvalue())["latest"] == str(tmp_path / "run" / "step-000001")
     (tmp_path / "empty").mkdir()
     out = io.StringIO()
     assert main(["latest", str(tmp_path / "empty"), "--format", "json"], stdout=out, stderr=err) == 1

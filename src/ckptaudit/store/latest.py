@@ -173,8 +173,7 @@ def validate(c: Candidate, *, verify: str = "hashes",
     if verify == "full":
         from ckptaudit.audit import AuditOptions, audit
 
-        report = audit(c.path, AuditOptions(require=frozenset(require)))
-        findings = list(report.findings)
+        findings = list(audit(c.path, AuditOptions(require=frozenset(require))).findings)
     else:
         from ckptaudit.checks.components import check_components
         from ckptaudit.checks.integrity import check_indexes
@@ -188,22 +187,30 @@ def validate(c: Candidate, *, verify: str = "hashes",
             _, comp_findings = check_components(view, require)
             findings += comp_findings
             findings += check_manifest(ckpt, view, hashes=verify == "hashes")
-            ours = mf.is_manifest(view.manifest)
-        if c.layout == "ckptaudit" and not ours:
-            findings.append(finding("integrity.corrupt", layout.MANIFEST,
-                                    f"{c.name}/{layout.MANIFEST} is not a readable ckptaudit manifest"))
-        if c.layout == "huggingface-trainer" and not os.path.isfile(os.path.join(c.path, "trainer_state.json")):
-            findings.append(finding(
-                "integrity.incomplete", "trainer_state.json",
-                f"{c.name} has no trainer_state.json; Trainer writes it last, so the save did not finish"))
-        if not ours:
-            marker = {"lightning": "the file's own structure", "huggingface-trainer": "trainer_state.json"}.get(
-                c.layout, ".metadata")
-            findings.append(finding("store.unverified", c.name,
-                                    f"{c.name}: no ckptaudit manifest; completeness judged from {marker} and the "
-                                    "recorded sizes, content not verified"))
+    ours = _has_our_manifest(c.path)
+    if c.layout == "ckptaudit" and not ours:
+        findings.append(finding("integrity.corrupt", layout.MANIFEST,
+                                f"{c.name}/{layout.MANIFEST} is not a readable ckptaudit manifest"))
+    if c.layout == "huggingface-trainer" and not os.path.isfile(os.path.join(c.path, "trainer_state.json")):
+        findings.append(finding(
+            "integrity.incomplete", "trainer_state.json",
+            f"{c.name} has no trainer_state.json; Trainer writes it last, so the save did not finish"))
+    if not ours:
+        marker = {"lightning": "the file's own structure", "huggingface-trainer": "trainer_state.json"}.get(
+            c.layout, ".metadata")
+        findings.append(finding("store.unverified", c.name,
+                                f"{c.name}: no ckptaudit manifest; completeness judged from {marker} and the "
+                                "recorded sizes, content not verified"))
     resumable = not any(f.severity is Severity.ERROR for f in findings)
     return Checked(c, resumable, tuple(findings))
+
+
+def _has_our_manifest(path: str) -> bool:
+    try:
+        mf.read_manifest(os.path.join(path, layout.MANIFEST))
+    except mf.ManifestError:
+        return False
+    return True
 
 
 def find_latest(root: str, *, verify: str = "hashes", require: Collection[ComponentKind] = frozenset(),
