@@ -360,6 +360,17 @@ def test_hostile_manifest_is_not_followed(tmp_path: Path) -> None:
         load_checkpoint(trained(0), saved)
 
 
+def test_a_data_file_swapped_for_a_link_outside_is_not_followed(tmp_path: Path) -> None:
+    saved = Path(save_checkpoint(trained(1), tmp_path / "run").path)
+    outside = tmp_path / "elsewhere.distcp"
+    shutil.move(saved / "__0_0.distcp", outside)
+    (saved / "__0_0.distcp").symlink_to(outside)
+    assert "integrity.path-escape" in codes(audit(str(saved)).findings, Severity.ERROR)
+    assert find_latest(str(tmp_path / "run")).latest is None
+    with pytest.raises(CheckpointLoadError, match="outside"):
+        load_checkpoint(trained(0), saved)
+
+
 def test_fault_specs_parse_or_say_what_is_wrong() -> None:
     assert parse_fault("rank=7,point=write.partial,step=4") == (7, "write.partial", 4, "kill")
     assert parse_fault("rank=0,point=commit.manifest,action=enospc") == (0, "commit.manifest", None, "enospc")
@@ -379,6 +390,7 @@ def _dcp_save(state: dict[str, Any], path: Path) -> None:
     dcp.save(state, checkpoint_id=str(path), no_dist=True)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_latest_over_torchtitan_and_plain_dcp_directories(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 

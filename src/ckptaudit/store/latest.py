@@ -158,7 +158,7 @@ def validate(c: Candidate, *, verify: str = "hashes",
              require: Collection[ComponentKind] = frozenset()) -> Checked:
     """Validate one candidate (see the module docstring); cost: headers and metadata, plus the manifest's
     hashes (one streaming read of the files) when ``verify="hashes"`` and a manifest exists."""
-    from ckptaudit.checks.manifest import check_manifest, uncommitted
+    from ckptaudit.checks.manifest import uncommitted
 
     if verify not in VERIFY_LEVELS:
         raise ValueError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, not {verify!r}")
@@ -170,23 +170,10 @@ def validate(c: Candidate, *, verify: str = "hashes",
     if os.path.isdir(c.path) and not os.listdir(c.path):
         return Checked(c, False, (finding("integrity.incomplete", c.name,
                                           f"{c.name} is empty: the save died before writing anything"),))
-    if verify == "full":
-        from ckptaudit.audit import AuditOptions, audit
-
-        findings = list(audit(c.path, AuditOptions(require=frozenset(require))).findings)
-    else:
-        from ckptaudit.checks.components import check_components
-        from ckptaudit.checks.integrity import check_indexes
-        from ckptaudit.formats import open_checkpoint
-        from ckptaudit.layouts import interpret
-
-        with open_checkpoint(c.path) as ckpt:
-            findings += ckpt.findings
-            view = interpret(ckpt)
-            findings += check_indexes(ckpt, view)
-            _, comp_findings = check_components(view, require)
-            findings += comp_findings
-            findings += check_manifest(ckpt, view, hashes=verify == "hashes")
+    try:
+        findings = _read_and_check(c, verify, require)
+    except OSError as exc:
+        findings = [finding("integrity.corrupt", c.name, f"{c.name}: cannot be read ({exc.strerror or exc})")]
     ours = _has_our_manifest(c.path)
     if c.layout == "ckptaudit" and not ours:
         findings.append(finding("integrity.corrupt", layout.MANIFEST,
@@ -203,6 +190,26 @@ def validate(c: Candidate, *, verify: str = "hashes",
                                 "recorded sizes, content not verified"))
     resumable = not any(f.severity is Severity.ERROR for f in findings)
     return Checked(c, resumable, tuple(findings))
+
+
+def _read_and_check(c: Candidate, verify: str, require: Collection[ComponentKind]) -> list[Finding]:
+    if verify == "full":
+        from ckptaudit.audit import AuditOptions, audit
+
+        return list(audit(c.path, AuditOptions(require=frozenset(require))).findings)
+    from ckptaudit.checks.components import check_components
+    from ckptaudit.checks.integrity import check_indexes
+    from ckptaudit.checks.manifest import check_manifest
+    from ckptaudit.formats import open_checkpoint
+    from ckptaudit.layouts import interpret
+
+    with open_checkpoint(c.path) as ckpt:
+        findings = list(ckpt.findings)
+        view = interpret(ckpt)
+        findings += check_indexes(ckpt, view)
+        findings += check_components(view, require)[1]
+        findings += check_manifest(ckpt, view, hashes=verify == "hashes")
+    return findings
 
 
 def _has_our_manifest(path: str) -> bool:

@@ -185,6 +185,11 @@ def verify_files(directory: str, manifest: Mapping[str, Any], *, hashes: bool = 
         entry = files[name]
         subject = subject_prefix + name
         full = os.path.join(directory, name)
+        real_dir = os.path.realpath(directory)
+        if os.path.commonpath([real_dir, os.path.realpath(full)]) != real_dir:
+            findings.append(finding("integrity.path-escape", subject, f"{name} is a link leading outside "
+                                    f"{directory}; not read", file=name))
+            continue
         if not os.path.isfile(full):
             findings.append(finding("integrity.incomplete", subject,
                                     f"{name} is recorded in the manifest ({entry['size']} bytes) but missing",
