@@ -92,6 +92,17 @@ def test_resume_restores_everything_bit_identically(tmp_path: Path) -> None:
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == draws
 
 
+def test_the_writer_as_a_resume_test_exporter(tmp_path: Path) -> None:
+    from ckptaudit.store.exporter import resumable
+
+    job = trained(3)
+    resumable(job, str(tmp_path))
+    expected = [plain_recipe.step(job) for _ in range(2)]
+    fresh = trained(0)
+    resumable.load(fresh, str(tmp_path))  # type: ignore[attr-defined]
+    assert fresh.step == 3 and [plain_recipe.step(fresh) for _ in range(2)] == expected
+
+
 def test_committed_checkpoint_audits_clean_under_its_manifest(tmp_path: Path) -> None:
     saved = save_checkpoint(trained(2), tmp_path)
     manifest = json.loads(Path(saved.path, "manifest.json").read_text())
