@@ -109,6 +109,14 @@ _RULES: tuple[Rule, ...] = (
     Rule("compare.different", E, "Tensors or values that differ from the reference other than by a 16-bit "
          "rounding (one finding per component, with max abs / ULP / relative L2 differences). Warning for rng, "
          "info for unclassified entries."),
+    # resumable checkpoints: ckptaudit.store writer, `ckptaudit latest` (issue 5)
+    Rule("store.uncommitted", E, "A temporary directory of a ckptaudit.store save that never committed (a rank "
+         "died or the storage failed before the coordinator's atomic rename), or one being deleted or replaced: "
+         "never resumable, even with DCP's .metadata present; the next save removes it."),
+    Rule("store.unverified", INFO, "A checkpoint without a ckptaudit manifest: `ckptaudit latest` judged its "
+         "completeness from the format's commit marker and recorded sizes; its content was not verified."),
+    Rule("store.pointer-stale", W, "The `latest` pointer names a checkpoint that is missing, not resumable, or "
+         "older than the newest resumable one."),
 )
 
 CATALOGUE: dict[str, Rule] = {r.code: r for r in _RULES}

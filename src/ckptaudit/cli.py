@@ -98,6 +98,19 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("candidate", help="the checkpoint to judge against it (any layout the audit reads)")
     _output_args(c)
 
+    lt = sub.add_parser("latest", help="the newest resumable checkpoint under a directory, and why newer ones "
+                        "are rejected")
+    lt.add_argument("root", help="directory holding step-N/, checkpoint-N/, *.ckpt ... (or one checkpoint)")
+    lt.add_argument("--format", default="table", choices=["table", "json"], help="report format")
+    lt.add_argument("--output", "-o", help="write the report to this file instead of stdout")
+    lt.add_argument("--verify", default="hashes", choices=["sizes", "hashes", "full"],
+                    help="sizes: commit markers and file sizes; hashes (default): also the manifest's hashes "
+                    "where there is one; full: run the whole audit on each candidate")
+    lt.add_argument("--require", default="",
+                    help="comma-separated components whose absence rejects a candidate: scheduler,rng,data-progress")
+    lt.add_argument("--all", action="store_true", help="validate every candidate, not only down to the latest")
+    lt.add_argument("--verbose", "-v", action="store_true", help="list every finding")
+
     d = sub.add_parser("demo", help="run the whole story on the built-in recipe (CPU, 2 ranks)")
     d.add_argument("--out", default="ckptaudit-demo", help="directory for checkpoints and reports")
     d.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
@@ -249,6 +262,18 @@ def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
     return _emit(report, args, stdout)
 
 
+def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from ckptaudit.store.latest import latest_report
+
+    if not os.path.exists(args.root):
+        raise UsageError(f"{args.root}: no such file or directory; give the directory your checkpoints are saved in")
+    report = latest_report(args.root, verify=args.verify, require=_require(args.require), check_all=args.all)
+    args.fail_on = "error"
+    _emit(report, args, stdout)
+    # Exit 1 exactly when nothing is resumable: rejected newer candidates are the normal case after a crash.
+    return EXIT_CLEAN if report.extra["latest"] is not None else EXIT_FINDINGS
+
+
 def _cmd_demo(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from ckptaudit.demo import run_demo
 
@@ -258,7 +283,7 @@ def _cmd_demo(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 
 
 COMMANDS = {"audit": _cmd_audit, "compare": _cmd_compare, "demo": _cmd_demo,
-            "export-serving": _cmd_export_serving, "resume-test": _cmd_resume}
+            "export-serving": _cmd_export_serving, "latest": _cmd_latest, "resume-test": _cmd_resume}
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:

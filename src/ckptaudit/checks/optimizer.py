@@ -42,6 +42,7 @@ __all__ = [
     "assign_by_order",
     "check_attachment",
     "check_steps",
+    "group_params",
     "moment_shape",
 ]
 
@@ -359,7 +360,7 @@ def _by_names(opt: OptimizerView, params: dict[str, TensorRef], names: dict[Any,
                         param_shape=list(pshape),
                     )
                 )
-    listed = [p for g in opt.groups for p in g.get("params", [])]
+    listed = [p for g in opt.groups for p in group_params(g)]
     for key in listed:
         name = names.get(key, key if isinstance(key, str) else None)
         if name is None:

@@ -22,6 +22,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -131,6 +132,8 @@ def launch(
     pg_timeout_s: float | None = None,
     env: dict[str, str] | None = None,
     shared_dir: str | None = None,
+    start_method: str = "spawn",
+    preload: Sequence[str] = (),
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` real processes; return the results in rank order.
 
@@ -138,14 +141,23 @@ def launch(
     ``nccl`` when CUDA has enough devices, else ``gloo``. ``timeout_s`` bounds the whole launch;
     ``pg_timeout_s`` (default: ``timeout_s``) bounds each collective, so a rank whose peer died ends with
     an error instead of waiting forever. Raises :class:`DistributedError` when any rank fails.
+
+    ``start_method``: ``spawn`` (every rank a fresh interpreter) or ``forkserver``: ranks are forked from one
+    server process per parent that imported the modules in ``preload`` once (the first launch's list wins),
+    so 8 ranks start in a fraction of a second instead of each importing torch (about 2 s of CPU apiece).
+    The server only imports; it runs no torch operation and starts no thread pool, so forking it is safe.
     """
     import torch.multiprocessing as mp
 
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
     if backend is None:
         backend = _default_backend(world_size)
-    ctx = mp.get_context("spawn")
+    ctx: Any = mp.get_context(start_method)
+    if start_method == "forkserver":
+        _start_forkserver(ctx, preload)
     own_tmp = tempfile.mkdtemp(prefix="ckptaudit-launch-")
     try:
         store_path = os.path.join(own_tmp, "store")
@@ -175,6 +187,27 @@ def launch(
         return _collect(procs, result_paths, timeout_s)
     finally:
         shutil.rmtree(own_tmp, ignore_errors=True)
+
+
+def _start_forkserver(ctx: Any, preload: Sequence[str]) -> None:
+    """Start the fork server (once per process) importing ``preload`` with this process's ``sys.path``.
+
+    Python 3.11's fork server ignores the parent's ``sys.path`` when it imports ``preload``, so an installed
+    copy of a package could shadow the one under test; it does inherit the environment, hence ``PYTHONPATH``.
+    """
+    from multiprocessing import forkserver
+
+    if preload:
+        ctx.set_forkserver_preload(list(preload))
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def _default_backend(world_size: int) -> str:

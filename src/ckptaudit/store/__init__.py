@@ -1,1 +1,44 @@
-"""Writers: the serving export behind a quality gate (:mod:`ckptaudit.store.serving`, :mod:`ckptaudit.store.gate`)."""
+"""Writers. Resumable checkpoints that survive a dying rank (see :mod:`ckptaudit.store.writer`), ``ckptaudit latest``
+(:mod:`ckptaudit.store.latest`) and retention (:mod:`ckptaudit.store.retention`); the serving export behind a quality gate
+(:mod:`ckptaudit.store.serving`, :mod:`ckptaudit.store.gate`).
+
+The public names are imported lazily, so that the offline checks can use :mod:`ckptaudit.store.manifest` and
+:mod:`ckptaudit.store.layout` without importing ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "CheckpointLoadError",
+    "CheckpointSaveError",
+    "LoadedCheckpoint",
+    "SavedCheckpoint",
+    "apply_retention",
+    "find_latest",
+    "load_checkpoint",
+    "plan_retention",
+    "save_checkpoint",
+]
+
+_WHERE = {
+    "CheckpointLoadError": "writer",
+    "CheckpointSaveError": "writer",
+    "LoadedCheckpoint": "writer",
+    "SavedCheckpoint": "writer",
+    "load_checkpoint": "writer",
+    "save_checkpoint": "writer",
+    "find_latest": "latest",
+    "apply_retention": "retention",
+    "plan_retention": "retention",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptaudit.store' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"ckptaudit.store.{module}"), name)

@@ -1,0 +1,317 @@
+"""``ckptaudit latest ROOT``: the newest checkpoint under ROOT that can be resumed, and why newer ones cannot.
+
+Hugging Face's ``get_last_checkpoint`` and DeepSpeed's ``latest`` file pick a directory by name without
+looking inside. Here every candidate, newest first, is validated until one passes:
+
+- candidates: our ``step-N/`` (and the writer's temporaries, ``step-N.partial-*``), torchtitan ``step-N/``,
+  other DCP directories, Hugging Face ``checkpoint-N/``, Accelerate ``checkpoint_N/``, Lightning ``*.ckpt``;
+- validation (fast, nothing but headers and metadata read, see :func:`validate`): the format's commit marker
+  (our manifest and name, DCP ``.metadata``, Trainer's ``trainer_state.json``, written last), every file the
+  metadata references present with its recorded size, the manifest's hashes where there is one
+  (``verify="sizes"`` skips them, ``verify="full"`` runs the whole :func:`ckptaudit.audit.audit`), and the
+  components the format's contract requires (model and optimizer, plus ``require``, plus what the manifest
+  lists).
+
+A candidate is resumable when no finding is an error.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptaudit.catalogue import finding
+from ckptaudit.model import ComponentKind, Finding, Report, Severity
+from ckptaudit.store import layout
+from ckptaudit.store import manifest as mf
+
+__all__ = ["Candidate", "Checked", "LatestResult", "discover", "find_latest", "latest_report", "validate"]
+
+VERIFY_LEVELS = ("sizes", "hashes", "full")
+
+_HF = re.compile(r"^checkpoint-(\d+)$")
+_ACCELERATE = re.compile(r"^checkpoint_(\d+)$")
+_LIGHTNING_STEP = re.compile(r"step=(\d+)")
+_TRAILING = re.compile(r"(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    path: str
+    name: str
+    """Relative to the root (the root's own name when the root is a checkpoint)."""
+    layout: str
+    """``ckptaudit``, ``ckptaudit-temporary``, ``torchtitan``, ``dcp``, ``huggingface-trainer``,
+    ``accelerate`` or ``lightning``."""
+    step: int | None
+    mtime: float
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    candidate: Candidate
+    resumable: bool
+    findings: tuple[Finding, ...]
+
+    @property
+    def reason(self) -> str:
+        """The first error's message (why it is not resumable), or ``""``."""
+        errors = [f for f in self.findings if f.severity is Severity.ERROR]
+        if not errors:
+            return ""
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        return errors[0].message + more
+
+    @property
+    def short_reason(self) -> str:
+        """The errors' codes and subjects, for a table whose findings section holds the messages."""
+        errors = [f for f in self.findings if f.severity is Severity.ERROR]
+        text = "; ".join(f"{f.code}: {f.subject}" for f in errors[:2])
+        return text + (f" (+{len(errors) - 2} more)" if len(errors) > 2 else "")
+
+
+@dataclass
+class LatestResult:
+    root: str
+    latest: Candidate | None
+    checked: list[Checked]
+    """Validated candidates, newest first, ending at the latest resumable one."""
+    unchecked: list[Candidate] = field(default_factory=list)
+    """Older candidates not validated (the newest resumable one was found first)."""
+    pointer: str | None = None
+    findings: list[Finding] = field(default_factory=list)
+    """About the root itself (a stale ``latest`` pointer)."""
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return 0.0
+
+
+def _classify(path: str, name: str) -> Candidate | None:
+    from ckptaudit.formats.dcp import is_dcp_dir
+
+    if os.path.isfile(path):
+        if not name.endswith(".ckpt"):
+            return None
+        m = _LIGHTNING_STEP.search(name)
+        return Candidate(path, name, "lightning", int(m.group(1)) if m else None, _mtime(path))
+    if not os.path.isdir(path):
+        return None
+    base = os.path.basename(os.path.normpath(path))
+    parsed = layout.parse_step_name(base)
+    if parsed is not None:
+        if parsed[1] != "committed":
+            return Candidate(path, name, "ckptaudit-temporary", parsed[0], _mtime(path))
+        ours = os.path.isfile(os.path.join(path, layout.MANIFEST))
+        return Candidate(path, name, "ckptaudit" if ours else "torchtitan", parsed[0], _mtime(path))
+    for regex, kind in ((_HF, "huggingface-trainer"), (_ACCELERATE, "accelerate")):
+        m = regex.match(base)
+        if m:
+            return Candidate(path, name, kind, int(m.group(1)), _mtime(path))
+    if is_dcp_dir(path):
+        m = _TRAILING.search(base)
+        return Candidate(path, name, "dcp", int(m.group(1)) if m else None, _mtime(path))
+    if os.path.isfile(os.path.join(path, "trainer_state.json")):
+        return Candidate(path, name, "huggingface-trainer", None, _mtime(path))
+    return None
+
+
+def _lightning_step(path: str) -> int | None:
+    """``global_step`` inside a Lightning file (for ``last.ckpt``), read without executing anything."""
+    from ckptaudit.formats import open_checkpoint
+    from ckptaudit.layouts import interpret
+
+    try:
+        with open_checkpoint(path) as ckpt:
+            return interpret(ckpt).step
+    except OSError:
+        return None
+
+
+def discover(root: str) -> list[Candidate]:
+    """The checkpoints under ``root`` (or ``root`` itself, if it is one), newest first.
+
+    Newest means the highest step; at the same step a committed directory before a temporary one; then the
+    most recently modified. Candidates without a step sort by modification time, after those with one.
+    """
+    root = os.path.abspath(root)
+    own = _classify(root, os.path.basename(root))
+    if os.path.isfile(root):
+        return [own] if own is not None else []
+    children = [c for c in (_classify(os.path.join(root, n), n) for n in sorted(os.listdir(root))) if c is not None]
+    if own is not None and not children:
+        return [own]
+    found = [Candidate(c.path, c.name, c.layout, _lightning_step(c.path), c.mtime)
+             if c.layout == "lightning" and c.step is None else c for c in children]
+    found.sort(key=lambda c: (c.step is not None, c.step or 0, c.layout != "ckptaudit-temporary", c.mtime),
+               reverse=True)
+    return found
+
+
+def validate(c: Candidate, *, verify: str = "hashes",
+             require: Collection[ComponentKind] = frozenset()) -> Checked:
+    """Validate one candidate (see the module docstring); cost: headers and metadata, plus the manifest's
+    hashes (one streaming read of the files) when ``verify="hashes"`` and a manifest exists."""
+    from ckptaudit.checks.manifest import uncommitted
+
+    if verify not in VERIFY_LEVELS:
+        raise ValueError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, not {verify!r}")
+    findings: list[Finding] = []
+    if c.layout == "ckptaudit-temporary":
+        temp = uncommitted(c.path)
+        assert temp is not None
+        return Checked(c, False, (temp,))
+    if os.path.isdir(c.path) and not os.listdir(c.path):
+        return Checked(c, False, (finding("integrity.incomplete", c.name,
+                                          f"{c.name} is empty: the save died before writing anything"),))
+    try:
+        findings = _read_and_check(c, verify, require)
+    except OSError as exc:
+        findings = [finding("integrity.corrupt", c.name, f"{c.name}: cannot be read ({exc.strerror or exc})")]
+    ours = _has_our_manifest(c.path)
+    if c.layout == "ckptaudit" and not ours:
+        findings.append(finding("integrity.corrupt", layout.MANIFEST,
+                                f"{c.name}/{layout.MANIFEST} is not a readable ckptaudit manifest"))
+    if c.layout == "huggingface-trainer" and not os.path.isfile(os.path.join(c.path, "trainer_state.json")):
+        findings.append(finding(
+            "integrity.incomplete", "trainer_state.json",
+            f"{c.name} has no trainer_state.json; Trainer writes it last, so the save did not finish"))
+    if not ours:
+        marker = {"lightning": "the file's own structure", "huggingface-trainer": "trainer_state.json"}.get(
+            c.layout, ".metadata")
+        findings.append(finding("store.unverified", c.name,
+                                f"{c.name}: no ckptaudit manifest; completeness judged from {marker} and the "
+                                "recorded sizes, content not verified"))
+    resumable = not any(f.severity is Severity.ERROR for f in findings)
+    return Checked(c, resumable, tuple(findings))
+
+
+def _read_and_check(c: Candidate, verify: str, require: Collection[ComponentKind]) -> list[Finding]:
+    if verify == "full":
+        from ckptaudit.audit import AuditOptions, audit
+
+        return list(audit(c.path, AuditOptions(require=frozenset(require))).findings)
+    from ckptaudit.checks.components import check_components
+    from ckptaudit.checks.integrity import check_indexes
+    from ckptaudit.checks.manifest import check_manifest
+    from ckptaudit.formats import open_checkpoint
+    from ckptaudit.layouts import interpret
+
+    with open_checkpoint(c.path) as ckpt:
+        findings = list(ckpt.findings)
+        view = interpret(ckpt)
+        findings += check_indexes(ckpt, view)
+        findings += check_components(view, require)[1]
+        findings += check_manifest(ckpt, view, hashes=verify == "hashes")
+    return findings
+
+
+def _has_our_manifest(path: str) -> bool:
+    try:
+        mf.read_manifest(os.path.join(path, layout.MANIFEST))
+    except mf.ManifestError:
+        return False
+    return True
+
+
+def find_latest(root: str, *, verify: str = "hashes", require: Collection[ComponentKind] = frozenset(),
+                check_all: bool = False) -> LatestResult:
+    """Validate the candidates under ``root`` newest first; stop at the first resumable one (or go on through
+    all of them with ``check_all``). Raises ``FileNotFoundError`` when ``root`` does not exist."""
+    if not os.path.exists(root):
+        raise FileNotFoundError(root)
+    root = os.path.abspath(root)
+    candidates = discover(root)
+    result = LatestResult(root, None, [], pointer=layout.read_pointer(root) if os.path.isdir(root) else None)
+    for i, c in enumerate(candidates):
+        checked = validate(c, verify=verify, require=require)
+        result.checked.append(checked)
+        if checked.resumable and result.latest is None:
+            result.latest = c
+            if not check_all:
+                result.unchecked = candidates[i + 1:]
+                break
+    if result.pointer is not None and result.latest is not None and result.pointer != result.latest.name:
+        state = {ch.candidate.name: ch for ch in result.checked}.get(result.pointer)
+        why = ("does not exist" if not os.path.exists(os.path.join(root, result.pointer)) else
+               "is not resumable" if state is not None and not state.resumable else
+               "is older than the newest resumable checkpoint")
+        result.findings.append(finding("store.pointer-stale", layout.POINTER,
+                                       f"the {layout.POINTER} pointer names {result.pointer}, which {why}; the "
+                                       f"newest resumable checkpoint is {result.latest.name}",
+                                       pointer=result.pointer, latest=result.latest.name))
+    return result
+
+
+def _candidate_json(ch: Checked | None, c: Candidate) -> dict[str, Any]:
+    return {"path": c.path, "name": c.name, "layout": c.layout, "step": c.step,
+            "resumable": ch.resumable if ch is not None else None, "checked": ch is not None,
+            "findings": [{"code": f.code, "severity": f.severity.label, "subject": f.subject, "message": f.message}
+                         for f in (ch.findings if ch is not None else ())]}
+
+
+def latest_report(root: str, *, verify: str = "hashes", require: Collection[ComponentKind] = frozenset(),
+                  check_all: bool = False) -> Report:
+    """The :class:`~ckptaudit.model.Report` of ``ckptaudit latest``: ``extra["latest"]`` (path or ``None``)
+    and ``extra["candidates"]``; the findings are the errors of the rejected candidates newer than the latest
+    resumable one (subjects prefixed by the candidate), and a stale pointer."""
+    result = find_latest(root, verify=verify, require=require, check_all=check_all)
+    findings: list[Finding] = list(result.findings)
+    rows: list[list[str]] = []
+    candidates: list[dict[str, Any]] = []
+    newer = True
+    for ch in result.checked:
+        c = ch.candidate
+        is_latest = result.latest is not None and c.path == result.latest.path
+        if is_latest:
+            newer = False
+        elif newer:
+            for f in ch.findings:
+                if f.severity is Severity.ERROR:
+                    findings.append(Finding(f.code, f.severity, _prefixed(c.name, f.subject), f.message,
+                                            {**f.evidence, "candidate": c.name}))
+        candidates.append(_candidate_json(ch, c))
+        verdict = "LATEST" if is_latest else ("yes" if ch.resumable else "no")
+        rows.append([c.name, _step(c), c.layout, verdict, ch.short_reason or _notes(ch)])
+    for c in result.unchecked:
+        candidates.append(_candidate_json(None, c))
+        rows.append([c.name, _step(c), c.layout, "not checked", "older than the latest resumable checkpoint"])
+    if result.latest is not None:
+        rejected = sum(1 for ch in result.checked if not ch.resumable)
+        summary = (f"newest resumable checkpoint: {result.latest.name}"
+                   + (f" (step {result.latest.step})" if result.latest.step is not None else "")
+                   + (f"; {rejected} newer candidate(s) rejected" if rejected and not check_all else ""))
+    else:
+        summary = (f"no resumable checkpoint under {result.root} ({len(result.checked)} candidate(s), none "
+                   "resumable)" if result.checked else f"no checkpoint found under {result.root}")
+    sections = [{"title": "candidates, newest first", "columns": ["candidate", "step", "layout", "resumable",
+                                                                  "why not / notes"], "rows": rows}]
+    return Report(
+        command="latest",
+        path=result.root,
+        format="checkpoint-root",
+        findings=tuple(findings),
+        summary=summary,
+        extra={"latest": result.latest.path if result.latest else None,
+               "latest_step": result.latest.step if result.latest else None,
+               "pointer": result.pointer, "verify": verify, "candidates": candidates, "sections": sections},
+    )
+
+
+def _prefixed(name: str, subject: str) -> str:
+    return subject if subject == name or subject.startswith(name + "/") else f"{name}/{subject}"
+
+
+def _step(c: Candidate) -> str:
+    return "?" if c.step is None else str(c.step)
+
+
+def _notes(ch: Checked) -> str:
+    codes = sorted({f.code for f in ch.findings if f.severity is not Severity.ERROR})
+    return ", ".join(codes) if codes else "manifest verified" if ch.candidate.layout == "ckptaudit" else ""
