@@ -16,8 +16,9 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     Read-only: a test that damages a checkpoint copies it first (see ``copy_of``).
     """
     out = tmp_path_factory.mktemp("fsdp")
-    info = launch(_jobs().write_variants, 2, (str(out), 6), timeout_s=240)[0]
-    launch(_jobs().write_low_precision, 2, (str(out), 6), timeout_s=240)
+    fast: dict[str, Any] = {"start_method": "forkserver", "preload": ("torch", "torch.distributed.fsdp", "fsdp_jobs")}
+    info = launch(_jobs().write_variants, 2, (str(out), 6), timeout_s=240, **fast)[0]
+    launch(_jobs().write_low_precision, 2, (str(out), 6), timeout_s=240, **fast)
     return {"dir": out, **info}
 
 

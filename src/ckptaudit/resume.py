@@ -41,6 +41,12 @@ __all__ = ["ResumeConfig", "Trajectory", "compare_trajectories", "load_weights",
 
 DEFAULT_RECIPE = "ckptaudit.recipes.tinygpt:recipe"
 
+# Ranks are forked from a server that imported these once (a fresh process that has run nothing), instead of
+# each importing torch anew: a phase on 2 ranks starts in well under a second instead of ~4 s of CPU.
+_PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "ckptaudit.exporters",
+            "ckptaudit.recipes.tinygpt")
+_FAST: dict[str, Any] = {"start_method": "forkserver", "preload": _PRELOAD}
+
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -282,14 +288,14 @@ def run_resume_test(cfg: ResumeConfig, *, log: Callable[[str], None] | None = No
     try:
         say(f"train {cfg.save_at} steps, save reference and {len(cfg.exporters)} candidate(s), "
             f"continue {cfg.steps} steps ({cfg.nproc} ranks)")
-        base = launch(_train_phase, cfg.nproc, (cfg, workdir), timeout_s=cfg.timeout_s)[0]
+        base = launch(_train_phase, cfg.nproc, (cfg, workdir), timeout_s=cfg.timeout_s, **_FAST)[0]
         say("restore the reference in fresh processes and repeat the steps")
-        ref = launch(_resume_phase, cfg.nproc, (cfg, workdir, None), timeout_s=cfg.timeout_s)[0]
+        ref = launch(_resume_phase, cfg.nproc, (cfg, workdir, None), timeout_s=cfg.timeout_s, **_FAST)[0]
         candidates: list[tuple[str, Trajectory | None, str]] = []
         for i, spec in enumerate(cfg.exporters):
             say(f"restore candidate {spec} in fresh processes and repeat the steps")
             try:
-                traj = launch(_resume_phase, cfg.nproc, (cfg, workdir, i), timeout_s=cfg.timeout_s)[0]
+                traj = launch(_resume_phase, cfg.nproc, (cfg, workdir, i), timeout_s=cfg.timeout_s, **_FAST)[0]
                 candidates.append((spec, traj, ""))
             except DistributedError as exc:
                 candidates.append((spec, None, str(exc)))

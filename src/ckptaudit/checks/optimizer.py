@@ -139,6 +139,12 @@ def check_attachment(view: View) -> Attachment:
     return _by_order(opt, model)
 
 
+def group_params(group: dict[str, Any]) -> list[Any]:
+    """A param group's ``params`` list; ``[]`` when it is absent or could not be read (its file is lost)."""
+    params = group.get("params")
+    return list(params) if isinstance(params, list) else []
+
+
 def _index_keyed(opt: OptimizerView, status: str, outcome: str, **evidence: Any) -> Finding:
     return finding(
         "optimizer.index-keyed",
