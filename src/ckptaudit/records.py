@@ -40,6 +40,7 @@ class TensorScan:
 
 
 INFORMATIVE_CAP = 64
+_INFO_SLICE = 4096
 """Informative values are counted up to this many; beyond it the evidence is overwhelming either way."""
 
 class _Fp32State:
@@ -88,12 +89,18 @@ class _Fp32State:
             self.fp16 = _fp16_exact(u)
         if self.info_bf16 >= INFORMATIVE_CAP and (self.info_fp16 >= INFORMATIVE_CAP or not self.fp16):
             return
-        x = chunk.view(np.float32)
-        non_integer = np.isfinite(x) & (np.floor(x) != x)
-        if self.bf16 and self.info_bf16 < INFORMATIVE_CAP:
-            self.info_bf16 += int(np.count_nonzero(non_integer & ((u & np.uint32(0x000F0000)) != 0)))
-        if self.fp16 and self.info_fp16 < INFORMATIVE_CAP:
-            self.info_fp16 += int(np.count_nonzero(non_integer & ((u & np.uint32(0x000FE000)) != 0)))
+        # Count informative values in small slices, stopping at the cap: usually the first slice suffices, so
+        # these temporaries never cost a pass over the chunk.
+        for lo in range(0, u.size, _INFO_SLICE):
+            us = u[lo : lo + _INFO_SLICE]
+            x = us.view(np.float32)
+            non_integer = np.isfinite(x) & (np.floor(x) != x)
+            if self.bf16 and self.info_bf16 < INFORMATIVE_CAP:
+                self.info_bf16 += int(np.count_nonzero(non_integer & ((us & np.uint32(0x000F0000)) != 0)))
+            if self.fp16 and self.info_fp16 < INFORMATIVE_CAP:
+                self.info_fp16 += int(np.count_nonzero(non_integer & ((us & np.uint32(0x000FE000)) != 0)))
+            if self.info_bf16 >= INFORMATIVE_CAP and (self.info_fp16 >= INFORMATIVE_CAP or not self.fp16):
+                break
 
     def recheck(self, chunk: np.ndarray) -> None:
         """The deferred fp16 range test for one of the first :attr:`recheck_fp16_chunks` chunks."""

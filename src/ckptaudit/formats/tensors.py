@@ -11,8 +11,10 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -127,22 +129,40 @@ class TensorData:
 
 
 class FileMaps:
-    """Read-only memory maps of the files being scanned, one per file, closed together.
+    """Open files of a checkpoint being scanned: a descriptor for positional reads and, for the rare strided or
+    re-assembled tensors, a read-only memory map; one of each per file, closed together.
 
-    Owned by one reader session (``Checkpoint``); not thread-safe.
+    Owned by one reader session (``Checkpoint``). Opening is serialised by a lock, and positional reads
+    (``os.preadv``) share a descriptor safely, so threads may scan different tensors at once.
     """
 
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
+        self._files: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, path: str) -> int:
+        """A descriptor of ``path`` for ``os.preadv`` (regular files only: a pipe swapped in must not block)."""
+        fh = self._files.get(path)
+        if fh is None:
+            with self._lock:
+                fh = self._files.get(path)
+                if fh is None:
+                    fh = open_regular(path)
+                    self._files[path] = fh
+        return int(fh.fileno())
 
     def get(self, path: str) -> mmap.mmap | None:
         mm = self._maps.get(path)
         if mm is None:
-            with open_regular(path) as fh:  # a pipe swapped in after reading must not block
-                if os.fstat(fh.fileno()).st_size == 0:
-                    return None
-                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps[path] = mm
+            with self._lock:
+                mm = self._maps.get(path)
+                if mm is None:
+                    with open_regular(path) as fh:  # a pipe swapped in after reading must not block
+                        if os.fstat(fh.fileno()).st_size == 0:
+                            return None
+                        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                    self._maps[path] = mm
         return mm
 
     def release(self, path: str, start: int, length: int) -> None:
@@ -160,6 +180,9 @@ class FileMaps:
                 pass
 
     def close(self) -> None:
+        for fh in self._files.values():
+            fh.close()
+        self._files.clear()
         for mm in self._maps.values():
             try:
                 mm.close()
@@ -179,7 +202,7 @@ def iter_chunks(
 ) -> Iterator[np.ndarray]:
     """Yield the tensor's elements in row-major order as 1-D NumPy arrays of ``data.dtype.numpy``.
 
-    Each array is valid only until the next one is requested (it may view a memory map that is released).
+    Each array is valid only until the next one is requested (it may view a reused buffer).
     Raises ``ValueError`` when the pieces do not tile the tensor (see :meth:`TensorData.coverage_error`).
     """
     err = data.coverage_error()
@@ -217,22 +240,27 @@ def _piece_array(p: Piece, npdt: np.dtype, maps: FileMaps) -> np.ndarray:
 def _piece_chunks(p: Piece, npdt: np.dtype, maps: FileMaps, per_chunk: int) -> Iterator[np.ndarray]:
     if p.numel == 0:
         return
-    mm = maps.get(p.file)
-    if mm is None:
-        raise ValueError(f"{p.file} is empty")
     if p.is_contiguous():
-        start = p.data_offset + p.storage_offset * npdt.itemsize
-        flat = np.frombuffer(mm, dtype=npdt, count=p.numel, offset=start)
-        released = start
-        for i in range(0, p.numel, per_chunk):
-            yield flat[i : i + per_chunk]
-            end = start + min(p.numel, i + per_chunk) * npdt.itemsize
-            if end - released >= 64 << 20:
-                maps.release(p.file, released, end - released)
-                released = end
-        del flat
-        maps.release(p.file, released, start + p.numel * npdt.itemsize - released)
+        # Positional reads into one reusable buffer: no page faults and no mapped pages to give back, and a file
+        # truncated under us is a short read (an error), not a SIGBUS.
+        fd = maps.fd(p.file)
+        buf = np.empty(min(per_chunk, p.numel), dtype=npdt)
+        raw = buf.data.cast("B")
+        pos = p.data_offset + p.storage_offset * npdt.itemsize
+        remaining = p.numel
+        while remaining:
+            n = min(per_chunk, remaining)
+            nbytes = n * npdt.itemsize
+            got = os.preadv(fd, [raw[:nbytes]], pos)
+            if got != nbytes:
+                raise ValueError(f"{p.file}: {got} of {nbytes} bytes at offset {pos}: the file ends early "
+                                 "(truncated, or changed while being read)")
+            yield buf[:n]
+            pos += nbytes
+            remaining -= n
         return
+    if maps.get(p.file) is None:
+        raise ValueError(f"{p.file} is empty")
     # Non-contiguous: copy row blocks (bounded) into row-major order.
     view = _piece_array(p, npdt, maps)
     rows = view.reshape(view.shape[0], -1) if view.ndim > 1 else view.reshape(-1, 1)
