@@ -15,7 +15,7 @@ import torch
 from ckptaudit import exporters
 from ckptaudit.demo import capture_and_export
 from ckptaudit.dist.launch import RankContext
-from ckptaudit.probe import Probe, ProbeResult
+from ckptaudit.probe import Probe, ProbeError, ProbeResult
 from ckptaudit.probe.run import armed_eval_forward
 from ckptaudit.recipes.tinygpt import Block, TinyGPTRecipe
 
@@ -82,6 +82,13 @@ def fsdp2_bf16(ctx: RankContext, out_dir: str, steps: int) -> dict[str, ProbeRes
     w[-1, -1] += 1.0  # the last row: rank 1's shard under Shard(0)
     broken["blocks.0.mlp.fc.weight"] = w
     _compare(probe, results, "state-dict-broken", broken)
+    # A checkpoint rank 1 cannot see: every rank raises the same error (no rank is left waiting).
+    faithful = os.path.join(out_dir, "faithful")
+    try:
+        probe.record_saved(faithful if ctx.rank == 0 else os.path.join(out_dir, "not-on-this-rank"))
+        results["unseen-error"] = None
+    except ProbeError as exc:
+        results["unseen-error"] = str(exc)  # type: ignore[assignment]
     # Armed for a training step: the compute copies predate that step's update.
     probe.arm()
     recipe.step(job)

@@ -140,6 +140,13 @@ def test_state_dicts_in_memory(fsdp2_run: dict[str, Any]) -> None:
     assert codes(report) == {"probe.not-saved": {"head.weight"}, "probe.mismatch": {"blocks.0.mlp.fc.weight"}}
 
 
+def test_a_checkpoint_one_rank_cannot_read_fails_on_every_rank(fsdp2_run: dict[str, Any]) -> None:
+    # The job went on to its next collectives afterwards, so rank 1 raised too (else the launch had hung).
+    message = fsdp2_run["unseen-error"]
+    assert message is not None and message.startswith("rank 1: saved checkpoint")
+    assert "not-on-this-rank does not exist" in message and "rank 0" not in message
+
+
 def test_compute_copies_recorded_before_an_update_are_flagged(fsdp2_run: dict[str, Any]) -> None:
     report = judge(fsdp2_run["stale"])
     stale = codes(report).get("probe.compute-not-master", set())

@@ -57,6 +57,29 @@ def _gather(obj: Any) -> list[Any] | None:
     return out
 
 
+def _gather_checked(fn: Callable[[], Any]) -> list[Any] | None:
+    """(all ranks, collective) Run ``fn`` here and gather its results on rank 0.
+
+    When ``fn`` fails on any rank, every rank raises the same :class:`ProbeError` (naming the ranks), instead
+    of the failed rank leaving its peers waiting in the gather until the process group times out.
+    """
+    value: Any = None
+    error: str | None = None
+    try:
+        value = fn()
+    except (ProbeError, OSError, ValueError) as exc:
+        error = str(exc)
+    world = _rank_world()[1]
+    errors: list[Any] = [error]
+    if world > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed:
+        raise ProbeError("; ".join(failed))
+    return _gather(value)
+
+
 class Probe:
     """Observe a model's parameters at the three points (see the module docstring for the protocol).
 
@@ -158,6 +181,11 @@ class Probe:
 
         Call it outside forward, with the state that will be saved (no optimizer step in between).
         """
+        gathered = _gather_checked(self._masters_here)
+        if gathered is not None:
+            self._masters = {e.fqn: tuple(g[e.fqn] for g in gathered) for e in self.entries}
+
+    def _masters_here(self) -> dict[str, MasterShard]:
         mine: dict[str, MasterShard] = {}
         with torch.no_grad():
             for e in self.entries:
@@ -173,9 +201,7 @@ class Probe:
                         rounded[f"{name}>{master}"] = hash_tensor_region(local, via=narrow, cast=local.dtype)
                 mine[e.fqn] = MasterShard(self.rank, dtype_name(local.dtype), tuple(local.shape), region,
                                           hash_tensor_region(local), rounded)
-        gathered = _gather(mine)
-        if gathered is not None:
-            self._masters = {e.fqn: tuple(g[e.fqn] for g in gathered) for e in self.entries}
+        return mine
 
     # -- point 3 -------------------------------------------------------------------------------------------
 
@@ -190,18 +216,20 @@ class Probe:
         """
         shapes = {e.fqn: e.shape for e in self.entries}
         if isinstance(source, str | os.PathLike):
-            mine, fmt, findings = saved_from_path(os.fspath(source), self._regions, shapes, self.rank)
-            label = os.fspath(source)
+            path = os.fspath(source)
+            gathered = _gather_checked(lambda: saved_from_path(path, self._regions, shapes, self.rank))
+            label = path
         else:
-            mine, fmt, findings = saved_from_state_dict(source, self._regions, shapes, self.rank)
+            # Not through _gather_checked: the state-dict reader runs collectives of its own.
+            gathered = _gather(saved_from_state_dict(source, self._regions, shapes, self.rank))
             label = "<state dict>"
-        gathered = _gather(mine)
         if gathered is not None:
             self._saved = {}
             for e in self.entries:
-                shards = tuple(g[e.fqn] for g in gathered if e.fqn in g)
+                shards = tuple(g[0][e.fqn] for g in gathered if e.fqn in g[0])
                 if shards:
                     self._saved[e.fqn] = shards
+            _, fmt, findings = gathered[0]
             self._saved_source, self._saved_format, self._saved_findings = label, fmt, tuple(findings)
 
     # -- results -------------------------------------------------------------------------------------------
