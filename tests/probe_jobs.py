@@ -145,4 +145,21 @@ def fsdp1(ctx: RankContext, out_dir: str, steps: int) -> dict[str, ProbeResult |
         torch.save({"model": rounded}, path)
     torch.distributed.barrier()
     _compare(probe, results, "rounded-upcast", path)
+    # FSDP1's sharded state dict holds ShardedTensors: refused in memory, with the way out in the message.
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    try:
+        probe.record_saved(get_model_state_dict(job.model))
+        results["sharded-tensor-error"] = None
+    except ProbeError as exc:
+        results["sharded-tensor-error"] = str(exc)  # type: ignore[assignment]
+    # Without use_orig_params the original parameters are flattened away: the probe refuses, and says why.
+    from ckptaudit.recipes.tinygpt import GPTConfig, TinyGPT
+
+    flat = FullyShardedDataParallel(TinyGPT(GPTConfig()), device_id=torch.device("cpu"))
+    try:
+        Probe(flat)
+        results["flat-error"] = None
+    except ProbeError as exc:
+        results["flat-error"] = str(exc)  # type: ignore[assignment]
     return results if ctx.rank == 0 else None

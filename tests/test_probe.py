@@ -215,6 +215,8 @@ def test_fsdp1_use_orig_params(tmp_path: Path) -> None:
     assert {c[0].dtype for c in doc.compute.values()} == {"bfloat16"}
     assert not any(f.code == "probe.compute-not-master" for f in judge(doc).findings)
     assert set(verdicts(results["rounded-upcast"]).values()) == {"compute-copy-upcast"}
+    assert "use_orig_params=True" in results["flat-error"] and "_flat_param" in results["flat-error"]
+    assert "ShardedTensor" in results["sharded-tensor-error"] and "pass its path" in results["sharded-tensor-error"]
 
 
 # -- plain module, in this process --------------------------------------------------------------------------

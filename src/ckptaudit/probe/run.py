@@ -102,7 +102,7 @@ def run_probe(recipe: str = DEFAULT_RECIPE, exporter: str = DEFAULT_EXPORTER, *,
         report = judge(result)
         if own:
             # The checkpoint is gone after this call; do not point the reader at it.
-            report = _relabel(report, f"{exporter} (temporary)")
+            report = _relabel(report, f"{exporter} (a temporary checkpoint; --out keeps it)")
         return report
     finally:
         if own:

@@ -78,6 +78,12 @@ def saved_from_state_dict(state: Mapping[str, Any], regions: Mapping[str, Region
     """(all ranks, collective when some DTensor is laid out unlike the masters) Point 3 from a state dict."""
     prefix, model = _model_part(state)
     found = {clean_fqn(k): (k, v) for k, v in model.items() if isinstance(v, torch.Tensor)}
+    sharded = [prefix + k for k, v in found.values() if type(v).__name__ == "ShardedTensor"]
+    if sharded:
+        # Every rank holds the same keys, so every rank refuses alike (no collective is left half-entered).
+        raise ProbeError(f"{sharded[0]} is a ShardedTensor (FSDP1's sharded state dict), which the probe does not "
+                         "cut in memory; save the state dict (e.g. torch.distributed.checkpoint.save) and pass "
+                         "its path to record_saved")
     # DTensors laid out unlike the masters need a gather; decide together so every rank joins the same ones.
     regather = sorted(fqn for fqn, (_, v) in found.items()
                       if fqn in regions and is_dtensor(v) and _dtensor_region_or_none(v) != regions[fqn])

@@ -125,7 +125,10 @@ def index_parameters(model: nn.Module) -> tuple[list[ParamEntry], str]:
     fsdp2 = {n for n, m in modules.items() if fsdp2_cls is not None and isinstance(m, fsdp2_cls)}
     fsdp1 = {n for n, m in modules.items() if fsdp1_cls is not None and isinstance(m, fsdp1_cls)}
     if fsdp1:
-        flat = [n for n, p in model.named_parameters() if type(p).__name__ == "FlatParameter"]
+        from torch.distributed.fsdp import FlatParameter
+
+        # FlatParameter is matched by isinstance (a metaclass check), not by the type's name.
+        flat = [n for n, p in model.named_parameters() if isinstance(p, FlatParameter)]
         if flat:
             raise ProbeError(
                 f"FSDP1 without use_orig_params=True: the parameters are flattened into {flat[0]} and the "
