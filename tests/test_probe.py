@@ -116,6 +116,22 @@ def test_compute_copy_stored_as_bf16_is_caught(fsdp2_run: dict[str, Any]) -> Non
     assert row[4].split()[1] == row[3].split()[1] != row[2].split()[1]
 
 
+def test_a_parameter_forward_did_not_show_is_judged_by_the_rounded_master(fsdp2_run: dict[str, Any]) -> None:
+    from dataclasses import replace
+
+    full: ProbeResult = fsdp2_run["compute-copy-fp32"]
+    partial = replace(full, compute={k: v for k, v in full.compute.items() if k != "head.weight"})
+    report = judge(partial)
+    head = next(p for p in report.extra["probe"]["parameters"] if p["name"] == "head.weight")
+    # The master rounded to the compute dtype the other parameters were seen in, upcast: still the compute copy.
+    assert head["verdict"] == "compute-copy-upcast" and "did not show" in head["detail"]
+    assert head["compute"] is None
+    assert ("probe.not-observed", "head.weight") in {(f.code, f.subject) for f in report.findings}
+    # Without any observation (never armed) the same tensor is only "rounded": the compute dtype is unknown.
+    unarmed = replace(full, compute={}, armed=False)
+    assert set(verdicts(unarmed).values()) == {"rounded"}
+
+
 def test_fp16_rounded_masters_are_a_mismatch_not_a_compute_copy(fsdp2_run: dict[str, Any]) -> None:
     result: ProbeResult = fsdp2_run["fp16-copy"]
     report = judge(result)

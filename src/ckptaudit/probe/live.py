@@ -88,6 +88,7 @@ class Probe:
     """
 
     def __init__(self, model: nn.Module) -> None:
+        """(all ranks, no collectives) Index the parameters and read each one's region on this rank."""
         self.model = model
         self.rank, self.world_size = _rank_world()
         self.entries, self.wrapper = index_parameters(model)

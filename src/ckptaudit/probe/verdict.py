@@ -45,7 +45,7 @@ _LABEL = {
     "rounded": "ROUNDED master",
     "mismatch": "MISMATCH",
     "not-saved": "NOT SAVED",
-    "unjudged": "-",
+    "unjudged": "not judged",
 }
 
 
@@ -275,6 +275,8 @@ def _summary(counts: Counter[str], total: int, master: str, compute_dtype: str |
              findings: list[Finding]) -> str:
     errors = sum(f.severity is Severity.ERROR for f in findings)
     head = "faithful" if errors == 0 else "NOT faithful"
+    if counts.get("unjudged") == total:
+        head = "not judged (no saved state recorded: call record_saved)"
     parts = [f"{counts[k]} {_LABEL[k].lower()}" for k in _LABEL if counts.get(k)]
     text = f"{head}: {total} parameters ({', '.join(parts)}); master dtype {master}"
     if compute_dtype:
