@@ -1,14 +1,15 @@
 """What the live probe costs a training step: without the probe, attached but unarmed, and armed every step.
 
-    /work/main/.venv/bin/python bench/bench_probe.py              # 2 gloo ranks, FSDP2 + bf16 policy
-    /work/main/.venv/bin/python bench/bench_probe.py --steps 90 --d-model 384 --layers 6
+    /work/main/.venv/bin/python bench/bench_probe.py --d-model 192 --layers 3 --steps 150   # 2 gloo ranks
+    /work/main/.venv/bin/python bench/bench_probe.py --nproc 1 --d-model 192 --layers 3 --steps 200
 
-One run; the three modes are interleaved step by step (their order rotating every round) so that the noise of
-a shared machine hits all of them alike. Each step is timed on rank 0 between a barrier and its end, in wall
-time and in the process's CPU time (steadier when other jobs share the cores). The overhead of a mode is the
-median, over rounds, of its step time divided by the no-probe step of the same round, minus one (paired, so
-slow phases of the machine cancel). Also: one point-1 snapshot (``record_masters``) and the peak RSS of
-rank 0 before and after the measured steps. Target: unarmed < 1% over no probe.
+One run, FSDP2 + bf16 MixedPrecisionPolicy. The modes are interleaved step by step (their order rotating every
+round) so that the noise of a shared machine hits all of them alike. Each step is timed on rank 0 between a
+barrier and its end, in wall time and in the training thread's CPU time (steadier when other jobs share the
+cores). The overhead of a mode is the median, over rounds, of its step time divided by the no-probe step of
+the same round, minus one (paired, so slow phases of the machine cancel). ``no probe (A/A)`` repeats the
+baseline: its figure is the noise floor the others must be read against. Also: one point-1 snapshot
+(``record_masters``) and the peak RSS of rank 0 before and after the measured steps. Target: unarmed < 1%.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from ckptaudit.dist.launch import RankContext, launch
 
-MODES = ("no probe", "attached, unarmed", "armed every step")
+MODES = ("no probe", "no probe (A/A)", "attached, unarmed", "armed every step")
+"""``no probe (A/A)`` runs exactly what ``no probe`` runs: its difference from it is the noise floor of the run."""
 
 
 def _rss_mib() -> float:
@@ -50,19 +52,42 @@ def bench_job(ctx: RankContext, cfg: dict[str, int], batch: int, steps: int, war
     cpu: dict[str, list[float]] = {m: [] for m in MODES}
     probe: Probe | None = None
     for i in range(steps):
-        order = MODES[i % 3 :] + MODES[: i % 3]
+        order = MODES[i % len(MODES) :] + MODES[: i % len(MODES)]
         for mode in order:
             probe = None
-            if mode != "no probe":
+            if mode not in ("no probe", "no probe (A/A)"):
                 probe = Probe(job.model)
                 if mode == "armed every step":
                     probe.arm()
             gc.collect()
             dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0 = time.perf_counter(), time.thread_time()
             recipe.step(job)
             times[mode].append(time.perf_counter() - t0)
-            cpu[mode].append(time.process_time() - c0)
+            cpu[mode].append(time.thread_time() - c0)
+            if probe is not None:
+                probe.disarm()
+    # Deterministic counterpart of the timings: the Python calls one step makes in each mode (rank 0's training
+    # thread, sys.setprofile). Unarmed the probe adds no hook, so it must add no call at all.
+    calls: dict[str, list[int]] = {m: [] for m in MODES}
+    for _ in range(3):
+        for mode in MODES:
+            probe = None
+            if mode not in ("no probe", "no probe (A/A)"):
+                probe = Probe(job.model)
+                if mode == "armed every step":
+                    probe.arm()
+            count = [0]
+
+            def profile(frame: Any, event: str, arg: Any, count: list[int] = count) -> None:
+                if event in ("call", "c_call"):
+                    count[0] += 1
+
+            dist.barrier()
+            sys.setprofile(profile)
+            recipe.step(job)
+            sys.setprofile(None)
+            calls[mode].append(count[0])
             if probe is not None:
                 probe.disarm()
     snapshot = []
@@ -74,7 +99,7 @@ def bench_job(ctx: RankContext, cfg: dict[str, int], batch: int, steps: int, war
         snapshot.append(time.perf_counter() - t0)
     if ctx.rank != 0:
         return None
-    return {"times": times, "cpu": cpu, "snapshot": snapshot, "rss_before": rss_before, "rss_after": _rss_mib(),
+    return {"times": times, "cpu": cpu, "calls": calls, "snapshot": snapshot, "rss_before": rss_before, "rss_after": _rss_mib(),
             "params": n_params}
 
 
@@ -96,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tiny GPT d_model={args.d_model} layers={args.layers} seq={args.seq_len} batch={args.batch} "
           f"({res['params'] / 1e6:.2f} M parameters), FSDP2 + bf16 MixedPrecisionPolicy, {args.nproc} gloo "
           f"ranks, {args.steps} steps per mode, interleaved ({time.monotonic() - t0:.0f} s)")
-    print(f"{'mode':<20} {'wall median':>12} {'paired':>9} {'cpu median':>12} {'paired':>9}")
+    print(f"{'mode':<20} {'wall median':>12} {'paired':>9} {'thread cpu':>12} {'paired':>9} {'python calls/step':>18}")
     for mode in MODES:
         cells = []
         for kind in ("times", "cpu"):
             ts, base = res[kind][mode], res[kind]["no probe"]
             paired = statistics.median(t / b - 1 for t, b in zip(ts, base, strict=True))
             cells.append(f"{statistics.median(ts) * 1e3:>9.1f} ms {paired * 100:>+8.2f}%")
-        print(f"{mode:<20} {cells[0]} {cells[1]}")
+        print(f"{mode:<20} {cells[0]} {cells[1]} {'/'.join(str(c) for c in res['calls'][mode]):>18}")
     print(f"record_masters (point 1, all parameters): median {statistics.median(res['snapshot']) * 1e3:.1f} ms")
     print(f"rank 0 peak RSS: {res['rss_before']:.0f} MiB after warm-up, {res['rss_after']:.0f} MiB at the end")
     return 0
