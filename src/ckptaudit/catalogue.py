@@ -117,6 +117,21 @@ _RULES: tuple[Rule, ...] = (
          "completeness from the format's commit marker and recorded sizes; its content was not verified."),
     Rule("store.pointer-stale", W, "The `latest` pointer names a checkpoint that is missing, not resumable, or "
          "older than the newest resumable one."),
+    # ---- probe (ckptaudit probe / ckptaudit.probe.Probe: the live job observed at three points) ----
+    Rule("probe.saved-compute-copy", E, "The saved tensor equals the compute representation observed inside "
+         "forward (the master rounded to the compute dtype), stored in the compute dtype or upcast back, instead "
+         "of the sharded master: the exporter saved the FSDP compute copies."),
+    Rule("probe.mismatch", E, "The saved tensor equals neither the sharded master nor its compute copy (the "
+         "detail says which ranks' shards differ, or that it is the master rounded to another format)."),
+    Rule("probe.not-saved", E, "A parameter the job trains is absent from the saved state, or its data could not "
+         "be read."),
+    Rule("probe.low-precision-masters", INFO, "The sharded masters of the running job are themselves 16-bit: a "
+         "low-precision-master run (a different contract, not a defect); faithful means equal to them."),
+    Rule("probe.compute-not-master", W, "The compute representation observed inside forward is not the current "
+         "master cast to the compute dtype: the probe was armed before an optimizer step, or forward computes "
+         "with something other than a cast of the master."),
+    Rule("probe.not-observed", INFO, "The armed forward did not use this parameter unsharded (e.g. a parameter "
+         "forward does not touch), so its compute representation was not recorded."),
 )
 
 CATALOGUE: dict[str, Rule] = {r.code: r for r in _RULES}

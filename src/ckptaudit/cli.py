@@ -115,6 +115,17 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="ckptaudit-demo", help="directory for checkpoints and reports")
     d.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
     d.add_argument("--steps", type=int, default=8, help="training steps before the checkpoint")
+
+    pr = sub.add_parser("probe", help="run a recipe with the live probe: masters, compute copies, saved state")
+    pr.add_argument("--recipe", default="ckptaudit.recipes.tinygpt:recipe",
+                    help="module:attr or path/to/file.py:attr of the recipe (default: the built-in tiny GPT)")
+    pr.add_argument("--exporter", default="ckptaudit.exporters:documented",
+                    help="module:attr of the exporter under test (default: get_state_dict + DCP save)")
+    pr.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
+    pr.add_argument("--steps", type=int, default=4, help="training steps before the probe and the save")
+    pr.add_argument("--out", help="keep the saved checkpoint under this directory (default: a temporary one)")
+    pr.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are stopped")
+    _output_args(pr)
     return p
 
 
@@ -282,8 +293,29 @@ def _cmd_demo(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     return run_demo(args.out, nproc=args.nproc, steps=args.steps, out=stdout, err=stderr).exit_code
 
 
+def _cmd_probe(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from ckptaudit.dist.launch import DistributedError
+    from ckptaudit.probe.run import run_probe
+
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.steps < 0:
+        raise UsageError(f"--steps must be 0 or more, got {args.steps}")
+    stderr.write(f"probing {args.recipe} on {args.nproc} rank(s): {args.steps} steps, then saving through "
+                 f"{args.exporter}...\n")
+    try:
+        report = run_probe(args.recipe, args.exporter, nproc=args.nproc, steps=args.steps, out_dir=args.out,
+                           timeout_s=args.timeout)
+    except ValueError as exc:
+        raise UsageError(f"{exc}") from None
+    except DistributedError as exc:
+        raise UsageError(f"the probed job failed: {exc}") from None
+    return _emit(report, args, stdout)
+
+
 COMMANDS = {"audit": _cmd_audit, "compare": _cmd_compare, "demo": _cmd_demo,
-            "export-serving": _cmd_export_serving, "latest": _cmd_latest, "resume-test": _cmd_resume}
+            "export-serving": _cmd_export_serving, "latest": _cmd_latest, "probe": _cmd_probe,
+            "resume-test": _cmd_resume}
 
 
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
