@@ -112,3 +112,13 @@ def test_shards_that_do_not_cover_the_tensor_are_an_error(tmp_path: Path) -> Non
     bad = TensorData(td.dtype, (4, 4), (Piece(td.pieces[0].file, 0, 0, (2, 4), (4, 1), (0, 0)),))
     with FileMaps() as maps, pytest.raises(ValueError, match="shards hold 8 elements, the tensor has 16"):
         scan_tensor(bad, maps)
+
+
+def test_wrapper_segments_are_stripped_as_whole_components() -> None:
+    from ckptaudit.layouts import normalize_fqn
+
+    assert normalize_fqn("module._orig_mod.blocks.0.attn.weight") == "blocks.0.attn.weight"
+    assert normalize_fqn("_fsdp_wrapped_module.blocks.0._fsdp_wrapped_module.mlp.weight") == "blocks.0.mlp.weight"
+    assert normalize_fqn("blocks.0._checkpoint_wrapped_module.mlp.weight") == "blocks.0.mlp.weight"
+    # A submodule the user named "module" is not a wrapper.
+    assert normalize_fqn("encoder.module.weight") == "encoder.module.weight"

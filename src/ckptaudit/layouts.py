@@ -61,15 +61,26 @@ _FILE_RULES: tuple[tuple[str, ComponentKind | str], ...] = (
     ("*.json", "ignore"),
 )
 
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.",
-                     "_forward_module.")
+_INNER_WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+_OUTER_WRAPPERS = ("module.", "_orig_mod.", "_forward_module.")
 
 
 def normalize_fqn(fqn: str) -> str:
-    """Strip the wrapper segments (``module.``, ``_orig_mod.``, FSDP1/activation-checkpoint wrappers)."""
-    for p in _WRAPPER_PREFIXES:
-        fqn = fqn.replace(p, "")
-    return fqn
+    """A parameter's name without wrapper segments, so names from differently wrapped models meet.
+
+    FSDP1 and activation-checkpoint wrappers insert ``_fsdp_wrapped_module`` / ``_checkpoint_wrapped_module``
+    segments anywhere; DDP (``module.``), ``torch.compile`` (``_orig_mod.``) and Lightning
+    (``_forward_module.``) prefix the whole name. Only leading occurrences of the latter are stripped, so a
+    submodule a user named ``module`` keeps its name.
+    """
+    name = ".".join(p for p in fqn.split(".") if p not in _INNER_WRAPPERS)
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _OUTER_WRAPPERS:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix):], True
+    return name
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,32 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ckptaudit.layouts import normalize_fqn
 from ckptaudit.probe.regions import Region, dtype_name
 
 __all__ = ["ParamEntry", "ProbeError", "clean_fqn", "dtensor_region", "index_parameters", "is_dtensor",
            "master_region"]
 
-_INNER_WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-_OUTER_WRAPPERS = ("module.", "_orig_mod.", "_forward_module.")
-
-
-def clean_fqn(name: str) -> str:
-    """A parameter's name without wrapper segments, so live and saved names meet.
-
-    FSDP1 and activation-checkpoint wrappers insert ``_fsdp_wrapped_module`` / ``_checkpoint_wrapped_module``
-    segments anywhere; DDP (``module.``), ``torch.compile`` (``_orig_mod.``) and Lightning
-    (``_forward_module.``) prefix the whole name. Only leading occurrences of the latter are stripped, so a
-    submodule a user named ``module`` keeps its name.
-    """
-    parts = [p for p in name.split(".") if p not in _INNER_WRAPPERS]
-    name = ".".join(parts)
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in _OUTER_WRAPPERS:
-            if name.startswith(prefix):
-                name, stripped = name[len(prefix):], True
-    return name
+# One normalisation for the whole tool (saved names and live names must meet the same way).
+clean_fqn = normalize_fqn
 
 
 class ProbeError(Exception):
