@@ -3,7 +3,10 @@
 1. (2 ranks) train the tiny GPT under FSDP2 with a bf16 ``MixedPrecisionPolicy`` for a few steps;
 2. (all ranks) save a faithful checkpoint through the documented path (``get_state_dict`` + DCP);
 3. (all ranks) save a lossy one through a custom exporter that captured the bf16 compute copies in forward;
-4. (this process) audit both and print the verdicts; write the reports under the output directory.
+4. (fresh processes) resume from each and take the same steps as the uninterrupted run;
+5. (2 ranks) probe a live job: masters, compute copies and what the lossy exporter saved, side by side;
+6. (this process) audit both and print the verdicts; write the reports (JSON, one HTML page) under the output
+   directory.
 """
 
 from __future__ import annotations
@@ -64,9 +67,10 @@ def run_demo(out_dir: str, *, nproc: int = 2, steps: int = 8, out: TextIO = sys.
     one is flagged by the audit and drifts in the resume test), 1 otherwise.
     """
     from ckptaudit.audit import audit
+    from ckptaudit.probe.run import run_probe
     from ckptaudit.report import OutputFormat, render
     from ckptaudit.report.html import render_page
-    from ckptaudit.resume import ResumeConfig, run_resume_test
+    from ckptaudit.resume import DEFAULT_RECIPE, ResumeConfig, run_resume_test
 
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.monotonic()
@@ -86,6 +90,9 @@ def run_demo(out_dir: str, *, nproc: int = 2, steps: int = 8, out: TextIO = sys.
         candidate_names=("lossy-compute-copy.pt",),
     )
     resume_report = run_resume_test(cfg, log=say)
+    say("probe a live job: sharded masters, bf16 compute copies in forward, and what the lossy exporter saved")
+    probe_report = run_probe(DEFAULT_RECIPE, "ckptaudit.exporters:compute_copy", nproc=nproc, steps=2,
+                             out_dir=os.path.join(out_dir, "probe"))
     say("audit both checkpoints offline")
     audits = {name: audit(os.path.join(out_dir, name)) for name in ("faithful", "lossy-compute-copy.pt")}
     labels = {"faithful": "documented path: get_state_dict + torch.distributed.checkpoint",
@@ -95,22 +102,28 @@ def run_demo(out_dir: str, *, nproc: int = 2, steps: int = 8, out: TextIO = sys.
         render(report, OutputFormat.TABLE, out)
         with open(os.path.join(out_dir, f"audit-{name.split('.')[0]}.json"), "w") as fh:
             render(report, OutputFormat.JSON, fh)
+    out.write("\n=== live probe (the lossy exporter on a running job)\n")
+    render(probe_report, OutputFormat.TABLE, out)
+    with open(os.path.join(out_dir, "probe.json"), "w") as fh:
+        render(probe_report, OutputFormat.JSON, fh)
     out.write("\n=== differential resume test (fresh processes, same optimizer/scheduler/RNG/data state)\n")
     render(resume_report, OutputFormat.TABLE, out)
     with open(os.path.join(out_dir, "resume.json"), "w") as fh:
         render(resume_report, OutputFormat.JSON, fh)
     html_path = os.path.join(out_dir, "report.html")
     with open(html_path, "w") as fh:
-        render_page([resume_report, *audits.values()], fh, title="ckptaudit demo")
+        render_page([resume_report, *audits.values(), probe_report], fh, title="ckptaudit demo")
     faithful_ok = not audits["faithful"].fails(Severity.ERROR)
     lossy_caught = audits["lossy-compute-copy.pt"].fails(Severity.ERROR)
     candidates = resume_report.extra["resume"]["candidates"]
+    probe_caught = any(f.code == "probe.saved-compute-copy" for f in probe_report.findings)
     drift_caught = bool(candidates) and candidates[0].get("verdict") == "drift"
     floor = resume_report.extra["resume"]["noise_floor"]
     out.write(f"\nverdict: faithful checkpoint {'clean' if faithful_ok else 'NOT clean'} and resumes "
               f"{'bit-identically' if floor == 0 else f'within the noise floor {floor:.1e}'}; lossy checkpoint "
               f"{'caught by the audit' if lossy_caught else 'MISSED by the audit'} and "
-              f"{'drifts in the resume test' if drift_caught else 'did NOT drift'}.\n")
+              f"{'drifts in the resume test' if drift_caught else 'did NOT drift'}; the probe "
+              f"{'sees it save the bf16 compute copies' if probe_caught else 'did NOT catch it'}.\n")
     out.write(f"HTML report: {html_path}   ({time.monotonic() - t0:.0f} s)\n")
-    ok = faithful_ok and lossy_caught and drift_caught and floor == 0
+    ok = faithful_ok and lossy_caught and drift_caught and floor == 0 and probe_caught
     return DemoResult(out_dir, 0 if ok else 1, html_path)

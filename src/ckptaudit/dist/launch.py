@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DistributedError", "RankContext", "RankFailure", "launch"]
+__all__ = ["TORCH_PRELOAD", "DistributedError", "RankContext", "RankFailure", "fast", "launch"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,17 @@ def _child(
             pass
     # Skip interpreter teardown; gloo threads of a broken group can otherwise hang exit.
     os._exit(0 if outcome[0] == "ok" else 1)
+
+
+TORCH_PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "ckptaudit.exporters",
+                 "ckptaudit.recipes.tinygpt")
+"""What the fork server imports once for ckptaudit's own jobs (see ``start_method`` of :func:`launch`)."""
+
+
+def fast(*modules: str) -> dict[str, Any]:
+    """``launch`` options for ranks forked from a server that imported torch (and ``modules``) once: each rank
+    is still a fresh process that has run nothing, but starts in a fraction of a second instead of ~2 s of CPU."""
+    return {"start_method": "forkserver", "preload": (*TORCH_PRELOAD, *modules)}
 
 
 def launch(

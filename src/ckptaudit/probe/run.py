@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ckptaudit.dist.launch import RankContext, launch
+from ckptaudit.dist.launch import RankContext, fast, launch
 from ckptaudit.model import Report
 from ckptaudit.probe.points import ProbeResult
 
@@ -98,7 +98,8 @@ def run_probe(recipe: str = DEFAULT_RECIPE, exporter: str = DEFAULT_EXPORTER, *,
     try:
         os.makedirs(base, exist_ok=True)
         path = os.path.join(os.path.abspath(base), "checkpoint")
-        result = launch(probe_job, nproc, (recipe, exporter, steps, path), timeout_s=timeout_s)[0]
+        result = launch(probe_job, nproc, (recipe, exporter, steps, path), timeout_s=timeout_s,
+                        **fast("ckptaudit.probe.run"))[0]
         report = judge(result)
         if own:
             # The checkpoint is gone after this call; do not point the reader at it.

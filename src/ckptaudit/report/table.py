@@ -53,7 +53,7 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
     if report.summary:
         con.print(_t(report.summary, style))
     for section in report.extra.get("sections", []):
-        _section(con, section)
+        _section(con, section, verbose)
     if report.components:
         missing = [c for c in report.components if not c.found]
         if verbose or missing:
@@ -109,11 +109,19 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
         con.print(t)
 
 
-def _section(con: Console, section: dict) -> None:
-    """A command-specific table: ``{"title", "columns", "rows"}``."""
+MAX_SECTION_ROWS = 12
+
+
+def _section(con: Console, section: dict, verbose: bool) -> None:
+    """A command-specific table: ``{"title", "columns", "rows"}``; long ones cut short unless ``verbose``."""
     t = Table(title=_t(section.get("title") or ""), title_justify="left", show_edge=False)
     for col in section.get("columns", []):
         t.add_column(_t(col), overflow="fold")
-    for row in section.get("rows", []):
+    rows = section.get("rows", [])
+    shown = rows if verbose or len(rows) <= MAX_SECTION_ROWS else rows[: MAX_SECTION_ROWS - 2]
+    for row in shown:
         t.add_row(*[_t(c) for c in row])
+    if len(shown) < len(rows):
+        t.add_row(_t(f"... {len(rows) - len(shown)} more rows (--verbose, or --format json, lists all)"),
+                  *[""] * (len(section.get("columns", [])) - 1))
     con.print(t)
