@@ -32,29 +32,24 @@ import threading
 import time
 from typing import Any
 
+from common import proc_status
+
 TENSOR_MIB = 16
 
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 class AnonPeak:
     """Samples ``RssAnon`` in a background thread; ``peak`` is the largest value seen."""
 
     def __init__(self, every_s: float = 0.005) -> None:
-        self.peak = _status("RssAnon")
+        self.peak = proc_status("RssAnon")
         self._stop = threading.Event()
         self._every = every_s
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _status("RssAnon"))
+            self.peak = max(self.peak, proc_status("RssAnon"))
             self._stop.wait(self._every)
 
     def __enter__(self) -> AnonPeak:
@@ -64,7 +59,7 @@ class AnonPeak:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _status("RssAnon"))
+        self.peak = max(self.peak, proc_status("RssAnon"))
 
 
 def _tensors(gib: float, rounded: bool) -> Any:
@@ -105,7 +100,7 @@ def size(path: str) -> int:
 
 
 def child_read(ref: str, cand: str) -> dict[str, Any]:
-    base_rss, base_anon = _status("VmRSS"), _status("RssAnon")
+    base_rss, base_anon = proc_status("VmRSS"), proc_status("RssAnon")
     buf = bytearray(1 << 20)
     mv = memoryview(buf)
     total = 0
@@ -116,7 +111,7 @@ def child_read(ref: str, cand: str) -> dict[str, Any]:
                 while n := fh.readinto(mv):
                     total += n
         secs = time.perf_counter() - t
-    return {"seconds": secs, "bytes": total, "rss_growth": _status("VmHWM") - base_rss,
+    return {"seconds": secs, "bytes": total, "rss_growth": proc_status("VmHWM") - base_rss,
             "anon_growth": anon.peak - base_anon}
 
 
@@ -131,12 +126,12 @@ def child_compare(ref: str, cand: str, threads: int) -> dict[str, Any]:
     write(os.path.join(warm, "cand.pt"), 1 / 1024, "torch", rounded=True)
     compare(warm_ref, os.path.join(warm, "cand.pt"))
     shutil.rmtree(warm)
-    base_rss, base_anon = _status("VmRSS"), _status("RssAnon")
+    base_rss, base_anon = proc_status("VmRSS"), proc_status("RssAnon")
     with AnonPeak() as anon:
         t = time.perf_counter()
         report = compare(ref, cand, CompareOptions(threads=threads))
         secs = time.perf_counter() - t
-    return {"seconds": secs, "bytes": size(ref) + size(cand), "rss_growth": _status("VmHWM") - base_rss,
+    return {"seconds": secs, "bytes": size(ref) + size(cand), "rss_growth": proc_status("VmHWM") - base_rss,
             "anon_growth": anon.peak - base_anon, "summary": report.summary,
             "counts": report.extra["pair_counts"]}
 

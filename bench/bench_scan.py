@@ -21,15 +21,10 @@ import sys
 import tempfile
 import time
 
+from common import proc_status
+
 TENSOR_MIB = 16
 
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def write_checkpoint(path: str, gib: float, fmt: str, rounded: bool) -> int:
@@ -58,7 +53,7 @@ def write_checkpoint(path: str, gib: float, fmt: str, rounded: bool) -> int:
 
 
 def child_read(path: str) -> dict[str, float]:
-    base = _status("VmRSS")
+    base = proc_status("VmRSS")
     buf = bytearray(1 << 20)
     mv = memoryview(buf)
     t = time.perf_counter()
@@ -72,7 +67,7 @@ def child_read(path: str) -> dict[str, float]:
                     break
                 total += n
     secs = time.perf_counter() - t
-    return {"seconds": secs, "bytes": total, "peak_growth": _status("VmHWM") - base}
+    return {"seconds": secs, "bytes": total, "peak_growth": proc_status("VmHWM") - base}
 
 
 def child_audit(path: str) -> dict[str, float]:
@@ -86,11 +81,11 @@ def child_audit(path: str) -> dict[str, float]:
     dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=warm + "-dcp")
     for p in (warm + ".pt", warm + "-dcp"):  # first-call imports happen here, not in the timed run
         audit(p)
-    base = _status("VmRSS")
+    base = proc_status("VmRSS")
     t = time.perf_counter()
     report = audit(path)
     secs = time.perf_counter() - t
-    return {"seconds": secs, "peak_growth": _status("VmHWM") - base,
+    return {"seconds": secs, "peak_growth": proc_status("VmHWM") - base,
             "tensors": len(report.tensors), "findings": len(report.findings)}
 
 
