@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +126,24 @@ def test_fqn_keyed_state_for_a_missing_parameter(fsdp_run: dict[str, Any], tmp_p
     report = audit(str(path))
     assert "optimizer/state/blocks.9.ghost.weight" in subjects(report, "optimizer.unmatched")
     assert any("head.weight" in s for s in subjects(report, "optimizer.shape-mismatch"))
+
+
+def test_broken_dcp_directories_give_findings_not_tracebacks(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
+    import shutil
+
+    from ckptaudit.cli import main
+
+    no_meta = shutil.copytree(fsdp_run["dir"] / "faithful", tmp_path / "no-meta")
+    (no_meta / ".metadata").unlink()
+    report = audit(str(no_meta))
+    assert any(f.code == "integrity.incomplete" and f.subject == ".metadata" for f in report.findings)
+    assert main(["audit", str(no_meta)], stdout=io.StringIO(), stderr=io.StringIO()) == 1
+
+    truncated = shutil.copytree(fsdp_run["dir"] / "faithful", tmp_path / "truncated")
+    data = truncated / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    report = audit(str(truncated))
+    assert any(f.code == "integrity.incomplete" and f.subject == "__0_0.distcp" for f in report.findings)
+    # The other rank's file still reads: its shards are hashed, the lost ones are reported unread.
+    assert any(t.hash is not None for t in report.tensors)
+    assert any(t.precision is Precision.UNREAD for t in report.tensors)
