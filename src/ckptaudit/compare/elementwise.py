@@ -146,27 +146,37 @@ def _all_true_or_nan_pairs(mask: np.ndarray, a: np.ndarray, b: np.ndarray) -> bo
     return bool(np.all(mask | (np.isnan(a) & np.isnan(b))))
 
 
-class _Bf16Rules:
-    """Running bf16 hypotheses (nearest-even, toward-zero, neighbours) for an fp32 reference."""
+class _Rules:
+    """Running rounding hypotheses (nearest-even, toward-zero, neighbours) for an fp32 reference; a chunk
+    that contradicts a rule kills it for the rest of the tensor."""
 
-    __slots__ = ("alive", "cand_storage", "check_low", "pool")
+    __slots__ = ("alive", "cand_storage", "pool")
 
-    def __init__(self, cand_storage: str, pool: Pool, *, check_low: bool = True) -> None:
+    def __init__(self, cand_storage: str, pool: Pool) -> None:
         self.cand_storage = cand_storage
         self.pool = pool
-        self.check_low = check_low and cand_storage == "float32"
-        """Whether each fp32 candidate chunk must be checked for bf16 values (unknown from its scan)."""
         self.alive = {"round-to-nearest-even": True, "round-toward-zero": True, "stochastic-or-other": True}
 
     def any(self) -> bool:
         return any(self.alive.values())
 
-    def exact_rule_alive(self) -> bool:
-        return self.alive["round-to-nearest-even"] or self.alive["round-toward-zero"]
-
     def kill(self) -> None:
         for k in self.alive:
             self.alive[k] = False
+
+
+class _Bf16Rules(_Rules):
+    """The bf16 hypotheses."""
+
+    __slots__ = ("check_low",)
+
+    def __init__(self, cand_storage: str, pool: Pool, *, check_low: bool = True) -> None:
+        super().__init__(cand_storage, pool)
+        self.check_low = check_low and cand_storage == "float32"
+        """Whether each fp32 candidate chunk must be checked for bf16 values (unknown from its scan)."""
+
+    def exact_rule_alive(self) -> bool:
+        return self.alive["round-to-nearest-even"] or self.alive["round-toward-zero"]
 
     def update(self, ref: np.ndarray, cand: np.ndarray) -> None:
         n = len(ref)
@@ -226,22 +236,10 @@ def _both_nan(ref_f32: np.ndarray, cand_bits: np.ndarray) -> np.ndarray:
     return np.isnan(ref_f32.view(np.float32)) & np.isnan(cand_bits.view(np.float32))
 
 
-class _Fp16Rules:
-    """Running fp16 hypotheses for an fp32 reference (candidate stored as fp16, or as fp32 fp16 values)."""
+class _Fp16Rules(_Rules):
+    """The fp16 hypotheses (candidate stored as fp16, or as fp32 holding fp16 values)."""
 
-    __slots__ = ("alive", "cand_storage", "pool")
-
-    def __init__(self, cand_storage: str, pool: Pool) -> None:
-        self.cand_storage = cand_storage
-        self.pool = pool
-        self.alive = {"round-to-nearest-even": True, "round-toward-zero": True, "stochastic-or-other": True}
-
-    def any(self) -> bool:
-        return any(self.alive.values())
-
-    def kill(self) -> None:
-        for k in self.alive:
-            self.alive[k] = False
+    __slots__ = ()
 
     def update(self, ref: np.ndarray, cand: np.ndarray) -> None:
         n = len(ref)
