@@ -190,7 +190,8 @@ def _read_pickled(full: str, name: str, subject: str, findings: list[Finding]) -
         return None
     if head == b"PK\x03\x04":
         try:
-            tz = read_torch_zip(full)
+            # Inert: globals outside the allowlist become placeholders, so the rest (the tensors) is still audited.
+            tz = read_torch_zip(full, inert=True)
         except TorchZipError as exc:
             findings.append(
                 finding("integrity.corrupt", subject, f"{subject}: not a readable torch.save archive: {exc}",
@@ -200,6 +201,8 @@ def _read_pickled(full: str, name: str, subject: str, findings: list[Finding]) -
         if not tz.loaded:
             _report_unloaded(subject, tz.scan, findings)
             return Part(name, "torch.save", None)
+        if tz.scan.unsafe or tz.scan.harmless:
+            _report_unloaded(subject, tz.scan, findings, inert=True)
         return Part(name, "torch.save", tz.obj)
     # Not a zip: a plain pickle, or the legacy (pre-1.6) torch.save format, which starts with a pickled magic.
     with open_regular(full) as fh:
@@ -265,8 +268,12 @@ def _small_pickle_value(fh: Any, end: int) -> Any:
         return None
 
 
-def _report_unloaded(subject: str, result: PickleScan, findings: list[Finding]) -> None:
+def _report_unloaded(subject: str, result: PickleScan, findings: list[Finding], *, inert: bool = False) -> None:
+    """The security finding for a pickle with globals outside the allowlist. ``inert``: the rest of the file was
+    read with inert placeholders where those objects were (nothing executed), and is audited."""
     unsafe, harmless = result.unsafe, result.harmless
+    what = ("their objects were replaced by inert placeholders and the rest of the file was read and audited"
+            if inert else "it was not loaded")
     if unsafe:
         misused = [n for n in unsafe if n in result.misused]
         why = (f" ({', '.join(misused)} called with arguments its own pickling never uses)" if misused else "")
@@ -274,7 +281,7 @@ def _report_unloaded(subject: str, result: PickleScan, findings: list[Finding]) 
             finding(
                 "security.unsafe-pickle",
                 subject,
-                f"{subject} references {', '.join(unsafe)}, outside the safe allowlist{why}; it was not loaded and "
+                f"{subject} references {', '.join(unsafe)}, outside the safe allowlist{why}; {what}, and "
                 "nothing in it was executed. Do not torch.load it with weights_only=False.",
                 globals=list(unsafe + harmless),
             )
@@ -285,7 +292,7 @@ def _report_unloaded(subject: str, result: PickleScan, findings: list[Finding]) 
                 "security.not-loaded",
                 subject,
                 f"{subject} pickles framework objects ({', '.join(harmless)}) that need arbitrary code to load; "
-                "skipped, never executed",
+                + ("left as inert placeholders, never executed" if inert else "skipped, never executed"),
                 globals=list(harmless),
             )
         )

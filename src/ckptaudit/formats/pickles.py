@@ -46,6 +46,7 @@ __all__ = [
     "MAX_OPCODES",
     "NUMPY_GLOBALS",
     "TORCH_GLOBALS",
+    "Opaque",
     "PickleLimitError",
     "PickleScan",
     "RestrictedUnpickler",
@@ -633,6 +634,30 @@ class _Capped:
 _SIZED = frozenset({str, bytes, bytearray, tuple, list, dict, set, frozenset})
 
 
+class Opaque:
+    """An object of a class outside the allowlist, never constructed: the name of its global and the arguments
+    and state it would have been built from (themselves loaded under the same rules). What an *inert* load puts
+    where ``torch.load(weights_only=False)`` would have run code."""
+
+    __slots__ = ("args", "name", "state")
+
+    def __init__(self, name: str, args: tuple[Any, ...] = (), state: Any = None) -> None:
+        self.name, self.args, self.state = name, args, state
+
+    def __repr__(self) -> str:
+        return f"<not loaded: {self.name}>"
+
+
+class _OpaqueGlobal:
+    """Stands for a global outside the allowlist in an inert load: calling it (``REDUCE``, ``NEWOBJ``) builds an
+    :class:`Opaque` record; nothing of the named module is imported or run."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
 class RestrictedUnpickler(pickle._Unpickler):
     """An unpickler that resolves globals only through ``table`` (``module.name`` -> object) and never runs
     anything else: no ``EXT``, ``INST`` or ``OBJ``; ``NEWOBJ`` only on classes of the table; ``BUILD`` only on
@@ -659,6 +684,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         *,
         build_types: Iterable[type] = (collections.OrderedDict,),
         size: int | None = None,
+        inert: bool = False,
     ) -> None:
         start = file.tell()
         if size is None:
@@ -673,12 +699,16 @@ class RestrictedUnpickler(pickle._Unpickler):
         self._build_types = tuple(build_types)
         self._persistent = persistent_load
         self._budget = CALL_BUDGET_FACTOR * size + (16 << 20)
+        self._inert = inert
+        self._opaque: dict[str, _OpaqueGlobal] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         key = global_name(module, name, self.proto)  # the same name the scanner vetted
         try:
             return self._table[key]
         except KeyError:
+            if self._inert:  # an inert placeholder: the rest of the pickle can be read, nothing is run
+                return self._opaque.setdefault(key, _OpaqueGlobal(key))
             raise UnsafeGlobalError(key) from None
 
     def persistent_load(self, pid: Any) -> Any:
@@ -697,6 +727,10 @@ class RestrictedUnpickler(pickle._Unpickler):
         stack = self.stack
         args = stack.pop()
         func = stack[-1]
+        if isinstance(func, _OpaqueGlobal) and isinstance(args, tuple):
+            self._charge(*args)
+            stack[-1] = Opaque(func.name, args)
+            return
         if id(func) not in self._callables or not isinstance(args, tuple):
             raise pickle.UnpicklingError(f"REDUCE of {type(func).__name__}, which is not an allowed callable")
         self._charge(*args)
@@ -705,6 +739,10 @@ class RestrictedUnpickler(pickle._Unpickler):
     def _load_newobj(self) -> None:
         args = self.stack.pop()
         cls = self.stack.pop()
+        if isinstance(cls, _OpaqueGlobal) and isinstance(args, tuple):
+            self._charge(*args)
+            self.append(Opaque(cls.name, args))
+            return
         if cls not in self._types or not isinstance(args, tuple):
             raise pickle.UnpicklingError(f"NEWOBJ of {cls!r}, which is not an allowed class")
         self._charge(*args)
@@ -714,6 +752,10 @@ class RestrictedUnpickler(pickle._Unpickler):
         kwargs = self.stack.pop()
         args = self.stack.pop()
         cls = self.stack.pop()
+        if isinstance(cls, _OpaqueGlobal) and isinstance(args, tuple) and isinstance(kwargs, dict):
+            self._charge(*args, *kwargs.values())
+            self.append(Opaque(cls.name, args, kwargs))
+            return
         if cls not in self._types or not isinstance(args, tuple) or not isinstance(kwargs, dict):
             raise pickle.UnpicklingError(f"NEWOBJ_EX of {cls!r}, which is not an allowed class")
         if not all(isinstance(k, str) for k in kwargs):
@@ -738,6 +780,11 @@ class RestrictedUnpickler(pickle._Unpickler):
         stack[-1] = self._build(inst, state)
 
     def _build(self, inst: Any, state: Any) -> Any:
+        if isinstance(inst, Opaque):
+            inst.state = state  # kept as data, never applied
+            return inst
+        if isinstance(inst, _OpaqueGlobal):
+            return Opaque(inst.name, (), state)
         np = _numpy()
         if np is not None and isinstance(inst, np.dtype):
             return _dtype_from_state(inst, state)
@@ -943,6 +990,8 @@ def _children(value: Any) -> list[Any] | tuple[Any, ...] | None:
     """The sub-objects of a container (dataclass instances, such as DCP metadata, through their fields)."""
     if type(value) in _LEAF_TYPES:
         return None
+    if isinstance(value, Opaque):
+        return [value.args, value.state]
     if isinstance(value, dict):
         return [x for kv in value.items() for x in kv]
     if isinstance(value, list | tuple):

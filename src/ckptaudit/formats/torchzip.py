@@ -293,13 +293,17 @@ _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EO
                OverflowError, NotImplementedError)
 
 
-def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, load: bool = True) -> TorchZip:
+def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, load: bool = True,
+                   inert: bool = False) -> TorchZip:
     """Read the ``torch.save`` archive stored at ``[offset, offset+length)`` of ``path``.
 
     Raises :class:`TorchZipError` for anything malformed: not a zip, no ``data.pkl``, compressed storages,
     big-endian data, storages or views larger than the archive, a truncated pickle, and for archives past a
     safety limit (``limit=True``). A pickle that references globals outside the allowlist is returned
-    unloaded (``loaded=False``), even when it is also truncated (``scan.error``).
+    unloaded (``loaded=False``), even when it is also truncated (``scan.error``) -- unless ``inert``: then its
+    outside globals become :class:`~ckptaudit.formats.pickles.Opaque` records (nothing is imported or run) and the
+    rest of the tree, tensors included, is returned (``loaded=True``; ``scan.unsafe`` still names them). An inert
+    load that fails for any reason falls back to unloaded.
     """
     with open_regular(path) as raw:
         file_size = os.fstat(raw.fileno()).st_size
@@ -337,7 +341,8 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
                     raise TorchZipError(f"byte order {order!r} is not supported (only little-endian)", offset)
             data = _read_member(fh, offset, length, pkl[0], MAX_PICKLE_BYTES)
             result = _scan_cached(data)
-            if result.unsafe or result.harmless:
+            outside = bool(result.unsafe or result.harmless)
+            if outside and (not inert or not load or result.error is not None):
                 return TorchZip(result, None, False)
             if result.error is not None:
                 raise TorchZipError(f"data.pkl: {result.error} (pickle byte {result.error_offset})", offset,
@@ -370,7 +375,8 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
                 return _StorageRef(stype.dtype, start, numel)
 
             try:
-                obj = RestrictedUnpickler(io.BytesIO(data), _torch_table(budget), persistent_load).load()
+                obj = RestrictedUnpickler(io.BytesIO(data), _torch_table(budget), persistent_load,
+                                          inert=outside).load()
                 problem = check_tree(obj)
                 if problem is not None:
                     raise PickleLimitError(problem)
@@ -380,11 +386,13 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
                         "referenced over and over)")
             except MemoryError:
                 raise
-            except TorchZipError:
-                raise
-            except PickleLimitError as exc:
-                raise TorchZipError(f"data.pkl: {exc}", offset, limit=True) from None
-            except Exception as exc:  # noqa: BLE001 - anything the pickle does wrong is a corrupt archive
+            except Exception as exc:  # anything the pickle does wrong is a corrupt archive
+                if outside:  # an inert load that does not work out: report the pickle, load nothing
+                    return TorchZip(result, None, False)
+                if isinstance(exc, TorchZipError):
+                    raise
+                if isinstance(exc, PickleLimitError):
+                    raise TorchZipError(f"data.pkl: {exc}", offset, limit=True) from None
                 raise TorchZipError(f"data.pkl: {exc}", offset) from None
     return TorchZip(result, _bind_file(obj, os.path.abspath(path)), True)
 
