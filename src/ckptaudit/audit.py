@@ -6,7 +6,6 @@ files -> readers (:mod:`ckptaudit.formats`) -> interpretation (:mod:`ckptaudit.l
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,7 +168,7 @@ def _judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
     findings += check_indexes(s.ckpt, view)
     seen = {(f.code, f.subject) for f in findings}
     findings += [f for f in check_manifest(s.ckpt, view, s.records) if (f.code, f.subject) not in seen]
-    serving_findings, is_serving = check_artifact(view, options.expect, ckpt=s.ckpt, records=s.records)
+    serving_findings, _ = check_artifact(view, options.expect, ckpt=s.ckpt, records=s.records)
     findings += serving_findings
     params = [r for r in s.records if r.component == ComponentKind.MODEL.value and r.role == "parameter"
               and r.precision is not Precision.NOT_FLOAT and r.precision is not Precision.UNREAD]
@@ -190,7 +189,6 @@ def _judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
         findings += s.attachment.findings
         findings += check_steps(view.optimizer, s.steps)
         findings += check_precision(params, contract)
-    del is_serving
     findings.sort(key=lambda f: (-int(f.severity), f.code, f.subject))
     return Report(
         command="audit",
@@ -212,8 +210,6 @@ def _summary(s: ScannedCheckpoint, findings: list[Finding], master: str, options
     n_params = sum(r.component == "model" and r.role == "parameter" for r in s.records)
     rounded = sum(f.code in ("precision.bf16-rounded", "precision.fp16-rounded",
                              "precision.low-precision-storage") for f in findings)
-    nbytes = sum(os.path.getsize(os.path.join(s.ckpt.path, f)) if os.path.isdir(s.ckpt.path) else 0
-                 for f in s.ckpt.files if os.path.exists(os.path.join(s.ckpt.path, f)))
     verdict = "resumable" if errors == 0 else "NOT resumable as-is"
     if options.expect == "serving":
         verdict = "acceptable serving artifact" if errors == 0 else "NOT an acceptable serving artifact"
@@ -221,5 +217,4 @@ def _summary(s: ScannedCheckpoint, findings: list[Finding], master: str, options
             f"{errors} error(s), {warnings} warning(s)")
     if rounded:
         text += f"; {rounded} parameter(s) below the master precision"
-    del nbytes
     return text
