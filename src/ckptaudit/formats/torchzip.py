@@ -351,6 +351,26 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
                 return TorchZip(result, None, False)
             budget = _ViewBudget(length)
 
+            def locate(key: str, dtype: DType, numel: int) -> int:
+                """The absolute offset of storage ``key``, checked against the archive."""
+                info = by_name.get(f"{prefix}data/{key}")
+                if info is None:
+                    raise pickle.UnpicklingError(f"storage {key!r} is missing from the archive")
+                if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+                    raise pickle.UnpicklingError(f"storage {key!r} is compressed; torch.save never does that")
+                nbytes = numel * dtype.itemsize
+                if nbytes > info.file_size:
+                    raise pickle.UnpicklingError(
+                        f"storage {key!r} declares {numel} {dtype.name} elements, "
+                        f"the archive holds {info.file_size} bytes"
+                    )
+                start = _local_data_offset(fh, offset, length, info)
+                if start + nbytes > offset + length:
+                    raise pickle.UnpicklingError(f"storage {key!r} runs past the end of the archive")
+                return start
+
+            storages: dict[str, tuple[DType, int, int]] = {}
+
             def persistent_load(pid: Any) -> Any:
                 if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
                     raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
@@ -358,21 +378,23 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
                 if not isinstance(stype, _StorageType) or type(numel) is not int or numel < 0 or \
                         not isinstance(key, str):
                     raise pickle.UnpicklingError(f"bad storage reference {pid!r}")
-                info = by_name.get(f"{prefix}data/{key}")
-                if info is None:
-                    raise pickle.UnpicklingError(f"storage {key!r} is missing from the archive")
-                if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-                    raise pickle.UnpicklingError(f"storage {key!r} is compressed; torch.save never does that")
-                nbytes = numel * stype.dtype.itemsize
-                if nbytes > info.file_size:
-                    raise pickle.UnpicklingError(
-                        f"storage {key!r} declares {numel} {stype.dtype.name} elements, "
-                        f"the archive holds {info.file_size} bytes"
-                    )
-                start = _local_data_offset(fh, offset, length, info)
-                if start + nbytes > offset + length:
-                    raise pickle.UnpicklingError(f"storage {key!r} runs past the end of the archive")
+                start = locate(key, stype.dtype, numel)
+                storages[key] = (stype.dtype, numel, start)
                 return _StorageRef(stype.dtype, start, numel)
+
+            cached = None if outside else _LOAD_CACHE.get(data)
+            if cached is not None:
+                # The same small pickle seen in an earlier archive (every DCP item of one shape): reuse its tree,
+                # with each storage located, and checked, in this archive.
+                template, used = cached
+                try:
+                    moved = {old: locate(key, dtype, numel) for key, (dtype, numel, old) in used.items()}
+                except pickle.UnpicklingError as exc:
+                    raise TorchZipError(f"data.pkl: {exc}", offset) from None
+                if _tensor_bytes(template) > VIEW_BUDGET_FACTOR * length + (64 << 20):
+                    raise TorchZipError("data.pkl: the archive's tensors address more than "
+                                        f"{VIEW_BUDGET_FACTOR}x its bytes", offset, limit=True)
+                return TorchZip(result, _bind_file(template, os.path.abspath(path), moved=moved), True)
 
             try:
                 obj = RestrictedUnpickler(io.BytesIO(data), _torch_table(budget), persistent_load,
@@ -394,25 +416,53 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
                 if isinstance(exc, PickleLimitError):
                     raise TorchZipError(f"data.pkl: {exc}", offset, limit=True) from None
                 raise TorchZipError(f"data.pkl: {exc}", offset) from None
+    if not outside and len(data) <= _LOAD_CACHE_MAX_PICKLE and _is_plain_tree(obj):
+        if len(_LOAD_CACHE) >= _LOAD_CACHE_ENTRIES:
+            _LOAD_CACHE.clear()
+        _LOAD_CACHE[data] = (obj, dict(storages))
     return TorchZip(result, _bind_file(obj, os.path.abspath(path)), True)
 
 
-def _bind_file(obj: Any, path: str, memo: dict[int, Any] | None = None) -> Any:
-    """Fill in the file of every tensor piece (the unpickler does not know it). Objects the pickle shares
-    (tied weights, memo references) stay shared, so each is scanned once."""
+_LOAD_CACHE: dict[bytes, tuple[Any, dict[str, tuple[DType, int, int]]]] = {}
+"""Small ``data.pkl`` -> (its loaded tree, the storages it used): DCP writes one small archive per item, and
+items of one shape and dtype carry byte-identical pickles."""
+_LOAD_CACHE_MAX_PICKLE = 4096
+_LOAD_CACHE_ENTRIES = 4096
+
+
+def _is_plain_tree(obj: Any) -> bool:
+    """Whether a loaded tree holds only immutable leaves and containers the binder copies (so it can be reused)."""
+    todo = [obj]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            todo.extend(v.values())
+        elif isinstance(v, list | tuple):
+            todo.extend(v)
+        elif not isinstance(v, TensorData | str | bytes | int | float | bool | type(None)):
+            return False
+    return True
+
+
+def _bind_file(obj: Any, path: str, memo: dict[int, Any] | None = None, *,
+               moved: dict[int, int] | None = None) -> Any:
+    """Fill in the file of every tensor piece (the unpickler does not know it), and with ``moved`` (old storage
+    offset -> new) relocate the pieces of a cached tree into another archive. Objects the pickle shares (tied
+    weights, memo references) stay shared, so each is scanned once."""
     memo = {} if memo is None else memo
     done = memo.get(id(obj))
     if done is not None:
         return done
     if isinstance(obj, TensorData):
-        out: Any = TensorData(obj.dtype, obj.shape, tuple(_with_file(p, path) for p in obj.pieces))
+        pieces = tuple(_with_file(p, path, moved) for p in obj.pieces)
+        out: Any = TensorData(obj.dtype, obj.shape, pieces)
     elif isinstance(obj, dict):
-        items = [(k, _bind_file(v, path, memo)) for k, v in obj.items()]
+        items = [(k, _bind_file(v, path, memo, moved=moved)) for k, v in obj.items()]
         out = type(obj)(items) if type(obj) is not dict else dict(items)
     elif isinstance(obj, list):
-        out = [_bind_file(v, path, memo) for v in obj]
+        out = [_bind_file(v, path, memo, moved=moved) for v in obj]
     elif isinstance(obj, tuple):
-        out = tuple(_bind_file(v, path, memo) for v in obj)
+        out = tuple(_bind_file(v, path, memo, moved=moved) for v in obj)
     else:
         return obj
     memo[id(obj)] = out
@@ -434,5 +484,6 @@ def _tensor_bytes(obj: Any) -> int:
     return total
 
 
-def _with_file(p: Piece, path: str) -> Piece:
-    return Piece(path, p.data_offset, p.storage_offset, p.sizes, p.stride, p.offsets)
+def _with_file(p: Piece, path: str, moved: dict[int, int] | None = None) -> Piece:
+    start = p.data_offset if moved is None else moved[p.data_offset]
+    return Piece(path, start, p.storage_offset, p.sizes, p.stride, p.offsets)
