@@ -26,7 +26,7 @@ import xxhash
 from ckptaudit.formats.tensors import DEFAULT_CHUNK_BYTES, FileMaps, TensorData, iter_chunks
 from ckptaudit.model import Precision, PrecisionStats
 
-__all__ = ["MIN_INFORMATIVE", "TensorScan", "classify", "fp32_precision_state", "scan_tensor"]
+__all__ = ["MIN_INFORMATIVE", "TensorScan", "classify", "scan_tensor"]
 
 MIN_INFORMATIVE = 4
 """Informative values needed before a 16-bit-representable tensor is called rounded."""
@@ -111,10 +111,6 @@ class _Fp32State:
         stats = PrecisionStats(self.bf16, self.fp16, min(self.info_bf16, INFORMATIVE_CAP),
                                min(self.info_fp16, INFORMATIVE_CAP))
         return classify(stats), stats
-
-
-def fp32_precision_state() -> _Fp32State:
-    return _Fp32State()
 
 
 def _fp16_exact(u: np.ndarray) -> bool:

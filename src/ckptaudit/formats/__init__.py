@@ -300,8 +300,3 @@ def _report_unloaded(subject: str, result: PickleScan, findings: list[Finding], 
         findings.append(finding("integrity.corrupt", subject,
                                 f"{subject}: the pickle is also malformed ({result.error} at byte "
                                 f"{result.error_offset})", offset=result.error_offset))
-
-
-def tensors_in(tree: Any) -> list[tuple[tuple[Any, ...], TensorData | Unreadable]]:
-    """Every tensor (or unreadable tensor) leaf of a tree, with its path."""
-    return [(p, v) for p, v in walk(tree) if isinstance(v, TensorData | Unreadable)]

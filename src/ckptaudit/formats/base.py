@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptaudit.formats.tensors import FileMaps, TensorData
+from ckptaudit.formats.tensors import FileMaps
 from ckptaudit.model import Finding
 
 __all__ = ["Checkpoint", "Part", "Unreadable", "walk"]
@@ -79,7 +79,3 @@ def walk(tree: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, .
 def _is_rng_tuple(value: Any) -> bool:
     # Python's random.getstate() is a tuple of 625 ints; walking it leaf by leaf is pointless.
     return isinstance(value, tuple) and len(value) > 64 and all(isinstance(v, int) for v in value[:8])
-
-
-def is_tensor(value: Any) -> bool:
-    return isinstance(value, TensorData)

@@ -1061,7 +1061,3 @@ def check_tree(obj: Any, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES)
                 todo.append((c, grand, False))
         pending[key] = (n, h, containers)
     return None
-
-
-def describe(names: Iterable[str]) -> str:
-    return ", ".join(sorted(set(names)))
