@@ -17,7 +17,7 @@ from ckptaudit.checks.artifact import check_artifact
 from ckptaudit.checks.components import check_components
 from ckptaudit.checks.integrity import check_indexes
 from ckptaudit.checks.manifest import check_manifest
-from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_attachment, check_steps, group_params
+from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_attachment, check_steps
 from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.base import Checkpoint, Unreadable
@@ -83,7 +83,7 @@ def scan_checkpoint(path: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     opt_meta[id(value)] = (key, sname)
     known_params = set(attachment.params)
     if view.optimizer is not None and view.optimizer.keyed == "fqn":
-        known_params |= {p for g in view.optimizer.groups for p in group_params(g) if isinstance(p, str)}
+        known_params |= {p for g in view.optimizer.groups for p in g["params"] if isinstance(p, str)}
     total = sum(r.data.nbytes for r, _ in view.tensors if isinstance(r.data, TensorData))
     done = 0
     records: list[TensorRecord] = []

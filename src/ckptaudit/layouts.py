@@ -112,7 +112,8 @@ class OptimizerView:
     state: dict[Any, dict[str, Any]]
     """Parameter key (FQN or int) -> state name -> :class:`TensorRef` or plain value."""
     groups: list[dict[str, Any]]
-    """``param_groups`` with their ``params`` lists (FQNs or ints) and, if saved, ``param_names``."""
+    """``param_groups``, each with a ``params`` list of FQNs or ints whatever the file held (see
+    :func:`_clean_groups`), and ``param_names`` if saved."""
     count: int = 1
     """How many optimizers the checkpoint holds (only the first is checked)."""
 

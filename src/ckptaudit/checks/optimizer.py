@@ -42,7 +42,6 @@ __all__ = [
     "assign_by_order",
     "check_attachment",
     "check_steps",
-    "group_params",
     "moment_shape",
 ]
 
@@ -137,12 +136,6 @@ def check_attachment(view: View) -> Attachment:
                                                "entry was matched to its parameter by name"))
         return result
     return _by_order(opt, model)
-
-
-def group_params(group: dict[str, Any]) -> list[Any]:
-    """A param group's ``params`` list; ``[]`` when it is absent or could not be read (its file is lost)."""
-    params = group.get("params")
-    return list(params) if isinstance(params, list) else []
 
 
 def _index_keyed(opt: OptimizerView, status: str, outcome: str, **evidence: Any) -> Finding:
@@ -366,7 +359,7 @@ def _by_names(opt: OptimizerView, params: dict[str, TensorRef], names: dict[Any,
                         param_shape=list(pshape),
                     )
                 )
-    listed = [p for g in opt.groups for p in group_params(g)]
+    listed = [p for g in opt.groups for p in g["params"]]
     for key in listed:
         name = names.get(key, key if isinstance(key, str) else None)
         if name is None:
