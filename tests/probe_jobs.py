@@ -16,7 +16,7 @@ from ckptaudit import exporters
 from ckptaudit.demo import capture_and_export
 from ckptaudit.dist.launch import RankContext
 from ckptaudit.probe import Probe, ProbeError, ProbeResult
-from ckptaudit.probe.run import armed_eval_forward
+from ckptaudit.probe.run import prepared_probe
 from ckptaudit.recipes.tinygpt import Block, TinyGPTRecipe
 
 
@@ -42,14 +42,7 @@ fsdp2_fp32_recipe = TinyGPTRecipe(name="tinygpt-fsdp2-fp32", param_dtype=None)
 
 
 def _prepared(recipe: Any, ctx: RankContext, steps: int) -> tuple[Any, Probe]:
-    """(all ranks) Train ``steps`` steps, then record points 2 (an armed eval forward) and 1."""
-    job = recipe.setup(ctx)
-    probe = Probe(job.model)
-    for _ in range(steps):
-        recipe.step(job)
-    armed_eval_forward(probe, job, recipe)
-    probe.record_masters()
-    return job, probe
+    return prepared_probe(recipe, ctx, steps)
 
 
 def _compare(probe: Probe, results: dict[str, ProbeResult | None], label: str, source: Any) -> None:

@@ -60,20 +60,28 @@ def armed_eval_forward(probe: Any, job: Any, recipe: Any) -> None:
         job.model.train(was_training)
 
 
-def probe_job(ctx: RankContext, recipe_spec: str, exporter_spec: str, steps: int, path: str) -> ProbeResult | None:
-    """(all ranks) Steps 1-7 of the module docstring; rank 0 returns the result, the others ``None``."""
-    from ckptaudit.demo import capture_and_export
+def prepared_probe(recipe: Any, ctx: RankContext, steps: int) -> tuple[Any, Any]:
+    """(all ranks) Set up the recipe's job with a probe attached, train ``steps`` steps, then record point 2
+    (an armed forward in eval mode) and point 1 (the masters). Returns ``(job, probe)``."""
     from ckptaudit.probe.live import Probe
-    from ckptaudit.recipe import load_object, load_recipe
 
-    recipe = load_recipe(recipe_spec)
-    exporter = load_object(exporter_spec)
     job = recipe.setup(ctx)
     probe = Probe(job.model)
     for _ in range(steps):
         recipe.step(job)
     armed_eval_forward(probe, job, recipe)
     probe.record_masters()
+    return job, probe
+
+
+def probe_job(ctx: RankContext, recipe_spec: str, exporter_spec: str, steps: int, path: str) -> ProbeResult | None:
+    """(all ranks) Steps 1-7 of the module docstring; rank 0 returns the result, the others ``None``."""
+    from ckptaudit.demo import capture_and_export
+    from ckptaudit.recipe import load_object, load_recipe
+
+    recipe = load_recipe(recipe_spec)
+    exporter = load_object(exporter_spec)
+    job, probe = prepared_probe(recipe, ctx, steps)
     capture_and_export(job, exporter, path, ctx, recipe)
     probe.record_saved(path)
     return probe.result(recipe=recipe_spec, exporter=exporter_spec, steps=steps, world_size=ctx.world_size)
