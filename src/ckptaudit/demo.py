@@ -14,42 +14,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TextIO
-
-import torch
+from typing import TextIO
 
 from ckptaudit.model import Severity
 
-__all__ = ["DemoResult", "capture_and_export", "run_demo"]
-
-
-def capture_and_export(job: Any, exporter: Callable[..., None], path: str, ctx: Any, recipe: Any) -> None:
-    """(all ranks) Run ``exporter``; if it has ``prepare``, first arm it and run one forward in eval mode.
-
-    The capture forward runs in eval mode on the recipe's held-out batch, so it takes no RNG draws and does
-    not disturb the training state.
-    """
-    prepare = getattr(exporter, "prepare", None)
-    if prepare is None:
-        exporter(job, path, ctx)
-        return
-    capture = prepare(job)
-    was_training = job.model.training
-    job.model.eval()
-    try:
-        with torch.no_grad():
-            batch = recipe.eval_batch(job)
-            device = next(job.model.parameters()).device
-            job.model(batch[:2, :-1].to(device))
-    finally:
-        job.model.train(was_training)
-        capture.armed = False
-        remove = getattr(capture, "remove", None)
-        if remove is not None:
-            remove()
-    exporter(job, path, ctx, capture=capture)
+__all__ = ["DemoResult", "run_demo"]
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from ckptaudit.recipe import Job
 
 __all__ = [
     "ComputeCopyCapture",
+    "capture_and_export",
     "compute_copy",
     "compute_copy_bf16",
     "documented",
@@ -171,6 +172,33 @@ def prepare_compute_copy(job: Job) -> ComputeCopyCapture:
     capture = ComputeCopyCapture(job.model)
     capture.armed = True
     return capture
+
+
+def capture_and_export(job: Any, exporter: Callable[..., None], path: str, ctx: Any, recipe: Any) -> None:
+    """(all ranks) Run ``exporter``; if it has ``prepare``, first arm it and run one forward in eval mode.
+
+    The capture forward runs in eval mode on the recipe's held-out batch, so it takes no RNG draws and does
+    not disturb the training state.
+    """
+    prepare = getattr(exporter, "prepare", None)
+    if prepare is None:
+        exporter(job, path, ctx)
+        return
+    capture = prepare(job)
+    was_training = job.model.training
+    job.model.eval()
+    try:
+        with torch.no_grad():
+            batch = recipe.eval_batch(job)
+            device = next(job.model.parameters()).device
+            job.model(batch[:2, :-1].to(device))
+    finally:
+        job.model.train(was_training)
+        capture.armed = False
+        remove = getattr(capture, "remove", None)
+        if remove is not None:
+            remove()
+    exporter(job, path, ctx, capture=capture)
 
 
 def _export_with_model(job: Job, path: str, model_state: dict[str, torch.Tensor]) -> None:

@@ -156,7 +156,7 @@ def _full_mode(job: Any, cfg: ResumeConfig) -> bool:
 
 def _train_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str) -> Trajectory | None:
     from ckptaudit import exporters
-    from ckptaudit.demo import capture_and_export
+    from ckptaudit.exporters import capture_and_export
     from ckptaudit.recipe import load_object, load_recipe
 
     recipe = load_recipe(cfg.recipe)

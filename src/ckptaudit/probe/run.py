@@ -7,7 +7,7 @@ Order of events (all ranks, each step collective where it says so):
 3. arm the probe and run one forward in eval mode under ``no_grad`` on the recipe's held-out batch (no RNG
    draw, no update): point 2;
 4. (collective) record the masters: point 1; nothing has changed them since step 3;
-5. (collective) save through the exporter (``ckptaudit.demo.capture_and_export``, which also runs the
+5. (collective) save through the exporter (``ckptaudit.exporters.capture_and_export``, which also runs the
    exporter's own capture forward if it has ``prepare``);
 6. (collective) read what it saved, each rank its own regions: point 3;
 7. (rank 0) return the gathered records; the calling process judges them into a Report.
@@ -76,7 +76,7 @@ def prepared_probe(recipe: Any, ctx: RankContext, steps: int) -> tuple[Any, Any]
 
 def probe_job(ctx: RankContext, recipe_spec: str, exporter_spec: str, steps: int, path: str) -> ProbeResult | None:
     """(all ranks) Steps 1-7 of the module docstring; rank 0 returns the result, the others ``None``."""
-    from ckptaudit.demo import capture_and_export
+    from ckptaudit.exporters import capture_and_export
     from ckptaudit.recipe import load_object, load_recipe
 
     recipe = load_recipe(recipe_spec)
