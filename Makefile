@@ -10,6 +10,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	# The training stacks the tests write real checkpoints with. DeepSpeed is an sdist whose build imports torch
+	# (no build isolation, no prebuilt ops: it JIT-builds one small op with g++ at first use); torchtitan 0.3.0
+	# pins packages it does not need for checkpoints (wandb, tensorboard, datasets): installed without them.
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet --no-build-isolation -c constraints.txt deepspeed
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt torchtitan
+	$(BIN)/python -m pip install --quiet -c constraints.txt tyro torchdata spmd_types
 	touch $(STAMP)
 
 demo: $(STAMP)
