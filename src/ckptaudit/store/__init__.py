@@ -1,4 +1,5 @@
-"""Writers. Resumable checkpoints that survive a dying rank (see :mod:`ckptaudit.store.writer`), ``ckptaudit latest``
+"""Writers. Resumable checkpoints that survive a dying rank (:mod:`ckptaudit.store.writer` saves through the two-phase
+commit of :mod:`ckptaudit.store.commit`, :mod:`ckptaudit.store.loader` restores), ``ckptaudit latest``
 (:mod:`ckptaudit.store.latest`) and retention (:mod:`ckptaudit.store.retention`); the serving export behind a quality gate
 (:mod:`ckptaudit.store.serving`, :mod:`ckptaudit.store.gate`).
 
@@ -23,11 +24,11 @@ __all__ = [
 ]
 
 _WHERE = {
-    "CheckpointLoadError": "writer",
-    "CheckpointSaveError": "writer",
-    "LoadedCheckpoint": "writer",
-    "SavedCheckpoint": "writer",
-    "load_checkpoint": "writer",
+    "CheckpointLoadError": "checkpoint",
+    "CheckpointSaveError": "checkpoint",
+    "LoadedCheckpoint": "checkpoint",
+    "SavedCheckpoint": "checkpoint",
+    "load_checkpoint": "loader",
     "save_checkpoint": "writer",
     "find_latest": "latest",
     "apply_retention": "retention",

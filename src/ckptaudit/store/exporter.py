@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from ckptaudit.recipe import Job
-from ckptaudit.store.writer import load_checkpoint, save_checkpoint
+from ckptaudit.store.loader import load_checkpoint
+from ckptaudit.store.writer import save_checkpoint
 
 __all__ = ["resumable", "resumable_load"]
 
@@ -21,7 +22,7 @@ def resumable(job: Job, path: str, ctx: Any = None) -> None:
 
 
 def resumable_load(job: Job, path: str, ctx: Any = None) -> None:
-    """(all ranks, collective) :func:`~ckptaudit.store.writer.load_checkpoint` from the root ``path``."""
+    """(all ranks, collective) :func:`~ckptaudit.store.loader.load_checkpoint` from the root ``path``."""
     load_checkpoint(job, path)
 
 
