@@ -7,11 +7,11 @@ import os
 from collections.abc import Sequence
 
 from ckptaudit.catalogue import finding
+from ckptaudit.formats import manifest as mf
+from ckptaudit.formats import storelayout as layout
 from ckptaudit.formats.base import Checkpoint
 from ckptaudit.layouts import View
 from ckptaudit.model import ComponentKind, Finding, TensorRecord
-from ckptaudit.store import layout
-from ckptaudit.store import manifest as mf
 
 __all__ = ["check_manifest", "uncommitted"]
 

@@ -3,8 +3,9 @@ commit of :mod:`ckptaudit.store.commit`, :mod:`ckptaudit.store.loader` restores)
 (:mod:`ckptaudit.store.latest`) and retention (:mod:`ckptaudit.store.retention`); the serving export behind a quality gate
 (:mod:`ckptaudit.store.serving`, :mod:`ckptaudit.store.gate`).
 
-The public names are imported lazily, so that the offline checks can use :mod:`ckptaudit.store.manifest` and
-:mod:`ckptaudit.store.layout` without importing ``torch.distributed``.
+The manifest format and the names of the on-disk layout live below both the writer and the offline checks, in
+:mod:`ckptaudit.formats.manifest` and :mod:`ckptaudit.formats.storelayout`. The public names here are imported
+lazily, so that ``import ckptaudit.store`` does not import ``torch.distributed``.
 """
 
 from __future__ import annotations

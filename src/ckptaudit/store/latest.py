@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptaudit.catalogue import finding
+from ckptaudit.formats import manifest as mf
 from ckptaudit.model import ComponentKind, Finding, Report, Severity
 from ckptaudit.store import layout
-from ckptaudit.store import manifest as mf
 
 __all__ = ["Candidate", "Checked", "LatestResult", "discover", "find_latest", "latest_report", "validate"]
 

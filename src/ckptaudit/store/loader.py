@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from ckptaudit.exporters import rng_state, set_rng_state
+from ckptaudit.formats import manifest as mf
 from ckptaudit.recipe import Job
 from ckptaudit.store import layout
-from ckptaudit.store import manifest as mf
 from ckptaudit.store.checkpoint import KEYS, CheckpointLoadError, LoadedCheckpoint, has_state
 from ckptaudit.store.collective import CollectiveError, Group
 from ckptaudit.store.dcpio import dcp_failures, load_planner, safe_loads, single_process_quiet

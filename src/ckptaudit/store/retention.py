@@ -17,8 +17,8 @@ import os
 import shutil
 from collections.abc import Iterable
 
+from ckptaudit.formats import manifest as mf
 from ckptaudit.store import layout
-from ckptaudit.store import manifest as mf
 
 __all__ = ["apply_retention", "plan_retention"]
 
