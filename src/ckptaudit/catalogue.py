@@ -1,8 +1,9 @@
 """The finding catalogue: every code ckptaudit can report, with its default severity and what it means.
 
 Codes are stable like a linter's rules: a code is never reused for another meaning, and a removed code stays
-reserved. ``README.md`` renders this table (``python -m ckptaudit.catalogue`` prints it as Markdown), and a
-test checks that the README is in sync and that every code the source emits is listed here.
+reserved. ``docs/catalogue.md`` renders this table (``python -m ckptaudit.catalogue`` prints it as Markdown,
+``python -m ckptaudit.catalogue --update`` rewrites it there), and a test checks that the page is in sync and that
+every code the source emits is listed here.
 """
 
 from __future__ import annotations
@@ -162,18 +163,24 @@ def finding(
 
 
 def markdown() -> str:
-    """The catalogue as a Markdown table (the README's copy is checked against this)."""
+    """The catalogue as a Markdown table (the copy in ``docs/catalogue.md`` is checked against this)."""
     lines = ["| code | default severity | meaning |", "|---|---|---|"]
     for rule in sorted(CATALOGUE.values(), key=lambda r: r.code):
         lines.append(f"| `{rule.code}` | {rule.severity.label} | {rule.summary} |")
     return "\n".join(lines)
 
 
-def update_readme(path: str) -> bool:
+DOCS_PAGE = "docs/catalogue.md"
+"""The page holding the table between the catalogue markers, relative to the repository root."""
+
+
+def update_readme(path: str = DOCS_PAGE) -> bool:
     """Rewrite the table between the catalogue markers of ``path``; True when it changed."""
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
     start, end = "<!-- catalogue:start -->", "<!-- catalogue:end -->"
+    if start not in text or end not in text:
+        raise ValueError(f"{path} has no {start} ... {end} markers; the catalogue table lives in {DOCS_PAGE}")
     head, _, rest = text.partition(start)
     _, _, tail = rest.partition(end)
     new = f"{head}{start}\n{markdown()}\n{end}{tail}"
@@ -187,6 +194,12 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:2] == ["--update"]:
-        print("updated" if update_readme(sys.argv[2]) else "unchanged")
+        target = sys.argv[2] if len(sys.argv) > 2 else DOCS_PAGE
+        try:
+            changed = update_readme(target)
+        except ValueError as exc:  # e.g. README.md, which held the table before docs/ did
+            print(f"{exc}: updating {DOCS_PAGE} instead", file=sys.stderr)
+            target, changed = DOCS_PAGE, update_readme(DOCS_PAGE)
+        print(f"{target}: " + ("updated" if changed else "unchanged"))
     else:
         print(markdown())

@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="cpu", help="where both models run for the gate (default cpu)")
     e.add_argument("--convert", metavar="MODULE:ATTR",
                    help="custom conversion (name, tensor, dtype) -> tensor (default: tensor.to(dtype))")
-    g = e.add_argument_group("quality gate thresholds (defaults: see README, 'Serving export')")
+    g = e.add_argument_group("quality gate thresholds (defaults justified in docs/export-serving.md)")
     g.add_argument("--max-abs-diff", type=float, help="largest absolute logit difference")
     g.add_argument("--max-rel-diff", type=float, help="largest logit difference relative to the position's max |logit|")
     g.add_argument("--min-cosine", type=float, help="smallest per-position cosine similarity of the logits")

@@ -4,7 +4,7 @@ One streaming pass per tensor, one bounded chunk at a time (see :mod:`ckptaudit.
 sees every byte; the precision test works on the raw fp32 bits and stops as soon as a value needs the low
 mantissa bits (the common case for a genuine fp32 tensor is decided by its first chunk).
 
-Effective precision of an fp32 tensor (see README, "How rounding is detected"):
+Effective precision of an fp32 tensor (see docs/audit.md, "How rounding is detected"):
 
 - bf16-representable: the low 16 bits of every value are zero;
 - fp16-representable: every value lies in fp16's range and its bits below fp16's precision at that magnitude

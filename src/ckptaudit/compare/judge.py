@@ -332,7 +332,7 @@ def _finite(x: float | None) -> float | None:
 
 
 def pair_json(p: Pair) -> dict[str, Any]:
-    """One element of the report's ``pairs`` (schema in README, "ckptaudit compare")."""
+    """One element of the report's ``pairs`` (schema in docs/compare.md)."""
     e = p.entry
     doc: dict[str, Any] = {
         "key": key_text(p.key),

@@ -35,7 +35,7 @@ from ckptaudit.probe.regions import combine, short_dtype
 __all__ = ["PROBE_SCHEMA", "ParamVerdict", "judge"]
 
 PROBE_SCHEMA = 1
-"""Version of ``Report.extra["probe"]`` (README, "Live probe")."""
+"""Version of ``Report.extra["probe"]`` (docs/probe.md)."""
 
 _NARROW = ("bfloat16", "float16")
 _LABEL = {

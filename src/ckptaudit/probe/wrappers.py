@@ -1,6 +1,6 @@
 """Where each parameter of a wrapped model lives: which module unshards it, and which region each rank holds.
 
-Supported wrappers (see README, "Live probe", for what was tried on CPU/gloo):
+Supported wrappers (see docs/probe.md for what was tried on CPU/gloo):
 
 - FSDP2 (``fully_shard``, with or without ``MixedPrecisionPolicy``): parameters are ``DTensor`` s outside
   forward. The region of the local shard is read from the DTensor itself (``__create_chunk_list__``, what

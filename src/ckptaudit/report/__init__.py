@@ -1,5 +1,5 @@
 """Renderers: one report, three faces. ``table`` for people (rich), ``json`` for machines (versioned schema,
-see README "JSON report"), ``html`` for plots. Every command's :class:`~ckptaudit.model.Report` goes through
+see docs/json-schema.md), ``html`` for plots. Every command's :class:`~ckptaudit.model.Report` goes through
 :func:`render`; nothing else in ckptaudit prints reports.
 """
 

@@ -1,4 +1,4 @@
-"""The JSON report: a documented, versioned interface (``schema_version``; see README "JSON report")."""
+"""The JSON report: a documented, versioned interface (``schema_version``; see docs/json-schema.md)."""
 
 from __future__ import annotations
 

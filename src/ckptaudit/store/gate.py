@@ -11,7 +11,7 @@ vocabulary):
 - ``loss_diff``      |CE(x) - CE(r)|, next-token cross-entropy in nats (only when targets can be formed).
 
 A NaN or an infinity in the exported logits fails the gate whatever the thresholds (every comparison is written so
-that NaN fails it). The default thresholds are justified in the README ("Serving export") from measurements on
+that NaN fails it). The default thresholds are justified in docs/export-serving.md ("The gate") from measurements on
 the built-in recipe; ``bench/serving_gate.py`` reproduces them.
 """
 

@@ -1,0 +1,99 @@
+"""The README is the front door and ``docs/`` holds the rest; this keeps both in step with the code (the finding
+catalogue's page is checked in ``tests/test_catalogue.py``): every command's options (read from the argparse parser of ``ckptaudit.cli``), the links, and the
+README's length.
+
+Run: ``.venv/bin/python -m pytest -q tests/test_docs.py``
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from ckptaudit.cli import _parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README_MAX_LINES = 250
+WRITTEN_ELSEWHERE = {"security.md": "security-legacy.md", "resume-test.md": "resume-test-legacy.md"}
+"""Pages written on other branches (hostile, resume), and the page holding the former README text meanwhile."""
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    actions = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert len(actions) == 1
+    return dict(actions[0].choices)
+
+
+def _page(command: str) -> Path:
+    page = DOCS / f"{command}.md"
+    if not page.exists() and page.name in WRITTEN_ELSEWHERE:
+        page = DOCS / WRITTEN_ELSEWHERE[page.name]
+    return page
+
+
+def undocumented_options(command: str, parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The long option strings of ``parser`` that ``text`` never mentions (``--help`` aside)."""
+    missing = []
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--") and o != "--help"]
+        if longs and not any(re.search(re.escape(o) + r"(?![\w-])", text) for o in longs):
+            missing.append(longs[0])
+    return missing
+
+
+@pytest.mark.parametrize("command", sorted(_subparsers()))
+def test_every_option_of_a_command_is_in_its_page(command: str) -> None:
+    page = _page(command)
+    assert page.exists(), f"ckptaudit {command} has no page: write docs/{command}.md"
+    missing = undocumented_options(command, _subparsers()[command], page.read_text())
+    assert not missing, f"{page.relative_to(ROOT)} does not mention {', '.join(missing)}"
+
+
+def test_an_undocumented_option_is_caught() -> None:
+    """The check itself: an option the page never names is reported, a prefix of another option is not enough."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fail-on")
+    parser.add_argument("--fail")
+    parser.add_argument("--out", "-o")
+    assert undocumented_options("x", parser, "use `--fail-on error` and -o") == ["--fail", "--out"]
+
+
+def test_every_command_has_a_row_and_a_link_in_the_readme() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for command in _subparsers():
+        row = [line for line in readme.splitlines() if line.startswith(f"| `ckptaudit {command}")]
+        assert row, f"README's command table has no row for ckptaudit {command}"
+        assert f"(docs/{command}.md)" in row[0], f"README's row for {command} does not link docs/{command}.md"
+
+
+def test_readme_is_a_front_door() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_MAX_LINES
+    for needed in ("make demo", "make test", "import ckptaudit", 'ckptaudit.audit("', "report.ok", "report.findings",
+                   "report.to_json()"):
+        assert needed in readme, needed
+
+
+def _links(path: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return [m for m in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text) if "://" not in m]
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", *sorted(DOCS.glob("*.md"))], ids=lambda p: p.name)
+def test_links_lead_somewhere(path: Path) -> None:
+    for link in _links(path):
+        target = (path.parent / link).resolve()
+        if not target.exists() and target.parent == DOCS and target.name in WRITTEN_ELSEWHERE:
+            target = DOCS / WRITTEN_ELSEWHERE[target.name]
+        assert target.exists(), f"{path.relative_to(ROOT)} links {link}, which does not exist"
+
+
+def test_every_page_is_reachable_from_the_index() -> None:
+    index = (DOCS / "index.md").read_text()
+    for page in DOCS.glob("*.md"):
+        if page.name != "index.md":
+            assert f"]({page.name})" in index, f"docs/index.md does not link {page.name}"
