@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 
 import real_checkpoints as rc
 from audit_worker import AuditWorker
-from ckptaudit.formats.pickles import dcp_metadata_loads
+from ckptaudit.formats.dcp_metadata import dcp_metadata_loads
 
 EXAMPLES_PER_KIND = 6
 """Hypothesis inputs per kind of damage and file (about 60 kinds; 0.1 s each on a loaded 2-core machine)."""

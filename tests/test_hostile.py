@@ -30,7 +30,7 @@ from audit_worker import AuditWorker
 from ckptaudit.audit import audit
 from ckptaudit.cli import main
 from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe
-from ckptaudit.formats.pickles import dcp_metadata_loads
+from ckptaudit.formats.dcp_metadata import dcp_metadata_loads
 from ckptaudit.formats.torchload import safe_dcp_load, safe_torch_load
 from ckptaudit.model import Precision, Report, Severity
 from ckptaudit.report import OutputFormat, render

@@ -9,7 +9,7 @@ import torch
 
 from ckptaudit.audit import audit
 from ckptaudit.formats import open_checkpoint
-from ckptaudit.formats.pickles import Opaque
+from ckptaudit.formats.unpickler import Opaque
 from ckptaudit.model import Severity
 from inert_objects import ModelConfig, Payload
 

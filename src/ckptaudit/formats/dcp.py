@@ -1,7 +1,7 @@
 """``torch.distributed.checkpoint`` directories: ``.metadata`` plus ``__<rank>_<n>.distcp`` data files.
 
 ``.metadata`` is a pickle; :func:`read_dcp` scans it and unpickles it only through the DCP allowlist
-(:func:`ckptaudit.formats.pickles.dcp_metadata_loads`), never with plain :mod:`pickle` as
+(:func:`ckptaudit.formats.dcp_metadata.dcp_metadata_loads`), never with plain :mod:`pickle` as
 ``FileSystemReader.read_metadata`` does. :func:`check_metadata_safe` is the same guard for callers that
 are about to hand a directory to ``torch.distributed.checkpoint.load`` (ours included).
 
@@ -17,15 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptaudit.catalogue import finding
+from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.base import Part, Unreadable
-from ckptaudit.formats.pickles import (
-    DCP_METADATA_GLOBALS,
-    MAX_METADATA_OPCODES,
-    PickleLimitError,
-    PickleScan,
-    dcp_metadata_loads,
-    scan,
-)
+from ckptaudit.formats.dcp_metadata import dcp_metadata_loads
+from ckptaudit.formats.pickle_scan import MAX_METADATA_OPCODES, PickleLimitError, PickleScan, scan
 from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, file_kind, read_limited
 from ckptaudit.formats.tensors import DTYPES, Piece, TensorData
 from ckptaudit.formats.torchzip import TorchZipError, read_torch_zip

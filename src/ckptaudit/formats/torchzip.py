@@ -5,7 +5,7 @@ A ``torch.save`` file is a zip of ``<name>/data.pkl`` (the object tree, a pickle
 ``torch.distributed.checkpoint`` is the same kind of archive, at an offset inside the file, so this reader
 works on a byte region of a file.
 
-The pickle is scanned first (:func:`ckptaudit.formats.pickles.scan`); only a pickle whose every global is
+The pickle is scanned first (:func:`ckptaudit.formats.pickle_scan.scan`); only a pickle whose every global is
 allowed is unpickled, through a restricted unpickler that turns each tensor into a :class:`TensorData`
 pointing into the file. Storage sizes and tensor views are checked against the archive before anything is
 described, so a hostile header cannot make us allocate or read past the file: ``data.pkl`` must declare at
@@ -26,16 +26,10 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from ckptaudit.formats.pickles import (
-    PickleLimitError,
-    PickleScan,
-    RestrictedUnpickler,
-    base_table,
-    check_tree,
-    scan,
-)
+from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, scan
 from ckptaudit.formats.safeio import open_regular
 from ckptaudit.formats.tensors import DTYPES, DType, Piece, TensorData
+from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table, check_tree
 
 __all__ = ["TorchZip", "TorchZipError", "is_zip", "read_torch_zip"]
 
@@ -301,7 +295,7 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
     big-endian data, storages or views larger than the archive, a truncated pickle, and for archives past a
     safety limit (``limit=True``). A pickle that references globals outside the allowlist is returned
     unloaded (``loaded=False``), even when it is also truncated (``scan.error``) -- unless ``inert``: then its
-    outside globals become :class:`~ckptaudit.formats.pickles.Opaque` records (nothing is imported or run) and the
+    outside globals become :class:`~ckptaudit.formats.unpickler.Opaque` records (nothing is imported or run) and the
     rest of the tree, tensors included, is returned (``loaded=True``; ``scan.unsafe`` still names them). An inert
     load that fails for any reason falls back to unloaded.
     """

@@ -1,0 +1,463 @@
+"""Walking a pickle's opcodes without executing them: every global it references, and whether it may be loaded.
+
+:func:`scan` walks the opcodes (decoding, never executing) with a symbolic stack and memo, so it resolves every
+global the pickle references, also through ``STACK_GLOBAL`` and memo indirections, and reports those outside the
+allowlist (:mod:`ckptaudit.formats.allowlist`). Declared lengths are checked against the bytes that remain before
+anything is read (a ``BINBYTES8`` claiming terabytes is an error, not an allocation), long byte strings are
+skipped rather than read, memo indices may not run ahead of the opcodes, and opcode count and stack depth have
+hard limits. The limits below are shared with the restricted unpickler (:mod:`ckptaudit.formats.unpickler`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+import struct
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from ckptaudit.formats.allowlist import ALL_SAFE, HARMLESS_GLOBALS, global_name
+
+__all__ = [
+    "CALL_BUDGET_FACTOR",
+    "MAX_DEPTH",
+    "MAX_INLINE",
+    "MAX_LINE",
+    "MAX_METADATA_OPCODES",
+    "MAX_NODES",
+    "MAX_OPCODES",
+    "MAX_STACK",
+    "PickleLimitError",
+    "PickleScan",
+    "UnsafeGlobalError",
+    "scan",
+]
+
+# --------------------------------------------------------------------------------------------------------------
+# Limits. Real checkpoints stay far below them; a hostile pickle meets them long before it can exhaust memory or
+# time. Hitting one is reported as a finding naming the limit, never a crash.
+
+MAX_OPCODES = 5_000_000
+"""Opcodes walked per pickle (``torch.save`` needs about 25 per tensor: 200k tensors). Walking costs about 1 µs
+per opcode and loading about 2 µs; each opcode makes at most one object (at most ~70 bytes), which bounds the
+memory of what a pickle can build to a few hundred MiB."""
+MAX_METADATA_OPCODES = 20_000_000
+"""The same for DCP ``.metadata`` (about 25 opcodes per shard of a tensor: 800k shards, e.g. a 70B model's
+parameters and Adam moments over 300 ranks)."""
+MAX_STACK = 1 << 22
+"""Deepest symbolic stack accepted."""
+MAX_LINE = 1 << 16
+"""Longest line argument (``GLOBAL``, ``INT``, ``UNICODE`` of protocol 0)."""
+MAX_INLINE = 1 << 16
+"""String arguments longer than this are skipped by the scanner (it only needs short ones: names)."""
+MAX_DEPTH = 100
+"""Deepest nesting of a loaded object tree (real checkpoints: under 15)."""
+MAX_NODES = 10_000_000
+"""Most nodes of a loaded tree, shared sub-trees counted every time they are reachable."""
+CALL_BUDGET_FACTOR = 4
+"""Constructors called while unpickling may copy at most this many times the pickle's size (plus 16 Mi)."""
+
+@dataclass(frozen=True, slots=True)
+class PickleScan:
+    """What one pickle references, read at the opcode level."""
+
+    globals: tuple[str, ...]
+    """Every global, ``module.name``, in order of first appearance."""
+    unsafe: tuple[str, ...]
+    """Globals outside the allowlist and outside :data:`HARMLESS_GLOBALS`, and harmless ones misused."""
+    harmless: tuple[str, ...]
+    """Globals outside the allowlist that :data:`HARMLESS_GLOBALS` names, used as documented: not loaded, not
+    a threat."""
+    error: str | None = None
+    """Why the opcodes could not be walked to the end (truncated, malformed or over a limit)."""
+    error_offset: int | None = None
+    """Byte offset of the opcode where the walk stopped (relative to the pickle's start in its stream)."""
+    end: int = 0
+    """Offset just past the ``STOP`` opcode (where a following pickle starts)."""
+    limit: bool = False
+    """The error is a safety limit of the scanner (the pickle may be well-formed but too large to vet)."""
+    misused: tuple[str, ...] = field(default=())
+    """Harmless globals called in a way their own pickling never does (they are also in ``unsafe``)."""
+
+    @property
+    def loadable(self) -> bool:
+        return self.error is None and not self.unsafe and not self.harmless
+
+
+class UnsafeGlobalError(pickle.UnpicklingError):
+    """A restricted unpickler met a global outside its allowlist."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"global {name!r} is not in the allowlist; refusing to load it")
+        self.name = name
+
+
+class PickleLimitError(pickle.UnpicklingError):
+    """A pickle, or what it builds, exceeds one of the safety limits of this module."""
+
+
+class _ScanError(Exception):
+    def __init__(self, message: str, limit: bool = False) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The scanner
+
+
+class _Mark:
+    __slots__ = ()
+
+
+class _Const:
+    """A constant (number, bool, None, bytes, or a string too long to keep)."""
+
+    __slots__ = ()
+
+
+class _Unknown:
+    """Any value the scanner does not model (the result of a call, a container)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Global:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Tuple:
+    """A tuple whose items are all constants or strings, of length ``n``."""
+
+    n: int
+
+
+_MARK, _CONST, _UNKNOWN = _Mark(), _Const(), _Unknown()
+_OPS: list[pickletools.OpcodeInfo | None] = [None] * 256
+for _op in pickletools.opcodes:
+    _OPS[ord(_op.code)] = _op
+
+# Length-prefixed arguments: (struct format of the length, kind of value).
+_PREFIXED = {
+    "string1": ("<B", "str1"),
+    "string4": ("<i", "str1"),
+    "bytes1": ("<B", "bytes"),
+    "bytes4": ("<I", "bytes"),
+    "bytes8": ("<Q", "bytes"),
+    "bytearray8": ("<Q", "bytes"),
+    "unicodestring1": ("<B", "str"),
+    "unicodestring4": ("<I", "str"),
+    "unicodestring8": ("<Q", "str"),
+    "long1": ("<B", "long"),
+    "long4": ("<i", "long"),
+}
+_FIXED = {name: struct.Struct(fmt) for name, fmt in
+          {"uint1": "<B", "uint2": "<H", "int4": "<i", "uint4": "<I", "uint8": "<Q", "float8": ">d"}.items()}
+_CONST_OPS = frozenset(
+    "NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT BINFLOAT BINBYTES SHORT_BINBYTES "
+    "BINBYTES8 BYTEARRAY8".split()
+)
+
+def _is_const(value: Any) -> bool:
+    return isinstance(value, str | _Const | _Tuple)
+
+
+class _Walker:
+    """One pass over one pickle's opcodes with a symbolic stack and memo."""
+
+    def __init__(self, stream: IO[bytes], allowed: frozenset[str], max_opcodes: int) -> None:
+        self.stream = stream
+        self.max_opcodes = max_opcodes
+        self.start = stream.tell()
+        stream.seek(0, io.SEEK_END)
+        self.size = stream.tell()
+        stream.seek(self.start)
+        self.allowed = allowed
+        self.found: dict[str, None] = {}
+        self.misused: dict[str, None] = {}
+        self.stack: list[Any] = []
+        self.marks: list[int] = []
+        self.memo: dict[int, Any] = {}
+        self.op_at = self.start
+        self.proto = 0
+
+    # -- argument decoding, bounded by what the stream still holds ------------------------------------------
+    def _remaining(self) -> int:
+        return self.size - self.stream.tell()
+
+    def _exact(self, n: int, what: str) -> bytes:
+        if n > self._remaining():
+            raise _ScanError(f"{what} declares {n} bytes, only {self._remaining()} remain (truncated or corrupt)")
+        data = self.stream.read(n)
+        if len(data) != n:
+            raise _ScanError(f"{what}: needs {n} bytes, read {len(data)}")
+        return data
+
+    def _line(self) -> bytes:
+        line = self.stream.readline(MAX_LINE + 1)
+        if not line.endswith(b"\n"):
+            if len(line) > MAX_LINE:
+                raise _ScanError(f"a line argument is longer than {MAX_LINE} bytes", limit=True)
+            raise _ScanError("line argument without newline (truncated)")
+        return line
+
+    def _arg(self, op: pickletools.OpcodeInfo) -> Any:
+        desc = op.arg
+        if desc is None:
+            return None
+        if desc.n > 0:  # a few bytes: read them, no allocation to check
+            data = self.stream.read(desc.n)
+            if len(data) != desc.n:
+                raise _ScanError(f"{op.name}: its {desc.n}-byte argument is truncated")
+            return _FIXED[desc.name].unpack(data)[0]
+        if desc.n == pickletools.UP_TO_NEWLINE:
+            lines = self._line()
+            if desc.name == "stringnl_noescape_pair":
+                lines += self._line()
+            return desc.reader(io.BytesIO(lines))
+        fmt, kind = _PREFIXED[desc.name]
+        (n,) = struct.unpack(fmt, self._exact(struct.calcsize(fmt), op.name))
+        if n < 0:
+            raise _ScanError(f"{op.name} declares a negative length {n}")
+        if n > self._remaining():
+            raise _ScanError(f"{op.name} declares {n} bytes, only {self._remaining()} remain (truncated or corrupt)")
+        if n > MAX_INLINE:
+            self.stream.seek(n, io.SEEK_CUR)  # never read: the scanner needs only short strings (names)
+            return _CONST
+        data = self._exact(n, op.name)
+        if kind == "str":
+            return data.decode("utf-8", "surrogatepass")
+        if kind == "str1":
+            return data.decode("latin-1")
+        return _CONST
+
+    # -- the walk --------------------------------------------------------------------------------------------
+    def _pop(self, name: str) -> Any:
+        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
+            raise _ScanError(f"stack underflow at {name}" + (" (it would pop a MARK)" if self.marks else ""))
+        return self.stack.pop()
+
+    def _pop_mark(self, name: str) -> list[Any]:
+        if not self.marks:
+            raise _ScanError(f"{name} without a MARK")
+        at = self.marks.pop()
+        items = self.stack[at:]
+        del self.stack[at:]
+        return items
+
+    def _call(self, callee: Any, args: Any, how: str) -> None:
+        """``callee(*args)`` (REDUCE) or ``callee.__new__(callee, *args)`` (NEWOBJ): check harmless usage."""
+        if not isinstance(callee, _Global):
+            return
+        kind = HARMLESS_GLOBALS.get(callee.name)
+        if kind is None:
+            return
+        if how == "newobj" and isinstance(args, _Tuple) and args.n == 0:
+            return
+        if how == "reduce" and kind == "enum" and isinstance(args, _Tuple) and args.n == 1:
+            return
+        self.misused.setdefault(callee.name, None)
+
+    def run(self) -> int:
+        """Walk to ``STOP``; returns the opcode count. Raises :class:`_ScanError`."""
+        count = 0
+        stream, stack = self.stream, self.stack
+        while True:
+            self.op_at = stream.tell()
+            code = stream.read(1)
+            if not code:
+                raise _ScanError("the pickle ends before its STOP opcode (truncated)")
+            op = _OPS[code[0]]
+            if op is None:
+                raise _ScanError(f"unknown opcode {code!r}")
+            count += 1
+            if count > self.max_opcodes:
+                raise _ScanError(f"more than {self.max_opcodes} opcodes", limit=True)
+            generic = _GENERIC[code[0]]
+            if generic is not None:  # the common container and constant opcodes: no names, no calls
+                has_mark, pops, pushes = generic
+                if op.arg is not None:
+                    self._arg(op)
+                if has_mark:
+                    self._pop_mark(op.name)
+                if pops > len(stack) - (self.marks[-1] if self.marks else 0):
+                    raise _ScanError(f"stack underflow at {op.name}" + (" (it would pop a MARK)" if self.marks else ""))
+                if pops:
+                    del stack[-pops:]
+                stack.extend(pushes)
+                if len(stack) > MAX_STACK:
+                    raise _ScanError(f"stack deeper than {MAX_STACK}", limit=True)
+                continue
+            arg = self._arg(op)
+            name = op.name
+            if name == "STOP":
+                self._pop(name)
+                return count
+            if name == "MARK":
+                self.marks.append(len(stack))
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+                if not stack or (self.marks and len(stack) == self.marks[-1]):
+                    raise _ScanError(f"{name} with nothing to remember")
+                index = len(self.memo) if name == "MEMOIZE" else int(arg)
+                # Picklers number memo entries 0, 1, 2, ...; a far larger index would make C unpicklers (DCP's
+                # pickle.load of .metadata) allocate a memo array of that size.
+                if not 0 <= index <= count:
+                    raise _ScanError(f"memo index {index} is beyond the {count} opcodes read so far (picklers number "
+                                     "memo entries in order)")
+                self.memo[index] = stack[-1]
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                if int(arg) not in self.memo:
+                    raise _ScanError(f"{name} of memo entry {arg}, which was never stored")
+                stack.append(self.memo[int(arg)])
+            elif name == "FRAME":
+                if int(arg) > self._remaining():
+                    raise _ScanError(f"FRAME declares {arg} bytes, only {self._remaining()} remain")
+            elif name == "PROTO":
+                if not 0 <= int(arg) <= pickle.HIGHEST_PROTOCOL:
+                    raise _ScanError(f"unsupported pickle protocol {arg}")
+                self.proto = int(arg)
+            elif name in ("GLOBAL", "INST"):
+                module, _, attr = str(arg).partition(" ")
+                full = global_name(module, attr, self.proto)
+                self.found.setdefault(full, None)
+                if name == "INST":
+                    args = self._pop_mark(name)
+                    if args:
+                        self._call(_Global(full), _UNKNOWN, "inst")
+                    stack.append(_UNKNOWN)
+                else:
+                    stack.append(_Global(full))
+            elif name == "STACK_GLOBAL":
+                attr_obj = self._pop(name)
+                module_obj = self._pop(name)
+                if isinstance(module_obj, str) and isinstance(attr_obj, str):
+                    full = global_name(module_obj, attr_obj, self.proto)
+                else:
+                    full = "<unresolvable STACK_GLOBAL>"
+                self.found.setdefault(full, None)
+                stack.append(_Global(full))
+            elif name in ("EXT1", "EXT2", "EXT4"):
+                self.found.setdefault(f"<copyreg extension {arg}>", None)
+                stack.append(_UNKNOWN)
+            elif name == "REDUCE":
+                args = self._pop(name)
+                callee = self._pop(name)
+                self._call(callee, args, "reduce")
+                stack.append(_UNKNOWN)
+            elif name == "NEWOBJ":
+                args = self._pop(name)
+                callee = self._pop(name)
+                self._call(callee, args, "newobj")
+                stack.append(_UNKNOWN)
+            elif name == "NEWOBJ_EX":
+                self._pop(name)
+                args = self._pop(name)
+                callee = self._pop(name)
+                self._call(callee, _UNKNOWN, "newobj_ex")
+                stack.append(_UNKNOWN)
+            elif name == "OBJ":
+                items = self._pop_mark(name)
+                if not items:
+                    raise _ScanError("OBJ without a class")
+                if len(items) > 1:
+                    self._call(items[0], _UNKNOWN, "obj")
+                stack.append(_UNKNOWN)
+            elif name == "EMPTY_TUPLE":
+                stack.append(_Tuple(0))
+            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+                n = int(name[-1])
+                items = [self._pop(name) for _ in range(n)]
+                stack.append(_Tuple(n) if all(_is_const(v) for v in items) else _UNKNOWN)
+            elif name == "TUPLE":
+                items = self._pop_mark(name)
+                stack.append(_Tuple(len(items)) if all(_is_const(v) for v in items) else _UNKNOWN)
+            elif name == "POP" and self.marks and len(stack) == self.marks[-1]:
+                self.marks.pop()  # POP of a MARK is legal (both unpicklers allow it)
+            elif name == "DUP":
+                stack.append(self._pop(name))
+                stack.append(stack[-1])
+            elif name in _STRING_OPS:
+                stack.append(arg if isinstance(arg, str) else _CONST)
+            elif name in _CONST_OPS:
+                stack.append(_CONST)
+            else:
+                # Everything else: pop what the opcode consumes (to the mark, then the fixed items before it) and
+                # push an unknown for what it produces.
+                before = op.stack_before
+                if pickletools.markobject in before:
+                    self._pop_mark(name)
+                    fixed = before.index(pickletools.markobject)
+                else:
+                    fixed = len(before)
+                for _ in range(fixed):
+                    self._pop(name)
+                stack.extend(_UNKNOWN for _ in op.stack_after)
+            if len(stack) > MAX_STACK:
+                raise _ScanError(f"stack deeper than {MAX_STACK}", limit=True)
+
+
+_STRING_OPS = frozenset(
+    "STRING BINSTRING SHORT_BINSTRING UNICODE BINUNICODE SHORT_BINUNICODE BINUNICODE8".split()
+)
+_SPECIAL_OPS = frozenset(
+    "STOP MARK PUT BINPUT LONG_BINPUT MEMOIZE GET BINGET LONG_BINGET FRAME PROTO GLOBAL INST STACK_GLOBAL EXT1 "
+    "EXT2 EXT4 REDUCE NEWOBJ NEWOBJ_EX OBJ EMPTY_TUPLE TUPLE1 TUPLE2 TUPLE3 TUPLE POP DUP".split()
+) | _STRING_OPS
+
+
+def _generic(op: pickletools.OpcodeInfo) -> tuple[bool, int, tuple[Any, ...]] | None:
+    """(pops to a MARK first, fixed items popped, items pushed) for opcodes whose effect needs no modelling."""
+    if op.name in _SPECIAL_OPS:
+        return None
+    if op.name in _CONST_OPS:
+        return False, 0, (_CONST,)
+    before = op.stack_before
+    has_mark = pickletools.markobject in before
+    fixed = before.index(pickletools.markobject) if has_mark else len(before)
+    return has_mark, fixed, tuple(_UNKNOWN for _ in op.stack_after)
+
+
+_GENERIC: list[tuple[bool, int, tuple[Any, ...]] | None] = [
+    None if op is None else _generic(op) for op in _OPS
+]
+
+
+def scan(data: bytes | bytearray | memoryview | IO[bytes], allowed: frozenset[str] = ALL_SAFE, *,
+         max_opcodes: int = MAX_OPCODES) -> PickleScan:
+    """Walk one pickle's opcodes (never executing them) and classify every global it references.
+
+    ``data`` is the pickle's bytes or a seekable stream positioned at its start; a stream is left just past
+    ``STOP`` (or where the walk stopped). Offsets in the result are positions in the stream.
+    """
+    stream: IO[bytes] = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
+    walker = _Walker(stream, allowed, max_opcodes)
+    error: str | None = None
+    error_offset: int | None = None
+    limit = False
+    try:
+        walker.run()
+    except _ScanError as exc:
+        error, limit = str(exc), exc.limit
+    except (ValueError, struct.error, UnicodeDecodeError, OverflowError) as exc:
+        # pickletools' line readers reject malformed numbers and quotes with ValueError.
+        error = f"malformed argument ({exc})"
+    if error is not None:
+        error_offset = walker.op_at
+    end = stream.tell()
+    names = tuple(walker.found)
+    misused = tuple(walker.misused)
+    unsafe: list[str] = []
+    harmless: list[str] = []
+    for n in names:
+        if n in allowed:
+            continue
+        if n in HARMLESS_GLOBALS and n not in walker.misused:
+            harmless.append(n)
+        else:
+            unsafe.append(n)
+    return PickleScan(names, tuple(unsafe), tuple(harmless), error, error_offset, end, limit, misused)
+
+

@@ -1,0 +1,455 @@
+"""The restricted unpickler: loads a pickle the scanner accepted, running nothing outside the allowlist.
+
+:class:`RestrictedUnpickler` is a pure-Python unpickler whose ``find_class`` maps each allowed name to a vetted
+implementation (the allowlist is checked a second time), which refuses ``EXT``/``INST``/``OBJ``, lets ``BUILD``
+touch only instances of vetted classes with vetted state, and charges every call against a budget proportional
+to the pickle's size (so a small pickle cannot make a huge object by calling allowed functions in a loop).
+:func:`check_tree` then bounds the depth and the expanded size of what was loaded (no cycles, no exponential
+sharing), so every later recursive walk is safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import pickle
+import struct
+from collections.abc import Callable, Iterable
+from typing import IO, Any, ClassVar
+
+from ckptaudit.formats.allowlist import NUMPY_DTYPE_CLASSES, TORCH_DTYPES, global_name
+from ckptaudit.formats.pickle_scan import (
+    CALL_BUDGET_FACTOR,
+    MAX_DEPTH,
+    MAX_LINE,
+    MAX_NODES,
+    PickleLimitError,
+    UnsafeGlobalError,
+)
+
+__all__ = ["Opaque", "RestrictedUnpickler", "base_table", "check_tree"]
+
+# --------------------------------------------------------------------------------------------------------------
+# Restricted unpicklers
+
+
+class _Capped:
+    """A read-only view of a stream that never reads past ``end`` and never reads unbounded lines."""
+
+    def __init__(self, stream: IO[bytes], end: int) -> None:
+        self._s = stream
+        self._end = end
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(0, self._end - self._s.tell())
+        return self._s.read(left if n is None or n < 0 else min(n, left))
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def readline(self, limit: int = -1) -> bytes:
+        left = max(0, self._end - self._s.tell())
+        cap = min(left, MAX_LINE + 1) if limit is None or limit < 0 else min(left, limit)
+        return self._s.readline(cap)
+
+    def tell(self) -> int:
+        return self._s.tell()
+
+
+_SIZED = frozenset({str, bytes, bytearray, tuple, list, dict, set, frozenset})
+
+
+class Opaque:
+    """An object of a class outside the allowlist, never constructed: the name of its global and the arguments
+    and state it would have been built from (themselves loaded under the same rules). What an *inert* load puts
+    where ``torch.load(weights_only=False)`` would have run code."""
+
+    __slots__ = ("args", "name", "state")
+
+    def __init__(self, name: str, args: tuple[Any, ...] = (), state: Any = None) -> None:
+        self.name, self.args, self.state = name, args, state
+
+    def __repr__(self) -> str:
+        return f"<not loaded: {self.name}>"
+
+
+class _OpaqueGlobal:
+    """Stands for a global outside the allowlist in an inert load: calling it (``REDUCE``, ``NEWOBJ``) builds an
+    :class:`Opaque` record; nothing of the named module is imported or run."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class RestrictedUnpickler(pickle._Unpickler):
+    """An unpickler that resolves globals only through ``table`` (``module.name`` -> object) and never runs
+    anything else: no ``EXT``, ``INST`` or ``OBJ``; ``NEWOBJ`` only on classes of the table; ``BUILD`` only on
+    instances of ``build_types`` (their own ``__setstate__`` or plain attributes) and, with vetted state, on
+    NumPy dtypes and arrays. Calls are charged against a budget of ``CALL_BUDGET_FACTOR`` times the pickle's
+    size (see :data:`CALL_BUDGET_FACTOR`).
+
+    Run :func:`scan` first: this class is the second line of defence, and the scan's limits bound its work.
+    """
+
+    # Set by pickle._Unpickler.load (typeshed does not declare them).
+    stack: list[Any]
+    append: Callable[[Any], None]
+    read: Callable[[int], bytes]
+    proto: int
+
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def __init__(
+        self,
+        file: IO[bytes],
+        table: dict[str, Any],
+        persistent_load: Callable[[Any], Any] | None = None,
+        *,
+        build_types: Iterable[type] = (collections.OrderedDict,),
+        size: int | None = None,
+        inert: bool = False,
+    ) -> None:
+        start = file.tell()
+        if size is None:
+            file.seek(0, io.SEEK_END)
+            size = file.tell() - start
+            file.seek(start)
+        # In-memory pickles cannot over-read; file streams are capped at the pickle's end.
+        super().__init__(file if isinstance(file, io.BytesIO) else _Capped(file, start + size))  # type: ignore[arg-type]
+        self._table = table
+        self._callables = {id(v) for v in table.values()}
+        self._types = {v for v in table.values() if isinstance(v, type)}
+        self._build_types = tuple(build_types)
+        self._persistent = persistent_load
+        self._budget = CALL_BUDGET_FACTOR * size + (16 << 20)
+        self._inert = inert
+        self._opaque: dict[str, _OpaqueGlobal] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        key = global_name(module, name, self.proto)  # the same name the scanner vetted
+        try:
+            return self._table[key]
+        except KeyError:
+            if self._inert:  # an inert placeholder: the rest of the pickle can be read, nothing is run
+                return self._opaque.setdefault(key, _OpaqueGlobal(key))
+            raise UnsafeGlobalError(key) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise pickle.UnpicklingError("persistent ids are not allowed in this pickle")
+        return self._persistent(pid)
+
+    # -- charged calls ----------------------------------------------------------------------------------------
+    def _charge(self, *values: Any) -> None:
+        for v in values:
+            self._budget -= (len(v) if type(v) in _SIZED else 1) + 1
+        if self._budget < 0:
+            raise PickleLimitError("the pickle's calls build more than the budget allows (a copy amplification)")
+
+    def _load_reduce(self) -> None:
+        stack = self.stack
+        args = stack.pop()
+        func = stack[-1]
+        if isinstance(func, _OpaqueGlobal) and isinstance(args, tuple):
+            self._charge(*args)
+            stack[-1] = Opaque(func.name, args)
+            return
+        if id(func) not in self._callables or not isinstance(args, tuple):
+            raise pickle.UnpicklingError(f"REDUCE of {type(func).__name__}, which is not an allowed callable")
+        self._charge(*args)
+        stack[-1] = func(*args)
+
+    def _load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if isinstance(cls, _OpaqueGlobal) and isinstance(args, tuple):
+            self._charge(*args)
+            self.append(Opaque(cls.name, args))
+            return
+        if cls not in self._types or not isinstance(args, tuple):
+            raise pickle.UnpicklingError(f"NEWOBJ of {cls!r}, which is not an allowed class")
+        self._charge(*args)
+        self.append(cls.__new__(cls, *args))
+
+    def _load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if isinstance(cls, _OpaqueGlobal) and isinstance(args, tuple) and isinstance(kwargs, dict):
+            self._charge(*args, *kwargs.values())
+            self.append(Opaque(cls.name, args, kwargs))
+            return
+        if cls not in self._types or not isinstance(args, tuple) or not isinstance(kwargs, dict):
+            raise pickle.UnpicklingError(f"NEWOBJ_EX of {cls!r}, which is not an allowed class")
+        if not all(isinstance(k, str) for k in kwargs):
+            raise pickle.UnpicklingError("NEWOBJ_EX with non-string keyword names")
+        self._charge(*args, *kwargs.values())
+        self.append(cls.__new__(cls, *args, **kwargs))
+
+    def _refuse(self) -> None:
+        raise pickle.UnpicklingError("EXT, INST and OBJ opcodes are not allowed (torch.save never writes them)")
+
+    def _load_bytearray8(self) -> None:
+        (n,) = struct.unpack("<Q", self.read(8))
+        data = self.read(n)  # read first (bounded by the stream), never bytearray(n) of a declared size
+        if len(data) != n:
+            raise pickle.UnpicklingError("BYTEARRAY8 runs past the end of the pickle")
+        self.append(bytearray(data))
+
+    def _load_build(self) -> None:
+        stack = self.stack
+        state = stack.pop()
+        inst = stack[-1]
+        stack[-1] = self._build(inst, state)
+
+    def _build(self, inst: Any, state: Any) -> Any:
+        if isinstance(inst, Opaque):
+            inst.state = state  # kept as data, never applied
+            return inst
+        if isinstance(inst, _OpaqueGlobal):
+            return Opaque(inst.name, (), state)
+        np = _numpy()
+        if np is not None and isinstance(inst, np.dtype):
+            return _dtype_from_state(inst, state)
+        if isinstance(inst, _NdarrayShell):
+            self._charge(state[-1] if isinstance(state, tuple) and state else None)
+            return _ndarray_from_state(state)
+        if type(inst) not in self._build_types:
+            raise pickle.UnpicklingError(f"BUILD on {type(inst).__name__} is not allowed")
+        own = type(inst).__dict__.get("__setstate__")
+        if own is not None:
+            own(inst, state)
+            return inst
+        slots = None
+        if isinstance(state, tuple) and len(state) == 2:
+            state, slots = state
+        for part in (state, slots):
+            if part is None:
+                continue
+            if not isinstance(part, dict):
+                raise pickle.UnpicklingError(f"BUILD state for {type(inst).__name__} is not a dict")
+            for k, v in part.items():
+                if not isinstance(k, str) or k.startswith("__"):
+                    raise pickle.UnpicklingError(f"BUILD may not set attribute {k!r}")
+                object.__setattr__(inst, k, v)
+        return inst
+
+    dispatch[pickle.REDUCE[0]] = _load_reduce
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
+    dispatch[pickle.BUILD[0]] = _load_build
+    dispatch[pickle.BYTEARRAY8[0]] = _load_bytearray8
+    for _code in (pickle.EXT1, pickle.EXT2, pickle.EXT4, pickle.INST, pickle.OBJ):
+        dispatch[_code[0]] = _refuse
+
+
+def _numpy() -> Any:
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return None
+    return np
+
+
+def _safe_codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+    # Protocol-2 pickles spell bytes as _codecs.encode(str, "latin1").
+    if not isinstance(obj, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError("_codecs.encode is only allowed for latin1 byte strings")
+    return obj.encode("latin1")
+
+
+class _NdarrayType:
+    """Stands for ``numpy.ndarray`` in a pickle: only ever the first argument of ``_reconstruct``."""
+
+    __slots__ = ()
+
+
+class _NdarrayShell:
+    """What ``_reconstruct`` returns: an empty array waiting for its ``BUILD`` state."""
+
+    __slots__ = ()
+
+
+def _numeric_dtype(dt: Any) -> Any:
+    np = _numpy()
+    if not isinstance(dt, np.dtype) or dt.hasobject or dt.kind not in "biufc" or dt.subdtype is not None:
+        raise pickle.UnpicklingError(f"numpy dtype {dt!r} is not allowed (only plain numeric dtypes)")
+    return dt
+
+
+def _dtype_from_state(dt: Any, state: Any) -> Any:
+    # numpy pickles a dtype as dtype(spec, False, True) + BUILD (3, byteorder, None, None, None, -1, -1, 0).
+    ok = (
+        isinstance(state, tuple)
+        and len(state) in (8, 9)
+        and state[0] in (3, 4)
+        and state[1] in ("<", ">", "|", "=")
+        and state[2:5] == (None, None, None)
+        and state[5:8] == (-1, -1, 0)
+        and (len(state) == 8 or state[8] is None)
+    )
+    if not ok:
+        raise pickle.UnpicklingError(f"numpy dtype state {state!r} is not that of a plain numeric dtype")
+    new = dt.newbyteorder(state[1]) if state[1] in "<>" else dt
+    return _numeric_dtype(new)
+
+
+def _ndarray_from_state(state: Any) -> Any:
+    np = _numpy()
+    if not (isinstance(state, tuple) and len(state) == 5 and state[0] == 1):
+        raise pickle.UnpicklingError("numpy array state is not (1, shape, dtype, fortran, data)")
+    _, shape, dtype, fortran, raw = state
+    if not (isinstance(shape, tuple) and all(isinstance(d, int) and d >= 0 for d in shape) and len(shape) <= 64):
+        raise pickle.UnpicklingError(f"numpy array shape {shape!r} is not a tuple of sizes")
+    dtype = _numeric_dtype(dtype)
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise pickle.UnpicklingError("numpy array data is not a byte string")
+    data = bytes(raw)
+    if len(data) != math.prod(shape) * dtype.itemsize:
+        raise pickle.UnpicklingError(f"numpy array data does not match shape {list(shape)} x {dtype}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+
+
+def _numpy_table() -> dict[str, Any]:
+    np = _numpy()
+
+    def reconstruct(subtype: Any, shape: Any, dtype: Any) -> _NdarrayShell:
+        # numpy always writes _reconstruct(ndarray, (0,), b'b'): an empty array that BUILD fills.
+        if subtype is not _NdarrayType or not isinstance(shape, tuple) or math.prod(
+            int(d) if isinstance(d, int) else 1 for d in shape
+        ) != 0:
+            raise pickle.UnpicklingError("only an empty plain numpy.ndarray may be reconstructed")
+        return _NdarrayShell()
+
+    def make_dtype(spec: Any, align: bool = False, copy: bool = False) -> Any:
+        if not isinstance(spec, str) or len(spec) > 8:
+            raise pickle.UnpicklingError(f"numpy dtype spec {spec!r} is not a short type code")
+        return _numeric_dtype(np.dtype(spec, align=bool(align), copy=True))
+
+    def scalar(dtype: Any, data: Any = None) -> Any:
+        dtype = _numeric_dtype(dtype)
+        if not isinstance(data, bytes) or len(data) != dtype.itemsize:
+            raise pickle.UnpicklingError("numpy scalar data does not match its dtype")
+        return np.frombuffer(data, dtype=dtype)[0]
+
+    def frombuffer(buf: Any, dtype: Any, shape: Any, order: Any) -> Any:
+        # Protocol 5 spells an array as _frombuffer(bytes, dtype, shape, order).
+        return _ndarray_from_state((1, shape, dtype, order == "F", buf))
+
+    table: dict[str, Any] = {"numpy.ndarray": _NdarrayType, "numpy.dtype": make_dtype}
+    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        table[f"{mod}._reconstruct"] = reconstruct
+        table[f"{mod}.scalar"] = scalar
+    for mod in ("numpy.core.numeric", "numpy._core.numeric"):
+        table[f"{mod}._frombuffer"] = frombuffer
+    dtypes_mod = getattr(np, "dtypes", None)
+    for cls in NUMPY_DTYPE_CLASSES:
+        if dtypes_mod is not None and hasattr(dtypes_mod, cls):
+            table[f"numpy.dtypes.{cls}"] = getattr(dtypes_mod, cls)
+    return table
+
+
+def base_table() -> dict[str, Any]:
+    """Harmless builtins and containers shared by every restricted unpickler."""
+    import torch
+
+    table: dict[str, Any] = {
+        "collections.OrderedDict": collections.OrderedDict,
+        "_codecs.encode": _safe_codecs_encode,
+        "torch.Size": torch.Size,
+        "torch.device": torch.device,
+    }
+    # (Protocol 2, torch.save's default, spells them __builtin__.set etc.: see global_name.)
+    table.update({"builtins.set": set, "builtins.frozenset": frozenset, "builtins.complex": complex,
+                  "builtins.slice": slice})
+    for d in TORCH_DTYPES:
+        value = getattr(torch, d, None)
+        if isinstance(value, torch.dtype):
+            table[f"torch.{d}"] = value
+    table.update(_numpy_table())
+    return table
+
+
+_LEAF_TYPES = frozenset({str, bytes, bytearray, int, float, complex, bool, type(None)})
+
+
+def _children(value: Any) -> list[Any] | tuple[Any, ...] | None:
+    """The sub-objects of a container (dataclass instances, such as DCP metadata, through their fields)."""
+    if type(value) in _LEAF_TYPES:
+        return None
+    if isinstance(value, Opaque):
+        return [value.args, value.state]
+    if isinstance(value, dict):
+        return [x for kv in value.items() for x in kv]
+    if isinstance(value, list | tuple):
+        return value
+    if isinstance(value, set | frozenset):
+        return list(value)
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return list(vars(value).values())
+    return None
+
+
+def check_tree(obj: Any, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES) -> str | None:
+    """Why a loaded object tree is unsafe to walk recursively, or ``None``: cyclic, nested deeper than
+    ``max_depth``, or more than ``max_nodes`` nodes once shared sub-trees are expanded (a pickle can share one
+    list a billion times through its memo). Iterative; costs one visit per distinct object, not per path."""
+    too_many = f"the loaded object tree has more than {max_nodes} nodes (shared sub-trees counted each time)"
+    too_deep = f"the loaded object tree nests deeper than {max_depth} levels"
+    root = _children(obj)
+    if root is None:
+        return None
+    done: dict[int, tuple[int, int]] = {}  # id -> (nodes of the expanded sub-tree, height), once visited
+    pending: dict[int, tuple[int, int, list[Any]]] = {}  # id -> (own nodes, own height, container children)
+    on_path: set[int] = set()
+    seen = 0
+    todo: list[tuple[Any, Any, bool]] = [(obj, root, False)]
+    while todo:
+        node, children, finished = todo.pop()
+        key = id(node)
+        if finished:
+            on_path.discard(key)
+            n, h, containers = pending.pop(key)
+            for c in containers:
+                cn, ch = done[id(c)]
+                n, h = n + cn, max(h, ch + 1)
+            done[key] = (n, h)
+            if n > max_nodes:
+                return too_many
+            if h > max_depth:
+                return too_deep
+            continue
+        if key in done:  # a shared sub-tree, already measured
+            continue
+        if key in on_path:
+            return "the loaded object tree contains itself (a cycle)"
+        if len(on_path) >= max_depth:
+            return too_deep
+        seen += len(children) + 1
+        if seen > max_nodes:
+            return too_many
+        on_path.add(key)
+        todo.append((node, None, True))
+        n, h, containers = 1, 1, []
+        for c in children:
+            if type(c) in _LEAF_TYPES:
+                n += 1
+                continue
+            if id(c) in done:
+                containers.append(c)
+                continue
+            grand = _children(c)
+            if grand is None:
+                n += 1
+            elif not grand:  # an empty container: counted here, no bookkeeping
+                n, h = n + 1, max(h, 2)
+            else:
+                containers.append(c)
+                todo.append((c, grand, False))
+        pending[key] = (n, h, containers)
+    return None
