@@ -9,15 +9,14 @@ Next to each checkpoint the writer records the truth the audit is judged against
 parameter names of every param group of the live optimizer, in its order, so a test can check that each
 index-keyed entry was attached to the parameter the optimizer really held.
 
-The torchtitan-style checkpoint is written by :func:`write_torchtitan` on 2 real ranks (``ckptaudit.dist.launch``);
-it is imported by name, as spawn requires.
+The torchtitan checkpoint is written by torchtitan's own ``CheckpointManager`` in :func:`write_torchtitan`, on 2 real
+ranks (``ckptaudit.dist.launch``); it is imported by name, as spawn requires.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import sys
 from typing import Any
 
@@ -200,52 +199,85 @@ def write_lightning(out: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# torchtitan's checkpoint layout, written by a real 2-rank FSDP2 job
+# torchtitan 0.3.0's own CheckpointManager, on a real 2-rank FSDP2 job
 
 
 def write_torchtitan(ctx: Any, out: str, steps: int) -> dict[str, Any]:
-    """(2 ranks) Train the built-in FSDP2 recipe and save what torchtitan's ``CheckpointManager`` saves.
+    """(2 ranks) Train the built-in FSDP2 recipe's model with torchtitan's own parts and save with its
+    ``CheckpointManager`` (``torchtitan.components.checkpoint``).
 
-    Mirrors torchtitan's key layout (``components/checkpoint.py``): the model state dict flattened into the top
-    level; ``optimizer`` from ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``
-    (``state.<fqn>.<name>``, ``param_groups.<fqn>.<key>``); ``lr_scheduler`` (the first scheduler's state dict);
-    ``dataloader`` (``{"dp_rank_<r>": pickled loader state, "world_size": n}``); ``train_state`` (``step``,
-    ``ntokens_seen``); saved with ``torch.distributed.checkpoint.save`` into ``step-<N>``.
+    Everything saved is torchtitan's: ``ModelWrapper`` (model FQNs at the top level), ``OptimizersContainer``
+    (AdamW, its flat ``state.<fqn>.<name>`` / ``param_groups.<fqn>.<key>`` state), ``LRSchedulersContainer``
+    (``{"last_epoch": n}``), ``ParallelAwareDataloader`` (``dp_rank_<r>``: its pickled ``StatefulDataLoader``
+    state, ``world_size``) and ``train_state`` (the Trainer's ``{"step", "ntokens_seen"}``, here a small Stateful
+    with the same state dict: torchtitan's ``Trainer`` itself needs a model spec and a tokenizer). The model is
+    ckptaudit's tiny GPT under FSDP2 with a bf16 ``MixedPrecisionPolicy`` (fp32 masters), on CPU with gloo, its
+    initial weights rounded to bf16 as a bf16 release would give them. Saved twice: ``step-0`` before the first
+    step (torchtitan's seed checkpoint) and ``step-<steps>``.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    import torch
     from torch.distributed.checkpoint.stateful import Stateful
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
 
-    from ckptaudit.recipes.tinygpt import recipe
+    from ckptaudit.recipes.tinygpt import SyntheticTokens, TinyGPT, lm_loss, recipe
 
-    job = recipe.setup(ctx)
-    ntokens = 0
-    for _ in range(steps):
-        recipe.step(job)
-        ntokens += recipe.batch_size * recipe.cfg.seq_len * ctx.world_size
+    torch.manual_seed(recipe.seed)
+    base = TinyGPT(recipe.cfg)
+    with torch.no_grad():  # initial weights as a bf16 release gives them, loaded into fp32 masters
+        for p in base.parameters():
+            p.copy_(p.bfloat16().float())
+    model = recipe._wrap(base, ctx)
+    optimizers: Any = OptimizersContainer(
+        OptimizersContainer.Config(
+            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
+                                           optimizer_kwargs={"lr": 3e-3, "weight_decay": 0.01})],
+            implementation="for-loop"),
+        model_parts=[model])
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=8)
 
-    class _Stateful(Stateful):
-        def __init__(self, get: Any) -> None:
-            self._get = get
+    class Batches(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            data = SyntheticTokens(recipe.cfg, seed=recipe.seed, rank=ctx.rank, batch_size=1)
+            while True:
+                yield data.next()[0]
+
+    dataloader = ParallelAwareDataloader(Batches(), dp_rank=ctx.rank, dp_world_size=ctx.world_size, batch_size=4)
+
+    class TrainState(Stateful):
+        def __init__(self) -> None:
+            self.step, self.ntokens_seen = 0, 0
 
         def state_dict(self) -> dict[str, Any]:
-            return dict(self._get())
+            return {"step": self.step, "ntokens_seen": self.ntokens_seen}
 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            raise NotImplementedError("this job only saves")
+            self.step, self.ntokens_seen = state_dict["step"], state_dict["ntokens_seen"]
 
-    flat = StateDictOptions(flatten_optimizer_state_dict=True)
-    states: dict[str, Any] = {
-        "optimizer": _Stateful(lambda: get_optimizer_state_dict(job.model, job.optimizer, options=flat)),
-        "lr_scheduler": _Stateful(job.scheduler.state_dict),
-        "dataloader": _Stateful(lambda: {f"dp_rank_{ctx.rank}": pickle.dumps(job.data.state_dict()),
-                                         "world_size": ctx.world_size}),
-        "train_state": _Stateful(lambda: {"step": job.step, "ntokens_seen": ntokens}),
-    }
-    states.update(get_model_state_dict(job.model))
-    path = os.path.join(out, f"step-{job.step}")
-    dcp.save(states, checkpoint_id=path)
-    return {"path": path, "params": [n for n, _ in job.model.named_parameters()], "step": job.step}
+    train_state = TrainState()
+    checkpointer = CheckpointManager(
+        CheckpointManager.Config(enable=True, folder="checkpoint", interval=steps, keep_latest_k=0),
+        dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+        states={"train_state": train_state}, sd_adapter=None, base_folder=out)
+    # A seed checkpoint before any step: OptimizersContainer.state_dict() fills AdamW's state by its own zero-lr
+    # step (init_optim_state: step 1, zero moments).
+    assert checkpointer.save(0)
+    batches = iter(dataloader)
+    for _ in range(steps):
+        batch = next(batches)
+        lm_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+        optimizers.step()
+        lr_schedulers.step()
+        optimizers.zero_grad()
+        train_state.step += 1
+        train_state.ntokens_seen += batch.numel() * ctx.world_size
+        assert checkpointer.save(train_state.step) == (train_state.step % steps == 0)
+    checkpointer.close()
+    return {"path": os.path.join(out, "checkpoint", f"step-{steps}"), "step": steps,
+            "step0": os.path.join(out, "checkpoint", "step-0"),
+            "params": [n for n, _ in model.named_parameters()]}
 
 
 def run_writer(what: str, out: str, timeout_s: float = 600) -> None:

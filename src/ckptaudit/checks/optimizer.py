@@ -74,8 +74,9 @@ class Attachment:
     ``none``."""
     findings: list[Finding] = field(default_factory=list)
     params: frozenset[str] = frozenset()
-    """Model FQNs that carry optimizer state in some fitting attachment (the trainable parameters); empty when
-    that cannot be told (unknown order, mismatch)."""
+    """Model FQNs that carry optimizer state in some fitting attachment (the trainable parameters); the rest are
+    not optimised (frozen parameters, buffers). Empty when that cannot be told (a mismatch, or an unknown order
+    with an entry whose shape its state does not say)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +210,11 @@ def _by_order(opt: OptimizerView, model: ModelView) -> Attachment:
                 )
             )
             outcome = "the model file keeps no parameter order, so only the multiset of shapes was checked"
+            if all(s is not None for g in expected for s in g):
+                # Any placement of entries on tensors of their shape fits: a tensor whose shape no entry has
+                # carries no optimizer state in any of them (a frozen parameter, e.g. the base embedding PEFT
+                # saves beside its adapters). An entry of unknown shape could sit anywhere: then nothing is decided.
+                result.params = frozenset(fqn for fqn, shape in candidates if shape in need)
         result.findings = [_index_keyed(opt, result.status, outcome, groups=sizes), *findings]
         return result
     fit = assign_by_order([s for _, s in candidates], expected)

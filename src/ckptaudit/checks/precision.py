@@ -83,9 +83,26 @@ def _low(dtype: str, why: str) -> list[Finding]:
     ]
 
 
-def check_precision(params: Sequence[TensorRecord], contract: Contract) -> list[Finding]:
-    """Per-parameter findings: stored or effectively rounded below the contract's master dtype."""
+def check_precision(
+    params: Sequence[TensorRecord],
+    contract: Contract,
+    *,
+    frozen: Sequence[TensorRecord] = (),
+    frozen_why: str = "",
+    before_first_update: str | None = None,
+) -> list[Finding]:
+    """Per-parameter findings: stored or effectively rounded below the contract's master dtype.
+
+    ``params``: the model's float parameters that carry optimizer state, or whose state cannot be told.
+    ``frozen``: model float tensors the optimizer state shows carry none (frozen parameters, buffers; how that
+    was decided: ``frozen_why``): never updated, so no master is due; what lies below the master dtype is info.
+    ``before_first_update``: the evidence, in words, that no optimizer update was applied before this save;
+    then 16-bit-representable masters are what a start from 16-bit weights looks like (a warning, not an error).
+    Under an unknown contract nothing is judged per parameter (``contract.unknown`` says why).
+    """
     findings: list[Finding] = []
+    if contract.master_dtype == "unknown":
+        return findings
     if contract.master_dtype not in ("float32", "float64"):
         # A 16-bit contract: only a different 16-bit storage is a defect.
         for r in params:
@@ -95,24 +112,69 @@ def check_precision(params: Sequence[TensorRecord], contract: Contract) -> list[
     for r in params:
         if r.dtype in _NARROW:
             findings.append(_storage(r, contract))
-        elif r.dtype == "float32" and r.precision in (Precision.BF16, Precision.FP16) and r.stats is not None:
-            fmt, bits = ("bf16", 16) if r.precision is Precision.BF16 else ("fp16", 13)
-            informative = r.stats.informative_bf16 if fmt == "bf16" else r.stats.informative_fp16
+            continue
+        rounded = _rounded(r)
+        if rounded is None:
+            continue
+        fmt, bits, informative = rounded
+        if before_first_update is not None:
             findings.append(
                 finding(
-                    f"precision.{fmt}-rounded",
+                    "precision.before-first-update",
                     r.name,
-                    f"{r.name}: float32 parameter whose {r.numel} values are all {fmt}-representable "
-                    f"({informative} informative values; a genuine fp32 tensor does this with probability "
-                    f"below 2^-{bits * min(informative, 64)}). Its low mantissa bits were lost before saving, "
-                    f"e.g. by capturing the {fmt} compute copy; save the sharded fp32 masters instead "
-                    "(get_state_dict + torch.distributed.checkpoint).",
+                    f"{r.name}: float32 master whose {r.numel} values are all {fmt}-representable, in a checkpoint "
+                    f"saved before any optimizer update ({before_first_update}). That is what a start from {fmt} "
+                    f"weights looks like (e.g. a {fmt} release loaded into fp32 masters), and nothing was lost "
+                    f"since; had the initial weights been fp32, their low bits were lost before this save. After "
+                    f"real steps, masters like these are precision.{fmt}-rounded (an error).",
                     numel=r.numel,
                     informative=informative,
                     dtype=r.dtype,
                 )
             )
+            continue
+        findings.append(
+            finding(
+                f"precision.{fmt}-rounded",
+                r.name,
+                f"{r.name}: float32 parameter whose {r.numel} values are all {fmt}-representable "
+                f"({informative} informative values; a genuine fp32 tensor does this with probability "
+                f"below 2^-{bits * min(informative, 64)}). Its low mantissa bits were lost before saving, "
+                f"e.g. by capturing the {fmt} compute copy; save the sharded fp32 masters instead "
+                "(get_state_dict + torch.distributed.checkpoint).",
+                numel=r.numel,
+                informative=informative,
+                dtype=r.dtype,
+            )
+        )
+    for r in frozen:
+        rounded = _rounded(r)
+        if r.dtype in _NARROW:
+            what = f"stored as {r.dtype}"
+        elif rounded is not None:
+            what = f"{r.dtype}, with all {r.numel} values {rounded[0]}-representable"
+        else:
+            continue
+        findings.append(
+            finding(
+                "precision.not-optimised",
+                r.name,
+                f"{r.name}: {what}, but it carries no optimizer state ({frozen_why or 'no optimizer entry belongs to it'}):"
+                f" a frozen parameter or a buffer is never updated, so no {contract.master_dtype} master is due "
+                "and nothing is lost by keeping it as it was loaded",
+                dtype=r.dtype,
+            )
+        )
     return findings
+
+
+def _rounded(r: TensorRecord) -> tuple[str, int, int] | None:
+    """(format, bits per informative value, informative values) when ``r`` is a wide tensor of 16-bit values."""
+    if r.dtype != "float32" or r.stats is None or r.precision not in (Precision.BF16, Precision.FP16):
+        return None
+    if r.precision is Precision.BF16:
+        return "bf16", 16, r.stats.informative_bf16
+    return "fp16", 13, r.stats.informative_fp16
 
 
 def _storage(r: TensorRecord, contract: Contract) -> Finding:
