@@ -138,6 +138,28 @@ def _sharded(out: str) -> None:
     _write_truth(out, params=[n for n, _ in model.named_parameters()])
 
 
+def _peft_lora(out: str) -> None:
+    """PEFT LoRA through the real Trainer: base weights from a bf16 release (rounded to bf16, loaded in fp32) and
+    frozen; LoRA on q_proj, v_proj and embed_tokens, so PEFT saves the frozen base embedding beside the adapters."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    model = _llama()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                             target_modules=["q_proj", "v_proj", "embed_tokens"]))
+    args = TrainingArguments(output_dir=out, max_steps=STEPS, save_steps=STEPS, per_device_train_batch_size=4,
+                             weight_decay=0.01, learning_rate=1e-3, report_to=[], use_cpu=True, logging_strategy="no",
+                             dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=_token_dataset())
+    trainer.train()
+    _write_truth(os.path.join(out, f"checkpoint-{STEPS}"), groups=_groups_by_name(model, trainer.optimizer),
+                 trainable=[n for n, p in model.named_parameters() if p.requires_grad])
+
+
 def write_hf(out: str) -> None:
     _trainer(os.path.join(out, "trainer-safetensors"), bin_weights=False)
     _trainer(os.path.join(out, "trainer-bin"), bin_weights=True)
@@ -146,6 +168,7 @@ def write_hf(out: str) -> None:
     _accelerate(os.path.join(out, "accelerate-bin-frozen"), frozen="model.layers.0.mlp.gate_proj.weight",
                 safe_serialization=False)
     _sharded(os.path.join(out, "sharded"))
+    _peft_lora(os.path.join(out, "peft-lora"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -280,6 +303,61 @@ def write_torchtitan(ctx: Any, out: str, steps: int) -> dict[str, Any]:
             "params": [n for n, _ in model.named_parameters()]}
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# get_state_dict + DCP, one process: before the first step, and after real steps
+
+
+def _dcp_job(out: str, *, steps: int, export_rounded: bool, frozen: str | None) -> None:
+    """A plain tiny GPT initialised from bf16-representable weights (a bf16 release loaded into fp32), AdamW,
+    a LambdaLR warmup; ``steps`` real steps, then ``get_state_dict`` (which fills a fresh AdamW's state by its own
+    zero-lr step) and ``torch.distributed.checkpoint.save`` of model, FQN-keyed optimizer, scheduler and train
+    step. ``export_rounded``: the model is saved through its bf16 compute copy (the exporter bug: masters rounded
+    after real steps). ``frozen``: a parameter left out of the optimizer."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckptaudit.recipes.tinygpt import SyntheticTokens, TinyGPT, lm_loss, plain_recipe
+
+    torch.manual_seed(0)
+    model = TinyGPT(plain_recipe.cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    if frozen is not None:
+        model.get_parameter(frozen).requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    data = SyntheticTokens(plain_recipe.cfg, seed=0, rank=0, batch_size=4)
+    for _ in range(steps):
+        batch = data.next()
+        lm_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    if export_rounded:
+        model_sd = {k: v.bfloat16().float() for k, v in model_sd.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group": a single-process save is what we want
+        dcp.save({"model": model_sd, "optim": optim_sd, "lr_scheduler": sched.state_dict(),
+                  "train_state": {"step": steps}}, checkpoint_id=out)
+    _write_truth(out, trainable=[n for n, p in model.named_parameters() if p.requires_grad], frozen=frozen)
+    if steps and not export_rounded and frozen is None:
+        # The model alone, cast to bf16 for serving: no optimizer state says what its masters were.
+        torch.save({k: v.bfloat16() for k, v in model.state_dict().items()}, out + "-model-bf16.pt")
+
+
+def write_dcp(out: str) -> None:
+    _dcp_job(os.path.join(out, "step0"), steps=0, export_rounded=False, frozen=None)
+    _dcp_job(os.path.join(out, "step0-frozen"), steps=0, export_rounded=False, frozen="tok_emb.weight")
+    _dcp_job(os.path.join(out, "trained"), steps=2, export_rounded=False, frozen=None)
+    _dcp_job(os.path.join(out, "trained-frozen"), steps=2, export_rounded=False, frozen="tok_emb.weight")
+    _dcp_job(os.path.join(out, "trained-rounded-frozen"), steps=2, export_rounded=True, frozen="tok_emb.weight")
+
+
 def run_writer(what: str, out: str, timeout_s: float = 600) -> None:
     """(test process) Run ``write_<what>`` in a fresh interpreter, offline, one thread; raise with its output."""
     import subprocess
@@ -298,4 +376,4 @@ def run_writer(what: str, out: str, timeout_s: float = 600) -> None:
 
 if __name__ == "__main__":
     what, where = sys.argv[1], sys.argv[2]
-    {"hf": write_hf, "lightning": write_lightning}[what](where)
+    {"hf": write_hf, "lightning": write_lightning, "dcp": write_dcp}[what](where)

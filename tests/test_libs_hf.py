@@ -248,3 +248,43 @@ def test_sharded_safetensors_with_index(hf: Path, tmp_path: Path) -> None:
     f = one(report, "integrity.incomplete")
     assert f.subject == lost and f.severity is Severity.ERROR
     assert f.evidence["tensors"] == sorted(t for t, s in index["weight_map"].items() if s == lost)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PEFT LoRA through Trainer: the frozen base embedding PEFT saves beside the adapters
+
+
+def test_peft_lora_frozen_base_embedding_is_not_optimised_so_no_master_is_due(hf: Path) -> None:
+    ckpt = hf / "peft-lora" / "checkpoint-2"
+    report = audit(str(ckpt))
+    assert report.format == "huggingface-trainer"
+    assert where(report)[ComponentKind.MODEL] == ("adapter_model.safetensors",)
+    assert not report.fails(Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
+    assert report.extra["attachment"] == "unknown-order"
+    embed = "adapter_model.safetensors/base_model.model.model.embed_tokens.base_layer.weight"
+    roles = {t.name: (t.role, t.precision.value) for t in report.tensors if t.component == "model"}
+    assert roles.pop(embed) == ("buffer", "bf16")
+    # Every trainable tensor (the adapters) is a parameter, with its full fp32 precision after 2 steps.
+    assert len(roles) == len(truth(ckpt)["trainable"]) == 10
+    assert set(roles.values()) == {("parameter", "exact")}
+    note = one(report, "precision.not-optimised")
+    assert note.subject == embed and note.severity is Severity.INFO
+    assert "carries no optimizer state (no entry of the index-keyed optimizer state has its shape)" in note.message
+    assert codes(report, Severity.WARNING) == {"optimizer.index-keyed", "optimizer.attachment-unverified",
+                                              "security.not-loaded"}
+
+
+def test_peft_lora_adapter_saved_rounded_is_still_an_error(hf: Path, tmp_path: Path) -> None:
+    """The same checkpoint with one trained adapter's values rounded to bf16 (low 16 bits cleared)."""
+    from safetensors.numpy import load_file, save_file
+
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(hf / "peft-lora" / "checkpoint-2", ckpt)
+    tensors = load_file(str(ckpt / "adapter_model.safetensors"))
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    tensors[name] = (tensors[name].view("uint32") & 0xFFFF0000).view("float32")
+    save_file(tensors, str(ckpt / "adapter_model.safetensors"), metadata={"format": "pt"})
+    report = audit(str(ckpt))
+    errors = [(f.code, f.subject) for f in report.findings if f.severity is Severity.ERROR]
+    assert errors == [("precision.bf16-rounded", f"adapter_model.safetensors/{name}")]
+    assert one(report, "precision.not-optimised").severity is Severity.INFO
