@@ -105,11 +105,16 @@ def _trainer(out: str, *, bin_weights: bool) -> None:
                  params=[n for n, _ in model.named_parameters()])
 
 
-def _accelerate(out: str, *, frozen: str | None, safe_serialization: bool) -> None:
+def _accelerate(out: str, *, frozen: str | None, safe_serialization: bool, bf16_init: bool = False) -> None:
+    """``bf16_init``: the weights rounded to bf16 first, as a bf16 release loaded in fp32 gives them."""
     import torch
     from accelerate import Accelerator
 
     model = _llama()
+    if bf16_init:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16().float())
     if frozen is not None:
         model.get_parameter(frozen).requires_grad_(False)
     accelerator = Accelerator(cpu=True)
@@ -167,6 +172,11 @@ def write_hf(out: str) -> None:
     # gate_proj and up_proj have the same shape: with one of them frozen, index-keyed state cannot say which.
     _accelerate(os.path.join(out, "accelerate-bin-frozen"), frozen="model.layers.0.mlp.gate_proj.weight",
                 safe_serialization=False)
+    # The same from a bf16 release: the frozen gate_proj keeps its bf16 values, and the optimizer state cannot say
+    # whether it or up_proj is the frozen one (by order beside pytorch_model.bin; by shape beside safetensors).
+    for name, safe in (("accelerate-bin-frozen-bf16init", False), ("accelerate-frozen-bf16init", True)):
+        _accelerate(os.path.join(out, name), frozen="model.layers.0.mlp.gate_proj.weight", safe_serialization=safe,
+                    bf16_init=True)
     _sharded(os.path.join(out, "sharded"))
     _peft_lora(os.path.join(out, "peft-lora"))
 

@@ -17,7 +17,7 @@ from ckptaudit.checks.artifact import check_artifact
 from ckptaudit.checks.components import check_components
 from ckptaudit.checks.integrity import check_indexes
 from ckptaudit.checks.manifest import check_manifest
-from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_attachment, check_steps
+from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_attachment, check_steps, may_all_be_unattached
 from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.base import Checkpoint, Unreadable, walk
@@ -191,7 +191,9 @@ def _judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
         frozen = [r for r in s.records if r.component == ComponentKind.MODEL.value and r.role == "buffer"
                   and r.precision not in (Precision.NOT_FLOAT, Precision.UNREAD)]
         findings += check_precision(params, contract, frozen=frozen, frozen_why=_FROZEN_WHY.get(s.attachment.status, ""),
-                                    before_first_update=before_first_update(s))
+                                    before_first_update=before_first_update(s),
+                                    not_judged=_maybe_frozen(s, params, contract.master_dtype),
+                                    not_judged_why=_NOT_JUDGED_WHY.get(s.attachment.status, ""))
     findings.sort(key=lambda f: (-int(f.severity), f.code, f.subject))
     return Report(
         command="audit",
@@ -216,6 +218,26 @@ _FROZEN_WHY = {
 }
 """How :func:`~ckptaudit.checks.optimizer.check_attachment` decided, by its status, that a model tensor carries no
 optimizer state."""
+
+
+_NOT_JUDGED_WHY = {
+    "ambiguous": "an order-consistent assignment of the index-keyed state that fits every entry leaves all such "
+                 "parameters out",
+    "unknown-order": "the model file keeps no parameter order, and the index-keyed state's shapes fit the other "
+                     "parameters",
+}
+
+
+def _maybe_frozen(s: ScannedCheckpoint, params: list[TensorRecord], master: str) -> set[str]:
+    """The parameters below a wide master dtype when index-keyed optimizer state may give none of them an entry
+    (every one could be frozen); empty when the state decides (a unique attachment, names) or some must be
+    trainable."""
+    if master not in ("float32", "float64") or s.attachment.status not in _NOT_JUDGED_WHY:
+        return set()
+    below = {r.param for r in params if r.param is not None
+             and (r.dtype in ("bfloat16", "float16") or (r.dtype == "float32"
+                                                         and r.precision in (Precision.BF16, Precision.FP16)))}
+    return below if may_all_be_unattached(s.view, below) else set()
 
 
 def before_first_update(s: ScannedCheckpoint) -> str | None:

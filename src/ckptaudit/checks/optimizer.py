@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ __all__ = [
     "assign_by_order",
     "check_attachment",
     "check_steps",
+    "may_all_be_unattached",
     "moment_shape",
 ]
 
@@ -165,6 +166,24 @@ def _candidates(model: ModelView) -> list[tuple[str, tuple[int, ...]]]:
             continue
         out.append((fqn, ref.data.shape))
     return out
+
+
+def may_all_be_unattached(view: View, fqns: Collection[str]) -> bool:
+    """Whether some attachment of the index-keyed optimizer state that fits the model gives none of ``fqns`` an
+    entry, so that each of them could be a frozen parameter. By the model's order where it is known (an
+    order-consistent assignment to the other tensors), else as a multiset of shapes. State keyed by names decides
+    by name, so there it is ``False``, as it is when nothing fits."""
+    opt, model = view.optimizer, view.model
+    if opt is None or model is None or not fqns or opt.keyed == "fqn" or _param_names(opt) is not None:
+        return False
+    grouped: list[list[Any]] = [list(g.get("params", [])) for g in opt.groups] or [list(opt.state)]
+    expected = [[moment_shape(opt.state[k]) if k in opt.state else None for k in g] for g in grouped]
+    rest = [shape for fqn, shape in _candidates(model) if fqn not in fqns]
+    if not model.order_known:
+        have = Counter(rest)
+        need = Counter(s for g in expected for s in g if s is not None)
+        return sum(map(len, expected)) <= len(rest) and all(have[s] >= c for s, c in need.items())
+    return assign_by_order(rest, expected).count >= 1
 
 
 def _by_order(opt: OptimizerView, model: ModelView) -> Attachment:

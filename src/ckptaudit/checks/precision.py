@@ -8,7 +8,7 @@ parameters mean a run that trains with low-precision masters, which is a differe
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ckptaudit.catalogue import finding
 from ckptaudit.model import Contract, Finding, Precision, TensorRecord
@@ -90,6 +90,8 @@ def check_precision(
     frozen: Sequence[TensorRecord] = (),
     frozen_why: str = "",
     before_first_update: str | None = None,
+    not_judged: Collection[str] = (),
+    not_judged_why: str = "",
 ) -> list[Finding]:
     """Per-parameter findings: stored or effectively rounded below the contract's master dtype.
 
@@ -98,6 +100,8 @@ def check_precision(
     was decided: ``frozen_why``): never updated, so no master is due; what lies below the master dtype is info.
     ``before_first_update``: the evidence, in words, that no optimizer update was applied before this save;
     then 16-bit-representable masters are what a start from 16-bit weights looks like (a warning, not an error).
+    ``not_judged``: FQNs of parameters below the master dtype that the optimizer state may leave without an entry
+    (``not_judged_why``: how); frozen ones owe no master, trainable ones lost bits: a warning, not a verdict.
     Under an unknown contract nothing is judged per parameter (``contract.unknown`` says why).
     """
     findings: list[Finding] = []
@@ -110,10 +114,25 @@ def check_precision(
                 findings.append(_storage(r, contract))
         return findings
     for r in params:
+        rounded = _rounded(r)
+        if r.param in not_judged and (r.dtype in _NARROW or rounded is not None):
+            what = (f"{r.dtype}, with all {r.numel} values {rounded[0]}-representable" if rounded is not None
+                    else f"stored as {r.dtype}")
+            findings.append(
+                finding(
+                    "precision.not-judged",
+                    r.name,
+                    f"{r.name}: {what}, and the optimizer state may hold no entry for it ({not_judged_why}). As a "
+                    f"frozen parameter it owes no {contract.master_dtype} master; as a trainable one it lost its low "
+                    "bits before saving. Not judged: compare against a reference (ckptaudit compare) or save "
+                    "FQN-keyed optimizer state (get_optimizer_state_dict) so that frozen parameters are named.",
+                    dtype=r.dtype,
+                )
+            )
+            continue
         if r.dtype in _NARROW:
             findings.append(_storage(r, contract))
             continue
-        rounded = _rounded(r)
         if rounded is None:
             continue
         fmt, bits, informative = rounded
