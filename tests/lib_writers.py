@@ -1,6 +1,7 @@
-"""Checkpoints written by the real libraries (transformers, accelerate, lightning), for the ``libs`` tests.
+"""Checkpoints written by the real libraries (transformers, accelerate, peft, lightning, torchtitan, and
+``torch.distributed.checkpoint`` with ``get_state_dict``), for the ``libs`` tests.
 
-Run as a script in a fresh interpreter (``python lib_writers.py hf|lightning OUT``) so the libraries' process-wide
+Run as a script in a fresh interpreter (``python lib_writers.py hf|lightning|dcp OUT``) so the libraries' process-wide
 state (Accelerate's ``PartialState`` singleton, logging, seeds, thread settings) never leaks into the test
 process. Tiny models built from configs, CPU, one process, 2 optimizer steps; nothing is downloaded (the caller
 sets ``HF_HUB_OFFLINE=1``), and no tokenizer code path is touched.

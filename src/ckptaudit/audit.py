@@ -190,7 +190,8 @@ def _judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
         findings += check_steps(view.optimizer, s.steps)
         frozen = [r for r in s.records if r.component == ComponentKind.MODEL.value and r.role == "buffer"
                   and r.precision not in (Precision.NOT_FLOAT, Precision.UNREAD)]
-        findings += check_precision(params, contract, frozen=frozen, frozen_why=_FROZEN_WHY.get(s.attachment.status, ""),
+        findings += check_precision(params, contract, frozen=frozen,
+                                    frozen_why=_FROZEN_WHY.get(s.attachment.status, ""),
                                     before_first_update=before_first_update(s),
                                     not_judged=_maybe_frozen(s, params, contract.master_dtype),
                                     not_judged_why=_NOT_JUDGED_WHY.get(s.attachment.status, ""))
@@ -269,11 +270,12 @@ def before_first_update(s: ScannedCheckpoint) -> str | None:
                if r.component == ComponentKind.OPTIMIZER.value and r.role in ELEMENTWISE_STATE]
     if not moments:
         return None
-    for r, ref in moments:
-        if r.precision not in (Precision.INCONCLUSIVE, Precision.NATIVE_16) or not isinstance(ref.data, TensorData):
-            return None
-        if not _all_zero(ref.data, s.ckpt.maps):
-            return None
+    # Zero moments are 16-bit-representable with no informative value: rule out every other tensor before reading.
+    if any(r.precision not in (Precision.INCONCLUSIVE, Precision.NATIVE_16) or not isinstance(ref.data, TensorData)
+           for r, ref in moments):
+        return None
+    if not all(isinstance(ref.data, TensorData) and _all_zero(ref.data, s.ckpt.maps) for _, ref in moments):
+        return None
     counters = sorted({f"{v:g}" for v in s.steps.values()})
     return "; ".join([f"all {len(moments)} optimizer moments are exactly zero"
                       + (f", step counters {' and '.join(counters)}" if counters else ""), *said])

@@ -178,8 +178,8 @@ def check_precision(
             finding(
                 "precision.not-optimised",
                 r.name,
-                f"{r.name}: {what}, but it carries no optimizer state ({frozen_why or 'no optimizer entry belongs to it'}):"
-                f" a frozen parameter or a buffer is never updated, so no {contract.master_dtype} master is due "
+                f"{r.name}: {what}, but it carries no optimizer state "
+                f"({frozen_why or 'no optimizer entry belongs to it'}): a frozen parameter or a buffer is never updated, so no {contract.master_dtype} master is due "
                 "and nothing is lost by keeping it as it was loaded",
                 dtype=r.dtype,
             )
