@@ -1,6 +1,7 @@
-"""Checkpoints written by the real libraries (transformers, accelerate, lightning), for the ``libs`` tests.
+"""Checkpoints written by the real libraries (transformers, accelerate, peft, lightning, torchtitan, and
+``torch.distributed.checkpoint`` with ``get_state_dict``), for the ``libs`` tests.
 
-Run as a script in a fresh interpreter (``python lib_writers.py hf|lightning OUT``) so the libraries' process-wide
+Run as a script in a fresh interpreter (``python lib_writers.py hf|lightning|dcp OUT``) so the libraries' process-wide
 state (Accelerate's ``PartialState`` singleton, logging, seeds, thread settings) never leaks into the test
 process. Tiny models built from configs, CPU, one process, 2 optimizer steps; nothing is downloaded (the caller
 sets ``HF_HUB_OFFLINE=1``), and no tokenizer code path is touched.
@@ -9,15 +10,14 @@ Next to each checkpoint the writer records the truth the audit is judged against
 parameter names of every param group of the live optimizer, in its order, so a test can check that each
 index-keyed entry was attached to the parameter the optimizer really held.
 
-The torchtitan-style checkpoint is written by :func:`write_torchtitan` on 2 real ranks (``ckptaudit.dist.launch``);
-it is imported by name, as spawn requires.
+The torchtitan checkpoint is written by torchtitan's own ``CheckpointManager`` in :func:`write_torchtitan`, on 2 real
+ranks (``ckptaudit.dist.launch``); it is imported by name, as spawn requires.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import sys
 from typing import Any
 
@@ -106,11 +106,16 @@ def _trainer(out: str, *, bin_weights: bool) -> None:
                  params=[n for n, _ in model.named_parameters()])
 
 
-def _accelerate(out: str, *, frozen: str | None, safe_serialization: bool) -> None:
+def _accelerate(out: str, *, frozen: str | None, safe_serialization: bool, bf16_init: bool = False) -> None:
+    """``bf16_init``: the weights rounded to bf16 first, as a bf16 release loaded in fp32 gives them."""
     import torch
     from accelerate import Accelerator
 
     model = _llama()
+    if bf16_init:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16().float())
     if frozen is not None:
         model.get_parameter(frozen).requires_grad_(False)
     accelerator = Accelerator(cpu=True)
@@ -139,6 +144,28 @@ def _sharded(out: str) -> None:
     _write_truth(out, params=[n for n, _ in model.named_parameters()])
 
 
+def _peft_lora(out: str) -> None:
+    """PEFT LoRA through the real Trainer: base weights from a bf16 release (rounded to bf16, loaded in fp32) and
+    frozen; LoRA on q_proj, v_proj and embed_tokens, so PEFT saves the frozen base embedding beside the adapters."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    model = _llama()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                             target_modules=["q_proj", "v_proj", "embed_tokens"]))
+    args = TrainingArguments(output_dir=out, max_steps=STEPS, save_steps=STEPS, per_device_train_batch_size=4,
+                             weight_decay=0.01, learning_rate=1e-3, report_to=[], use_cpu=True, logging_strategy="no",
+                             dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=_token_dataset())
+    trainer.train()
+    _write_truth(os.path.join(out, f"checkpoint-{STEPS}"), groups=_groups_by_name(model, trainer.optimizer),
+                 trainable=[n for n, p in model.named_parameters() if p.requires_grad])
+
+
 def write_hf(out: str) -> None:
     _trainer(os.path.join(out, "trainer-safetensors"), bin_weights=False)
     _trainer(os.path.join(out, "trainer-bin"), bin_weights=True)
@@ -146,7 +173,13 @@ def write_hf(out: str) -> None:
     # gate_proj and up_proj have the same shape: with one of them frozen, index-keyed state cannot say which.
     _accelerate(os.path.join(out, "accelerate-bin-frozen"), frozen="model.layers.0.mlp.gate_proj.weight",
                 safe_serialization=False)
+    # The same from a bf16 release: the frozen gate_proj keeps its bf16 values, and the optimizer state cannot say
+    # whether it or up_proj is the frozen one (by order beside pytorch_model.bin; by shape beside safetensors).
+    for name, safe in (("accelerate-bin-frozen-bf16init", False), ("accelerate-frozen-bf16init", True)):
+        _accelerate(os.path.join(out, name), frozen="model.layers.0.mlp.gate_proj.weight", safe_serialization=safe,
+                    bf16_init=True)
     _sharded(os.path.join(out, "sharded"))
+    _peft_lora(os.path.join(out, "peft-lora"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -200,52 +233,140 @@ def write_lightning(out: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# torchtitan's checkpoint layout, written by a real 2-rank FSDP2 job
+# torchtitan 0.3.0's own CheckpointManager, on a real 2-rank FSDP2 job
 
 
 def write_torchtitan(ctx: Any, out: str, steps: int) -> dict[str, Any]:
-    """(2 ranks) Train the built-in FSDP2 recipe and save what torchtitan's ``CheckpointManager`` saves.
+    """(2 ranks) Train the built-in FSDP2 recipe's model with torchtitan's own parts and save with its
+    ``CheckpointManager`` (``torchtitan.components.checkpoint``).
 
-    Mirrors torchtitan's key layout (``components/checkpoint.py``): the model state dict flattened into the top
-    level; ``optimizer`` from ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``
-    (``state.<fqn>.<name>``, ``param_groups.<fqn>.<key>``); ``lr_scheduler`` (the first scheduler's state dict);
-    ``dataloader`` (``{"dp_rank_<r>": pickled loader state, "world_size": n}``); ``train_state`` (``step``,
-    ``ntokens_seen``); saved with ``torch.distributed.checkpoint.save`` into ``step-<N>``.
+    Everything saved is torchtitan's: ``ModelWrapper`` (model FQNs at the top level), ``OptimizersContainer``
+    (AdamW, its flat ``state.<fqn>.<name>`` / ``param_groups.<fqn>.<key>`` state), ``LRSchedulersContainer``
+    (``{"last_epoch": n}``), ``ParallelAwareDataloader`` (``dp_rank_<r>``: its pickled ``StatefulDataLoader``
+    state, ``world_size``) and ``train_state`` (the Trainer's ``{"step", "ntokens_seen"}``, here a small Stateful
+    with the same state dict: torchtitan's ``Trainer`` itself needs a model spec and a tokenizer). The model is
+    ckptaudit's tiny GPT under FSDP2 with a bf16 ``MixedPrecisionPolicy`` (fp32 masters), on CPU with gloo, its
+    initial weights rounded to bf16 as a bf16 release would give them. Saved twice: ``step-0`` before the first
+    step (torchtitan's seed checkpoint) and ``step-<steps>``.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    import torch
     from torch.distributed.checkpoint.stateful import Stateful
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
 
-    from ckptaudit.recipes.tinygpt import recipe
+    from ckptaudit.recipes.tinygpt import SyntheticTokens, TinyGPT, lm_loss, recipe
 
-    job = recipe.setup(ctx)
-    ntokens = 0
-    for _ in range(steps):
-        recipe.step(job)
-        ntokens += recipe.batch_size * recipe.cfg.seq_len * ctx.world_size
+    torch.manual_seed(recipe.seed)
+    base = TinyGPT(recipe.cfg)
+    with torch.no_grad():  # initial weights as a bf16 release gives them, loaded into fp32 masters
+        for p in base.parameters():
+            p.copy_(p.bfloat16().float())
+    model = recipe._wrap(base, ctx)
+    optimizers: Any = OptimizersContainer(
+        OptimizersContainer.Config(
+            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
+                                           optimizer_kwargs={"lr": 3e-3, "weight_decay": 0.01})],
+            implementation="for-loop"),
+        model_parts=[model])
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=8)
 
-    class _Stateful(Stateful):
-        def __init__(self, get: Any) -> None:
-            self._get = get
+    class Batches(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            data = SyntheticTokens(recipe.cfg, seed=recipe.seed, rank=ctx.rank, batch_size=1)
+            while True:
+                yield data.next()[0]
+
+    dataloader = ParallelAwareDataloader(Batches(), dp_rank=ctx.rank, dp_world_size=ctx.world_size, batch_size=4)
+
+    class TrainState(Stateful):
+        def __init__(self) -> None:
+            self.step, self.ntokens_seen = 0, 0
 
         def state_dict(self) -> dict[str, Any]:
-            return dict(self._get())
+            return {"step": self.step, "ntokens_seen": self.ntokens_seen}
 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            raise NotImplementedError("this job only saves")
+            self.step, self.ntokens_seen = state_dict["step"], state_dict["ntokens_seen"]
 
-    flat = StateDictOptions(flatten_optimizer_state_dict=True)
-    states: dict[str, Any] = {
-        "optimizer": _Stateful(lambda: get_optimizer_state_dict(job.model, job.optimizer, options=flat)),
-        "lr_scheduler": _Stateful(job.scheduler.state_dict),
-        "dataloader": _Stateful(lambda: {f"dp_rank_{ctx.rank}": pickle.dumps(job.data.state_dict()),
-                                         "world_size": ctx.world_size}),
-        "train_state": _Stateful(lambda: {"step": job.step, "ntokens_seen": ntokens}),
-    }
-    states.update(get_model_state_dict(job.model))
-    path = os.path.join(out, f"step-{job.step}")
-    dcp.save(states, checkpoint_id=path)
-    return {"path": path, "params": [n for n, _ in job.model.named_parameters()], "step": job.step}
+    train_state = TrainState()
+    checkpointer = CheckpointManager(
+        CheckpointManager.Config(enable=True, folder="checkpoint", interval=steps, keep_latest_k=0),
+        dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+        states={"train_state": train_state}, sd_adapter=None, base_folder=out)
+    # A seed checkpoint before any step: OptimizersContainer.state_dict() fills AdamW's state by its own zero-lr
+    # step (init_optim_state: step 1, zero moments).
+    assert checkpointer.save(0)
+    batches = iter(dataloader)
+    for _ in range(steps):
+        batch = next(batches)
+        lm_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+        optimizers.step()
+        lr_schedulers.step()
+        optimizers.zero_grad()
+        train_state.step += 1
+        train_state.ntokens_seen += batch.numel() * ctx.world_size
+        assert checkpointer.save(train_state.step) == (train_state.step % steps == 0)
+    checkpointer.close()
+    return {"path": os.path.join(out, "checkpoint", f"step-{steps}"), "step": steps,
+            "step0": os.path.join(out, "checkpoint", "step-0"),
+            "params": [n for n, _ in model.named_parameters()]}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# get_state_dict + DCP, one process: before the first step, and after real steps
+
+
+def _dcp_job(out: str, *, steps: int, export_rounded: bool, frozen: str | None) -> None:
+    """A plain tiny GPT initialised from bf16-representable weights (a bf16 release loaded into fp32), AdamW,
+    a LambdaLR warmup; ``steps`` real steps, then ``get_state_dict`` (which fills a fresh AdamW's state by its own
+    zero-lr step) and ``torch.distributed.checkpoint.save`` of model, FQN-keyed optimizer, scheduler and train
+    step. ``export_rounded``: the model is saved through its bf16 compute copy (the exporter bug: masters rounded
+    after real steps). ``frozen``: a parameter left out of the optimizer."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckptaudit.recipes.tinygpt import SyntheticTokens, TinyGPT, lm_loss, plain_recipe
+
+    torch.manual_seed(0)
+    model = TinyGPT(plain_recipe.cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    if frozen is not None:
+        model.get_parameter(frozen).requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    data = SyntheticTokens(plain_recipe.cfg, seed=0, rank=0, batch_size=4)
+    for _ in range(steps):
+        batch = data.next()
+        lm_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    if export_rounded:
+        model_sd = {k: v.bfloat16().float() for k, v in model_sd.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group": a single-process save is what we want
+        dcp.save({"model": model_sd, "optim": optim_sd, "lr_scheduler": sched.state_dict(),
+                  "train_state": {"step": steps}}, checkpoint_id=out)
+    _write_truth(out, trainable=[n for n, p in model.named_parameters() if p.requires_grad], frozen=frozen)
+    if steps and not export_rounded and frozen is None:
+        # The model alone, cast to bf16 for serving: no optimizer state says what its masters were.
+        torch.save({k: v.bfloat16() for k, v in model.state_dict().items()}, out + "-model-bf16.pt")
+
+
+def write_dcp(out: str) -> None:
+    _dcp_job(os.path.join(out, "step0"), steps=0, export_rounded=False, frozen=None)
+    _dcp_job(os.path.join(out, "step0-frozen"), steps=0, export_rounded=False, frozen="tok_emb.weight")
+    _dcp_job(os.path.join(out, "trained"), steps=2, export_rounded=False, frozen=None)
+    _dcp_job(os.path.join(out, "trained-frozen"), steps=2, export_rounded=False, frozen="tok_emb.weight")
+    _dcp_job(os.path.join(out, "trained-rounded-frozen"), steps=2, export_rounded=True, frozen="tok_emb.weight")
 
 
 def run_writer(what: str, out: str, timeout_s: float = 600) -> None:
@@ -266,4 +387,4 @@ def run_writer(what: str, out: str, timeout_s: float = 600) -> None:
 
 if __name__ == "__main__":
     what, where = sys.argv[1], sys.argv[2]
-    {"hf": write_hf, "lightning": write_lightning}[what](where)
+    {"hf": write_hf, "lightning": write_lightning, "dcp": write_dcp}[what](where)

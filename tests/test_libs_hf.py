@@ -248,3 +248,72 @@ def test_sharded_safetensors_with_index(hf: Path, tmp_path: Path) -> None:
     f = one(report, "integrity.incomplete")
     assert f.subject == lost and f.severity is Severity.ERROR
     assert f.evidence["tensors"] == sorted(t for t, s in index["weight_map"].items() if s == lost)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PEFT LoRA through Trainer: the frozen base embedding PEFT saves beside the adapters
+
+
+def test_peft_lora_frozen_base_embedding_is_not_optimised_so_no_master_is_due(hf: Path) -> None:
+    ckpt = hf / "peft-lora" / "checkpoint-2"
+    report = audit(str(ckpt))
+    assert report.format == "huggingface-trainer"
+    assert where(report)[ComponentKind.MODEL] == ("adapter_model.safetensors",)
+    assert not report.fails(Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
+    assert report.extra["attachment"] == "unknown-order"
+    embed = "adapter_model.safetensors/base_model.model.model.embed_tokens.base_layer.weight"
+    roles = {t.name: (t.role, t.precision.value) for t in report.tensors if t.component == "model"}
+    assert roles.pop(embed) == ("buffer", "bf16")
+    # Every trainable tensor (the adapters) is a parameter, with its full fp32 precision after 2 steps.
+    assert len(roles) == len(truth(ckpt)["trainable"]) == 10
+    assert set(roles.values()) == {("parameter", "exact")}
+    note = one(report, "precision.not-optimised")
+    assert note.subject == embed and note.severity is Severity.INFO
+    assert "carries no optimizer state (no entry of the index-keyed optimizer state has its shape)" in note.message
+    assert codes(report, Severity.WARNING) == {"optimizer.index-keyed", "optimizer.attachment-unverified",
+                                              "security.not-loaded"}
+
+
+def test_peft_lora_adapter_saved_rounded_is_still_an_error(hf: Path, tmp_path: Path) -> None:
+    """The same checkpoint with one trained adapter's values rounded to bf16 (low 16 bits cleared)."""
+    from safetensors.numpy import load_file, save_file
+
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(hf / "peft-lora" / "checkpoint-2", ckpt)
+    tensors = load_file(str(ckpt / "adapter_model.safetensors"))
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    tensors[name] = (tensors[name].view("uint32") & 0xFFFF0000).view("float32")
+    save_file(tensors, str(ckpt / "adapter_model.safetensors"), metadata={"format": "pt"})
+    report = audit(str(ckpt))
+    errors = [(f.code, f.subject) for f in report.findings if f.severity is Severity.ERROR]
+    assert errors == [("precision.bf16-rounded", f"adapter_model.safetensors/{name}")]
+    assert one(report, "precision.not-optimised").severity is Severity.INFO
+
+
+@pytest.mark.parametrize("name", ["accelerate-bin-frozen-bf16init", "accelerate-frozen-bf16init"])
+def test_a_bf16_frozen_parameter_the_index_keyed_state_cannot_place_is_not_judged(hf: Path, name: str) -> None:
+    """From a bf16 release, gate_proj frozen: it keeps its bf16 values, and index-keyed state cannot tell it from
+    up_proj (same shape): by order beside pytorch_model.bin, by shape beside model.safetensors."""
+    report = audit(str(hf / name))
+    assert not report.fails(Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
+    assert report.extra["attachment"] == ("ambiguous" if "bin" in name else "unknown-order")
+    note = one(report, "precision.not-judged")
+    assert note.subject.endswith("/model.layers.0.mlp.gate_proj.weight") and note.severity is Severity.WARNING
+    assert "As a frozen parameter it owes no float32 master; as a trainable one it lost its low bits" in note.message
+
+
+def test_rounded_parameters_that_cannot_all_be_frozen_are_still_errors(hf: Path, tmp_path: Path) -> None:
+    """up_proj rounded too: only one of the two same-shape tensors can lack an entry, so both are judged."""
+    from safetensors.numpy import load_file, save_file
+
+    ckpt = tmp_path / "accelerate"
+    shutil.copytree(hf / "accelerate-frozen-bf16init", ckpt)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    up = "model.layers.0.mlp.up_proj.weight"
+    tensors[up] = (tensors[up].view("uint32") & 0xFFFF0000).view("float32")
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    report = audit(str(ckpt))
+    errors = {(f.code, f.subject) for f in report.findings if f.severity is Severity.ERROR}
+    assert errors == {("precision.bf16-rounded", f"model.safetensors/{p}")
+                      for p in (up, "model.layers.0.mlp.gate_proj.weight")}
+    assert "precision.not-judged" not in codes(report)

@@ -1,8 +1,9 @@
-"""The audit on torchtitan's checkpoint layout, written by a real 2-rank FSDP2 job with DCP.
+"""The audit on checkpoints torchtitan 0.3.0's own ``CheckpointManager`` writes, from a real 2-rank FSDP2 job.
 
-torchtitan itself is not a dependency: ``lib_writers.write_torchtitan`` saves the keys its ``CheckpointManager``
-saves (model FQNs at the top level, the flattened ``optimizer``, ``lr_scheduler``, per-rank ``dataloader``,
-``train_state``) from the built-in FSDP2 recipe (bf16 ``MixedPrecisionPolicy``, fp32 masters) on 2 gloo ranks.
+``lib_writers.write_torchtitan`` trains a tiny GPT (bf16 ``MixedPrecisionPolicy``, fp32 masters, initial weights
+rounded to bf16 as a bf16 release gives them) with torchtitan's ``OptimizersContainer``, ``LRSchedulersContainer``
+and ``ParallelAwareDataloader`` on 2 gloo ranks, and saves through ``CheckpointManager`` at step 0 (the seed
+checkpoint, before any update) and step 2.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from ckptaudit.model import ComponentKind, Precision, Severity
 
 pytestmark = pytest.mark.dist
 
+pytest.importorskip("torchtitan")
 
-@pytest.fixture(scope="module")
+
+@pytest.fixture(scope="session")
 def titan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import lib_writers
 
@@ -31,7 +34,7 @@ def titan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_torchtitan_layout_is_read_where_it_is_and_clean(titan: dict[str, Any]) -> None:
     path = Path(titan["path"])
-    assert path.name == "step-2"
+    assert path.name == "step-2" and path.parent.name == "checkpoint"
     report = audit(str(path))
     assert report.format == "torchtitan"
     comps = {c.kind: c for c in report.components}
@@ -41,12 +44,13 @@ def test_torchtitan_layout_is_read_where_it_is_and_clean(titan: dict[str, Any]) 
     assert set(comps[ComponentKind.DATA_PROGRESS].where) == {"dataloader", "train_state"}
     assert comps[ComponentKind.DATA_PROGRESS].detail == "torchtitan data-loader state for dp rank(s) 0, 1 of world size 2"
     assert report.extra["step"] == titan["step"] == 2
-    # torchtitan saves no RNG state by default: the only finding, a warning.
+    # torchtitan saves no RNG state: the only finding, a warning.
     assert [(f.code, f.subject, f.severity) for f in report.findings] == [
         ("component.missing", "rng", Severity.WARNING)]
     assert report.contract is not None and report.contract.master_dtype == "float32"
     params = {t.name: t for t in report.tensors if t.component == "model" and t.role == "parameter"}
     assert set(params) == set(titan["params"])
+    # Started from bf16-representable weights; two AdamW steps gave every tensor its low bits.
     assert all(t.precision is Precision.EXACT and t.dtype == "float32" for t in params.values())
 
 
@@ -57,6 +61,21 @@ def test_flattened_optimizer_state_is_attached_by_name(titan: dict[str, Any]) ->
     assert {t.name for t in moments} == {f"optimizer/state.{p}.{m}" for p in titan["params"]
                                          for m in ("exp_avg", "exp_avg_sq")}
     assert all(t.param == t.name.split(".", 1)[1].rsplit(".", 1)[0] for t in moments)
+
+
+def test_seed_checkpoint_before_the_first_step_is_a_warning_not_an_error(titan: dict[str, Any]) -> None:
+    """torchtitan's step-0 checkpoint: AdamW state filled by its own zero-lr step, masters = the bf16 initial weights."""
+    report = audit(titan["step0"])
+    assert report.extra["step"] == 0
+    assert not report.fails(Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
+    early = [f for f in report.findings if f.code == "precision.before-first-update"]
+    rounded = {t.name for t in report.tensors if t.role == "parameter" and t.precision is Precision.BF16}
+    assert rounded and {f.subject for f in early} == rounded
+    assert all(f.severity is Severity.WARNING for f in early)
+    message = early[0].message
+    assert "before any optimizer update" in message and "moments are exactly zero, step counters 1" in message
+    assert "train step 0; scheduler step 0" in message
+    assert "had the initial weights been fp32, their low bits were lost" in message
 
 
 def test_a_lost_rank_file_names_what_it_took(titan: dict[str, Any], tmp_path: Path) -> None:

@@ -17,12 +17,12 @@ from ckptaudit.checks.artifact import check_artifact
 from ckptaudit.checks.components import check_components
 from ckptaudit.checks.integrity import check_indexes
 from ckptaudit.checks.manifest import check_manifest
-from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_attachment, check_steps
+from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_attachment, check_steps, may_all_be_unattached
 from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract
 from ckptaudit.formats import open_checkpoint
-from ckptaudit.formats.base import Checkpoint, Unreadable
+from ckptaudit.formats.base import Checkpoint, Unreadable, walk
 from ckptaudit.formats.tensors import DEFAULT_CHUNK_BYTES, FileMaps, TensorData, iter_chunks
-from ckptaudit.layouts import TensorRef, View, interpret
+from ckptaudit.layouts import SCHEDULER_KEYS, TensorRef, View, file_rule, interpret
 from ckptaudit.model import ComponentKind, Finding, Precision, Report, Severity, TensorRecord
 from ckptaudit.records import scan_tensor
 
@@ -188,7 +188,13 @@ def _judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
         findings += comp_findings
         findings += s.attachment.findings
         findings += check_steps(view.optimizer, s.steps)
-        findings += check_precision(params, contract)
+        frozen = [r for r in s.records if r.component == ComponentKind.MODEL.value and r.role == "buffer"
+                  and r.precision not in (Precision.NOT_FLOAT, Precision.UNREAD)]
+        findings += check_precision(params, contract, frozen=frozen,
+                                    frozen_why=_FROZEN_WHY.get(s.attachment.status, ""),
+                                    before_first_update=before_first_update(s),
+                                    not_judged=_maybe_frozen(s, params, contract.master_dtype),
+                                    not_judged_why=_NOT_JUDGED_WHY.get(s.attachment.status, ""))
     findings.sort(key=lambda f: (-int(f.severity), f.code, f.subject))
     return Report(
         command="audit",
@@ -202,6 +208,97 @@ def _judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
         extra={"files": dict(s.ckpt.files), "attachment": s.attachment.status,
                "step": view.step, "expect": options.expect},
     )
+
+
+_FROZEN_WHY = {
+    "by-name": "no optimizer state entry names it",
+    "by-param-names": "no optimizer state entry names it",
+    "unique-order": "no order-consistent assignment of the index-keyed optimizer state gives it an entry",
+    "ambiguous": "no order-consistent assignment of the index-keyed optimizer state gives it an entry",
+    "unknown-order": "no entry of the index-keyed optimizer state has its shape",
+}
+"""How :func:`~ckptaudit.checks.optimizer.check_attachment` decided, by its status, that a model tensor carries no
+optimizer state."""
+
+
+_NOT_JUDGED_WHY = {
+    "ambiguous": "an order-consistent assignment of the index-keyed state that fits every entry leaves all such "
+                 "parameters out",
+    "unknown-order": "the model file keeps no parameter order, and the index-keyed state's shapes fit the other "
+                     "parameters",
+}
+
+
+def _maybe_frozen(s: ScannedCheckpoint, params: list[TensorRecord], master: str) -> set[str]:
+    """The parameters below a wide master dtype when index-keyed optimizer state may give none of them an entry
+    (every one could be frozen); empty when the state decides (a unique attachment, names) or some must be
+    trainable."""
+    if master not in ("float32", "float64") or s.attachment.status not in _NOT_JUDGED_WHY:
+        return set()
+    below = {r.param for r in params if r.param is not None
+             and (r.dtype in ("bfloat16", "float16") or (r.dtype == "float32"
+                                                         and r.precision in (Precision.BF16, Precision.FP16)))}
+    return below if may_all_be_unattached(s.view, below) else set()
+
+
+def before_first_update(s: ScannedCheckpoint) -> str | None:
+    """The evidence, in words, that no optimizer update was applied before this save; ``None`` when the
+    checkpoint's own state does not show it.
+
+    Shown by: an optimizer whose state is empty (one that keeps state from its first step: Adam's betas, or a
+    momentum), or whose every moment is exactly zero with step counters 0 or 1 (``get_state_dict`` fills a fresh
+    optimizer's state by its own zero-lr step: step 1, zero moments); and no train step or scheduler step above 0.
+    Reads the moments that could be zero (one pass, stopping at the first non-zero byte).
+    """
+    opt = s.view.optimizer
+    if opt is None or (s.view.step is not None and s.view.step != 0):
+        return None
+    epochs = scheduler_steps(s.ckpt)
+    if any(e > 0 for e in epochs):
+        return None
+    said = [f"train step {s.view.step}"] if s.view.step is not None else []
+    said += ["scheduler step 0"] if epochs else []
+    if not opt.state:
+        stateful = any("betas" in g or (isinstance(g.get("momentum"), int | float) and g["momentum"] > 0)
+                       for g in opt.groups)
+        if not stateful and not said:
+            return None  # plain SGD keeps no state even after many steps
+        return "; ".join(["the optimizer holds no state", *said])
+    if any(v not in (0.0, 1.0) for v in s.steps.values()):
+        return None
+    moments = [(r, ref) for r, ref in zip(s.records, s.refs, strict=True)
+               if r.component == ComponentKind.OPTIMIZER.value and r.role in ELEMENTWISE_STATE]
+    if not moments:
+        return None
+    # Zero moments are 16-bit-representable with no informative value: rule out every other tensor before reading.
+    if any(r.precision not in (Precision.INCONCLUSIVE, Precision.NATIVE_16) or not isinstance(ref.data, TensorData)
+           for r, ref in moments):
+        return None
+    if not all(isinstance(ref.data, TensorData) and _all_zero(ref.data, s.ckpt.maps) for _, ref in moments):
+        return None
+    counters = sorted({f"{v:g}" for v in s.steps.values()})
+    return "; ".join([f"all {len(moments)} optimizer moments are exactly zero"
+                      + (f", step counters {' and '.join(counters)}" if counters else ""), *said])
+
+
+def _all_zero(data: TensorData, maps: FileMaps) -> bool:
+    try:
+        return not any(np.ascontiguousarray(chunk).view(np.uint8).any() for chunk in iter_chunks(data, maps))
+    except (ValueError, OSError):
+        return False
+
+
+def scheduler_steps(ckpt: Checkpoint) -> list[int]:
+    """Every learning-rate scheduler's ``last_epoch`` (steps taken; 0 right after construction) the checkpoint
+    holds, wherever its layout keeps schedulers (``scheduler*.pt`` files, ``scheduler``/``lr_scheduler(s)`` keys)."""
+    trees: list[Any] = []
+    for part in ckpt.parts:
+        if part.name and file_rule(part.name) is ComponentKind.SCHEDULER:
+            trees.append(part.tree)
+        elif isinstance(part.tree, dict):
+            trees += [v for k, v in part.tree.items() if str(k) in SCHEDULER_KEYS]
+    return [leaf for tree in trees for path, leaf in walk(tree)
+            if path and path[-1] == "last_epoch" and isinstance(leaf, int) and not isinstance(leaf, bool)]
 
 
 def _summary(s: ScannedCheckpoint, findings: list[Finding], master: str, options: AuditOptions) -> str:

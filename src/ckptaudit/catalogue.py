@@ -32,6 +32,15 @@ _RULES: tuple[Rule, ...] = (
          "masters are expected."),
     Rule("precision.low-precision-storage", E, "Parameters stored as bf16/fp16 where the contract expects "
          "full-precision masters."),
+    Rule("precision.before-first-update", W, "Full-precision masters whose values are all bf16/fp16-representable "
+         "in a checkpoint whose own state shows no optimizer update applied yet (no optimizer state, or all-zero "
+         "moments with step counters 0 or 1; train and scheduler step 0): consistent with a start from 16-bit "
+         "weights; had the initial weights been fp32, their low bits were lost."),
+    Rule("precision.not-optimised", INFO, "A model tensor with no optimizer state (a frozen parameter or a buffer) "
+         "stored or rounded below the master dtype: no full-precision master is due for what is never updated."),
+    Rule("precision.not-judged", W, "Parameters stored or rounded below the master dtype that index-keyed optimizer "
+         "state may leave without an entry (frozen parameters owe no master; trainable ones would have lost bits): "
+         "which they are cannot be told offline."),
     Rule("contract.low-precision-masters", INFO, "The checkpoint's own state shows a run with low-precision masters "
          "(parameters and optimizer moments both 16-bit); parameters are held to that contract."),
     Rule("contract.unknown", W, "The master dtype could not be inferred (no optimizer state, mixed dtypes); pass "

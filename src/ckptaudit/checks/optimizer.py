@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ __all__ = [
     "assign_by_order",
     "check_attachment",
     "check_steps",
+    "may_all_be_unattached",
     "moment_shape",
 ]
 
@@ -74,8 +75,9 @@ class Attachment:
     ``none``."""
     findings: list[Finding] = field(default_factory=list)
     params: frozenset[str] = frozenset()
-    """Model FQNs that carry optimizer state in some fitting attachment (the trainable parameters); empty when
-    that cannot be told (unknown order, mismatch)."""
+    """Model FQNs that carry optimizer state in some fitting attachment (the trainable parameters); the rest are
+    not optimised (frozen parameters, buffers). Empty when that cannot be told (a mismatch, or an unknown order
+    with an entry whose shape its state does not say)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +168,24 @@ def _candidates(model: ModelView) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def may_all_be_unattached(view: View, fqns: Collection[str]) -> bool:
+    """Whether some attachment of the index-keyed optimizer state that fits the model gives none of ``fqns`` an
+    entry, so that each of them could be a frozen parameter. By the model's order where it is known (an
+    order-consistent assignment to the other tensors), else as a multiset of shapes. State keyed by names decides
+    by name, so there it is ``False``, as it is when nothing fits."""
+    opt, model = view.optimizer, view.model
+    if opt is None or model is None or not fqns or opt.keyed == "fqn" or _param_names(opt) is not None:
+        return False
+    grouped: list[list[Any]] = [list(g.get("params", [])) for g in opt.groups] or [list(opt.state)]
+    expected = [[moment_shape(opt.state[k]) if k in opt.state else None for k in g] for g in grouped]
+    rest = [shape for fqn, shape in _candidates(model) if fqn not in fqns]
+    if not model.order_known:
+        have = Counter(rest)
+        need = Counter(s for g in expected for s in g if s is not None)
+        return sum(map(len, expected)) <= len(rest) and all(have[s] >= c for s, c in need.items())
+    return assign_by_order(rest, expected).count >= 1
+
+
 def _by_order(opt: OptimizerView, model: ModelView) -> Attachment:
     result = Attachment()
     findings: list[Finding] = []
@@ -209,6 +229,11 @@ def _by_order(opt: OptimizerView, model: ModelView) -> Attachment:
                 )
             )
             outcome = "the model file keeps no parameter order, so only the multiset of shapes was checked"
+            if all(s is not None for g in expected for s in g):
+                # Any placement of entries on tensors of their shape fits: a tensor whose shape no entry has
+                # carries no optimizer state in any of them (a frozen parameter, e.g. the base embedding PEFT
+                # saves beside its adapters). An entry of unknown shape could sit anywhere: then nothing is decided.
+                result.params = frozenset(fqn for fqn, shape in candidates if shape in need)
         result.findings = [_index_keyed(opt, result.status, outcome, groups=sizes), *findings]
         return result
     fit = assign_by_order([s for _, s in candidates], expected)

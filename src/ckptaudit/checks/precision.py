@@ -8,7 +8,7 @@ parameters mean a run that trains with low-precision masters, which is a differe
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ckptaudit.catalogue import finding
 from ckptaudit.model import Contract, Finding, Precision, TensorRecord
@@ -83,9 +83,30 @@ def _low(dtype: str, why: str) -> list[Finding]:
     ]
 
 
-def check_precision(params: Sequence[TensorRecord], contract: Contract) -> list[Finding]:
-    """Per-parameter findings: stored or effectively rounded below the contract's master dtype."""
+def check_precision(
+    params: Sequence[TensorRecord],
+    contract: Contract,
+    *,
+    frozen: Sequence[TensorRecord] = (),
+    frozen_why: str = "",
+    before_first_update: str | None = None,
+    not_judged: Collection[str] = (),
+    not_judged_why: str = "",
+) -> list[Finding]:
+    """Per-parameter findings: stored or effectively rounded below the contract's master dtype.
+
+    ``params``: the model's float parameters that carry optimizer state, or whose state cannot be told.
+    ``frozen``: model float tensors the optimizer state shows carry none (frozen parameters, buffers; how that
+    was decided: ``frozen_why``): never updated, so no master is due; what lies below the master dtype is info.
+    ``before_first_update``: the evidence, in words, that no optimizer update was applied before this save;
+    then 16-bit-representable masters are what a start from 16-bit weights looks like (a warning, not an error).
+    ``not_judged``: FQNs of parameters below the master dtype that the optimizer state may leave without an entry
+    (``not_judged_why``: how); frozen ones owe no master, trainable ones lost bits: a warning, not a verdict.
+    Under an unknown contract nothing is judged per parameter (``contract.unknown`` says why).
+    """
     findings: list[Finding] = []
+    if contract.master_dtype == "unknown":
+        return findings
     if contract.master_dtype not in ("float32", "float64"):
         # A 16-bit contract: only a different 16-bit storage is a defect.
         for r in params:
@@ -93,26 +114,86 @@ def check_precision(params: Sequence[TensorRecord], contract: Contract) -> list[
                 findings.append(_storage(r, contract))
         return findings
     for r in params:
-        if r.dtype in _NARROW:
-            findings.append(_storage(r, contract))
-        elif r.dtype == "float32" and r.precision in (Precision.BF16, Precision.FP16) and r.stats is not None:
-            fmt, bits = ("bf16", 16) if r.precision is Precision.BF16 else ("fp16", 13)
-            informative = r.stats.informative_bf16 if fmt == "bf16" else r.stats.informative_fp16
+        rounded = _rounded(r)
+        if r.param in not_judged and (r.dtype in _NARROW or rounded is not None):
+            what = (f"{r.dtype}, with all {r.numel} values {rounded[0]}-representable" if rounded is not None
+                    else f"stored as {r.dtype}")
             findings.append(
                 finding(
-                    f"precision.{fmt}-rounded",
+                    "precision.not-judged",
                     r.name,
-                    f"{r.name}: float32 parameter whose {r.numel} values are all {fmt}-representable "
-                    f"({informative} informative values; a genuine fp32 tensor does this with probability "
-                    f"below 2^-{bits * min(informative, 64)}). Its low mantissa bits were lost before saving, "
-                    f"e.g. by capturing the {fmt} compute copy; save the sharded fp32 masters instead "
-                    "(get_state_dict + torch.distributed.checkpoint).",
+                    f"{r.name}: {what}, and the optimizer state may hold no entry for it ({not_judged_why}). As a "
+                    f"frozen parameter it owes no {contract.master_dtype} master; as a trainable one it lost its low "
+                    "bits before saving. Not judged: compare against a reference (ckptaudit compare) or save "
+                    "FQN-keyed optimizer state (get_optimizer_state_dict) so that frozen parameters are named.",
+                    dtype=r.dtype,
+                )
+            )
+            continue
+        if r.dtype in _NARROW:
+            findings.append(_storage(r, contract))
+            continue
+        if rounded is None:
+            continue
+        fmt, bits, informative = rounded
+        if before_first_update is not None:
+            findings.append(
+                finding(
+                    "precision.before-first-update",
+                    r.name,
+                    f"{r.name}: float32 master whose {r.numel} values are all {fmt}-representable, in a checkpoint "
+                    f"saved before any optimizer update ({before_first_update}). That is what a start from {fmt} "
+                    f"weights looks like (e.g. a {fmt} release loaded into fp32 masters), and nothing was lost "
+                    f"since; had the initial weights been fp32, their low bits were lost before this save. After "
+                    f"real steps, masters like these are precision.{fmt}-rounded (an error).",
                     numel=r.numel,
                     informative=informative,
                     dtype=r.dtype,
                 )
             )
+            continue
+        findings.append(
+            finding(
+                f"precision.{fmt}-rounded",
+                r.name,
+                f"{r.name}: float32 parameter whose {r.numel} values are all {fmt}-representable "
+                f"({informative} informative values; a genuine fp32 tensor does this with probability "
+                f"below 2^-{bits * min(informative, 64)}). Its low mantissa bits were lost before saving, "
+                f"e.g. by capturing the {fmt} compute copy; save the sharded fp32 masters instead "
+                "(get_state_dict + torch.distributed.checkpoint).",
+                numel=r.numel,
+                informative=informative,
+                dtype=r.dtype,
+            )
+        )
+    for r in frozen:
+        rounded = _rounded(r)
+        if r.dtype in _NARROW:
+            what = f"stored as {r.dtype}"
+        elif rounded is not None:
+            what = f"{r.dtype}, with all {r.numel} values {rounded[0]}-representable"
+        else:
+            continue
+        findings.append(
+            finding(
+                "precision.not-optimised",
+                r.name,
+                f"{r.name}: {what}, but it carries no optimizer state "
+                f"({frozen_why or 'no optimizer entry belongs to it'}): a frozen parameter or a buffer is never updated, so no {contract.master_dtype} master is due "
+                "and nothing is lost by keeping it as it was loaded",
+                dtype=r.dtype,
+            )
+        )
     return findings
+
+
+def _rounded(r: TensorRecord) -> tuple[str, int, int] | None:
+    """(format, bits per informative value, informative values) when ``r`` is a wide tensor of 16-bit values."""
+    if r.dtype != "float32" or r.stats is None or r.precision not in (Precision.BF16, Precision.FP16):
+        return None
+    if r.precision is Precision.BF16:
+        return "bf16", 16, r.stats.informative_bf16
+    return "fp16", 13, r.stats.informative_fp16
 
 
 def _storage(r: TensorRecord, contract: Contract) -> Finding:
