@@ -567,6 +567,7 @@ def write_artifact(out: str, exported: dict[str, torch.Tensor], metadata: dict[s
         for fname, keys in zip(names, shards, strict=True):
             path = os.path.join(tmp, fname)
             save_file({k: exported[k] for k in keys}, path, metadata=metadata)
+            os.chmod(path, 0o666 & ~_umask())  # safetensors creates 0600 files: a server of another user could not read them
             _fsync(path)
             files.append(WrittenFile(fname, len(keys), os.path.getsize(path)))
         if len(shards) > 1:
@@ -592,6 +593,20 @@ def write_artifact(out: str, exported: dict[str, torch.Tensor], metadata: dict[s
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux says it (``os.umask`` sets it while it reads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync(path: str) -> None:
