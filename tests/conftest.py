@@ -39,3 +39,55 @@ def copy_of(tmp_path: Path):  # type: ignore[no-untyped-def]
         return dst
 
     return copy
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# File order. CKPTAUDIT_TEST_ORDER=reverse runs the test files last-first, =random (or random:SEED) in a shuffled
+# order whose seed is printed in the header; the tests inside a file keep their order. CI runs the suite once in
+# reversed file order (.ci/run), so that no test passes only because another file ran before it.
+
+
+def _file_order() -> tuple[str, int | None]:
+    import os
+    import random
+
+    value = os.environ.get("CKPTAUDIT_TEST_ORDER", "").strip()
+    if value in ("", "default"):
+        return "default", None
+    if value == "reverse":
+        return "reverse", None
+    if value == "random" or value.startswith("random:"):
+        seed = value.partition(":")[2]
+        return "random", int(seed) if seed else random.SystemRandom().randrange(1 << 31)
+    raise pytest.UsageError(f"CKPTAUDIT_TEST_ORDER={value!r}: use reverse, random or random:SEED")
+
+
+_ORDER = pytest.StashKey[tuple[str, "int | None"]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_ORDER] = _file_order()
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    mode, seed = config.stash[_ORDER]
+    if mode == "default":
+        return None
+    return f"test file order: {mode}" + (f" (CKPTAUDIT_TEST_ORDER=random:{seed} repeats it)" if seed is not None else "")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import random
+
+    mode, seed = config.stash[_ORDER]
+    if mode == "default":
+        return
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(str(item.path), []).append(item)
+    order = list(files)
+    if mode == "reverse":
+        order.reverse()
+    else:
+        random.Random(seed).shuffle(order)
+    items[:] = [item for f in order for item in files[f]]

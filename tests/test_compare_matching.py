@@ -79,3 +79,29 @@ def test_a_stale_step_and_scheduler_are_different(tmp_path: Path) -> None:
     different = {f.subject for f in report.findings if f.code == "compare.different"}
     assert different == {"scheduler", "data-progress"}
     assert "parameters identical" in report.summary
+
+
+def test_a_tensor_over_many_chunks_that_differs_only_in_its_last_element_is_different(tmp_path: Path) -> None:
+    """The multi-chunk route: the first chunks are bitwise equal (the pass switches to hashing only), so only the
+    digests, taken over every chunk, can see the last element; with 64-byte chunks a 4096-element tensor is 256
+    chunks on each side."""
+    from ckptaudit.compare import CompareOptions
+
+    ref = training_state()
+    big = torch.randn(64, 64, generator=torch.Generator().manual_seed(7))
+    ref["model"]["big.weight"] = big
+    cand = training_state()
+    late = big.clone()
+    late.view(-1)[-1] += 1.0
+    cand["model"]["big.weight"] = late
+    torch.save(ref, tmp_path / "ref.pt")
+    torch.save(cand, tmp_path / "cand.pt")
+    options = CompareOptions(chunk_bytes=64)
+    assert big.numel() * 4 > 200 * options.chunk_bytes
+    report = compare(str(tmp_path / "ref.pt"), str(tmp_path / "cand.pt"), options)
+    pair = next(p for p in report.extra["pairs"] if p["key"] == "model/big.weight")
+    assert pair["status"] == "different"
+    assert pair["diff"]["differ"] == 1 and pair["diff"]["elements"] == 4096
+    assert abs(pair["diff"]["max_abs"] - 1.0) < 1e-5
+    assert statuses(report)["model/lin.weight"] == "identical"
+    assert any(f.code == "compare.different" and "big.weight" in f.message for f in report.findings)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -109,11 +110,15 @@ def test_training_args_are_reported_not_loaded_and_never_executed(hf: Path, monk
 
     made: list[str] = []
 
-    def tripwire(cls: type, *args: Any, **kwargs: Any) -> Any:
-        made.append(cls.__name__)
+    def tripwire(self: Any, state: Any) -> None:
+        made.append(type(self).__name__)
         raise RuntimeError("TrainingArguments was unpickled")
 
-    monkeypatch.setattr(TrainingArguments, "__new__", staticmethod(tripwire))
+    # Unpickling builds the object (NEWOBJ) and then fills it through __setstate__ (BUILD). Patch that, not
+    # __new__: monkeypatch undoes a patched __new__ by deleting it, which leaves the class unconstructible
+    # (CPython keeps a slot wrapper that forwards the arguments to object.__new__).
+    assert "__setstate__" not in TrainingArguments.__dict__
+    monkeypatch.setattr(TrainingArguments, "__setstate__", tripwire, raising=False)
     ckpt = hf / "trainer-bin" / "checkpoint-2"
     report = audit(str(ckpt))
     f = one(report, "security.not-loaded")
@@ -184,6 +189,47 @@ def test_swapped_entries_of_different_shapes_are_a_shape_mismatch(hf: Path, tmp_
     st = audit(str(tmp_path / "swapped-st"))
     assert "optimizer.attachment-unverified" in codes(st)
     assert st.extra["attachment"] == "unknown-order"
+
+
+def _reshape_entry(src: Path, dst: Path, shape: tuple[int, ...], avoid: tuple[int, ...] | None = None) -> int:
+    """Copy the checkpoint, giving one optimizer entry (not of shape ``avoid``) moments of ``shape``."""
+    import torch
+
+    shutil.copytree(src, dst)
+    osd = safe_torch_load(src / "optimizer.pt")
+    key = next(k for k, v in osd["state"].items() if tuple(v["exp_avg"].shape) != avoid)
+    for name in ("exp_avg", "exp_avg_sq"):
+        osd["state"][key][name] = torch.zeros(shape)
+    torch.save(osd, dst / "optimizer.pt")
+    return int(key)
+
+
+def test_unordered_model_checks_the_multiset_of_moment_shapes(hf: Path, tmp_path: Path) -> None:
+    """Beside model.safetensors (no parameter order) the moments are checked as a multiset of shapes: a shape the
+    model lacks, and one shape needed once more often than the model has it, are each a shape mismatch."""
+    from safetensors import safe_open
+
+    src = hf / "trainer-safetensors" / "checkpoint-2"
+    with safe_open(str(src / "model.safetensors"), framework="pt") as fh:
+        have = Counter(tuple(fh.get_slice(k).get_shape()) for k in fh.keys())
+    osd = safe_torch_load(src / "optimizer.pt")
+    need = Counter(tuple(v["exp_avg"].shape) for v in osd["state"].values())
+    assert audit(str(src)).extra["attachment"] == "unknown-order"
+
+    lacking = _reshape_entry(src, tmp_path / "lacking", (3, 5, 7))
+    report = audit(str(tmp_path / "lacking"))
+    f = one(report, "optimizer.shape-mismatch")
+    assert f.severity is Severity.ERROR and "moment shapes the model lacks: 1 x [3, 5, 7]" in f.message, f.message
+    assert report.extra["attachment"] == "mismatch" and lacking in osd["state"]
+
+    # A shape every one of whose model tensors already has its entry: one entry more of it cannot fit.
+    full = next(shape for shape, n in have.items() if need[shape] == n)
+    _reshape_entry(src, tmp_path / "one-too-many", full, avoid=full)
+    report = audit(str(tmp_path / "one-too-many"))
+    f = one(report, "optimizer.shape-mismatch")
+    assert f"moment shapes the model lacks: 1 x {list(full)}" in f.message, f.message
+    assert report.extra["attachment"] == "mismatch"
+    assert "optimizer.attachment-unverified" not in codes(report)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -364,6 +364,33 @@ def test_gate_metrics_on_known_logits() -> None:
                                    max_loss_diff=10)).passed
 
 
+def test_the_loss_difference_alone_can_fail_the_gate() -> None:
+    """Logits whose every other metric is within lax limits but whose next-token loss moved: the gate fails on
+    --max-loss-diff alone, with the value computed by hand (log-sum-exp), and passes once the limit is above it."""
+    import math
+
+    ref = torch.tensor([[[2.0, 1.0, 0.0], [0.0, 4.0, 1.0], [1.0, 1.0, 3.0]]])
+    exported = ref * 1.5  # sharper, same argmax everywhere
+    targets = torch.tensor([[0, 2, 2]])
+
+    def ce(rows: list[list[float]], tgt: list[int]) -> float:
+        return sum(math.log(sum(math.exp(v) for v in row)) - row[t] for row, t in zip(rows, tgt, strict=True)) / 3
+
+    want = abs(ce(exported[0].tolist(), [0, 2, 2]) - ce(ref[0].tolist(), [0, 2, 2]))
+    m = compare_logits(ref, exported, targets)
+    assert m.loss_diff == pytest.approx(want, rel=1e-9) and want > 0.05
+    lax = dict(max_abs_diff=1e9, max_rel_diff=1e9, min_cosine=0.0, min_top1=0.0)
+    result = judge(m, GateThresholds(**lax, max_loss_diff=0.05))
+    assert not result.passed
+    assert [c.metric for c in result.checks if not c.passed] == ["loss_diff"]
+    assert len(result.failures) == 1 and "--max-loss-diff" in result.failures[0]
+    assert judge(m, GateThresholds(**lax, max_loss_diff=want * 1.01)).passed
+    # Without next-token targets there is no loss check at all (reported as gate.no-loss, not as a pass on it).
+    untargeted = compare_logits(ref, exported)
+    assert untargeted.loss_diff is None
+    assert "loss_diff" not in {c.metric for c in judge(untargeted, GateThresholds(**lax, max_loss_diff=0.0)).checks}
+
+
 def test_non_finite_exported_logits_fail_whatever_the_thresholds() -> None:
     ref = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(0))
     bad = ref.clone()

@@ -478,3 +478,49 @@ def test_cli_latest_json_and_exit_codes(tmp_path: Path) -> None:
     err = io.StringIO()
     assert main(["latest", str(tmp_path / "nowhere")], stdout=io.StringIO(), stderr=err) == 2
     assert "no such file or directory" in err.getvalue()
+
+
+def test_every_file_and_directory_is_fsynced_before_the_rename_that_publishes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Durability, one fsync at a time: every os.fsync (the writer's and DCP's) and every rename is recorded, the
+    fsynced object identified by its inode (a file keeps its inode through renames). Before the commit rename:
+    every file of the checkpoint, then its directory (after the last file, so the entries are durable too); after
+    it, the root. The ``latest`` pointer: its file before the replace, the root after."""
+    events: list[tuple[str, int]] = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        events.append(("fsync", os.fstat(fd).st_ino))
+
+    def renamer(real: Any, kind: str) -> Any:
+        def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            real(src, dst, *args, **kwargs)
+            events.append((f"{kind}:{os.path.basename(os.fspath(dst))}", os.stat(dst).st_ino))
+        return rename
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", renamer(real_rename, "rename"))
+    monkeypatch.setattr(os, "replace", renamer(real_replace, "replace"))
+    saved = save_checkpoint(trained(2), tmp_path / "ckpts")
+    monkeypatch.undo()
+
+    final, root = Path(saved.path), tmp_path / "ckpts"
+    ino = {p.name: p.stat().st_ino for p in final.iterdir()}
+    assert set(ino) == {".metadata", "__0_0.distcp", "manifest.json"}
+    commit = events.index(("rename:step-000002", final.stat().st_ino))
+    before, after = events[:commit], events[commit + 1:]
+
+    def last_fsync(inode: int, within: list[tuple[str, int]], what: str = "") -> int:
+        hits = [i for i, e in enumerate(within) if e == ("fsync", inode)]
+        assert hits, f"never fsynced in time: {what or [n for n, i in ino.items() if i == inode]} (inode {inode})"
+        return hits[-1]
+
+    files_done = max(last_fsync(i, before) for i in ino.values())
+    assert last_fsync(final.stat().st_ino, before, "the checkpoint directory") > files_done, "directory before files"
+    assert ("fsync", root.stat().st_ino) in before[:files_done], "the root after creating the temporary directory"
+    pointer = events.index(("replace:latest", (root / "latest").stat().st_ino))
+    assert last_fsync((root / "latest").stat().st_ino, events[commit:pointer], "the latest pointer") >= 0
+    assert ("fsync", root.stat().st_ino) in events[commit + 1:pointer], "the root after the commit rename"
+    assert ("fsync", root.stat().st_ino) in events[pointer + 1:], "the root after the pointer's replace"
+    assert after, "nothing after the commit"

@@ -6,6 +6,7 @@ files -> readers (:mod:`ckptaudit.formats`) -> interpretation (:mod:`ckptaudit.l
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,6 +197,9 @@ def _judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
                                     not_judged=_maybe_frozen(s, params, contract.master_dtype),
                                     not_judged_why=_NOT_JUDGED_WHY.get(s.attachment.status, ""))
     findings.sort(key=lambda f: (-int(f.severity), f.code, f.subject))
+    summary = _summary(s, findings, contract.master_dtype, options)
+    if _nothing_recognised(s, components):
+        findings, summary, components = _not_a_checkpoint(s, findings)
     return Report(
         command="audit",
         path=s.ckpt.path,
@@ -204,7 +208,7 @@ def _judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
         contract=contract,
         components=components,
         tensors=tuple(s.records),
-        summary=_summary(s, findings, contract.master_dtype, options),
+        summary=summary,
         extra={"files": dict(s.ckpt.files), "attachment": s.attachment.status,
                "step": view.step, "expect": options.expect},
     )
@@ -299,6 +303,34 @@ def scheduler_steps(ckpt: Checkpoint) -> list[int]:
             trees += [v for k, v in part.tree.items() if str(k) in SCHEDULER_KEYS]
     return [leaf for tree in trees for path, leaf in walk(tree)
             if path and path[-1] == "last_epoch" and isinstance(leaf, int) and not isinstance(leaf, bool)]
+
+_NOT_RECOGNISED = ("format.unrecognized", "format.unsupported")
+
+
+def _nothing_recognised(s: ScannedCheckpoint, components: tuple[Any, ...]) -> bool:
+    """No tensor, no component, and the readers said only that they recognise nothing (a text file, a folder of
+    other files): a checkpoint that is hostile or damaged says more than that and is judged as usual."""
+    return (not s.records and not any(c.found for c in components)
+            and all(f.code in _NOT_RECOGNISED for f in s.findings))
+
+
+def _not_a_checkpoint(s: ScannedCheckpoint, findings: list[Finding]) -> tuple[list[Finding], str, tuple[Any, ...]]:
+    """Say first that ``path`` is no checkpoint, then why each file was not one; no component is judged missing
+    (there is no checkpoint for them to be missing from)."""
+    name = os.path.basename(os.path.normpath(s.ckpt.path)) or s.ckpt.path
+    per_file = [f for f in findings if f.code in _NOT_RECOGNISED and f.subject != name]
+    same = [f for f in findings if f.code in _NOT_RECOGNISED and f.subject == name]
+    known = ("torch.save, safetensors, torch.distributed.checkpoint, or a Hugging Face Trainer, Accelerate, "
+             "Lightning or torchtitan checkpoint directory")
+    detail = "; ".join(f.message for f in same)
+    head = finding("format.unrecognized", name,
+                   f"{name}: not a checkpoint in any known format ({known})"
+                   + (f". Detail: {detail}" if detail else f"; {len(per_file)} file(s) were tried, see below"
+                      if per_file else ""),
+                   files=sorted(s.ckpt.files))
+    rest = [f for f in findings if f.code != "component.missing" and f not in same and f not in per_file]
+    summary = f"not a checkpoint: {name} is not in any format ckptaudit reads"
+    return [head, *per_file, *rest], summary, ()
 
 
 def _summary(s: ScannedCheckpoint, findings: list[Finding], master: str, options: AuditOptions) -> str:

@@ -130,7 +130,8 @@ _RULES: tuple[Rule, ...] = (
     # ---- probe (ckptaudit probe / ckptaudit.probe.Probe: the live job observed at three points) ----
     Rule("probe.saved-compute-copy", E, "The saved tensor equals the compute representation observed inside "
          "forward (the master rounded to the compute dtype), stored in the compute dtype or upcast back, instead "
-         "of the sharded master: the exporter saved the FSDP compute copies."),
+         "of the sharded master: bit for bit the compute copy, whether the exporter captured the compute copies "
+         "or cast the gathered masters to the compute dtype."),
     Rule("probe.mismatch", E, "The saved tensor equals neither the sharded master nor its compute copy (the "
          "detail says which ranks' shards differ, or that it is the master rounded to another format)."),
     Rule("probe.not-saved", E, "A parameter the job trains is absent from the saved state, or its data could not "

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from ckptaudit import __version__
 from ckptaudit.model import ComponentKind, Report, Severity
@@ -30,8 +30,25 @@ class _ArgumentError(Exception):
         self.parser = parser
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the default is empty or the help already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "default" in text or default in (None, False, [], "")
+                or default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
-    """Reports usage errors by raising, so ``main`` writes them to its own stderr and returns 2."""
+    """Reports usage errors by raising, so ``main`` writes them to its own stderr and returns 2; shows defaults in
+    ``--help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise _ArgumentError(self, message)
@@ -110,6 +127,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="comma-separated components whose absence rejects a candidate: scheduler,rng,data-progress")
     lt.add_argument("--all", action="store_true", help="validate every candidate, not only down to the latest")
     lt.add_argument("--verbose", "-v", action="store_true", help="list every finding")
+    lt.add_argument("--fail-on", choices=["error", "warning", "info"],
+                    help="also exit 1 when a finding (a rejected candidate, a stale pointer) reaches this severity; "
+                    "without it, exit 1 only when no checkpoint is resumable")
+    lt.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
 
     d = sub.add_parser("demo", help="run the whole story on the built-in recipe (CPU, 2 ranks)")
     d.add_argument("--out", default="ckptaudit-demo", help="directory for checkpoints and reports")
@@ -151,6 +172,43 @@ def _require(text: str) -> frozenset[ComponentKind]:
             choices = ", ".join(k.value for k in ComponentKind)
             raise UsageError(f"--require: unknown component {item!r}; choose from {choices}") from None
     return frozenset(kinds)
+
+
+class _PipeSafe:
+    """``stdout`` that a closed pipe cannot break (``ckptaudit audit X | head -1``): writes after the reader went
+    away are dropped, so the command finishes and returns its verdict's exit code, with no error text."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self.broken = False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                self._out.write(text)
+            except BrokenPipeError:
+                self.broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._out.flush()
+            except BrokenPipeError:
+                self.broken = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
+
+
+def _silence_stdout() -> None:
+    """After a closed pipe: point fd 1 at /dev/null, so that the interpreter's final flush finds no pipe either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _emit(report: Report, args: argparse.Namespace, stdout: TextIO) -> int:
@@ -278,11 +336,21 @@ def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
 
     if not os.path.exists(args.root):
         raise UsageError(f"{args.root}: no such file or directory; give the directory your checkpoints are saved in")
-    report = latest_report(args.root, verify=args.verify, require=_require(args.require), check_all=args.all)
-    args.fail_on = "error"
-    _emit(report, args, stdout)
-    # Exit 1 exactly when nothing is resumable: rejected newer candidates are the normal case after a crash.
-    return EXIT_CLEAN if report.extra["latest"] is not None else EXIT_FINDINGS
+    def progress(msg: str) -> None:
+        stderr.write(f"latest: {msg}\n")
+        stderr.flush()
+
+    show = not args.no_progress and stderr.isatty()
+    report = latest_report(args.root, verify=args.verify, require=_require(args.require), check_all=args.all,
+                           progress=progress if show else None)
+    fail_on = args.fail_on
+    args.fail_on = fail_on or "error"
+    code = _emit(report, args, stdout)
+    # Without --fail-on, exit 1 exactly when nothing is resumable: rejected newer candidates are the normal case
+    # after a crash. With it, findings at or above that severity fail too.
+    if report.extra["latest"] is None:
+        return EXIT_FINDINGS
+    return code if fail_on else EXIT_CLEAN
 
 
 def _cmd_demo(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
@@ -318,12 +386,37 @@ COMMANDS = {"audit": _cmd_audit, "compare": _cmd_compare, "demo": _cmd_demo,
             "resume-test": _cmd_resume}
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parse_args``, except that flags the command does not know are reported with the command's own usage
+    (argparse leaves them to the top-level parser, whose usage lists only the commands)."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub = _subparsers(parser).get(getattr(args, "command", None) or "", parser)
+        sub.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
 def main(argv: Sequence[str] | None = None, *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    stdout = stdout or sys.stdout
+    out = _PipeSafe(stdout or sys.stdout)
     stderr = stderr or sys.stderr
+    try:
+        return _main(argv, out, stderr)
+    finally:
+        if out.broken and stdout is None:
+            _silence_stdout()
+
+
+def _main(argv: Sequence[str] | None, stdout: Any, stderr: TextIO) -> int:
     parser = _parser()
     try:
-        args = parser.parse_args(list(argv) if argv is not None else None)
+        args = _parse(parser, list(argv) if argv is not None else None)
     except _ArgumentError as exc:
         exc.parser.print_usage(stderr)
         stderr.write(f"{exc.parser.prog}: error: {exc}\n")

@@ -194,6 +194,16 @@ def _rounded(p: Pair, re: Entry, ce: Entry) -> Finding:
     fmt = p.status.split("-")[0]
     rd, cd = re.dtype, ce.dtype
     what = "parameter" if ce.component == "model" else (f"optimizer {ce.role}" if ce.role else "tensor")
+    if what == "parameter" and ce.data is not None and ce.data.dtype.itemsize == 2 and ce.data.dtype.is_float:
+        # Stored in the 16-bit dtype itself: what audit calls it too (precision.*-rounded is for values rounded
+        # to 16 bits but stored in a wider dtype, which look like masters until their bits are read).
+        return finding(
+            "precision.low-precision-storage", ce.name,
+            f"{ce.name}: the candidate's parameter is stored as {cd} where the reference keeps {rd} masters "
+            f"({re.name}); its values are the reference's rounded to {fmt} by {p.rounding}: the low bits are "
+            f"gone and cannot be recovered by loading into {rd}; export the {rd} masters instead (get_state_dict + "
+            "torch.distributed.checkpoint)",
+            reference=re.name, rounding=p.rounding, reference_dtype=rd, candidate_dtype=cd, dtype=cd, expected=rd)
     return finding(
         f"precision.{fmt}-rounded", ce.name,
         f"{ce.name}: the candidate's {what} is the reference's {rd} tensor ({re.name}) rounded to {fmt} by "

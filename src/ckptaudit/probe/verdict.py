@@ -92,10 +92,10 @@ def _judge_param(p: ParamInfo, masters: tuple[MasterShard, ...], compute: tuple[
         c_dtype = compute[0].dtype
         if s_dtype == c_dtype and _all_equal(s_hash, {c.rank: c.hash for c in compute}):
             return ParamVerdict(p.fqn, "compute-copy",
-                                f"the {c_dtype} compute copy observed inside forward, saved as {c_dtype}{note}")
+                                f"equal to the {c_dtype} compute copy observed inside forward, saved as {c_dtype}{note}")
         if s_dtype == m_dtype and _all_equal(s_hash, {c.rank: c.upcast_hash for c in compute}):
             return ParamVerdict(p.fqn, "compute-copy-upcast",
-                                f"the {c_dtype} compute copy observed inside forward, upcast to {m_dtype}{note}")
+                                f"equal to the {c_dtype} compute copy observed inside forward, upcast to {m_dtype}{note}")
     order = ([compute_dtype] if compute_dtype in _NARROW else []) + [d for d in _NARROW if d != compute_dtype]
     for narrow in order:
         stored = {m.rank: m.rounded.get(narrow) for m in masters}
@@ -217,7 +217,9 @@ def _findings_for(v: ParamVerdict, masters: tuple[MasterShard, ...], compute: tu
         ev["compute_hash"] = _combined(compute)
     if v.verdict in ("compute-copy", "compute-copy-upcast"):
         return [finding("probe.saved-compute-copy", v.fqn,
-                        f"{v.fqn}: saved the compute copy, not the master: {v.detail}", **ev)]
+                        f"{v.fqn}: the saved tensor is bit for bit the compute copy (the master rounded to the compute "
+                        f"dtype), not the master: {v.detail}. Either the exporter captured the compute copies or it "
+                        "cast the masters to the compute dtype; both lose the low mantissa bits", **ev)]
     if v.verdict in ("rounded", "mismatch"):
         return [finding("probe.mismatch", v.fqn, f"{v.fqn}: the saved tensor is not the master: {v.detail}", **ev)]
     if v.verdict == "not-saved":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 from typing import Any, TextIO
@@ -34,10 +35,30 @@ def _t(value: Any, style: str = "") -> Text:
     return Text(clean(value), style=style)
 
 
+PIPE_WIDTH = 140
+"""Width of the table when the output is not a terminal and ``COLUMNS`` is not set."""
+
+
+def width_for(out: TextIO) -> int | None:
+    """A terminal's own width (``None``: rich asks the terminal, and honours ``COLUMNS``); for a pipe or a file,
+    ``COLUMNS`` when it is set to a sane number, else :data:`PIPE_WIDTH`."""
+    if out.isatty():
+        return None
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and 20 <= int(columns) <= 10_000:
+        return int(columns)
+    return PIPE_WIDTH
+
+
 def console_for(out: TextIO) -> Console:
     # Markup and emoji off: names and messages come from untrusted checkpoints ("[/]" would be a markup error).
-    return Console(file=out, width=None if out.isatty() else 140, highlight=False, soft_wrap=False, markup=False,
-                   emoji=False)
+    return Console(file=out, width=width_for(out), highlight=False, soft_wrap=False, markup=False, emoji=False)
+
+
+def _column(t: Table, header: str, **kwargs: Any) -> None:
+    """A column whose header never breaks inside a word (its narrowest width is the header's longest word)."""
+    kwargs.setdefault("min_width", max(len(w) for w in header.split()) if header.strip() else None)
+    t.add_column(header, **kwargs)
 
 
 def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
@@ -58,9 +79,9 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
         missing = [c for c in report.components if not c.found]
         if verbose or missing:
             t = Table(title="components", title_justify="left", show_edge=False)
-            t.add_column("component")
-            t.add_column("found")
-            t.add_column("where")
+            _column(t, "component", no_wrap=True)
+            _column(t, "found", no_wrap=True)
+            _column(t, "where", overflow="fold")
             for comp in report.components:
                 t.add_row(comp.kind.value, "yes" if comp.found else Text("MISSING", style="red"),
                           _t(", ".join(comp.where) + (f"  ({comp.detail})" if comp.detail else "")))
@@ -70,22 +91,25 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
                                                     for c in report.components)))
     if report.findings:
         t = Table(title="findings", title_justify="left", show_edge=False)
-        t.add_column("severity")
-        t.add_column("code")
-        t.add_column("subject", overflow="fold")
-        t.add_column("message", overflow="fold", ratio=3)
-        by_code: dict[str, list[int]] = defaultdict(list)
+        _column(t, "severity", no_wrap=True)
+        _column(t, "code", no_wrap=True, min_width=min(32, max(len(f.code) for f in report.findings)))
+        _column(t, "subject", overflow="fold", ratio=1)
+        _column(t, "message", overflow="fold", ratio=3)
+        # Rows group by (severity, code): one code can be an error for some subjects and a warning for others
+        # (component.missing: model vs rng), and an error row must not list warning subjects.
+        by_key: dict[tuple[Severity, str], list[int]] = defaultdict(list)
         for i, f in enumerate(report.findings):
-            by_code[f.code].append(i)
-        shown: set[str] = set()
+            by_key[(f.severity, f.code)].append(i)
+        shown: set[tuple[Severity, str]] = set()
         for f in report.findings:
-            same = by_code[f.code]
+            key = (f.severity, f.code)
+            same = by_key[key]
             if verbose or len(same) <= GROUP_ABOVE:
                 t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), _t(f.code), _t(f.subject), _t(f.message))
                 continue
-            if f.code in shown:
+            if key in shown:
                 continue
-            shown.add(f.code)
+            shown.add(key)
             # Many findings of one code (e.g. every parameter rounded): one row, the subjects listed.
             subjects = [report.findings[i].subject for i in same]
             listed = ", ".join(subjects[:MAX_SUBJECTS]) + (", ..." if len(subjects) > MAX_SUBJECTS else "")
@@ -101,7 +125,7 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
         t = Table(title="tensors" if verbose else "tensors below their dtype's precision", title_justify="left",
                   show_edge=False)
         for col in ("name", "role", "dtype", "shape", "effective", "hash"):
-            t.add_column(col, overflow="fold")
+            _column(t, col, overflow="fold")
         for r in odd[: None if verbose else 20]:
             t.add_row(_t(r.name), _t(r.role), _t(r.dtype), str(list(r.shape)), r.precision.value, (r.hash or "-")[:16])
         if not verbose and len(odd) > 20:
@@ -116,7 +140,8 @@ def _section(con: Console, section: dict, verbose: bool) -> None:
     """A command-specific table: ``{"title", "columns", "rows"}``; long ones cut short unless ``verbose``."""
     t = Table(title=_t(section.get("title") or ""), title_justify="left", show_edge=False)
     for col in section.get("columns", []):
-        t.add_column(_t(col), overflow="fold")
+        header = clean(col)
+        t.add_column(Text(header), overflow="fold", min_width=max((len(w) for w in header.split()), default=1))
     rows = section.get("rows", [])
     shown = rows if verbose or len(rows) <= MAX_SECTION_ROWS else rows[: MAX_SECTION_ROWS - 2]
     for row in shown:

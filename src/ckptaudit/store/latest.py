@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,15 +221,18 @@ def _has_our_manifest(path: str) -> bool:
 
 
 def find_latest(root: str, *, verify: str = "hashes", require: Collection[ComponentKind] = frozenset(),
-                check_all: bool = False) -> LatestResult:
+                check_all: bool = False, progress: Callable[[str], None] | None = None) -> LatestResult:
     """Validate the candidates under ``root`` newest first; stop at the first resumable one (or go on through
-    all of them with ``check_all``). Raises ``FileNotFoundError`` when ``root`` does not exist."""
+    all of them with ``check_all``); ``progress`` hears the name of each candidate before it is validated.
+    Raises ``FileNotFoundError`` when ``root`` does not exist."""
     if not os.path.exists(root):
         raise FileNotFoundError(root)
     root = os.path.abspath(root)
     candidates = discover(root)
     result = LatestResult(root, None, [], pointer=layout.read_pointer(root) if os.path.isdir(root) else None)
     for i, c in enumerate(candidates):
+        if progress is not None:
+            progress(f"checking {c.name} ({i + 1} of {len(candidates)}, --verify {verify})")
         checked = validate(c, verify=verify, require=require)
         result.checked.append(checked)
         if checked.resumable and result.latest is None:
@@ -257,11 +260,11 @@ def _candidate_json(ch: Checked | None, c: Candidate) -> dict[str, Any]:
 
 
 def latest_report(root: str, *, verify: str = "hashes", require: Collection[ComponentKind] = frozenset(),
-                  check_all: bool = False) -> Report:
+                  check_all: bool = False, progress: Callable[[str], None] | None = None) -> Report:
     """The :class:`~ckptaudit.model.Report` of ``ckptaudit latest``: ``extra["latest"]`` (path or ``None``)
     and ``extra["candidates"]``; the findings are the errors of the rejected candidates newer than the latest
     resumable one (subjects prefixed by the candidate), and a stale pointer."""
-    result = find_latest(root, verify=verify, require=require, check_all=check_all)
+    result = find_latest(root, verify=verify, require=require, check_all=check_all, progress=progress)
     findings: list[Finding] = list(result.findings)
     rows: list[list[str]] = []
     candidates: list[dict[str, Any]] = []

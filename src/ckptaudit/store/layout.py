@@ -12,6 +12,7 @@ from ckptaudit.formats.storelayout import MANIFEST, POINTER, parse_step_name, pa
 __all__ = [
     "MANIFEST",
     "POINTER",
+    "file_mode",
     "fsync_dir",
     "nonce",
     "parse_step_name",
@@ -52,3 +53,21 @@ def write_durably(path: str, data: bytes) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(parent)
+
+
+def file_mode() -> int:
+    """The mode a new file gets from ``open`` under this process's umask (``0o644`` under ``022``), for files that
+    a library creates more privately (safetensors: ``0o600``). The umask is read from Linux's ``/proc`` where it
+    can be (``os.umask`` changes it while reading it)."""
+    mask = None
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    mask = int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        mask = None
+    if mask is None:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask

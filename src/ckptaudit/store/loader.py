@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -24,14 +24,23 @@ __all__ = ["load_checkpoint"]
 
 
 def _resolve(path: str) -> tuple[str, str]:
-    """(coordinator) A checkpoint directory, or the newest resumable one under a root."""
+    """(coordinator) A checkpoint directory, or the newest resumable one under a root; ``("missing", why)`` when
+    there is nothing to resume yet (no such directory, or no committed checkpoint in it)."""
     from ckptaudit.store.latest import find_latest
 
     if os.path.isfile(os.path.join(path, layout.MANIFEST)):
         return ("ok", path)
+    if not os.path.exists(path):
+        return ("missing", f"{path}: no such directory; give a step directory or the root holding them (or pass "
+                           "missing_ok=True to start from scratch when no checkpoint exists yet)")
     if not os.path.isdir(path):
-        return ("error", f"{path}: no such directory; give a step directory or the root holding them")
+        return ("error", f"{path}: not a directory; give a step directory or the root holding them")
     result = find_latest(path, verify="sizes")
+    if result.latest is None and all(c.candidate.layout == "ckptaudit-temporary" for c in result.checked):
+        temps = [c.candidate.name for c in result.checked]
+        return ("missing", f"{path}: no checkpoint has been committed there yet"
+                + (f" (only the temporary directories of saves that never committed: {', '.join(temps)})"
+                   if temps else "") + "; pass missing_ok=True to start from scratch on a job's first run")
     if result.latest is not None:
         if not os.path.isfile(os.path.join(result.latest.path, layout.MANIFEST)):
             return ("error", f"{path}: the newest resumable checkpoint, {result.latest.name}, was not written by "
@@ -42,6 +51,18 @@ def _resolve(path: str) -> tuple[str, str]:
     return ("error", f"{path}: no resumable checkpoint ({why})")
 
 
+@overload
+def load_checkpoint(job: Job, path: str | os.PathLike[str], *, allow_dtype_change: bool = ...,
+                    allow_world_size_change: bool = ..., strict: bool = ..., verify: str = ...,
+                    missing_ok: Literal[False] = ...) -> LoadedCheckpoint: ...
+
+
+@overload
+def load_checkpoint(job: Job, path: str | os.PathLike[str], *, allow_dtype_change: bool = ...,
+                    allow_world_size_change: bool = ..., strict: bool = ..., verify: str = ...,
+                    missing_ok: bool) -> LoadedCheckpoint | None: ...
+
+
 def load_checkpoint(
     job: Job,
     path: str | os.PathLike[str],
@@ -50,11 +71,22 @@ def load_checkpoint(
     allow_world_size_change: bool = False,
     strict: bool = True,
     verify: str = "hashes",
-) -> LoadedCheckpoint:
+    missing_ok: bool = False,
+) -> LoadedCheckpoint | None:
     """(all ranks, collective) Restore ``job`` from a checkpoint of :func:`save_checkpoint`.
 
     ``path`` is a ``step-N`` directory or the root holding them (then the newest resumable one is taken). On
     CPU the continuation is bit-identical to the uninterrupted run.
+
+    On a job's first run there is nothing to restore: with ``missing_ok=True``, when ``path`` does not exist or
+    holds no committed checkpoint (at most temporaries of saves that never committed), every rank returns
+    ``None`` and ``job`` is left as it is::
+
+        if load_checkpoint(job, "ckpts", missing_ok=True) is None:
+            print("no checkpoint yet: starting from step 0")
+
+    A root that does hold committed checkpoints, none of them resumable, still raises: that is damage, not a
+    first run.
 
     Order of events:
 
@@ -77,6 +109,8 @@ def load_checkpoint(
         resolved = group.broadcast(_resolve(path) if group.coordinator else None, "resolve checkpoint")
     except CollectiveError as exc:
         raise CheckpointLoadError(f"load of {path}: {exc}") from None
+    if resolved[0] == "missing" and missing_ok:
+        return None
     if resolved[0] != "ok":
         raise CheckpointLoadError(resolved[1])
     ckpt: str = resolved[1]

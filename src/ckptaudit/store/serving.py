@@ -43,6 +43,7 @@ from ckptaudit import __version__
 from ckptaudit.catalogue import finding
 from ckptaudit.checks.artifact import HASH_PREFIX, manifest_hash
 from ckptaudit.model import Finding, Report
+from ckptaudit.store import layout
 from ckptaudit.store.gate import GateResult, GateThresholds, compare_logits, judge, next_token_targets
 
 __all__ = [
@@ -567,6 +568,7 @@ def write_artifact(out: str, exported: dict[str, torch.Tensor], metadata: dict[s
         for fname, keys in zip(names, shards, strict=True):
             path = os.path.join(tmp, fname)
             save_file({k: exported[k] for k in keys}, path, metadata=metadata)
+            os.chmod(path, layout.file_mode())  # safetensors creates 0600 files, unreadable to a server's user
             _fsync(path)
             files.append(WrittenFile(fname, len(keys), os.path.getsize(path)))
         if len(shards) > 1:
