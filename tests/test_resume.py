@@ -182,7 +182,7 @@ def test_the_margin_scales_the_floor_step_by_step(margin: float, verdict: str) -
     cfg = ResumeConfig(margin=margin)
     report = _judge(cfg, "/nonexistent", base, {**run, "traj": ref}, {**run, "traj": control, "control": "x"},
                     [(0, run, "", "")])
-    assert report.extra["resume"]["threshold"] == thresholds([0.0, 1e-4, 2e-4], margin, 1e-6)
+    assert report.extra["resume"]["threshold"] == pytest.approx(thresholds([0.0, 1e-4, 2e-4], margin, 1e-6))
     c = report.extra["resume"]["candidates"][0]
     assert c["verdict"] == verdict
     if verdict == "drift":
@@ -222,6 +222,25 @@ def test_reports_render_as_table_json_and_html(experiment: tuple[Report, Path]) 
     page = html.getvalue()
     assert page.count("<svg") == 2 and "<polyline" in page and "drift threshold" in page
     assert "<script" not in page and "ckptaudit-resume-" not in page
+    _check_plots(page)
+
+
+def _check_plots(page: str) -> None:
+    """Every curve inside its plot area, not on its frame unless at an axis end; legend right of the area."""
+    import re
+
+    for svg in re.findall(r"<svg.*?</svg>", page):
+        x0, y0, w, h = (float(v) for v in re.search(
+            r"<rect x='([\d.]+)' y='([\d.]+)' width='([\d.]+)' height='([\d.]+)'", svg).groups())  # type: ignore[union-attr]
+        for pts in re.findall(r"<polyline points='([^']*)'", svg):
+            for xy in pts.split():
+                px, py = (float(v) for v in xy.split(","))
+                assert x0 - 0.01 <= px <= x0 + w + 0.01 and y0 - 0.01 <= py <= y0 + h + 0.01, (px, py)
+        labels = [t for t in re.findall(r"text-anchor='end'>([^<]*)<", svg)]
+        assert "0" in labels  # the zero row (log) or the zero tick (linear)
+        legend_x = [float(v) for v in re.findall(r"<line x1='([\d.]+)' x2='[\d.]+' y1='[\d.]+' y2='[\d.]+' stroke=",
+                                                 svg)]
+        assert max(legend_x) > x0 + w  # the legend is outside the plot area
 
 
 def test_low_precision_master_recipe_resumes_faithfully_through_its_own_checkpoint(tmp_path: Path) -> None:

@@ -767,16 +767,17 @@ def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any
         rows.append([name, state_text, _fmt(max(dev.rel_l2)), f"{max_loss_rel:.2%}",
                      str(drifting[0]) if drifting else "-", verdict.upper() if verdict != "faithful" else verdict])
         forensic_rows.append([name, forensics])
+        state_issues = ", ".join(f"{c} {'differ' if restore[c]['status'] == 'differs' else 'not restored'}"
+                                 for c in problems)
         if verdict == "drift":
             summaries.append(f"{name}: DRIFT (rel. L2 {max(dev.rel_l2):.1e}, loss within {max_loss_rel:.2%})"
-                             + (f"; not restored: {', '.join(problems)}" if problems else ""))
+                             + (f"; {state_issues}" if problems else ""))
         elif verdict == "faithful":
             summaries.append(f"{name}: resumes faithfully")
         elif verdict == "incomplete":
-            summaries.append(f"{name}: INCOMPLETE (not restored: {', '.join(problems)})")
+            summaries.append(f"{name}: INCOMPLETE ({state_issues})")
         else:
-            summaries.append(f"{name}: not judged" + (f" (restored state differs: {', '.join(problems)})"
-                                                     if problems else ""))
+            summaries.append(f"{name}: not judged" + (f" ({state_issues})" if problems else ""))
     findings.sort(key=lambda f: (-int(f.severity), f.code, f.subject))
     doc = {
         "config": {k: v for k, v in asdict(cfg).items() if k != "workdir"},
