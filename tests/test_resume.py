@@ -166,6 +166,18 @@ def test_a_recipe_noisier_than_the_defect_has_no_power_and_judges_nothing() -> N
     assert "ckptaudit.exporters:compute_copy: parameters" in subjects(report, "resume.restored-differs")
 
 
+def test_compare_states_tells_not_restored_from_differs() -> None:
+    from ckptaudit.resume import compare_states
+
+    ref = {"rng": {"rank0/torch": "saved", "rank1/torch": "saved1"}, "parameters": {"w": "a"}}
+    fresh = {"rng": {"rank0/torch": "seed", "rank1/torch": "seed"}, "parameters": {"w": "init"}}
+    cand = {"rng": {"rank0/torch": "seed", "rank1/torch": "saved1"}, "parameters": {"w": "rounded"}}
+    out = compare_states(ref, fresh, cand)
+    assert out["rng"] == {"status": "not restored", "keys": ["rank0/torch"]}
+    assert out["parameters"] == {"status": "differs", "keys": ["w"]}
+    assert out["scheduler"] == {"status": "restored", "keys": []}
+
+
 def _traj(params: list[float], losses: list[float]) -> Trajectory:
     return Trajectory(losses=losses, params=[{"w": np.full(4, p, dtype=np.float64)} for p in params],
                       norms=[{"w": 2.0 * abs(p)} for p in params])
