@@ -132,6 +132,15 @@ def test_cli_exporter_failure_exits_1_with_frames_and_debug_shows_all(tmp_path: 
     assert "resume.py" in failed["message"]  # --debug: every frame, ckptaudit's too
 
 
+def test_an_exporter_that_kills_its_process_is_isolated_too() -> None:
+    cfg = ResumeConfig(exporters=(f"{USER}:crash", "ckptaudit.exporters:documented"), nproc=1, save_at=2, steps=2)
+    report = run_resume_test(cfg)
+    verdicts = [(c["verdict"], c.get("stage")) for c in report.extra["resume"]["candidates"]]
+    assert verdicts == [("failed", "export"), ("faithful", None)]
+    failed = next(f for f in report.findings if f.code == "resume.candidate-failed")
+    assert "crashed or hung while exporting" in failed.message and "exit code 3" in failed.message
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Power: a recipe with deliberate, bounded non-determinism
 
