@@ -139,7 +139,10 @@ def _import_problem(where: str, exc: BaseException) -> str:
 def load_recipe(spec: str) -> Recipe:
     obj = load_object(spec)
     if isinstance(obj, type) or (callable(obj) and not isinstance(obj, Recipe)):
-        obj = obj()
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise ValueError(f"{spec!r}: creating the recipe raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(obj, Recipe):
         raise ValueError(
             f"{spec!r} is not a recipe: it needs a name, a seed, setup(ctx) -> Job and step(job) -> float"

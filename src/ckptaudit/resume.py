@@ -423,13 +423,14 @@ def _resume_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str, kind: str, 
             control = _perturb_for_control(recipe, job)
         if kind == "candidate":
             assert which is not None
+            loader = cfg.exporters[which]
             exporter = load_object(cfg.exporters[which])
             loader = getattr(exporter, "load", None) or default_load
             loader_name = describe_function(loader)
             loader(job, os.path.join(workdir, cfg.candidate_name(which)), ctx)
     except Exception as exc:  # noqa: BLE001 - the loader is user code (or ours on the user's recipe)
-        return _failed(stage, user_failure(describe_function(loader), f"raised while restoring on rank {ctx.rank}",
-                                           exc), ctx)
+        where = describe_function(loader) if callable(loader) else str(loader)
+        return _failed(stage, user_failure(where, f"raised while restoring on rank {ctx.rank}", exc), ctx)
     restored = _state_snapshot(job)
     try:
         traj = _run_steps(recipe, job, cfg.steps, _full_mode(job, cfg))
