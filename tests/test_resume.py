@@ -1,29 +1,33 @@
-"""The differential resume test on real multi-process runs of the built-in recipe (FSDP2, bf16 compute)."""
+"""The differential resume test on real multi-process runs of the built-in recipe (FSDP2, bf16 compute) and of
+user code loaded by path (tests/resume_user_code.py)."""
 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ckptaudit.cli import main
 from ckptaudit.formats.torchload import safe_torch_load
 from ckptaudit.model import Report
 from ckptaudit.report import OutputFormat, render
-from ckptaudit.resume import ResumeConfig, run_resume_test
+from ckptaudit.resume import COMPONENTS, ResumeConfig, Trajectory, _judge, run_resume_test, thresholds
 
 pytestmark = pytest.mark.dist
 
+USER = str(Path(__file__).with_name("resume_user_code.py"))
 EXPORTERS = ("ckptaudit.exporters:compute_copy", "ckptaudit.exporters:swapped_moments",
-             "ckptaudit.exporters:documented")
+             "ckptaudit.exporters:documented", f"{USER}:partial", f"{USER}:full_disk")
 
 
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory: pytest.TempPathFactory) -> tuple[Report, Path]:
     work = tmp_path_factory.mktemp("resume")
-    cfg = ResumeConfig(exporters=EXPORTERS, save_at=4, steps=4, workdir=str(work))
+    cfg = ResumeConfig(exporters=EXPORTERS, save_at=3, steps=3, workdir=str(work))
     return run_resume_test(cfg), work
 
 
@@ -31,39 +35,201 @@ def candidate(report: Report, attr: str) -> dict[str, Any]:
     return next(c for c in report.extra["resume"]["candidates"] if c["exporter"].endswith(":" + attr))
 
 
-def test_documented_path_resumes_bit_identically(experiment: tuple[Report, Path]) -> None:
+def subjects(report: Report, code: str) -> set[str]:
+    return {f.subject for f in report.findings if f.code == code}
+
+
+def test_documented_path_resumes_bit_identically_and_the_control_proves_power(
+        experiment: tuple[Report, Path]) -> None:
     report, _ = experiment
     doc = report.extra["resume"]
-    assert doc["noise_floor"] == 0.0
-    assert doc["reference"]["rel_l2"] == [0.0] * 5 and doc["reference"]["loss_diff"] == [0.0] * 4
+    assert doc["noise_floor"] == 0.0 and doc["floor"] == [0.0] * 4
+    assert doc["reference"]["loss_diff"] == [0.0] * 3
+    assert doc["power"] and doc["control"]["stands_out_from_step"] == 1
+    assert min(doc["control"]["rel_l2"]) > 1e-4 and "rounded to bfloat16" in doc["control"]["what"]
     faithful = candidate(report, "documented")
     assert faithful["verdict"] == "faithful" and max(faithful["rel_l2"]) == 0.0
-    assert not any(f.subject.endswith(":documented") for f in report.findings)
+    assert all(faithful["restore"][c]["status"] == "restored" for c in COMPONENTS)
+    assert not any(f.subject.startswith("ckptaudit.exporters:documented") for f in report.findings)
+    assert report.path == "ckptaudit.recipes.tinygpt:recipe" and report.format == "resume-test"
 
 
-def test_compute_copy_drifts_far_above_the_floor_while_the_loss_looks_normal(experiment: tuple[Report, Path]) -> None:
+def test_compute_copy_differs_at_restore_and_drifts_while_the_loss_looks_normal(
+        experiment: tuple[Report, Path]) -> None:
     report, _ = experiment
     c = candidate(report, "compute_copy")
     assert c["verdict"] == "drift" and c["drift_start"] == 0  # the rounding is there right after the restore
     assert min(c["rel_l2"]) > 1e-4  # bf16 rounding: ~1e-3 relative, a thousand times the 1e-6 threshold
-    assert max(abs(d) for d in c["loss_diff"][:2]) < 0.01 * max(report.extra["resume"]["uninterrupted_loss"])
-    codes = {(f.code, f.subject) for f in report.findings}
-    assert ("resume.drift", EXPORTERS[0]) in codes
-    assert ("resume.loss-looks-normal", EXPORTERS[0]) in codes
+    assert c["restore"]["parameters"]["status"] == "differs"
+    assert all(c["restore"][k]["status"] == "restored" for k in COMPONENTS if k != "parameters")
+    assert {f"{EXPORTERS[0]}: parameters"} == subjects(report, "resume.restored-differs") & {
+        f"{EXPORTERS[0]}: {k}" for k in COMPONENTS}
+    assert EXPORTERS[0] in subjects(report, "resume.drift") & subjects(report, "resume.loss-looks-normal")
 
 
-def test_swapped_moments_are_caught_and_named(experiment: tuple[Report, Path]) -> None:
+def test_swapped_moments_are_caught_at_restore_and_named(experiment: tuple[Report, Path]) -> None:
     report, work = experiment
     c = candidate(report, "swapped_moments")
-    assert c["verdict"] == "drift"
-    assert c["rel_l2"][0] == 0.0  # weights are faithful: nothing differs until the first step uses the moments
     swapped = safe_torch_load(work / "candidate-1-swapped_moments")["swapped"]
+    assert c["verdict"] == "drift" and c["rel_l2"][0] == 0.0  # weights faithful; the first step uses the moments
+    moments = c["restore"]["optimizer moments"]
+    assert moments["status"] == "differs"
+    assert {k.rpartition("/")[0] for k in moments["keys"]} == set(swapped)
     named = [p["name"] for p in c["top_parameters"][:2]]
     assert sorted(named) == sorted(swapped)
-    # The offline comparison names the pair exactly.
     misattached = [f for f in report.findings if f.code == "optimizer.misattached"]
     assert len(misattached) == 1 and all(p in misattached[0].subject for p in swapped)
-    assert "rounded to bf16" in candidate(report, "compute_copy")["forensics"]
+
+
+def test_an_exporter_without_rng_and_data_is_reported_for_both(experiment: tuple[Report, Path]) -> None:
+    report, _ = experiment
+    c = candidate(report, "partial")
+    spec = EXPORTERS[3]
+    not_restored = subjects(report, "resume.not-restored")
+    assert {f"{spec}: rng", f"{spec}: data position", f"{spec}: training step"} <= not_restored
+    assert c["restore"]["rng"]["keys"][0].startswith("rank0/")
+    assert c["restore"]["parameters"]["status"] == "restored"
+    assert c["restore"]["optimizer moments"]["status"] == "restored"
+    # A real resume from it replays the data from the start: the trajectory leaves the run after the restore.
+    assert c["verdict"] == "drift" and c["drift_start"] == 1
+
+
+def test_a_failing_exporter_is_its_own_finding_and_the_others_are_judged(experiment: tuple[Report, Path]) -> None:
+    report, _ = experiment
+    c = candidate(report, "full_disk")
+    assert c["verdict"] == "failed" and c["stage"] == "export"
+    failed = [f for f in report.findings if f.code == "resume.candidate-failed"]
+    assert [f.subject for f in failed] == [EXPORTERS[4]]
+    msg = failed[0].message
+    assert "full_disk (" in msg and "resume_user_code.py" in msg and "No space left on device" in msg
+    assert "in _write_shard" in msg  # the user's own frames ...
+    assert "resume.py" not in msg and "launch.py" not in msg  # ... and not ckptaudit's
+    assert candidate(report, "documented")["verdict"] == "faithful"
+
+
+def test_borrowed_state_is_the_explicit_experiment(tmp_path: Path) -> None:
+    cfg = ResumeConfig(exporters=(f"{USER}:partial",), save_at=2, steps=2, borrow_state=True, nproc=1)
+    report = run_resume_test(cfg)
+    c = report.extra["resume"]["candidates"][0]
+    assert c["verdict"] == "faithful" and max(c["rel_l2"]) == 0.0
+    assert c["restore"]["rng"]["status"] == "borrowed" and c["restore"]["data position"]["status"] == "borrowed"
+    assert not subjects(report, "resume.not-restored")
+    borrowed = [f for f in report.findings if f.code == "resume.state-borrowed"]
+    assert len(borrowed) == 1 and "rng" in borrowed[0].message and "data position" in borrowed[0].message
+    assert "borrowed" in report.extra["sections"][0]["title"]
+
+
+def test_cli_exporter_failure_exits_1_with_frames_and_debug_shows_all(tmp_path: Path) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["resume-test", "--exporter", f"{USER}:full_disk", "--exporter", "ckptaudit.exporters:documented",
+                 "--nproc", "1", "--save-at", "2", "--steps", "2", "--format", "json", "--debug", "--no-progress"],
+                stdout=out, stderr=err)
+    assert code == 1, err.getvalue()
+    doc = json.loads(out.getvalue())
+    verdicts = {c["exporter"].rpartition(":")[2]: c["verdict"] for c in doc["resume"]["candidates"]}
+    assert verdicts == {"full_disk": "failed", "documented": "faithful"}
+    failed = next(f for f in doc["findings"] if f["code"] == "resume.candidate-failed")
+    assert "resume.py" in failed["message"]  # --debug: every frame, ckptaudit's too
+
+
+def test_an_exporter_that_kills_its_process_is_isolated_too() -> None:
+    cfg = ResumeConfig(exporters=(f"{USER}:crash", "ckptaudit.exporters:documented"), nproc=1, save_at=2, steps=2)
+    report = run_resume_test(cfg)
+    verdicts = [(c["verdict"], c.get("stage")) for c in report.extra["resume"]["candidates"]]
+    assert verdicts == [("failed", "export"), ("faithful", None)]
+    failed = next(f for f in report.findings if f.code == "resume.candidate-failed")
+    assert "crashed or hung while exporting" in failed.message and "exit code 3" in failed.message
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Power: a recipe with deliberate, bounded non-determinism
+
+
+def test_a_noisy_recipe_has_a_floor_and_a_bf16_rounding_still_stands_out() -> None:
+    cfg = ResumeConfig(recipe=f"{USER}:quiet", exporters=("ckptaudit.exporters:compute_copy",
+                                                           "ckptaudit.exporters:documented"),
+                       nproc=1, save_at=2, steps=3)
+    report = run_resume_test(cfg)
+    doc = report.extra["resume"]
+    assert doc["floor"][0] == 0.0 and all(f > 0 for f in doc["floor"][1:])  # noise after the restore only
+    assert doc["power"]
+    assert candidate(report, "documented")["verdict"] == "faithful"  # its own noise is within 10 x the floor
+    assert max(candidate(report, "documented")["rel_l2"][1:]) > 0
+    assert candidate(report, "compute_copy")["verdict"] == "drift"
+    assert "resume.noise-floor" in {f.code for f in report.findings}
+
+
+def test_a_recipe_noisier_than_the_defect_has_no_power_and_judges_nothing() -> None:
+    cfg = ResumeConfig(recipe=f"{USER}:loud", exporters=("ckptaudit.exporters:compute_copy",
+                                                          "ckptaudit.exporters:documented"),
+                       nproc=1, save_at=2, steps=3)
+    report = run_resume_test(cfg)
+    doc = report.extra["resume"]
+    assert not doc["power"]
+    assert [c["verdict"] for c in doc["candidates"]] == ["not judged", "not judged"]
+    no_power = [f for f in report.findings if f.code == "resume.no-power"]
+    assert len(no_power) == 1 and no_power[0].severity.label == "error"
+    assert "NO POWER" in report.summary and "faithful" not in report.summary
+    assert not subjects(report, "resume.drift")
+    # What differs right after the restore needs no power: the rounded parameters are still a finding.
+    assert "ckptaudit.exporters:compute_copy: parameters" in subjects(report, "resume.restored-differs")
+
+
+def test_compare_states_tells_not_restored_from_differs() -> None:
+    from ckptaudit.resume import compare_states
+
+    ref = {"rng": {"rank0/torch": "saved", "rank1/torch": "saved1"}, "parameters": {"w": "a"}}
+    fresh = {"rng": {"rank0/torch": "seed", "rank1/torch": "seed"}, "parameters": {"w": "init"}}
+    cand = {"rng": {"rank0/torch": "seed", "rank1/torch": "saved1"}, "parameters": {"w": "rounded"}}
+    out = compare_states(ref, fresh, cand)
+    assert out["rng"] == {"status": "not restored", "keys": ["rank0/torch"]}
+    assert out["parameters"] == {"status": "differs", "keys": ["w"]}
+    assert out["scheduler"] == {"status": "restored", "keys": []}
+
+
+def _traj(params: list[float], losses: list[float]) -> Trajectory:
+    return Trajectory(losses=losses, params=[{"w": np.full(4, p, dtype=np.float64)} for p in params],
+                      norms=[{"w": 2.0 * abs(p)} for p in params])
+
+
+@pytest.mark.parametrize(("margin", "verdict"), [(10.0, "faithful"), (2.0, "drift")])
+def test_the_margin_scales_the_floor_step_by_step(margin: float, verdict: str) -> None:
+    base = _traj([1.0, 1.0, 1.0], [2.0, 2.0])
+    ref = _traj([1.0, 1.0 + 1e-4, 1.0 + 2e-4], [2.0, 2.0])  # the floor: 1e-4, 2e-4
+    cand = _traj([1.0, 1.0 + 5e-4, 1.0 + 5e-4], [2.0, 2.0])  # 5x the floor at step 1, 2.5x at step 2
+    control = _traj([1.0 + 1e-2] * 3, [2.0, 2.0])
+    state = {c: {"k": "v"} for c in COMPONENTS}
+    run = {"traj": cand, "fresh": state, "restored": state, "loader": "load", "control": ""}
+    cfg = ResumeConfig(margin=margin)
+    report = _judge(cfg, "/nonexistent", base, {**run, "traj": ref}, {**run, "traj": control, "control": "x"},
+                    [(0, run, "", "")])
+    assert report.extra["resume"]["threshold"] == pytest.approx(thresholds([0.0, 1e-4, 2e-4], margin, 1e-6))
+    c = report.extra["resume"]["candidates"][0]
+    assert c["verdict"] == verdict
+    if verdict == "drift":
+        assert c["drift_start"] == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Across a world-size change
+
+
+@pytest.mark.parametrize("resume_nproc", [1, 4])
+def test_resume_on_another_world_size(resume_nproc: int) -> None:
+    cfg = ResumeConfig(exporters=("ckptaudit.exporters:compute_copy", "ckptaudit.exporters:documented"),
+                       nproc=2, resume_nproc=resume_nproc, save_at=2, steps=2)
+    report = run_resume_test(cfg)
+    doc = report.extra["resume"]
+    assert (doc["nproc"], doc["resume_nproc"]) == (2, resume_nproc) and doc["power"]
+    assert doc["floor"][0] == 0.0  # DCP reshards exactly; the steps differ by reduction order only
+    assert candidate(report, "documented")["verdict"] == "faithful"
+    assert all(candidate(report, "documented")["restore"][k]["status"] == "restored" for k in COMPONENTS)
+    assert candidate(report, "compute_copy")["verdict"] == "drift"
+    assert f"resumed on {resume_nproc}" in report.extra["sections"][0]["title"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reports
 
 
 def test_reports_render_as_table_json_and_html(experiment: tuple[Report, Path]) -> None:
@@ -76,7 +242,26 @@ def test_reports_render_as_table_json_and_html(experiment: tuple[Report, Path]) 
     render(report, OutputFormat.HTML, html)
     page = html.getvalue()
     assert page.count("<svg") == 2 and "<polyline" in page and "drift threshold" in page
-    assert "<script" not in page
+    assert "<script" not in page and "ckptaudit-resume-" not in page
+    _check_plots(page)
+
+
+def _check_plots(page: str) -> None:
+    """Every curve inside its plot area, not on its frame unless at an axis end; legend right of the area."""
+    import re
+
+    for svg in re.findall(r"<svg.*?</svg>", page):
+        x0, y0, w, h = (float(v) for v in re.search(
+            r"<rect x='([\d.]+)' y='([\d.]+)' width='([\d.]+)' height='([\d.]+)'", svg).groups())  # type: ignore[union-attr]
+        for pts in re.findall(r"<polyline points='([^']*)'", svg):
+            for xy in pts.split():
+                px, py = (float(v) for v in xy.split(","))
+                assert x0 - 0.01 <= px <= x0 + w + 0.01 and y0 - 0.01 <= py <= y0 + h + 0.01, (px, py)
+        labels = [t for t in re.findall(r"text-anchor='end'>([^<]*)<", svg)]
+        assert "0" in labels  # the zero row (log) or the zero tick (linear)
+        legend_x = [float(v) for v in re.findall(r"<line x1='([\d.]+)' x2='[\d.]+' y1='[\d.]+' y2='[\d.]+' stroke=",
+                                                 svg)]
+        assert max(legend_x) > x0 + w  # the legend is outside the plot area
 
 
 def test_low_precision_master_recipe_resumes_faithfully_through_its_own_checkpoint(tmp_path: Path) -> None:
@@ -85,15 +270,7 @@ def test_low_precision_master_recipe_resumes_faithfully_through_its_own_checkpoi
     report = run_resume_test(cfg)
     assert report.findings == ()
     assert candidate(report, "documented")["rel_l2"] == [0.0] * 4
-
-
-def test_cli_usage_errors_name_the_spec(tmp_path: Path) -> None:
-    err = io.StringIO()
-    code = main(["resume-test", "--recipe", "no_such_module:recipe"], stdout=io.StringIO(), stderr=err)
-    assert code == 2 and "cannot import module no_such_module" in err.getvalue()
-    err = io.StringIO()
-    code = main(["resume-test", "--exporter", "ckptaudit.exporters"], stdout=io.StringIO(), stderr=err)
-    assert code == 2 and "not of the form module:attr" in err.getvalue()
+    assert "one ulp" in report.extra["resume"]["control"]["what"]  # the masters are bf16 already
 
 
 def test_demo_tells_the_whole_story(tmp_path: Path) -> None:

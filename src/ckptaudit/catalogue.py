@@ -95,12 +95,26 @@ _RULES: tuple[Rule, ...] = (
          "its parameters deviate beyond the noise floor of the kernels (by the documented margin)."),
     Rule("resume.loss-looks-normal", W, "The candidate's loss stays within a small threshold of "
          "the uninterrupted run while its parameters drift: a loss curve would not reveal the defect."),
-    Rule("resume.reference-not-reproducible", E, "Resuming from the documented-path reference does "
-         "not reproduce the uninterrupted run: the recipe is not deterministic or saves too little state; "
-         "candidates cannot be judged."),
-    Rule("resume.noise-floor", INFO, "The reference's own deviation from the uninterrupted run (kernel "
-         "nondeterminism); candidates are judged against it."),
-    Rule("resume.candidate-failed", E, "The candidate could not be written or restored."),
+    Rule("resume.reference-not-reproducible", E, "Right after restoring the documented-path reference, its "
+         "parameters differ from the saved run's: the documented restore is not exact (a recipe whose setup "
+         "changes the model after loading, or a broken storage); candidates cannot be judged."),
+    Rule("resume.noise-floor", INFO, "The reference's own per-step deviation from the uninterrupted run (kernel "
+         "nondeterminism, or reduction order after a world-size change); candidates are judged against it."),
+    Rule("resume.no-power", E, "The positive control (the reference's masters rounded to the compute dtype, "
+         "resumed like a candidate) does not stand out from the reference's floor after the restore: the recipe's "
+         "steps are too noisy to see such a defect, so no candidate is judged (verdict \"not judged\")."),
+    Rule("resume.not-restored", E, "Right after the candidate's restore, a component of the job's state "
+         "(parameters, optimizer moments or step, optimizer hyperparameters, scheduler, a rank's RNG, a rank's "
+         "data position, the training step) still holds the fresh job's value: the checkpoint or its loader "
+         "does not restore it, and a real resume would start from it. The subject names the component."),
+    Rule("resume.restored-differs", E, "Right after the candidate's restore, before any step (no kernel noise "
+         "yet), a component of the job's state differs from the reference's restored state (e.g. parameters "
+         "rounded to bf16). The subject names the component."),
+    Rule("resume.state-borrowed", INFO, "--borrow-state: the candidate was restored over the reference, so "
+         "every component its loader did not overwrite came from the reference; only the parameters are judged."),
+    Rule("resume.candidate-failed", E, "The candidate could not be written, restored or stepped: its exporter, "
+         "its loader or the recipe's steps on it raised (the message names the function and shows the user's "
+         "frames of the traceback). The other candidates are still judged."),
     # --- compare (ckptaudit compare REF CAND) -------------------------------------------------------------
     # In a comparison, precision.bf16-rounded / precision.fp16-rounded name each candidate tensor (parameter
     # or optimizer moment) whose values are exactly the reference's rounded to 16 bits.

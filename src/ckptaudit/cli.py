@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -72,17 +73,26 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--require", default="",
                    help="comma-separated components whose absence is an error: scheduler,rng,data-progress")
 
-    r = sub.add_parser("resume-test", help="differential resume test of an exporter on a recipe")
+    r = sub.add_parser("resume-test", help="differential resume test of exporters on a recipe")
     r.add_argument("--recipe", default="ckptaudit.recipes.tinygpt:recipe",
                    help="module:attr or path.py:attr of the recipe (default: the built-in tiny GPT)")
     r.add_argument("--exporter", action="append", dest="exporters", metavar="MODULE:ATTR",
-                   help="exporter under test (repeatable; default ckptaudit.exporters:compute_copy)")
-    r.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
-    r.add_argument("--save-at", type=int, default=8, help="training steps before the checkpoint")
-    r.add_argument("--steps", type=int, default=8, help="steps after resuming")
-    r.add_argument("--margin", type=float, default=10.0, help="drift when deviation > margin x noise floor")
+                   help="exporter under test, module:attr or path.py:attr (repeatable; default "
+                   "ckptaudit.exporters:documented)")
+    r.add_argument("--nproc", type=int, default=2, help="ranks that train and save (default 2)")
+    r.add_argument("--resume-nproc", type=int, metavar="M",
+                   help="ranks that resume (default: --nproc); DCP reshards, other exporters go through their loaders")
+    r.add_argument("--save-at", type=int, default=8, help="training steps before the checkpoint (default 8)")
+    r.add_argument("--steps", type=int, default=8, help="steps after resuming (default 8)")
+    r.add_argument("--margin", type=float, default=10.0,
+                   help="drift at step k when deviation > margin x the reference's floor at step k (default 10)")
+    r.add_argument("--borrow-state", action="store_true",
+                   help="restore each candidate over the reference (optimizer, scheduler, RNG, data position "
+                   "borrowed from it): judges the parameters alone")
     r.add_argument("--workdir", help="keep the checkpoints here (default: a temporary directory, removed)")
-    r.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for each phase")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for each phase (default 600)")
+    r.add_argument("--debug", action="store_true",
+                   help="every frame of the tracebacks of failing user code, not only your own")
     _output_args(r)
 
     e = sub.add_parser("export-serving", help="export the model weights for serving (bf16/fp16 safetensors) behind "
@@ -257,18 +267,21 @@ def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 
 
 def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from ckptaudit.dist.launch import DistributedError
-    from ckptaudit.recipe import load_object, load_recipe
-    from ckptaudit.resume import ResumeConfig, run_resume_test
+    from ckptaudit.recipe import RecipeError, load_object, load_recipe
+    from ckptaudit.resume import DEFAULT_EXPORTER, ResumeConfig, ResumeError, run_resume_test
 
-    exporters = tuple(args.exporters or ("ckptaudit.exporters:compute_copy",))
+    exporters = tuple(args.exporters or (DEFAULT_EXPORTER,))
     try:
         load_recipe(args.recipe)
         for spec in exporters:
             load_object(spec)
-        cfg = ResumeConfig(recipe=args.recipe, exporters=exporters, nproc=args.nproc, save_at=args.save_at,
-                           steps=args.steps, margin=args.margin, workdir=args.workdir, timeout_s=args.timeout)
+        cfg = ResumeConfig(recipe=args.recipe, exporters=exporters, nproc=args.nproc,
+                           resume_nproc=args.resume_nproc, save_at=args.save_at, steps=args.steps,
+                           margin=args.margin, workdir=args.workdir, timeout_s=args.timeout,
+                           borrow_state=args.borrow_state, debug=args.debug)
     except ValueError as exc:
+        if (args.verbose or args.debug) and exc.__cause__ is not None:
+            stderr.write("".join(traceback.format_exception(exc.__cause__)))
         raise UsageError(str(exc)) from None
 
     def log(msg: str) -> None:
@@ -277,8 +290,17 @@ def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
 
     try:
         report = run_resume_test(cfg, log=log)
-    except DistributedError as exc:
-        stderr.write(f"ckptaudit resume-test: error: the training phase failed on the recipe {args.recipe}:\n{exc}\n")
+    except RecipeError as exc:
+        f = exc.failure
+        stderr.write(f"ckptaudit resume-test: error: the recipe {args.recipe} failed: {f.function}: {f.rule}"
+                     + (f": {f.error}" if f.error and f.error != f.rule else "") + "\n")
+        if args.verbose or args.debug:
+            stderr.write((f.traceback if args.debug else f.frames or f.traceback).rstrip() + "\n")
+        else:
+            stderr.write("(--verbose shows your frames of the traceback, --debug all of them)\n")
+        return EXIT_USAGE
+    except ResumeError as exc:
+        stderr.write(f"ckptaudit resume-test: error: {exc}\n")
         return EXIT_USAGE
     return _emit(report, args, stdout)
 

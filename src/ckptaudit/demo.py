@@ -76,7 +76,7 @@ def run_demo(out_dir: str, *, nproc: int = 2, steps: int = 8, out: TextIO = sys.
     render(probe_report, OutputFormat.TABLE, out)
     with open(os.path.join(out_dir, "probe.json"), "w") as fh:
         render(probe_report, OutputFormat.JSON, fh)
-    out.write("\n=== differential resume test (fresh processes, same optimizer/scheduler/RNG/data state)\n")
+    out.write("\n=== differential resume test (fresh processes; each checkpoint restored alone through its loader)\n")
     render(resume_report, OutputFormat.TABLE, out)
     with open(os.path.join(out_dir, "resume.json"), "w") as fh:
         render(resume_report, OutputFormat.JSON, fh)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -282,40 +283,64 @@ def _same_shape_pair(state: dict[str, Any]) -> tuple[str, str]:
 def documented_load(job: Job, path: str, ctx: Any = None) -> None:
     """(all ranks, collective) Restore everything :func:`documented` saved: model, optimizer, scheduler, step,
     and this rank's RNG state and data position. Refuses a directory whose ``.metadata`` is unsafe to unpickle.
+
+    Also the default loader of a candidate DCP directory in :func:`documented`'s layout: a component the directory
+    lacks (scheduler, rng, data, train_state) is left as the job has it. After a world-size change (saved on N
+    ranks, loaded on M), rank ``r`` takes the RNG state and data position saved by rank ``r`` if there is one,
+    else by rank ``r mod N`` (DCP reshards model and optimizer by itself); the built-in recipe keeps the same
+    RNG and data position on every rank, so that is exact for it.
     """
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from ckptaudit.formats.dcp import check_metadata_safe
     from ckptaudit.formats.torchload import safe_dcp_load
 
-    msd, osd = get_state_dict(job.model, job.optimizer)
+    check_metadata_safe(path)
+    keys = list(FileSystemReader(path).read_metadata().state_dict_metadata)
     rank = _rank()
-    state: dict[str, Any] = {
-        "model": msd,
-        "optim": osd,
-        "train_state": {"step": 0},
-        "rng": {f"rank{rank}": rng_state()},
-    }
-    if job.scheduler is not None:
+
+    def saved_rank(prefix: str) -> str | None:
+        ranks = sorted({int(m.group(1)) for k in keys if (m := re.match(rf"{prefix}\.rank(\d+)\.", k))})
+        if not ranks:
+            return None
+        return f"rank{rank if rank in ranks else ranks[rank % len(ranks)]}"
+
+    def has(prefix: str) -> bool:
+        return any(k == prefix or k.startswith(prefix + ".") for k in keys)
+
+    msd, osd = get_state_dict(job.model, job.optimizer)
+    state: dict[str, Any] = {"model": msd, "optim": osd}
+    rng_key, data_key = saved_rank("rng"), saved_rank("data")
+    if has("train_state"):
+        state["train_state"] = {"step": 0}
+    if rng_key is not None:
+        state["rng"] = {rng_key: rng_state()}
+    if job.scheduler is not None and has("scheduler"):
         state["scheduler"] = job.scheduler.state_dict()
-    if job.data is not None:
-        state["data"] = {f"rank{rank}": job.data.state_dict()}
+    if job.data is not None and data_key is not None:
+        state["data"] = {data_key: job.data.state_dict()}
     safe_dcp_load(state, path)
     set_state_dict(job.model, job.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    if job.scheduler is not None:
+    if "scheduler" in state:
         job.scheduler.load_state_dict(state["scheduler"])
-    if job.data is not None:
-        job.data.load_state_dict(state["data"][f"rank{rank}"])
-    job.step = int(state["train_state"]["step"])
-    set_rng_state(state["rng"][f"rank{rank}"])
+    if "data" in state:
+        job.data.load_state_dict(state["data"][data_key])
+    if "train_state" in state:
+        job.step = int(state["train_state"]["step"])
+    if "rng" in state:
+        set_rng_state(state["rng"][rng_key])
 
 
 documented.load = documented_load  # type: ignore[attr-defined]
 
 
 def load_model_and_optimizer(job: Job, path: str, ctx: Any = None) -> None:
-    """(all ranks, collective) Restore model, optimizer and scheduler from a ``torch.save`` file of full,
-    FQN-keyed state dicts (what the example exporters write). RNG and data position are left as they are: these
-    files hold only rank 0's, so the reference's per-rank state stays in force.
+    """(all ranks, collective) Restore what the example exporters wrote in one ``torch.save`` file: model and
+    optimizer (full, FQN-keyed), scheduler, step, and the RNG state and data position they hold. Those files
+    hold rank 0's RNG state and data position only, so every rank gets rank 0's: exact for recipes that keep
+    them equal on every rank (the built-in one), visibly wrong for the others (the resume test compares each
+    rank's restored state with the reference's).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -326,6 +351,12 @@ def load_model_and_optimizer(job: Job, path: str, ctx: Any = None) -> None:
                    optim_state_dict=payload["optimizer"], options=StateDictOptions(full_state_dict=True))
     if job.scheduler is not None and payload.get("scheduler") is not None:
         job.scheduler.load_state_dict(payload["scheduler"])
+    if job.data is not None and payload.get("data") is not None:
+        job.data.load_state_dict(payload["data"])
+    if payload.get("step") is not None:
+        job.step = int(payload["step"])
+    if payload.get("rng") is not None:
+        set_rng_state(payload["rng"])
 
 
 for _exporter in (compute_copy, compute_copy_bf16, fp16_copy, swapped_moments):

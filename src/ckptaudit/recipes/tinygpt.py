@@ -2,14 +2,20 @@
 
 Small enough to train for a few steps on 2 CPU cores in a second, big enough to have every kind of tensor a
 real checkpoint has (embeddings, square and rectangular matrices, biases, norm weights initialised to ones).
+
+The built-in recipe is world-size invariant, so a checkpoint saved on N ranks can be resumed on M: one global
+batch per step, each rank takes its slice; dropout masks are keyed by the sample's global row and a draw from
+torch's RNG (identical on every rank), not by the rank that happens to hold the row.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -26,13 +32,40 @@ class GPTConfig:
     dropout: float = 0.1
 
 
+class SampleDropout(nn.Module):
+    """Dropout whose mask for each row of the batch depends on ``(key, global row, site)`` only.
+
+    The owning :class:`TinyGPT` sets ``key`` (a draw from torch's RNG) and the global index of its first row
+    before a training forward; the mask of a sample is then the same whichever rank holds it and however the
+    global batch is split. Without a key (a forward outside the recipe's step) it is plain dropout.
+    """
+
+    def __init__(self, p: float, site: int) -> None:
+        super().__init__()
+        self.p, self.site = p, site
+        self.key: tuple[int, int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.key is None:
+            return F.dropout(x, self.p, training=True)
+        base, first_row = self.key
+        masks = []
+        for i in range(x.shape[0]):
+            g = torch.Generator().manual_seed((base + (first_row + i) * 1_000_003 + self.site * 7919) % 2**63)
+            masks.append(torch.rand(x.shape[1:], generator=g) >= self.p)
+        mask = torch.stack(masks).to(x.device)
+        return x * mask.to(x.dtype) / (1.0 - self.p)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, site: int = 0) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = SampleDropout(cfg.dropout, site)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -59,10 +92,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, site: int = 0) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, site)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
@@ -77,9 +110,9 @@ class TinyGPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, site=1 + i) for i in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = SampleDropout(cfg.dropout, 0)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -89,6 +122,12 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+    def set_dropout_key(self, key: tuple[int, int] | None) -> None:
+        """``(draw from torch's RNG, global index of this rank's first row)`` for the next training forward."""
+        for m in self.modules():
+            if isinstance(m, SampleDropout):
+                m.key = key
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -103,21 +142,32 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class SyntheticTokens:
     """Seeded synthetic token sequences with a learnable rule; its position is its whole state.
 
-    Batch ``k`` of rank ``r`` depends only on ``(seed, k, r)``, so restoring ``position`` restores the stream.
+    Global batch ``k`` (``global_batch`` sequences) depends only on ``(seed, k)``; rank ``r`` of ``W`` takes rows
+    ``[r * b, (r + 1) * b)`` with ``b = global_batch / W``. Restoring ``position`` restores the stream, on any
+    number of ranks that divides the global batch.
     """
 
-    def __init__(self, cfg: GPTConfig, *, seed: int, rank: int, batch_size: int) -> None:
-        self.cfg, self.seed, self.rank, self.batch_size = cfg, seed, rank, batch_size
+    def __init__(self, cfg: GPTConfig, *, seed: int, rank: int, batch_size: int, world_size: int = 1) -> None:
+        self.cfg, self.seed, self.rank = cfg, seed, rank
+        self.batch_size = batch_size
+        """Rows of this rank."""
+        self.global_batch = batch_size * world_size
+        self.first_row = rank * batch_size
+        """Global index of this rank's first row."""
         self.position = 0
 
-    def batch_at(self, position: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + position * 8191 + self.rank * 131)
+    def global_batch_at(self, position: int, size: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + position * 8191)
         v, t = self.cfg.vocab_size, self.cfg.seq_len + 1
-        start = torch.randint(0, v, (self.batch_size, 1), generator=g)
-        stride = torch.randint(1, 7, (self.batch_size, 1), generator=g)
+        start = torch.randint(0, v, (size, 1), generator=g)
+        stride = torch.randint(1, 7, (size, 1), generator=g)
         seq = (start + stride * torch.arange(t)) % v
-        noise = torch.rand(self.batch_size, t, generator=g) < 0.1
-        return torch.where(noise, torch.randint(0, v, (self.batch_size, t), generator=g), seq)
+        noise = torch.rand(size, t, generator=g) < 0.1
+        return torch.where(noise, torch.randint(0, v, (size, t), generator=g), seq)
+
+    def batch_at(self, position: int) -> torch.Tensor:
+        rows = self.global_batch_at(position, self.global_batch)
+        return rows[self.first_row:self.first_row + self.batch_size]
 
     def next(self) -> torch.Tensor:
         batch = self.batch_at(self.position)
@@ -125,7 +175,7 @@ class SyntheticTokens:
         return batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"position": self.position, "seed": self.seed, "rank": self.rank}
+        return {"position": self.position, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.position = int(state["position"])
@@ -139,6 +189,8 @@ class TinyGPTRecipe:
     ``param_dtype``: FSDP2 ``MixedPrecisionPolicy`` compute dtype (``None``: no mixed precision).
     ``master_dtype``: the dtype of the sharded parameters the optimizer updates (``bfloat16`` casts the model
     before ``fully_shard``: a run with low-precision masters).
+    ``global_batch_size``: sequences per step over all ranks, split evenly (the world size must divide it), so
+    the run is the same on any number of ranks; ``None``: ``batch_size`` sequences per rank.
     """
 
     name: str = "tinygpt"
@@ -151,6 +203,7 @@ class TinyGPTRecipe:
     warmup_steps: int = 4
     total_steps: int = 64
     batch_size: int = 4
+    global_batch_size: int | None = 8
 
     def setup(self, ctx: Any) -> Any:
         from ckptaudit.recipe import Job
@@ -170,9 +223,20 @@ class TinyGPTRecipe:
             return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-        data = SyntheticTokens(self.cfg, seed=self.seed, rank=ctx.rank, batch_size=self.batch_size)
-        # Per-rank RNG stream for dropout, so ranks do not drop the same units.
-        torch.manual_seed(self.seed * 7919 + ctx.rank)
+        per_rank = self.batch_size
+        if self.global_batch_size is not None:
+            if self.global_batch_size % ctx.world_size:
+                raise ValueError(f"global_batch_size {self.global_batch_size} is not divisible by the world size "
+                                 f"{ctx.world_size}; run on a number of ranks that divides it")
+            per_rank = self.global_batch_size // ctx.world_size
+        data = SyntheticTokens(self.cfg, seed=self.seed, rank=ctx.rank, batch_size=per_rank,
+                               world_size=ctx.world_size)
+        # One RNG stream on every rank: each step draws the dropout key from it (masks depend on the global
+        # row, so ranks still drop different units, and the run does not depend on the world size). Python's
+        # and NumPy's generators too, so every rank's RNG state is the same (and a checkpoint may hold one).
+        torch.manual_seed(self.seed * 7919)
+        random.seed(self.seed * 7919)
+        np.random.seed(self.seed * 7919)
         return Job(model=model, optimizer=opt, scheduler=sched, data=data)
 
     def _wrap(self, model: nn.Module, ctx: Any) -> nn.Module:
@@ -207,6 +271,9 @@ class TinyGPTRecipe:
         batch = job.data.next()
         device = next(job.model.parameters()).device
         batch = batch.to(device)
+        core = _core(job.model)
+        if core is not None:
+            core.set_dropout_key((int(torch.randint(0, 2**62, (1,))), job.data.first_row))
         logits = job.model(batch[:, :-1])
         loss = lm_loss(logits, batch[:, 1:])
         loss.backward()
@@ -228,6 +295,12 @@ class TinyGPTRecipe:
 
     def eval_logits(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         return model(batch[:, :-1])
+
+
+def _core(model: nn.Module) -> TinyGPT | None:
+    """The TinyGPT inside a wrapper (DDP's ``module``; FSDP2 wraps in place)."""
+    inner = getattr(model, "module", model)
+    return inner if isinstance(inner, TinyGPT) else None
 
 
 recipe = TinyGPTRecipe()

@@ -16,6 +16,7 @@ __all__ = ["render_html", "render_page"]
 
 _COLORS = ["#2ca02c", "#d62728", "#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 """The first series (the reference) is green; candidates follow."""
+_CONTROL = "positive control"
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:1100px;
 color:#222;padding:0 1em}
@@ -50,15 +51,25 @@ def _e(text: Any) -> str:
 def _report(r: Report) -> str:
     worst = r.worst()
     cls = "bad" if worst is Severity.ERROR else "warn" if worst is Severity.WARNING else "ok"
-    parts = [f"<h2>{_e(r.command)}: <code>{_e(r.path)}</code></h2>",
-             f"<p class='muted'>format: {_e(r.format)}"]
+    resume = r.extra.get("resume")
+    parts = [f"<h2>{_e(r.command)}: <code>{_e(r.path)}</code></h2>"]
+    if isinstance(resume, dict):
+        kept = resume.get("workdir")
+        parts.append(f"<p class='muted'>recipe: <code>{_e(r.path)}</code> &middot; exporters: "
+                     + ", ".join(f"<code>{_e(c['exporter'])}</code>" for c in resume.get("candidates", []))
+                     + f" &middot; {_e(resume.get('nproc'))} rank(s)"
+                     + (f", resumed on {_e(resume.get('resume_nproc'))}"
+                        if resume.get("resume_nproc") not in (None, resume.get("nproc")) else "")
+                     + " &middot; checkpoints: " + (f"<code>{_e(kept)}</code>" if kept else
+                                                    "in a temporary directory, removed (--workdir keeps them)"))
+    else:
+        parts.append(f"<p class='muted'>format: {_e(r.format)}")
     if r.contract is not None:
         parts.append(f" &middot; master dtype: {_e(r.contract.master_dtype)} ({_e(r.contract.source)}: "
                      f"{_e(r.contract.detail)})")
     parts.append("</p>")
     if r.summary:
         parts.append(f"<p class='verdict {cls}'>{_e(r.summary)}</p>")
-    resume = r.extra.get("resume")
     if isinstance(resume, dict):
         parts.append(_resume_plots(resume))
     for section in r.extra.get("sections", []):
@@ -85,70 +96,134 @@ def _table(title: str, columns: Sequence[Any], rows: Sequence[Sequence[Any]], *,
 
 
 def _resume_plots(doc: dict[str, Any]) -> str:
-    series_dev: list[tuple[str, list[float]]] = [("reference (documented)", doc["reference"]["rel_l2"])]
-    series_loss: list[tuple[str, list[float]]] = [("reference (documented)", doc["reference"]["loss_diff"])]
+    ref = ("reference (documented)", doc["reference"]["rel_l2"], doc["reference"]["loss_diff"])
+    runs = [ref]
     for c in doc.get("candidates", []):
         if "rel_l2" in c:
-            name = c["exporter"].rpartition(":")[2]
-            series_dev.append((name, c["rel_l2"]))
-            series_loss.append((name, c["loss_diff"]))
-    floor = max(doc.get("threshold", 1e-6), 1e-12)
-    dev = _svg_plot("parameter deviation from the uninterrupted run (relative L2, log scale)", series_dev,
-                    log=True, xlabel="steps after resume (0 = right after restore)", hline=floor,
-                    hline_label="drift threshold")
-    loss = _svg_plot("loss difference from the uninterrupted run", series_loss, log=False,
+            runs.append((c["exporter"].rpartition(":")[2], c["rel_l2"], c["loss_diff"]))
+    control = doc.get("control")
+    if isinstance(control, dict) and "rel_l2" in control:  # last, dashed: it often lies on a rounded candidate
+        runs.append((_CONTROL, control["rel_l2"], control.get("loss_diff", [])))
+    thr = doc.get("threshold")
+    steps = len(ref[1])
+    hline: list[float] | None = None
+    if isinstance(thr, list):
+        hline = [float(t) for t in thr]
+    elif isinstance(thr, (int, float)):
+        hline = [float(thr)] * steps
+    dev = _svg_plot("parameter deviation from the uninterrupted run (relative L2, log scale)",
+                    [(n, d) for n, d, _ in runs], log=True, xlabel="steps after resume (0 = right after restore)",
+                    hline=hline, hline_label="drift threshold")
+    loss = _svg_plot("loss difference from the uninterrupted run", [(n, ls) for n, _, ls in runs], log=False,
                      xlabel="training step after resume", first_x=1)
     return f"<div class='plots'>{dev}{loss}</div>"
 
 
+def _nice_step(span: float) -> float:
+    """A 1-2-5 step that cuts ``span`` into about four intervals."""
+    raw = span / 4 if span > 0 else 1.0
+    mag = 10.0 ** math.floor(math.log10(raw))
+    return next(m * mag for m in (1.0, 2.0, 5.0, 10.0) if m * mag >= raw)
+
+
+def _linear_ticks(values: Sequence[float]) -> list[float]:
+    """Rounded ticks covering ``values`` and 0."""
+    lo, hi = min([0.0, *values]), max([0.0, *values])
+    if hi == lo:
+        hi = lo + 1.0
+    step = _nice_step(hi - lo)
+    first, last = math.floor(lo / step - 1e-9), math.ceil(hi / step + 1e-9)
+    return [round(k * step, 12) for k in range(first, last + 1)]
+
+
+def _tick_label(v: float) -> str:
+    if v == 0:
+        return "0"
+    text = f"{v:.3g}"
+    return text.replace("e-0", "e-").replace("e+0", "e")
+
+
 def _svg_plot(title: str, series: list[tuple[str, list[float]]], *, log: bool, xlabel: str,
-              hline: float | None = None, hline_label: str = "", first_x: int = 0) -> str:
-    w, h, left, right, top, bottom = 520, 300, 64, 16, 28, 42
-    pw, ph = w - left - right, h - top - bottom
-    tiny = 1e-12
-    values = [v for _, ys in series for v in ys if v == v]
+              hline: list[float] | None = None, hline_label: str = "", first_x: int = 0) -> str:
+    """A line plot whose axes contain every value (log: whole decades, zeros on their own row below a break;
+    linear: rounded ticks including 0), the legend right of the plot area, and the first series (the
+    reference) drawn as a wide pale band under the others so that a curve equal to it does not hide it."""
+    w, h, left, top, bottom, legend_w = 530, 300, 58, 28, 42, 160
+    pw, ph = w - left - legend_w - 16, h - top - bottom
+    finite = [v for _, ys in series for v in ys if v == v and math.isfinite(v)]
     if hline is not None:
-        values.append(hline)
+        finite += [v for v in hline if math.isfinite(v)]
+    zero_row = 0.0
     if log:
-        pos = [max(v, tiny) for v in values] or [tiny]
-        lo, hi = math.log10(min(pos)), math.log10(max(pos))
-        if hi - lo < 1:
+        pos = [v for v in finite if v > 0]
+        lo = math.floor(math.log10(min(pos))) if pos else -7
+        hi = math.ceil(math.log10(max(pos))) if pos else -5
+        if hi <= lo:
             hi = lo + 1
+        has_zero = any(v <= 0 for v in finite)
+        zero_row = 18.0 if has_zero else 0.0
+        ticks = [float(t) for t in range(lo, hi + 1)]
+        span_lo, span_hi = float(lo), float(hi)
     else:
-        lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
-        if hi == lo:
-            lo, hi = lo - 1, hi + 1
+        ticks = _linear_ticks(finite)
+        span_lo, span_hi = ticks[0], ticks[-1]
     n = max((len(ys) for _, ys in series), default=1)
+    inner = ph - zero_row
 
     def x(i: int) -> float:
         return left + (pw * i / max(1, n - 1))
 
     def y(v: float) -> float:
-        t = (math.log10(max(v, tiny)) if log else v)
-        return top + ph - ph * (t - lo) / (hi - lo)
+        if log:
+            if v <= 0:
+                return top + ph
+            t = math.log10(v)
+            return top + inner - inner * (t - span_lo) / (span_hi - span_lo)
+        return top + ph - ph * (v - span_lo) / (span_hi - span_lo)
 
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-size='11'>",
            f"<text x='{left}' y='16' font-weight='600'>{_e(title)}</text>",
            f"<rect x='{left}' y='{top}' width='{pw}' height='{ph}' fill='none' stroke='#bbb'/>"]
-    ticks = range(math.floor(lo), math.ceil(hi) + 1) if log else [lo + (hi - lo) * k / 4 for k in range(5)]
     for t in ticks:
-        val = 10.0**t if log else float(t)
-        yy = y(val)
-        if top - 1 <= yy <= top + ph + 1:
-            label = "0" if (log and t == math.floor(lo) and val <= tiny) else (f"1e{int(t)}" if log else f"{val:.2g}")
-            out.append(f"<line x1='{left - 4}' x2='{left + pw}' y1='{yy:.1f}' y2='{yy:.1f}' stroke='#eee'/>")
-            out.append(f"<text x='{left - 6}' y='{yy + 4:.1f}' text-anchor='end'>{label}</text>")
+        yy = y(10.0**t) if log else y(t)
+        label = f"1e{int(t)}" if log else _tick_label(t)
+        stroke = "#ccc" if (not log and t == 0) else "#eee"
+        out.append(f"<line x1='{left - 4}' x2='{left + pw}' y1='{yy:.1f}' y2='{yy:.1f}' stroke='{stroke}'/>")
+        out.append(f"<text x='{left - 6}' y='{yy + 4:.1f}' text-anchor='end'>{label}</text>")
+    if zero_row:
+        yb = top + inner + zero_row / 2
+        out.append(f"<line x1='{left - 4}' x2='{left + pw}' y1='{top + ph:.1f}' y2='{top + ph:.1f}' stroke='#eee'/>")
+        out.append(f"<text x='{left - 6}' y='{top + ph + 4:.1f}' text-anchor='end'>0</text>")
+        out.append(f"<line x1='{left - 5}' x2='{left + 5}' y1='{yb + 3:.1f}' y2='{yb - 3:.1f}' stroke='#888'/>"
+                   f"<line x1='{left - 5}' x2='{left + 5}' y1='{yb + 6:.1f}' y2='{yb:.1f}' stroke='#888'/>")
     for i in range(n):
         out.append(f"<text x='{x(i):.1f}' y='{top + ph + 14}' text-anchor='middle'>{i + first_x}</text>")
     out.append(f"<text x='{left + pw / 2}' y='{h - 6}' text-anchor='middle'>{_e(xlabel)}</text>")
+    legend: list[tuple[str, str]] = []
     if hline is not None:
-        out.append(f"<line x1='{left}' x2='{left + pw}' y1='{y(hline):.1f}' y2='{y(hline):.1f}' stroke='#888' "
-                   f"stroke-dasharray='4 3'/><text x='{left + pw - 4}' y='{y(hline) - 4:.1f}' "
-                   f"text-anchor='end' fill='#666'>{_e(hline_label)}</text>")
+        pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(hline[:n]) if math.isfinite(v))
+        out.append(f"<polyline points='{pts}' fill='none' stroke='#888' stroke-dasharray='4 3'/>")
+        legend.append((hline_label, "stroke='#888' stroke-dasharray='4 3'"))
     for k, (name, ys) in enumerate(series):
         color = _COLORS[k % len(_COLORS)]
-        pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(ys) if v == v)
-        out.append(f"<polyline points='{pts}' fill='none' stroke='{color}' stroke-width='2'/>")
-        out.append(f"<text x='{left + 8}' y='{top + 14 + 13 * k}' fill='{color}'>{_e(name)}</text>")
+        pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(ys) if v == v and math.isfinite(v))
+        if k == 0:
+            style = f"stroke='{color}' stroke-width='7' stroke-opacity='0.35' stroke-linecap='round'"
+        elif name == _CONTROL:
+            color = "#555"
+            style = f"stroke='{color}' stroke-width='1.5' stroke-dasharray='6 4'"
+        else:
+            style = f"stroke='{color}' stroke-width='2'"
+        out.append(f"<polyline points='{pts}' fill='none' {style}/>")
+        if k > 0:
+            out.extend(f"<circle cx='{x(i):.1f}' cy='{y(v):.1f}' r='2.5' fill='{color}'/>"
+                       for i, v in enumerate(ys) if v == v and math.isfinite(v))
+        legend.append((name, style))
+    lx = left + pw + 14
+    for k, (name, style) in enumerate(legend):
+        ly = top + 8 + 16 * k
+        short = name if len(name) <= 24 else name[:23] + "…"
+        out.append(f"<line x1='{lx}' x2='{lx + 18}' y1='{ly:.1f}' y2='{ly:.1f}' {style}/>"
+                   f"<text x='{lx + 24}' y='{ly + 4:.1f}'>{_e(short)}</text>")
     out.append("</svg>")
     return "".join(out)
