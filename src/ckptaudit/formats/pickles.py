@@ -138,6 +138,14 @@ DCP_METADATA_GLOBALS: frozenset[str] = frozenset(
             "StorageMeta MetadataIndex _MEM_FORMAT_ENCODING"
         ).split()
     ]
+    # The save plans PyTorch's own planner dataclasses describe: Megatron-Core's torch_dist save keeps every rank's
+    # plan in .metadata (Metadata.all_local_plans); items of ShardedObjects carry BytesIOWriteData, plans after
+    # FileSystemWriter.prepare_global_plan a _StoragePrefix.
+    + [
+        "torch.distributed.checkpoint.planner." + n
+        for n in "SavePlan WriteItem WriteItemType TensorWriteData BytesIOWriteData".split()
+    ]
+    + ["torch.distributed.checkpoint.filesystem._StoragePrefix"]
     + [
         "torch.distributed.checkpoint.filesystem._StorageInfo",
         "torch.serialization._get_layout",
@@ -172,6 +180,17 @@ HARMLESS_GLOBALS: dict[str, str] = {
     "trl.trainer.dpo_config.DPOConfig": "object",
     "trl.trainer.grpo_config.GRPOConfig": "object",
     "trl.trainer.reward_config.RewardConfig": "object",
+    # Megatron-LM's common.pt: args (an argparse.Namespace, with Megatron's enums among its values) and the rerun
+    # state machine, what megatron.core.safe_globals registers for torch.load(weights_only=True).
+    "argparse.Namespace": "object",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig": "object",
+    "megatron.core.transformer.enums.AttnBackend": "enum",
+    "megatron.core.transformer.enums.CudaGraphScope": "enum",
+    "megatron.core.enums.ModelType": "enum",
+    "megatron.core.rerun_state_machine.RerunMode": "enum",
+    "megatron.core.rerun_state_machine.RerunDiagnostic": "enum",
+    "megatron.core.rerun_state_machine.RerunState": "enum",
+    "signal.Signals": "enum",
 }
 """Well-known framework objects that are harmless to skip, never to run: ``name -> how it may be used``.
 
@@ -958,6 +977,7 @@ def dcp_metadata_loads(data: bytes) -> Any:
     import torch
     import torch.distributed.checkpoint.filesystem as dcp_fs
     import torch.distributed.checkpoint.metadata as dcp_md
+    import torch.distributed.checkpoint.planner as dcp_planner
     import torch.serialization
 
     table = base_table()
@@ -969,6 +989,14 @@ def dcp_metadata_loads(data: bytes) -> Any:
             if attr != "_MEM_FORMAT_ENCODING":
                 classes.append(getattr(dcp_md, attr))
     table["torch.distributed.checkpoint.filesystem._StorageInfo"] = dcp_fs._StorageInfo
+    for name in DCP_METADATA_GLOBALS:  # the planner's dataclasses (Megatron-Core's all_local_plans)
+        module, _, attr = name.rpartition(".")
+        if module == "torch.distributed.checkpoint.planner":
+            table[name] = getattr(dcp_planner, attr)
+            if attr != "WriteItemType":
+                classes.append(getattr(dcp_planner, attr))
+    table["torch.distributed.checkpoint.filesystem._StoragePrefix"] = dcp_fs._StoragePrefix
+    classes.append(dcp_fs._StoragePrefix)
     table["torch.serialization._get_layout"] = torch.serialization._get_layout
     table["torch.Size"] = torch.Size
     table["pathlib.PosixPath"] = pathlib.PurePosixPath
