@@ -99,6 +99,7 @@ def _optimizer_state(model_sd: Any, opt: Any, params: list[Any], masters: list[A
     id_map = get_param_id_to_sharded_param_map(model_sd, params)
     assert len(id_map) == len(params), "every optimized parameter has a sharded tensor"
     inner = opt.state_dict()
+    inner["state"] = {k: dict(v) for k, v in inner["state"].items()}  # torch shares the live dicts: copy them
     steps = {float(s["step"]) for s in inner["state"].values()}
     assert len(steps) == 1
     for s in inner["state"].values():
@@ -114,48 +115,55 @@ def _optimizer_state(model_sd: Any, opt: Any, params: list[Any], masters: list[A
     return {"optimizer": inner, "fp32_from_fp16_params": [fp32_from_fp16]}
 
 
-def write_megatron(ctx: Any, out: str, variant: str) -> dict[str, Any]:
-    """(2 ranks) Write ``out/iter_0000002`` (and ``latest_checkpointed_iteration.txt``), load it back with
-    ``dist_checkpointing.load``, and return what the audit is judged against."""
+def write_megatron(ctx: Any, out: str, variants: list[str]) -> dict[str, Any]:
+    """(2 ranks) Train once, then for each variant write ``out/<variant>/iter_0000002`` (and
+    ``latest_checkpointed_iteration.txt`` beside it) and load it back with ``dist_checkpointing.load``. Returns what
+    the audit is judged against."""
     import numpy as np
     import torch
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     _patch_cuda()
     model = _model(ctx)
     opt, params, masters, sched = _train(model)
-    model_sd = model.sharded_state_dict()
-    state: dict[str, Any] = {
-        "args": argparse.Namespace(num_layers=2, hidden_size=16, bf16=True, lr=1e-3, save_interval=STEPS,
-                                   ckpt_format="torch_dist", global_batch_size=8,
-                                   consumed_train_samples=8 * STEPS),
-        "checkpoint_version": 3.0,
-        "iteration": STEPS,
-        "model": model_sd,
-        "rng_state": [ShardedObject("rng_state", [{"random_rng_state": random.getstate(),
-                                                   "np_rng_state": np.random.get_state(),
-                                                   "torch_rng_state": torch.get_rng_state()}],
-                                    (1, ctx.world_size), (0, ctx.rank), replica_id=0)],
-        "num_floating_point_operations_so_far": 0,
-    }
-    if variant != "model-only":
-        state["optimizer"] = _optimizer_state(model_sd, opt, params, masters, variant == "rounded-masters")
-        state["opt_param_scheduler"] = sched.state_dict()
-    path = os.path.join(out, f"iter_{STEPS:07d}")
-    if ctx.rank == 0:
-        os.makedirs(path, exist_ok=True)
-    torch.distributed.barrier()
+    paths = {}
     try:
-        dist_checkpointing.save(state, path)
-        if ctx.rank == 0:
-            with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as fh:
-                fh.write(str(STEPS))
-        # Proof that the library reads what it wrote: the model back into fresh tensors, equal to the saved ones.
-        loaded = dist_checkpointing.load(_model(ctx, init=False).sharded_state_dict(), path)
-        saved = {t.key: t.data for t in _sharded_tensors(model_sd)}
-        back = {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
-        assert back and all(torch.equal(v, saved[k]) for k, v in back.items()), "load does not give the saved model"
+        for variant in variants:
+            model_sd = model.sharded_state_dict()  # fresh each time: the save rewrites what it is given
+            saved = {k: v.data.clone() for k, v in model_sd.items() if isinstance(v, ShardedTensor)}
+            state: dict[str, Any] = {
+                "args": argparse.Namespace(num_layers=2, hidden_size=16, bf16=True, lr=1e-3, save_interval=STEPS,
+                                           ckpt_format="torch_dist", global_batch_size=8,
+                                           consumed_train_samples=8 * STEPS),
+                "checkpoint_version": 3.0,
+                "iteration": STEPS,
+                "model": model_sd,
+                "rng_state": [ShardedObject("rng_state", [{"random_rng_state": random.getstate(),
+                                                           "np_rng_state": np.random.get_state(),
+                                                           "torch_rng_state": torch.get_rng_state()}],
+                                            (1, ctx.world_size), (0, ctx.rank), replica_id=0)],
+                "num_floating_point_operations_so_far": 0,
+            }
+            if variant != "model-only":
+                state["optimizer"] = _optimizer_state(model_sd, opt, params, masters, variant == "rounded-masters")
+                state["opt_param_scheduler"] = sched.state_dict()
+            root = os.path.join(out, variant)
+            path = os.path.join(root, f"iter_{STEPS:07d}")
+            if ctx.rank == 0:
+                os.makedirs(path, exist_ok=True)
+            torch.distributed.barrier()
+            dist_checkpointing.save(state, path)
+            if ctx.rank == 0:
+                with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
+                    fh.write(str(STEPS))
+            # Proof that the library reads what it wrote: a fresh model's tensors come back equal to the saved ones.
+            loaded = dist_checkpointing.load(_model(ctx, init=False).sharded_state_dict(), path)
+            back = {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+            assert back.keys() == saved.keys(), sorted(set(back) ^ set(saved))
+            differ = [k for k, v in back.items() if not torch.equal(v, saved[k])]
+            assert not differ, f"dist_checkpointing.load does not give back the saved {differ}"
+            paths[variant] = path
     finally:
         # Megatron's async writer leaves a spawned multiprocessing Manager behind: reap it, as every child must be.
         import multiprocessing
@@ -163,9 +171,10 @@ def write_megatron(ctx: Any, out: str, variant: str) -> dict[str, Any]:
         for child in multiprocessing.active_children():
             child.terminate()
             child.join(10)
+    model_sd = model.sharded_state_dict()
     names = sorted({t.key for t in _sharded_tensors(model_sd)})
     bf16 = sorted({t.key for t in _sharded_tensors(model_sd) if t.data.dtype == torch.bfloat16})
-    return {"path": path, "root": out, "params": names, "bf16_params": bf16, "step": STEPS}
+    return {"paths": paths, "params": names, "bf16_params": bf16, "step": STEPS}
 
 
 def _sharded_tensors(sd: Any) -> list[Any]:
