@@ -22,8 +22,10 @@ real and what is not:
   ``optimizer``, ``opt_param_scheduler``, ``rng_state`` (a ``ShardedObject`` per rank), and the folder names
   ``iter_NNNNNNN`` and ``latest_checkpointed_iteration.txt`` of its ``get_checkpoint_name``.
 
-Variants (``variant``): ``full``; ``model-only`` (no optimizer, no scheduler); ``rounded-masters`` (the masters
-saved after a round trip through bf16: the defect ckptaudit must find).
+Variants: ``full``; ``model-only`` (no optimizer, no scheduler); ``rounded-masters`` (the masters saved after a
+round trip through bf16: the defect ckptaudit must find); ``distributed-fully-reshardable`` and
+``distributed-dp-reshardable`` (the same state in the key layouts of Megatron's ``DistributedOptimizer``, which
+needs CUDA too: see :func:`_distributed_state`).
 """
 
 from __future__ import annotations
@@ -87,6 +89,48 @@ def _train(model: Any) -> tuple[Any, list[Any], list[Any], Any]:
     return opt, [params[i] for i in order], [masters[i] for i in order], sched
 
 
+def _distributed_state(ctx: Any, model_sd: Any, opt: Any, params: list[Any], masters: list[Any],
+                       sharding: str) -> Any:
+    """What ``DistributedOptimizer.sharded_state_dict`` returns for ``sharding`` (``metadata
+    ["distrib_optim_sharding_type"]``): ``fully_reshardable`` keeps every parameter's fp32 master and moments under
+    ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`` (``sharded_param_state_fully_reshardable``);
+    ``dp_reshardable`` keeps them in flat per-bucket tensors ``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<b>
+    .dtype_<(param, grad dtype)>.bucket_idx_<k>.<name>`` and the param groups in a ShardedObject
+    (``sharded_param_state_dp_reshardable``). One bucket per rank here; ``<g>`` is the rank's data-parallel group
+    (one per tensor-parallel rank)."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        make_sharded_optimizer_tensor,
+    )
+
+    inner = opt.state_dict()
+    live = [opt.state[m] for m in masters]
+    groups = [{k: v for k, v in g.items()} for g in inner["param_groups"]]
+    if sharding == "fully_reshardable":
+        id_map = get_param_id_to_sharded_param_map(model_sd, params)
+        param_state = {i: {name: make_sharded_optimizer_tensor(id_map[i], t.detach(), prefix=f"optimizer.state.{name}")
+                           for name, t in (("param", m.detach().float()), ("exp_avg", s["exp_avg"]),
+                                           ("exp_avg_sq", s["exp_avg_sq"]))}
+                       for i, (m, s) in enumerate(zip(masters, live, strict=True))}
+        return {"optimizer": {"param_groups": groups}, "param_state": param_state,
+                "param_state_sharding_type": sharding}
+    prefix = f"optimizer.distributed.dp_group_idx_{ctx.rank}"
+    bucket = f"{prefix}.gbuf_idx_0.dtype_{(torch.bfloat16, torch.float32)}.bucket_idx_0"
+    flat = {"param": torch.cat([m.detach().float().flatten() for m in masters]),
+            "exp_avg": torch.cat([s["exp_avg"].flatten() for s in live]),
+            "exp_avg_sq": torch.cat([s["exp_avg_sq"].flatten() for s in live])}
+    numel = int(flat["param"].numel())
+    return {"optimizer": ShardedObject(f"{prefix}.optimizer", {"param_groups": groups}, (1,), (0,), replica_id=0),
+            "param_state": {
+                "per_bucket_numel": ShardedObject(f"{prefix}.per_bucket_numel", {0: {"bf16": [numel]}}, (1,), (0,),
+                                                  replica_id=0),
+                0: {"bf16": [{name: ShardedTensor.from_rank_offsets(f"{bucket}.{name}", t, replica_id=0)
+                              for name, t in flat.items()}]}},
+            "param_state_sharding_type": sharding}
+
+
 def _optimizer_state(model_sd: Any, opt: Any, params: list[Any], masters: list[Any], round_masters: bool) -> Any:
     """What ``Float16OptimizerWithFloat16Params.sharded_state_dict`` returns, built with Megatron's helpers."""
     import torch
@@ -145,8 +189,12 @@ def write_megatron(ctx: Any, out: str, variants: list[str]) -> dict[str, Any]:
                                             (1, ctx.world_size), (0, ctx.rank), replica_id=0)],
                 "num_floating_point_operations_so_far": 0,
             }
-            if variant != "model-only":
+            if variant in ("full", "rounded-masters"):
                 state["optimizer"] = _optimizer_state(model_sd, opt, params, masters, variant == "rounded-masters")
+            elif variant.startswith("distributed-"):
+                sharding = variant.removeprefix("distributed-").replace("-", "_")
+                state["optimizer"] = _distributed_state(ctx, model_sd, opt, params, masters, sharding)
+            if variant != "model-only":
                 state["opt_param_scheduler"] = sched.state_dict()
             root = os.path.join(out, variant)
             path = os.path.join(root, f"iter_{STEPS:07d}")

@@ -27,7 +27,7 @@ from ckptaudit.store.latest import find_latest, latest_report
 
 pytestmark = pytest.mark.dist
 
-VARIANTS = ["full", "model-only", "rounded-masters"]
+VARIANTS = ["full", "model-only", "rounded-masters", "distributed-fully-reshardable", "distributed-dp-reshardable"]
 PLANNER = {f"torch.distributed.checkpoint.planner.{n}" for n in ("SavePlan", "WriteItem", "WriteItemType",
                                                                    "TensorWriteData")}
 
@@ -139,3 +139,28 @@ def test_latest_skips_a_damaged_iteration_the_tracker_names(megatron: dict[str, 
     assert "names iter_0000004, which is not resumable" in stale.message
     rejected = {f.code for f in report.findings if f.evidence.get("candidate") == "iter_0000004"}
     assert "integrity.incomplete" in rejected
+
+
+def test_distributed_optimizer_masters_by_name(megatron: dict[str, Any]) -> None:
+    # fully_reshardable: every parameter's fp32 master is optimizer.state.param.<key>, the fp32 weights' included.
+    report = audit(megatron["paths"]["distributed-fully-reshardable"])
+    assert [f.code for f in report.findings] == ["security.not-loaded"]
+    masters = {t.param: t for t in report.tensors if t.component == "optimizer" and t.role == "param"}
+    assert set(masters) == set(megatron["params"])
+    assert all(m.name == f"optimizer.state.param.{p}" and m.dtype == "float32" for p, m in masters.items())
+    assert report.extra["attachment"] == "by-name"
+
+
+def test_distributed_optimizer_buckets_are_optimizer_state_not_judged_by_parameter(megatron: dict[str, Any]) -> None:
+    # dp_reshardable: flat buckets per rank; never taken for model parameters, attachment said to be unverified,
+    # the bf16 weights not flagged (their masters are in the buckets), the buckets' masters held to the contract.
+    report = audit(megatron["paths"]["distributed-dp-reshardable"])
+    params = {t.name for t in report.tensors if t.component == "model" and t.role == "parameter"}
+    assert params == set(megatron["params"])
+    buckets = [t for t in report.tensors if t.name.startswith("optimizer.distributed.")]
+    assert len(buckets) == 6 and all(t.component == "optimizer" and t.dtype == "float32" for t in buckets)
+    assert sorted((f.code, f.severity) for f in report.findings) == [
+        ("optimizer.attachment-unverified", Severity.WARNING), ("security.not-loaded", Severity.WARNING)]
+    assert report.extra["attachment"] == "flat-buckets"
+    comps = {c.kind: c for c in report.components}
+    assert comps[ComponentKind.OPTIMIZER].where == ("optimizer.distributed",)

@@ -213,11 +213,12 @@ def _masters_in_place(params: list[TensorRecord], records: list[TensorRecord], v
     opt = view.optimizer
     if opt is None or not opt.masters:
         return params
-    usable = [r for r in records if r.component == ComponentKind.OPTIMIZER.value and r.role in opt.masters
+    buckets = {ref.name for ref in opt.unattached_masters}
+    usable = [r for r in records if r.component == ComponentKind.OPTIMIZER.value
+              and (r.role in opt.masters or r.name in buckets)
               and r.precision is not Precision.NOT_FLOAT and r.precision is not Precision.UNREAD]
     by_param = {r.param: r for r in usable if r.param is not None}
     judged = [by_param.get(r.param, r) if r.param is not None else r for r in params]
-    buckets = {ref.name for ref in opt.unattached_masters}
     bucket_masters = [r for r in usable if r.name in buckets]
     if bucket_masters:
         judged = [r for r in judged if r.dtype not in ("bfloat16", "float16")] + bucket_masters
