@@ -131,6 +131,8 @@ def test_latest_skips_a_damaged_iteration_the_tracker_names(megatron: dict[str, 
     shutil.copytree(Path(megatron["paths"]["full"]).parent, root)
     shutil.copytree(root / "iter_0000002", root / "iter_0000004")
     (root / "iter_0000004" / ".metadata").unlink()  # the save of iteration 4 died before DCP's commit
+    shutil.copytree(root / "iter_0000002", root / "iter_0000003")
+    (root / "iter_0000003" / "metadata.json").unlink()  # ... of iteration 3 before Megatron's finalize
     (root / "latest_checkpointed_iteration.txt").write_text("4")
     report = latest_report(str(root))
     assert report.extra["latest"] == str(root / "iter_0000002") and report.extra["latest_step"] == 2
@@ -139,6 +141,8 @@ def test_latest_skips_a_damaged_iteration_the_tracker_names(megatron: dict[str, 
     assert "names iter_0000004, which is not resumable" in stale.message
     rejected = {f.code for f in report.findings if f.evidence.get("candidate") == "iter_0000004"}
     assert "integrity.incomplete" in rejected
+    unfinished = {(f.code, f.subject) for f in report.findings if f.evidence.get("candidate") == "iter_0000003"}
+    assert unfinished == {("integrity.incomplete", "iter_0000003/metadata.json")}
 
 
 def test_distributed_optimizer_masters_by_name(megatron: dict[str, Any]) -> None:
