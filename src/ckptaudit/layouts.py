@@ -569,7 +569,7 @@ def _megatron(ckpt: Checkpoint) -> View:
                 others.append((TensorRef(k, leaf, _leaf_file(ckpt, dcp_part, leaf)), ComponentKind.OPTIMIZER.value))
             continue
         if head in RNG_KEYS:  # Megatron-LM's rng_state: one ShardedObject per rank
-            if leaf not in (None, [], {}) and base not in view.components.get(ComponentKind.RNG, []):
+            if _present(leaf) and base not in view.components.get(ComponentKind.RNG, []):
                 found(ComponentKind.RNG, base, _unreadable_detail(base, leaf))
             for path, inner in walk(leaf):
                 if isinstance(inner, TensorData | Unreadable):
@@ -598,12 +598,11 @@ def _megatron(ckpt: Checkpoint) -> View:
     for entry in buckets.values():
         for ref in entry.values():
             others.append((ref, ComponentKind.OPTIMIZER.value))
-    scheduler = common.get("opt_param_scheduler")
-    if scheduler not in (None, {}, []):
+    if _present(common.get("opt_param_scheduler")):
         found(ComponentKind.SCHEDULER, "common.pt/opt_param_scheduler")
-    if iteration is not None:
+    if view.step is not None:
         found(ComponentKind.DATA_PROGRESS, "common.pt/iteration", _megatron_data_detail(common))
-    if common_part is not None and "rng_state" in common and common["rng_state"] not in (None, [], {}):
+    if common_part is not None and _present(common.get("rng_state")):
         found(ComponentKind.RNG, "common.pt/rng_state")
 
     for ref in params.values():
@@ -624,6 +623,12 @@ def _megatron(ckpt: Checkpoint) -> View:
                 seen.add(id(leaf))
                 view.tensors.append((TensorRef(_label(part, *path), leaf, _leaf_file(ckpt, part, leaf)), "other"))
     return view
+
+
+def _present(value: Any) -> bool:
+    """Not ``None`` and not an empty list or dict (never ``==`` on a value from a file: arrays compare
+    element-wise)."""
+    return value is not None and not (isinstance(value, list | dict) and not value)
 
 
 def _megatron_data_detail(common: dict[str, Any]) -> str:
