@@ -5,7 +5,7 @@ One 2-rank gloo job (``megatron_writer.write_megatron``; see its docstring for w
 laid out with Megatron's own helpers) trains a tensor-parallel GPTModel for 2 steps and saves three checkpoints:
 ``full`` (bf16 weights, fp32 masters, AdamW moments, scheduler, RNG), ``model-only`` and ``rounded-masters``
 (the masters saved after a round trip through bf16). Each is loaded back by ``dist_checkpointing.load`` in the
-writer. About 60 s wall on 2 busy cores, once per session.
+writer. The job takes 55-90 s wall on 2 busy cores, once per session.
 """
 
 from __future__ import annotations
