@@ -176,6 +176,7 @@ def _judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
     moments = [r for r in s.records if r.component == ComponentKind.OPTIMIZER.value
                and (r.role in ELEMENTWISE_STATE or (len(r.shape) >= 1 and r.role != "step"))
                and r.precision not in (Precision.NOT_FLOAT, Precision.UNREAD)]
+    params = _masters_in_place(params, s.records, view)
     manifest_dtype = None
     if view.manifest is not None:
         contract_info = view.manifest.get("contract")
@@ -331,6 +332,25 @@ def _not_a_checkpoint(s: ScannedCheckpoint, findings: list[Finding]) -> tuple[li
     rest = [f for f in findings if f.code != "component.missing" and f not in same and f not in per_file]
     summary = f"not a checkpoint: {name} is not in any format ckptaudit reads"
     return [head, *per_file, *rest], summary, ()
+
+def _masters_in_place(params: list[TensorRecord], records: list[TensorRecord], view: View) -> list[TensorRecord]:
+    """The records the precision checks judge: where the optimizer keeps a parameter's master copy (Megatron's
+    ``fp32_param``), that master is the training state, so it takes the place of the model's 16-bit copy.
+    Masters in flat buckets (Megatron's distributed optimizer) belong to no one parameter: they are judged
+    themselves, in place of every 16-bit model copy."""
+    opt = view.optimizer
+    if opt is None or not opt.masters:
+        return params
+    buckets = {ref.name for ref in opt.unattached_masters}
+    usable = [r for r in records if r.component == ComponentKind.OPTIMIZER.value
+              and (r.role in opt.masters or r.name in buckets)
+              and r.precision is not Precision.NOT_FLOAT and r.precision is not Precision.UNREAD]
+    by_param = {r.param: r for r in usable if r.param is not None}
+    judged = [by_param.get(r.param, r) if r.param is not None else r for r in params]
+    bucket_masters = [r for r in usable if r.name in buckets]
+    if bucket_masters:
+        judged = [r for r in judged if r.dtype not in ("bfloat16", "float16")] + bucket_masters
+    return judged
 
 
 def _summary(s: ScannedCheckpoint, findings: list[Finding], master: str, options: AuditOptions) -> str:

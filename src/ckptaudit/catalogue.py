@@ -56,7 +56,8 @@ _RULES: tuple[Rule, ...] = (
     Rule("optimizer.index-keyed", W, "Optimizer state keyed by integers (optimizer.state_dict()): its attachment "
          "depends on parameter order (pytorch/pytorch#1489)."),
     Rule("optimizer.attachment-unverified", W, "Index-keyed optimizer state fits the model's shapes in more than one "
-         "way, or the parameter order is unknown: the attachment cannot be verified offline."),
+         "way, or the parameter order is unknown, or the state lies in flat buckets (Megatron's distributed "
+         "optimizer): the attachment cannot be verified offline."),
     Rule("optimizer.step-mismatch", W, "Per-parameter optimizer step counters disagree."),
     # integrity
     Rule("integrity.incomplete", E, "A file or item the checkpoint needs is missing or shorter than recorded (e.g. "

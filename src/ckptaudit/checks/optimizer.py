@@ -72,7 +72,7 @@ class Attachment:
     """State key -> model FQN, where it is known (by name, or pinned by every order-consistent assignment)."""
     status: str = "none"
     """``by-name``, ``by-param-names``, ``unique-order``, ``ambiguous``, ``unknown-order``, ``mismatch``,
-    ``none``."""
+    ``flat-buckets``, ``none``."""
     findings: list[Finding] = field(default_factory=list)
     params: frozenset[str] = frozenset()
     """Model FQNs that carry optimizer state in some fitting attachment (the trainable parameters); the rest are
@@ -130,7 +130,18 @@ def check_attachment(view: View) -> Attachment:
     if opt is None or model is None:
         return Attachment()
     if opt.keyed == "fqn":
-        return _by_names(opt, model.params, {k: k for k in opt.state}, "by-name", opt.where)
+        result = _by_names(opt, model.params, {k: k for k in opt.state}, "by-name", opt.where)
+        if opt.unattached_masters:
+            result.status = "flat-buckets"
+            result.findings.append(finding(
+                "optimizer.attachment-unverified", opt.where,
+                f"{opt.where}: the optimizer keeps its masters and moments in {len(opt.unattached_masters)} flat "
+                "bucket(s) (Megatron's distributed optimizer, dp_reshardable), each holding many parameters; which "
+                "slice belongs to which parameter is not saved (Megatron rebuilds it from the model), so the "
+                "attachment is not verified offline. The buckets' masters are held to the contract as a whole; "
+                "save with distrib_optim_sharding_type fully_reshardable to have every parameter's state by name.",
+                buckets=[ref.name for ref in opt.unattached_masters]))
+        return result
     names = _param_names(opt)
     if names is not None:
         result = _by_names(opt, model.params, names, "by-param-names", opt.where)

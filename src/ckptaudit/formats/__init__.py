@@ -51,7 +51,8 @@ def open_checkpoint(path: str) -> Checkpoint:
             if read.part is not None:
                 parts.append(read.part)
             fmt = "dcp"
-            for extra in ("manifest.json", "ckptaudit.json"):
+            # Our manifest; Megatron-Core's metadata.json (backends) and common.pt (its unsharded state).
+            for extra in ("manifest.json", "ckptaudit.json", "metadata.json", "common.pt"):
                 extra_path = os.path.join(path, extra)
                 if os.path.lexists(extra_path):
                     part = _read_entry(extra_path, extra, findings, files)

@@ -78,6 +78,14 @@ DCP_METADATA_GLOBALS: frozenset[str] = frozenset(
             "StorageMeta MetadataIndex _MEM_FORMAT_ENCODING"
         ).split()
     ]
+    # The save plans PyTorch's own planner dataclasses describe: Megatron-Core's torch_dist save keeps every rank's
+    # plan in .metadata (Metadata.all_local_plans); items of ShardedObjects carry BytesIOWriteData, plans after
+    # FileSystemWriter.prepare_global_plan a _StoragePrefix.
+    + [
+        "torch.distributed.checkpoint.planner." + n
+        for n in "SavePlan WriteItem WriteItemType TensorWriteData BytesIOWriteData".split()
+    ]
+    + ["torch.distributed.checkpoint.filesystem._StoragePrefix"]
     + [
         "torch.distributed.checkpoint.filesystem._StorageInfo",
         "torch.serialization._get_layout",
@@ -112,6 +120,17 @@ HARMLESS_GLOBALS: dict[str, str] = {
     "trl.trainer.dpo_config.DPOConfig": "object",
     "trl.trainer.grpo_config.GRPOConfig": "object",
     "trl.trainer.reward_config.RewardConfig": "object",
+    # Megatron-LM's common.pt: args (an argparse.Namespace, with Megatron's enums among its values) and the rerun
+    # state machine, what megatron.core.safe_globals registers for torch.load(weights_only=True).
+    "argparse.Namespace": "object",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig": "object",
+    "megatron.core.transformer.enums.AttnBackend": "enum",
+    "megatron.core.transformer.enums.CudaGraphScope": "enum",
+    "megatron.core.enums.ModelType": "enum",
+    "megatron.core.rerun_state_machine.RerunMode": "enum",
+    "megatron.core.rerun_state_machine.RerunDiagnostic": "enum",
+    "megatron.core.rerun_state_machine.RerunState": "enum",
+    "signal.Signals": "enum",
 }
 """Well-known framework objects that are harmless to skip, never to run: ``name -> how it may be used``.
 

@@ -23,6 +23,7 @@ def dcp_metadata_loads(data: bytes) -> Any:
     import torch
     import torch.distributed.checkpoint.filesystem as dcp_fs
     import torch.distributed.checkpoint.metadata as dcp_md
+    import torch.distributed.checkpoint.planner as dcp_planner
     import torch.serialization
 
     table = base_table()
@@ -34,6 +35,14 @@ def dcp_metadata_loads(data: bytes) -> Any:
             if attr != "_MEM_FORMAT_ENCODING":
                 classes.append(getattr(dcp_md, attr))
     table["torch.distributed.checkpoint.filesystem._StorageInfo"] = dcp_fs._StorageInfo
+    for name in DCP_METADATA_GLOBALS:  # the planner's dataclasses (Megatron-Core's all_local_plans)
+        module, _, attr = name.rpartition(".")
+        if module == "torch.distributed.checkpoint.planner":
+            table[name] = getattr(dcp_planner, attr)
+            if attr != "WriteItemType":
+                classes.append(getattr(dcp_planner, attr))
+    table["torch.distributed.checkpoint.filesystem._StoragePrefix"] = dcp_fs._StoragePrefix
+    classes.append(dcp_fs._StoragePrefix)
     table["torch.serialization._get_layout"] = torch.serialization._get_layout
     table["torch.Size"] = torch.Size
     table["pathlib.PosixPath"] = pathlib.PurePosixPath

@@ -4,7 +4,8 @@ Hugging Face's ``get_last_checkpoint`` and DeepSpeed's ``latest`` file pick a di
 looking inside. Here every candidate, newest first, is validated until one passes:
 
 - candidates: our ``step-N/`` (and the writer's temporaries, ``step-N.partial-*``), torchtitan ``step-N/``,
-  other DCP directories, Hugging Face ``checkpoint-N/``, Accelerate ``checkpoint_N/``, Lightning ``*.ckpt``;
+  Megatron ``iter_NNNNNNN/``, other DCP directories, Hugging Face ``checkpoint-N/``, Accelerate
+  ``checkpoint_N/``, Lightning ``*.ckpt``;
 - validation (fast, nothing but headers and metadata read, see :func:`validate`): the format's commit marker
   (our manifest and name, DCP ``.metadata``, Trainer's ``trainer_state.json``, written last), every file the
   metadata references present with its recorded size, the manifest's hashes where there is one
@@ -12,7 +13,8 @@ looking inside. Here every candidate, newest first, is validated until one passe
   components the format's contract requires (model and optimizer, plus ``require``, plus what the manifest
   lists).
 
-A candidate is resumable when no finding is an error.
+A candidate is resumable when no finding is an error. The root's pointer, when there is one (ours: ``latest``;
+Megatron-LM's ``latest_checkpointed_iteration.txt``), is compared with the newest resumable candidate.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ _HF = re.compile(r"^checkpoint-(\d+)$")
 _ACCELERATE = re.compile(r"^checkpoint_(\d+)$")
 _LIGHTNING_STEP = re.compile(r"step=(\d+)")
 _TRAILING = re.compile(r"(\d+)$")
+_MEGATRON = re.compile(r"^iter_(\d+)$")
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+"""Megatron-LM's pointer: the iteration (``2``) of ``iter_0000002/``, or ``release``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +50,7 @@ class Candidate:
     """Relative to the root (the root's own name when the root is a checkpoint)."""
     layout: str
     """``ckptaudit``, ``ckptaudit-temporary``, ``torchtitan``, ``dcp``, ``huggingface-trainer``,
-    ``accelerate`` or ``lightning``."""
+    ``accelerate``, ``megatron`` or ``lightning``."""
     step: int | None
     mtime: float
 
@@ -110,7 +115,7 @@ def _classify(path: str, name: str) -> Candidate | None:
             return Candidate(path, name, "ckptaudit-temporary", parsed[0], _mtime(path))
         ours = os.path.isfile(os.path.join(path, layout.MANIFEST))
         return Candidate(path, name, "ckptaudit" if ours else "torchtitan", parsed[0], _mtime(path))
-    for regex, kind in ((_HF, "huggingface-trainer"), (_ACCELERATE, "accelerate")):
+    for regex, kind in ((_HF, "huggingface-trainer"), (_ACCELERATE, "accelerate"), (_MEGATRON, "megatron")):
         m = regex.match(base)
         if m:
             return Candidate(path, name, kind, int(m.group(1)), _mtime(path))
@@ -182,6 +187,11 @@ def validate(c: Candidate, *, verify: str = "hashes",
         findings.append(finding(
             "integrity.incomplete", "trainer_state.json",
             f"{c.name} has no trainer_state.json; Trainer writes it last, so the save did not finish"))
+    if c.layout == "megatron" and not os.path.isfile(os.path.join(c.path, "metadata.json")):
+        findings.append(finding(
+            "integrity.incomplete", "metadata.json",
+            f"{c.name} has no metadata.json; Megatron-Core's dist_checkpointing.save writes it last, so the save "
+            "did not finish"))
     if not ours:
         marker = {"lightning": "the file's own structure", "huggingface-trainer": "trainer_state.json"}.get(
             c.layout, ".metadata")
@@ -229,7 +239,10 @@ def find_latest(root: str, *, verify: str = "hashes", require: Collection[Compon
         raise FileNotFoundError(root)
     root = os.path.abspath(root)
     candidates = discover(root)
-    result = LatestResult(root, None, [], pointer=layout.read_pointer(root) if os.path.isdir(root) else None)
+    pointer, pointer_file = (layout.read_pointer(root), layout.POINTER) if os.path.isdir(root) else (None, "")
+    if pointer is None and os.path.isdir(root):
+        pointer, pointer_file = _megatron_pointer(root), MEGATRON_TRACKER
+    result = LatestResult(root, None, [], pointer=pointer)
     for i, c in enumerate(candidates):
         if progress is not None:
             progress(f"checking {c.name} ({i + 1} of {len(candidates)}, --verify {verify})")
@@ -245,11 +258,24 @@ def find_latest(root: str, *, verify: str = "hashes", require: Collection[Compon
         why = ("does not exist" if not os.path.exists(os.path.join(root, result.pointer)) else
                "is not resumable" if state is not None and not state.resumable else
                "is older than the newest resumable checkpoint")
-        result.findings.append(finding("store.pointer-stale", layout.POINTER,
-                                       f"the {layout.POINTER} pointer names {result.pointer}, which {why}; the "
+        result.findings.append(finding("store.pointer-stale", pointer_file,
+                                       f"the {pointer_file} pointer names {result.pointer}, which {why}; the "
                                        f"newest resumable checkpoint is {result.latest.name}",
                                        pointer=result.pointer, latest=result.latest.name))
     return result
+
+
+def _megatron_pointer(root: str) -> str | None:
+    """The folder Megatron-LM's ``latest_checkpointed_iteration.txt`` names (``iter_0000002`` for ``2``,
+    ``release`` for ``release``), or ``None`` (absent, unreadable, or neither)."""
+    try:
+        with open(os.path.join(root, MEGATRON_TRACKER), "rb") as fh:
+            text = fh.read(64).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    if text == "release":
+        return text
+    return f"iter_{int(text):07d}" if text.isdigit() and len(text) <= 12 else None
 
 
 def _candidate_json(ch: Checked | None, c: Candidate) -> dict[str, Any]:
