@@ -208,7 +208,9 @@ def _judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
     )
 
 
-_NOT_RECOGNISED = ("format.unrecognized", "format.unsupported")
+_NOT_RECOGNISED = ("format.unrecognized",)
+"""Only this says "no reader knows it"; ``format.unsupported`` is a known format ckptaudit does not read (legacy
+``torch.save``), so such a checkpoint is judged as one."""
 
 
 def _nothing_recognised(s: ScannedCheckpoint, components: tuple[Any, ...]) -> bool:
