@@ -305,7 +305,10 @@ def scheduler_steps(ckpt: Checkpoint) -> list[int]:
     return [leaf for tree in trees for path, leaf in walk(tree)
             if path and path[-1] == "last_epoch" and isinstance(leaf, int) and not isinstance(leaf, bool)]
 
-_NOT_RECOGNISED = ("format.unrecognized", "format.unsupported")
+
+_NOT_RECOGNISED = ("format.unrecognized",)
+"""Only this says "no reader knows it"; ``format.unsupported`` is a known format ckptaudit does not read (legacy
+``torch.save``), so such a checkpoint is judged as one."""
 
 
 def _nothing_recognised(s: ScannedCheckpoint, components: tuple[Any, ...]) -> bool:
