@@ -172,6 +172,11 @@ HARMLESS_GLOBALS: dict[str, str] = {
     "trl.trainer.dpo_config.DPOConfig": "object",
     "trl.trainer.grpo_config.GRPOConfig": "object",
     "trl.trainer.reward_config.RewardConfig": "object",
+    # DeepSpeed's *_optim_states.pt (0.x): its loss scalers, the ZeRO stage enum and ZeRO-1/2 fragment addresses.
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": "object",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": "object",
+    "deepspeed.runtime.zero.config.ZeroStageEnum": "enum",
+    "deepspeed.utils.tensor_fragment.fragment_address": "object",
 }
 """Well-known framework objects that are harmless to skip, never to run: ``name -> how it may be used``.
 
