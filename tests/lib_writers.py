@@ -306,6 +306,14 @@ def _deepspeed_rank(ctx: Any, out: str) -> dict[str, Any]:
             if step % 2 == 0:
                 engine.save_checkpoint(os.path.join(out, name), client_state={"batches_seen": 2 * step})
         kinds[name] = type(optimizer).__name__
+        if stage > 0 and ctx.rank == 0:
+            # DeepSpeed's own consolidation of the fp32 masters (zero_to_fp32), as a plain torch.save beside the root.
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            fp32 = get_fp32_state_dict_from_zero_checkpoint(os.path.join(out, name))
+            torch.save({k: v.detach().clone().contiguous() for k, v in fp32.items()},
+                       os.path.join(out, f"{name}.zero_to_fp32.pt"))
+        torch.distributed.barrier()
     return {"optimizers": kinds, "params": [n for n, _ in Tiny().named_parameters()]}
 
 

@@ -275,6 +275,8 @@ def _deepspeed(part: Part, tree: dict[str, Any], view: View, found: Any, add_mod
         extra = tree.get(key)
         if isinstance(extra, dict) and extra:
             add_model(part, extra, _label(part, "module") + f" ({key})", ("module",))
+            if key == "buffers":
+                view.roles.update((id(leaf), ("buffer", fqn)) for fqn, leaf in extra.items())
     module: dict[Any, Any] = tree["module"] if isinstance(tree.get("module"), dict) else {}
     copies = [(fqn, leaf) for fqn, leaf in module.items() if isinstance(leaf, TensorData | Unreadable)]
     if copies and not masters:
