@@ -11,6 +11,9 @@ Readers say *what is in the files*; this module says *what it means*, for the la
 - Accelerate ``save_state`` (``model*.safetensors``/``pytorch_model*.bin``, ``optimizer*.bin``,
   ``scheduler*.bin``, ``random_states_*.pkl``, ``sampler*.bin``/``dl_state_dict*.bin``);
 - Lightning ``.ckpt`` (``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``loops``, ``global_step``);
+- DeepSpeed ``global_stepN/`` and its root (read by :mod:`ckptaudit.formats.deepspeed`): the fp32 masters
+  rebuilt from the ZeRO partitions are the model's parameters, the bf16/fp16 ``module`` weights their compute
+  copies, the moments keyed by parameter name, ``lr_scheduler``, ``client_state`` and ``global_steps``;
 - plain dicts (``model``/``state_dict``/``module``, ``optimizer``/``optim``, ``scheduler``/``lr_scheduler``,
   ``rng``/``rng_state``, ``step``/``train_state``/``data``/``dataloader``) and bare state dicts.
 
