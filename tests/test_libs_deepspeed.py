@@ -191,7 +191,7 @@ def test_masters_lost_is_an_error_naming_the_masters(ds: Path, tmp_path: Path, n
     if lose is None:  # ZeRO-0 keeps the masters inside the model states: drop them there
         import torch
 
-        sd = torch.load(step / "mp_rank_00_model_states.pt", weights_only=False)  # our own file, just written
+        sd = torch.load(step / "mp_rank_00_model_states.pt", weights_only=True)
         sd["optimizer"] = None
         torch.save(sd, step / "mp_rank_00_model_states.pt")
     else:
@@ -205,6 +205,23 @@ def test_masters_lost_is_an_error_naming_the_masters(ds: Path, tmp_path: Path, n
         assert "rank 1 of 2 is missing" in lost.message
     # The compute copies are not held against the contract: the one error about the model is the lost masters.
     assert not [f for f in report.findings if f.code.startswith("precision.")]
+    assert not [r for r in report.tensors if r.role == "parameter"]
+
+
+@pytest.mark.parametrize("name", ["s2-bf16", "s3-bf16"])
+def test_partitions_that_do_not_add_up_are_masters_missing_not_a_traceback(ds: Path, tmp_path: Path,
+                                                                           name: str) -> None:
+    import torch
+
+    root = tmp_path / name
+    shutil.copytree(ds / name, root)
+    for f in (root / "global_step2").glob("*model_states.pt"):
+        sd = torch.load(f, weights_only=True)
+        sd["param_shapes"][0]["body.0.weight"] = torch.Size([13, 9])  # 26 elements more than were partitioned
+        torch.save(sd, f)
+    report = audit(str(root))
+    (lost,) = [f for f in report.findings if f.code == "deepspeed.masters-missing"]
+    assert "cannot be mapped back to parameters" in lost.message and "elements" in lost.message
     assert not [r for r in report.tensors if r.role == "parameter"]
 
 

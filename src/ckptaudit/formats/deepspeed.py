@@ -64,6 +64,8 @@ OPTIM_STATES = re.compile(r"^(?:(?P<prec>bf16|fp16|fp32)_)?zero_pp_rank_(?P<dp>\
                           r"_optim_states\.pt$")
 STEP_DIR = re.compile(r"^global_step(\d+)$")
 _MAX_TAG = 255
+_MAX_RANKS = 1 << 16
+_MAX_RANK_DIMS = 32
 
 _OWN_KEYS = frozenset(
     "module buffer_names optimizer param_shapes frozen_param_shapes shared_params frozen_param_fragments "
@@ -308,9 +310,13 @@ def _zero(mp: int, name_prefix: str, prefix: str, stage: int, rank0: dict[str, A
     """ZeRO 1-3: rebuild the masters and moments from every data-parallel rank's flat partitions."""
     mine = {dp: v for (m, dp), v in optims.items() if m == mp}
     world = rank0.get("dp_world_size")
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        world = max(mine, default=-1) + 1
+    if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= _MAX_RANKS:
+        world = max(mine, default=-1) + 1  # a damaged or absurd dp_world_size: trust the files present
     subject = f"{prefix}*zero_pp_rank_*_mp_rank_{mp:02d}_optim_states.pt"
+    if world > _MAX_RANKS:
+        _missing(findings, subject, f"the optimizer shards name data-parallel rank {world - 1}, beyond any real "
+                 f"job ({_MAX_RANKS} ranks); their partitions were not assembled")
+        return
     absent = [dp for dp in range(world) if dp not in mine]
     unreadable = [mine[dp][0] for dp in sorted(mine) if _tree(mine[dp][1]) is None]
     if absent or unreadable or not mine:
@@ -362,7 +368,7 @@ def _zero(mp: int, name_prefix: str, prefix: str, stage: int, rank0: dict[str, A
 
 
 def _shape(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, tuple | list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+    if not isinstance(value, tuple | list) or len(value) > _MAX_RANK_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                       for d in value):
         raise _LayoutError(f"parameter shape {value!r} is not a tuple of non-negative ints")
     return tuple(value)
@@ -604,7 +610,7 @@ def _zero3_frozen(name_prefix: str, rank0: dict[str, Any], model_parts: dict[int
             continue
         shape = _shape(raw)
         numel = math.prod(shape)
-        part = math.ceil(numel / world) if world else 0
+        part = math.ceil(numel / world)
         frags = [t.get("frozen_param_fragments", {}).get(name) if t is not None and
                  isinstance(t.get("frozen_param_fragments"), dict) else None for t in trees]
         if not all(isinstance(f, TensorData) and len(f.shape) == 1 and f.numel >= min(part, numel - r * part)
