@@ -1,6 +1,8 @@
 """Readers: turn a path (file or directory) into a :class:`Checkpoint` of parts, executing nothing.
 
-One module per container format (:mod:`.torchzip`, :mod:`.safetensors`, :mod:`.dcp`, plain pickles here);
+One module per container format (:mod:`.torchzip`, :mod:`.safetensors`, :mod:`.dcp`, plain pickles here), and
+:mod:`.deepspeed` for DeepSpeed's ``global_stepN/`` folders (its ``torch.save`` files read here, its flat ZeRO
+partitions mapped back to parameters there);
 :func:`open_checkpoint` picks the readers by looking at the path. Every failure of a reader becomes a
 finding on the checkpoint; only a path that does not exist raises (``FileNotFoundError``).
 """
