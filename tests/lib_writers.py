@@ -278,7 +278,7 @@ def _deepspeed_rank(ctx: Any, out: str) -> dict[str, Any]:
             return self.body(x)
 
     variants = [("s0-bf16", 0, "bf16"), ("s1-bf16", 1, "bf16"), ("s2-bf16", 2, "bf16"), ("s3-bf16", 3, "bf16"),
-                ("s2-fp16", 2, "fp16"), ("s2-bf16-rounded", 2, "bf16")]
+                ("s2-fp16", 2, "fp16"), ("s2-bf16-rounded", 2, "bf16"), ("s0-fp32", 0, "fp32")]
     kinds = {}
     for name, stage, dtype in variants:
         torch.manual_seed(0)
@@ -290,12 +290,13 @@ def _deepspeed_rank(ctx: Any, out: str) -> dict[str, Any]:
             # bf16-cast initial weights after 2 steps (a step-0 checkpoint, not what these tests are about).
             "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
                                                          "warmup_num_steps": 10}},
-            dtype: {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})},
+            **({dtype: {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})}}
+               if dtype != "fp32" else {}),
             "zero_optimization": {"stage": stage}}
         engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                        config=config)
         gen = torch.Generator().manual_seed(ctx.rank)
-        half = torch.bfloat16 if dtype == "bf16" else torch.float16
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
         for step in range(1, 5 if name == "s1-bf16" else 3):
             loss = engine(torch.randn(2, 7, generator=gen).to(half)).float().pow(2).mean()
             engine.backward(loss)

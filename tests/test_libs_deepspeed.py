@@ -31,7 +31,7 @@ from ckptaudit.store.latest import latest_report
 pytestmark = pytest.mark.libs
 
 ZERO = ("s1-bf16", "s2-bf16", "s3-bf16", "s2-fp16")
-ALL = ("s0-bf16", *ZERO)
+ALL = ("s0-bf16", *ZERO, "s0-fp32")
 
 
 @pytest.fixture(scope="session")
@@ -86,11 +86,16 @@ def test_every_stage_audits_without_error_on_the_masters(ds: Path, name: str, wh
     assert all(r.precision.value == "exact" for r in params.values()), {p: r.precision for p, r in params.items()}
     # The bf16/fp16 module weights are reported as the compute copies, never judged against the contract.
     copies = [r for r in report.tensors if r.role == "compute-copy"]
-    assert sorted(r.param for r in copies) == sorted(truth(ds)["params"])
-    assert {r.dtype for r in copies} == {"float16" if "fp16" in name else "bfloat16"}
-    (info,) = [f for f in report.findings if f.code == "deepspeed.compute-copies"]
-    assert info.severity is Severity.INFO and "fp32 masters" in info.message
-    assert ("empty ZeRO-3 placeholders" in info.message) == (name == "s3-bf16")
+    if name == "s0-fp32":  # no mixed precision: the module weights are the masters themselves
+        assert not copies and "deepspeed.compute-copies" not in codes(report)
+        assert {r.name for r in params.values()} == {f"global_step2/fp32_masters/{p}" if where == "root" else
+                                                     f"fp32_masters/{p}" for p in params}
+    else:
+        assert sorted(r.param for r in copies) == sorted(truth(ds)["params"])
+        assert {r.dtype for r in copies} == {"float16" if "fp16" in name else "bfloat16"}
+        (info,) = [f for f in report.findings if f.code == "deepspeed.compute-copies"]
+        assert info.severity is Severity.INFO and "fp32 masters" in info.message
+        assert ("empty ZeRO-3 placeholders" in info.message) == (name == "s3-bf16")
     # Moments attached to every parameter by name, with its shape.
     for kind in ("exp_avg", "exp_avg_sq"):
         moments = {r.param: r for r in report.tensors if r.role == kind}
@@ -100,7 +105,7 @@ def test_every_stage_audits_without_error_on_the_masters(ds: Path, name: str, wh
     # DeepSpeed's own pickled classes: not loaded (a warning), never unsafe.
     assert "security.unsafe-pickle" not in codes(report)
     warned = {g for f in report.findings if f.code == "security.not-loaded" for g in f.evidence["globals"]}
-    assert warned == (set() if name == "s0-bf16" else {
+    assert warned == (set() if name.startswith("s0-") else {
         "deepspeed.runtime.zero.config.ZeroStageEnum",
         "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler" if "fp16" in name else
         "deepspeed.runtime.fp16.loss_scaler.LossScaler",

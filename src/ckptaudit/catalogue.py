@@ -66,6 +66,8 @@ _RULES: tuple[Rule, ...] = (
          "rebuild the masters from the bf16/fp16 module weights."),
     Rule("deepspeed.compute-copies", INFO, "The bf16/fp16 module weights of a DeepSpeed model-states file are the "
          "compute copies; parameters are judged on the fp32 masters rebuilt from the optimizer shards."),
+    Rule("deepspeed.not-judged", W, "A DeepSpeed optimizer layout the reader does not map back to parameters "
+         "(e.g. the fused fp16 optimizer's fp32_groups_flat): the masters are present but were not judged."),
     Rule("deepspeed.resolved-tag", INFO, "A DeepSpeed root was audited through the tag folder its `latest` file "
          "names."),
     # format

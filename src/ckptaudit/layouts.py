@@ -283,8 +283,12 @@ def _deepspeed(part: Part, tree: dict[str, Any], view: View, found: Any, add_mod
     module: dict[Any, Any] = tree["module"] if isinstance(tree.get("module"), dict) else {}
     copies = [(fqn, leaf) for fqn, leaf in module.items() if isinstance(leaf, TensorData | Unreadable)]
     if copies and not masters:
-        # The masters are gone (a finding says so): the compute copies are all the model there is.
-        found(ComponentKind.MODEL, _label(part, "module"), f"{dtype} compute copies only; the fp32 masters are missing")
+        # The masters are gone or not read (a finding says which): the compute copies are all the model there is.
+        unread = bool(facts.get("masters_unread"))
+        found(ComponentKind.MODEL, _label(part, "module"), f"{dtype} compute copies only; the fp32 masters are "
+              + ("present but not read" if unread else "missing"))
+        if unread:
+            found(ComponentKind.OPTIMIZER, _label(part, "optimizer"), "present, layout not read (not judged)")
     for fqn, leaf in copies:
         view.roles[id(leaf)] = ("compute-copy", fqn)
     opt_tree = tree.get("optimizer")
