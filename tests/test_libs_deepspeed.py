@@ -261,6 +261,42 @@ def test_root_whose_latest_file_names_no_folder_audits_the_newest(ds: Path, tmp_
     assert report.extra["step"] == 4
 
 
+def test_root_without_its_latest_file_audits_the_newest_tag(ds: Path, tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    shutil.copytree(ds / "s1-bf16", root)
+    (root / "latest").unlink()
+    (root / "zero_to_fp32.py").unlink()
+    report = audit(str(root))
+    assert report.format == "deepspeed" and report.extra["step"] == 4
+    (f,) = [f for f in report.findings if f.code == "integrity.incomplete"]
+    assert "no readable latest file" in f.message
+
+
+@pytest.mark.parametrize("name", ["s2-bf16", "s3-bf16"])
+def test_damaged_files_give_findings_never_a_traceback(ds: Path, tmp_path: Path, name: str) -> None:
+    rng = random.Random(name)
+    files = sorted((tag(ds, name)).glob("*.pt"))
+    for f in files:
+        size = f.stat().st_size
+        for damage in ("truncate", "truncate", "flip", "flip", "empty"):
+            root = tmp_path / f"{name}-{f.name}-{damage}-{rng.random()}"
+            shutil.copytree(ds / name, root)
+            victim = root / "global_step2" / f.name
+            if damage == "truncate":
+                os.truncate(victim, rng.randint(1, size - 1))
+            elif damage == "empty":
+                os.truncate(victim, 0)
+            else:
+                data = bytearray(victim.read_bytes())
+                for _ in range(8):
+                    data[rng.randrange(size)] ^= 0xFF
+                victim.write_bytes(bytes(data))
+            report = audit(str(root))  # must not raise
+            if damage != "flip":
+                assert report.fails(Severity.ERROR), (f.name, damage)
+            shutil.rmtree(root)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # security: DeepSpeed's classes are harmless only as their own pickling uses them
 

@@ -111,10 +111,12 @@ def _tag_dirs(root: str) -> list[str]:
 
 
 def is_deepspeed_root(path: str) -> bool:
-    """A folder ``save_checkpoint`` wrote into: a ``latest`` tag file or ``zero_to_fp32.py`` beside tag folders."""
-    if not (os.path.isfile(os.path.join(path, TAG_FILE)) or os.path.isfile(os.path.join(path, CONVERTER))):
-        return False
-    return bool(_tag_dirs(path))
+    """A folder ``save_checkpoint`` wrote into: tag folders beside a ``latest`` tag file or ``zero_to_fp32.py``,
+    or (those deleted) tag folders named ``global_stepN``."""
+    tags = _tag_dirs(path)
+    if os.path.isfile(os.path.join(path, TAG_FILE)) or os.path.isfile(os.path.join(path, CONVERTER)):
+        return bool(tags)
+    return any(step_of(t) is not None for t in tags)
 
 
 def read_tag_file(root: str) -> str | None:
