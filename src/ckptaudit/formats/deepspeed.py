@@ -311,7 +311,7 @@ def _stage0(mp: int, name_prefix: str, prefix: str, rank0: dict[str, Any], modul
             ps = [name_prefix + names[i] for i in g.get("params") or () if isinstance(i, int)
                   and not isinstance(i, bool) and 0 <= i < len(names)]
             out_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
-    tree["optimizer"] = {"state": by_fqn, "param_groups": out_groups}
+    _add_optimizer(tree, by_fqn, out_groups)
     tree["deepspeed"]["masters_where"] = (f"{where} (module: an fp32 engine trains its weights directly)"
                                           if inner is opt else f"{where} (optimizer/fp32_groups)")
 
@@ -379,12 +379,23 @@ def _zero(mp: int, name_prefix: str, prefix: str, stage: int, rank0: dict[str, A
         else:
             _zero12_frozen(name_prefix, rank0, tree)
     except _LayoutError as exc:
-        tree["fp32_masters"].clear()
-        tree["optimizer"] = None
+        for key in [k for k in tree["fp32_masters"] if k.startswith(name_prefix)]:
+            del tree["fp32_masters"][key]  # this tensor-parallel rank's, not the others'
+        if isinstance(tree["optimizer"], dict):
+            for key in [k for k in tree["optimizer"]["state"] if k.startswith(name_prefix)]:
+                del tree["optimizer"]["state"][key]
         _missing(findings, subject, f"the flat partitions cannot be mapped back to parameters ({exc})")
         return
     tree["deepspeed"]["masters_where"] = (f"{prefix}*zero_pp_rank_*_mp_rank_{mp:02d}_optim_states.pt "
                                           f"({world} ranks' flat partitions)")
+
+
+def _add_optimizer(tree: dict[str, Any], state: dict[str, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+    """Merge one tensor-parallel rank's optimizer state (names already prefixed) into the tree's."""
+    if not isinstance(tree["optimizer"], dict):
+        tree["optimizer"] = {"state": {}, "param_groups": []}
+    tree["optimizer"]["state"].update(state)
+    tree["optimizer"]["param_groups"].extend(groups)
 
 
 def _shape(value: Any) -> tuple[int, ...]:
@@ -551,9 +562,8 @@ def _zero12(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], s
         align = 2 * len(states)
         if align * math.ceil(offset / align) != align * math.ceil(bounds[-1] / align):
             raise _LayoutError(f"group {g}'s parameters use {offset} elements, its partitions hold {bounds[-1]}")
-    tree["optimizer"] = {"state": state_tree,
-                         "param_groups": _param_groups(states[0], "base_optimizer_state",
-                                                       [[name_prefix + n for n, _ in ps] for ps in groups])}
+    _add_optimizer(tree, state_tree, _param_groups(states[0], "base_optimizer_state",
+                                                   [[name_prefix + n for n, _ in ps] for ps in groups]))
 
 
 def _zero3(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], states: list[dict[str, Any]],
@@ -604,9 +614,8 @@ def _zero3(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], st
         if offset != flats[0].numel:
             raise _LayoutError(f"group {g}'s parameters use {offset} elements per rank, its partitions hold "
                                f"{flats[0].numel}")
-    tree["optimizer"] = {"state": state_tree,
-                         "param_groups": _param_groups(states[0], "optimizer_state_dict",
-                                                       [[name_prefix + n for n, _ in ps] for ps in groups])}
+    _add_optimizer(tree, state_tree, _param_groups(states[0], "optimizer_state_dict",
+                                                   [[name_prefix + n for n, _ in ps] for ps in groups]))
 
 
 def _zero12_frozen(name_prefix: str, rank0: dict[str, Any], tree: dict[str, Any]) -> None:
