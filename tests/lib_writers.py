@@ -369,6 +369,83 @@ def write_dcp(out: str) -> None:
     _dcp_job(os.path.join(out, "trained-rounded-frozen"), steps=2, export_rounded=True, frozen="tok_emb.weight")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# DeepSpeed (ZeRO stages 0-3, bf16 and fp16 engines), 2 real CPU ranks
+
+
+def _deepspeed_rank(ctx: Any, out: str) -> dict[str, Any]:
+    """(2 ranks) Train a tiny model 2 steps with ``deepspeed.initialize`` per variant; ``save_checkpoint`` each.
+
+    The model's sizes are odd on purpose (91, 13 and 4 elements): ZeRO-1/2 pads each group's flat buffer and
+    ZeRO-3 pads each parameter's partition, so a reader that ignores padding misplaces every later parameter.
+    ``s1-bf16`` is saved at steps 2 and 4 (``latest`` names ``global_step4``). ``s2-bf16-rounded`` rounds the fp32
+    masters to bf16 values in the engine's own optimizer before saving: the true positive.
+    """
+    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(ctx.rank),
+                      LOCAL_WORLD_SIZE=str(ctx.world_size))
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")  # joins the group ckptaudit.dist.launch already made
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(()))
+            self.body = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Linear(13, 4))
+
+        def forward(self, x: Any) -> Any:
+            self.seen += x.shape[0]
+            return self.body(x)
+
+    variants = [("s0-bf16", 0, "bf16"), ("s1-bf16", 1, "bf16"), ("s2-bf16", 2, "bf16"), ("s3-bf16", 3, "bf16"),
+                ("s2-fp16", 2, "fp16"), ("s2-bf16-rounded", 2, "bf16"), ("s0-fp32", 0, "fp32")]
+    kinds = {}
+    for name, stage, dtype in variants:
+        torch.manual_seed(0)
+        model = Tiny()
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+            # warmup_min_lr > 0: from 0 (the default), the first step is a no-op and the masters still equal the
+            # bf16-cast initial weights after 2 steps (a step-0 checkpoint, not what these tests are about).
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                         "warmup_num_steps": 10}},
+            **({dtype: {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})}}
+               if dtype != "fp32" else {}),
+            "zero_optimization": {"stage": stage}}
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                       config=config)
+        gen = torch.Generator().manual_seed(ctx.rank)
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        for step in range(1, 5 if name == "s1-bf16" else 3):
+            loss = engine(torch.randn(2, 7, generator=gen).to(half)).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            if name == "s2-bf16-rounded" and step == 2:
+                for flat in optimizer.single_partition_of_fp32_groups:
+                    flat.data.copy_(flat.data.to(torch.bfloat16).float())
+            if step % 2 == 0:
+                engine.save_checkpoint(os.path.join(out, name), client_state={"batches_seen": 2 * step})
+        kinds[name] = type(optimizer).__name__
+        if stage > 0 and ctx.rank == 0:
+            # DeepSpeed's own consolidation of the fp32 masters (zero_to_fp32), as a plain torch.save beside the root.
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            fp32 = get_fp32_state_dict_from_zero_checkpoint(os.path.join(out, name))
+            torch.save({k: v.detach().clone().contiguous() for k, v in fp32.items()},
+                       os.path.join(out, f"{name}.zero_to_fp32.pt"))
+        torch.distributed.barrier()
+    return {"optimizers": kinds, "params": [n for n, _ in Tiny().named_parameters()]}
+
+
+def write_deepspeed(out: str) -> None:
+    from ckptaudit.dist.launch import launch
+
+    info = launch(_deepspeed_rank, 2, (out,), timeout_s=900, env={"DS_ACCELERATOR": "cpu"})[0]
+    _write_truth(out, **info)
+
+
 def run_writer(what: str, out: str, timeout_s: float = 600) -> None:
     """(test process) Run ``write_<what>`` in a fresh interpreter, offline, one thread; raise with its output."""
     import subprocess
@@ -387,4 +464,4 @@ def run_writer(what: str, out: str, timeout_s: float = 600) -> None:
 
 if __name__ == "__main__":
     what, where = sys.argv[1], sys.argv[2]
-    {"hf": write_hf, "lightning": write_lightning, "dcp": write_dcp}[what](where)
+    {"hf": write_hf, "lightning": write_lightning, "dcp": write_dcp, "deepspeed": write_deepspeed}[what](where)

@@ -104,6 +104,7 @@ def scan_checkpoint(path: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
             key, sname = opt_meta[id(ref)]
             role = sname
             param = attachment.mapping.get(key)
+        role, param = view.roles.get(id(ref.data), (role, param))
         data = ref.data
         if isinstance(data, Unreadable):
             records.append(TensorRecord(ref.name, comp, role, param, ref.file, "?", (), 0, None, Precision.UNREAD))

@@ -71,6 +71,16 @@ _RULES: tuple[Rule, ...] = (
          "executed, and the file's contents are not loaded."),
     Rule("security.not-loaded", W, "A pickle of a well-known, harmless framework object (e.g. Hugging Face "
          "TrainingArguments) that needs arbitrary code to load; skipped, never executed."),
+    # DeepSpeed (formats/deepspeed.py)
+    Rule("deepspeed.masters-missing", E, "A DeepSpeed tag folder whose fp32 masters cannot be found: optimizer "
+         "shards (*_optim_states.pt) missing or unreadable, or their partitions do not add up; a resume would fail or "
+         "rebuild the masters from the bf16/fp16 module weights."),
+    Rule("deepspeed.compute-copies", INFO, "The bf16/fp16 module weights of a DeepSpeed model-states file are the "
+         "compute copies; parameters are judged on the fp32 masters rebuilt from the optimizer shards."),
+    Rule("deepspeed.not-judged", W, "A DeepSpeed optimizer layout the reader does not map back to parameters "
+         "(e.g. the fused fp16 optimizer's fp32_groups_flat): the masters are present but were not judged."),
+    Rule("deepspeed.resolved-tag", INFO, "A DeepSpeed root was audited through the tag folder its `latest` file "
+         "names."),
     # format
     Rule("format.unrecognized", E, "No reader recognises the file or directory as a checkpoint."),
     Rule("format.unsupported", W, "A part of the checkpoint in a format ckptaudit does not read (e.g. legacy "

@@ -165,6 +165,8 @@ def entries_of(side: Side) -> dict[tuple[str, ...], Entry]:
                 continue
             if isinstance(leaf, TensorData | Unreadable) and id(leaf) in covered:
                 continue
+            if view.roles.get(id(leaf), ("", None))[0] == "compute-copy":
+                continue  # DeepSpeed's bf16 module weights: the masters (model entries) are what is compared
             comp, sub = _component_path(part, rule, path, under_model=_under(label, model_where))
             key = (comp, *sub)
             if key in out:  # two spellings landed on one key: keep the raw path for the second

@@ -1,6 +1,8 @@
 """Readers: turn a path (file or directory) into a :class:`Checkpoint` of parts, executing nothing.
 
-One module per container format (:mod:`.torchzip`, :mod:`.safetensors`, :mod:`.dcp`, plain pickles here);
+One module per container format (:mod:`.torchzip`, :mod:`.safetensors`, :mod:`.dcp`, plain pickles here), and
+:mod:`.deepspeed` for DeepSpeed's ``global_stepN/`` folders (its ``torch.save`` files read here, its flat ZeRO
+partitions mapped back to parameters there);
 :func:`open_checkpoint` picks the readers by looking at the path. Every failure of a reader becomes a
 finding on the checkpoint; only a path that does not exist raises (``FileNotFoundError``).
 """
@@ -15,6 +17,7 @@ from typing import Any
 from ckptaudit.catalogue import finding
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.dcp import is_dcp_dir, read_dcp
+from ckptaudit.formats.deepspeed import is_deepspeed_root, is_deepspeed_step_dir, read_deepspeed, resolve_tag
 from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, scan
 from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, describe_kind, open_regular, read_limited
 from ckptaudit.formats.safetensors import SafetensorsError, read_safetensors
@@ -44,7 +47,10 @@ def open_checkpoint(path: str) -> Checkpoint:
     files: dict[str, int] = {}
     parts: list[Part] = []
     if os.path.isdir(path):
-        if is_dcp_dir(path):
+        if is_deepspeed_step_dir(path) or is_deepspeed_root(path):
+            fmt = "deepspeed"
+            parts.append(_read_deepspeed(path, findings, files))
+        elif is_dcp_dir(path):
             read = read_dcp(path)
             findings += read.findings
             files.update(read.files)
@@ -94,6 +100,22 @@ def open_checkpoint(path: str) -> Checkpoint:
         if part is not None:
             parts.append(part)
     return Checkpoint(path=path, format=fmt, parts=parts, findings=findings, files=files)
+
+
+def _read_deepspeed(path: str, findings: list[Finding], files: dict[str, int]) -> Part:
+    """A DeepSpeed tag folder, or the root ``save_checkpoint`` wrote (its ``latest`` tag resolved)."""
+    step_dir, prefix = path, ""
+    if not is_deepspeed_step_dir(path):
+        tag, notes = resolve_tag(path)
+        findings += notes
+        for extra in ("latest", "zero_to_fp32.py"):
+            if os.path.isfile(os.path.join(path, extra)):  # recorded, never executed
+                files[extra] = os.path.getsize(os.path.join(path, extra))
+        assert tag is not None  # is_deepspeed_root: at least one tag folder
+        step_dir, prefix = os.path.join(path, tag), tag + "/"
+    read = read_deepspeed(step_dir, prefix, lambda full, name: _read_entry(full, name, findings, files))
+    findings += read.findings
+    return read.part
 
 
 def _limit(flag: bool) -> dict[str, Any]:

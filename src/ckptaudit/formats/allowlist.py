@@ -120,6 +120,11 @@ HARMLESS_GLOBALS: dict[str, str] = {
     "trl.trainer.dpo_config.DPOConfig": "object",
     "trl.trainer.grpo_config.GRPOConfig": "object",
     "trl.trainer.reward_config.RewardConfig": "object",
+    # DeepSpeed's *_optim_states.pt (0.x): its loss scalers, the ZeRO stage enum and ZeRO-1/2 fragment addresses.
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": "object",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": "object",
+    "deepspeed.runtime.zero.config.ZeroStageEnum": "enum",
+    "deepspeed.utils.tensor_fragment.fragment_address": "object",
     # Megatron-LM's common.pt: args (an argparse.Namespace, with Megatron's enums among its values) and the rerun
     # state machine, what megatron.core.safe_globals registers for torch.load(weights_only=True).
     "argparse.Namespace": "object",

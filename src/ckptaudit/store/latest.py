@@ -5,7 +5,8 @@ looking inside. Here every candidate, newest first, is validated until one passe
 
 - candidates: our ``step-N/`` (and the writer's temporaries, ``step-N.partial-*``), torchtitan ``step-N/``,
   Megatron ``iter_NNNNNNN/``, other DCP directories, Hugging Face ``checkpoint-N/``, Accelerate
-  ``checkpoint_N/``, Lightning ``*.ckpt``;
+  ``checkpoint_N/``, Lightning ``*.ckpt``, DeepSpeed tag folders (``global_stepN/``; its ``latest`` tag file is
+  read like our pointer, and a tag naming a damaged folder is reported as a stale pointer);
 - validation (fast, nothing but headers and metadata read, see :func:`validate`): the format's commit marker
   (our manifest and name, DCP ``.metadata``, Trainer's ``trainer_state.json``, written last), every file the
   metadata references present with its recorded size, the manifest's hashes where there is one
@@ -50,7 +51,7 @@ class Candidate:
     """Relative to the root (the root's own name when the root is a checkpoint)."""
     layout: str
     """``ckptaudit``, ``ckptaudit-temporary``, ``torchtitan``, ``dcp``, ``huggingface-trainer``,
-    ``accelerate``, ``megatron`` or ``lightning``."""
+    ``accelerate``, ``megatron``, ``lightning`` or ``deepspeed``."""
     step: int | None
     mtime: float
 
@@ -100,6 +101,7 @@ def _mtime(path: str) -> float:
 
 def _classify(path: str, name: str) -> Candidate | None:
     from ckptaudit.formats.dcp import is_dcp_dir
+    from ckptaudit.formats.deepspeed import is_deepspeed_step_dir
 
     if os.path.isfile(path):
         if not name.endswith(".ckpt"):
@@ -109,6 +111,9 @@ def _classify(path: str, name: str) -> Candidate | None:
     if not os.path.isdir(path):
         return None
     base = os.path.basename(os.path.normpath(path))
+    if is_deepspeed_step_dir(path):  # DeepSpeed's tag folders: global_stepN by default
+        m = _TRAILING.search(base)
+        return Candidate(path, name, "deepspeed", int(m.group(1)) if m else None, _mtime(path))
     parsed = layout.parse_step_name(base)
     if parsed is not None:
         if parsed[1] != "committed":
@@ -193,8 +198,8 @@ def validate(c: Candidate, *, verify: str = "hashes",
             f"{c.name} has no metadata.json; Megatron-Core's dist_checkpointing.save writes it last, so the save "
             "did not finish"))
     if not ours:
-        marker = {"lightning": "the file's own structure", "huggingface-trainer": "trainer_state.json"}.get(
-            c.layout, ".metadata")
+        marker = {"lightning": "the file's own structure", "huggingface-trainer": "trainer_state.json",
+                  "deepspeed": "the model states and every rank's optimizer shard"}.get(c.layout, ".metadata")
         findings.append(finding("store.unverified", c.name,
                                 f"{c.name}: no ckptaudit manifest; completeness judged from {marker} and the "
                                 "recorded sizes, content not verified"))

@@ -1,0 +1,336 @@
+"""The audit, ``latest`` and ``compare`` on the checkpoints DeepSpeed 0.19.8 really writes.
+
+One 2-rank CPU job (``DS_ACCELERATOR=cpu``, gloo, ``lib_writers.py deepspeed`` in a fresh interpreter) trains a tiny
+model with odd-sized parameters under ``deepspeed.initialize`` for ZeRO stages 0-3 with a bf16 engine, ZeRO-2
+with an fp16 engine, and ZeRO-2 with its fp32 masters rounded to bf16 before saving (the true positive); each
+``save_checkpoint`` once per session. Beside each ZeRO root, rank 0 saves DeepSpeed's own ``zero_to_fp32``
+consolidation of the masters (``<root>.zero_to_fp32.pt``): the independent truth the rebuilt masters must equal
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ckptaudit.audit import audit, scan_checkpoint
+from ckptaudit.compare import compare
+from ckptaudit.formats.deepspeed import _blocks
+from ckptaudit.formats.tensors import iter_chunks
+from ckptaudit.model import ComponentKind, Report, Severity
+from ckptaudit.store.latest import latest_report
+
+pytestmark = pytest.mark.libs
+
+ZERO = ("s1-bf16", "s2-bf16", "s3-bf16", "s2-fp16")
+ALL = ("s0-bf16", *ZERO, "s0-fp32")
+
+
+@pytest.fixture(scope="session")
+def ds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("deepspeed")
+    import lib_writers
+
+    out = tmp_path_factory.mktemp("deepspeed")
+    lib_writers.run_writer("deepspeed", str(out))
+    return out
+
+
+def truth(ds: Path) -> dict[str, Any]:
+    return json.loads(Path(str(ds) + ".truth.json").read_text())
+
+
+def codes(report: Report, severity: Severity | None = None) -> set[str]:
+    return {f.code for f in report.findings if severity is None or f.severity is severity}
+
+
+def tag(ds: Path, name: str) -> Path:
+    root = ds / name
+    return root / (root / "latest").read_text().strip()
+
+
+def values(path: Path) -> dict[str, np.ndarray]:
+    """The audit's model tensors of ``path`` by FQN, read through the lazy pieces (as the checks stream them)."""
+    scanned = scan_checkpoint(str(path))
+    try:
+        assert scanned.view.model is not None
+        return {fqn: np.concatenate([c.copy() for c in iter_chunks(ref.data, scanned.ckpt.maps)] or [np.empty(0)])
+                for fqn, ref in scanned.view.model.params.items() if not isinstance(ref.data, str)}
+    finally:
+        scanned.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every stage as written is resumable, judged on the fp32 masters
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("where", ["root", "tag"])
+def test_every_stage_audits_without_error_on_the_masters(ds: Path, name: str, where: str) -> None:
+    report = audit(str(ds / name if where == "root" else tag(ds, name)))
+    assert report.format == "deepspeed"
+    assert not codes(report, Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
+    assert report.contract is not None and report.contract.master_dtype == "float32"
+    assert report.contract.source == "optimizer-state"
+    params = {r.param: r for r in report.tensors if r.role == "parameter"}
+    assert sorted(params) == sorted(truth(ds)["params"])
+    assert {r.dtype for r in params.values()} == {"float32"}
+    assert all(r.precision.value == "exact" for r in params.values()), {p: r.precision for p, r in params.items()}
+    # The bf16/fp16 module weights are reported as the compute copies, never judged against the contract.
+    copies = [r for r in report.tensors if r.role == "compute-copy"]
+    if name == "s0-fp32":  # no mixed precision: the module weights are the masters themselves
+        assert not copies and "deepspeed.compute-copies" not in codes(report)
+        assert {r.name for r in params.values()} == {f"global_step2/fp32_masters/{p}" if where == "root" else
+                                                     f"fp32_masters/{p}" for p in params}
+    else:
+        assert sorted(r.param for r in copies) == sorted(truth(ds)["params"])
+        assert {r.dtype for r in copies} == {"float16" if "fp16" in name else "bfloat16"}
+        (info,) = [f for f in report.findings if f.code == "deepspeed.compute-copies"]
+        assert info.severity is Severity.INFO and "fp32 masters" in info.message
+        assert ("empty ZeRO-3 placeholders" in info.message) == (name == "s3-bf16")
+    # Moments attached to every parameter by name, with its shape.
+    for kind in ("exp_avg", "exp_avg_sq"):
+        moments = {r.param: r for r in report.tensors if r.role == kind}
+        assert sorted(moments) == sorted(params)
+        assert all(moments[p].shape == params[p].shape and moments[p].dtype == "float32" for p in params)
+    assert report.extra["attachment"] == "by-name"
+    # DeepSpeed's own pickled classes: not loaded (a warning), never unsafe.
+    assert "security.unsafe-pickle" not in codes(report)
+    warned = {g for f in report.findings if f.code == "security.not-loaded" for g in f.evidence["globals"]}
+    assert warned == (set() if name.startswith("s0-") else {
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler" if "fp16" in name else
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        *(("deepspeed.utils.tensor_fragment.fragment_address",) if name != "s3-bf16" else ())})
+    assert ("deepspeed.resolved-tag" in codes(report)) == (where == "root")
+
+
+def test_inventory_reads_scheduler_steps_and_what_is_not_saved(ds: Path) -> None:
+    report = audit(str(ds / "s2-bf16"))
+    comps = {c.kind: c for c in report.components}
+    assert comps[ComponentKind.SCHEDULER].where == ("global_step2/lr_scheduler",)
+    assert comps[ComponentKind.OPTIMIZER].found and "flat partitions" in comps[ComponentKind.OPTIMIZER].detail
+    data = comps[ComponentKind.DATA_PROGRESS]
+    assert data.found and "step counter only (global_steps 2, global_samples 8)" in data.detail
+    assert "batches_seen" in data.detail  # the user's client_state, named
+    assert not comps[ComponentKind.RNG].found  # DeepSpeed saves no RNG state: a warning
+    assert [(f.subject, f.severity) for f in report.findings if f.code == "component.missing"] == [
+        ("rng", Severity.WARNING)]
+    assert report.extra["step"] == 2
+    assert audit(str(ds / "s1-bf16")).extra["step"] == 4  # latest names global_step4
+
+
+@pytest.mark.parametrize("name", ZERO)
+def test_rebuilt_masters_equal_deepspeeds_own_zero_to_fp32_bit_for_bit(ds: Path, name: str) -> None:
+    import torch  # only to read the truth file DeepSpeed's converter wrote
+
+    expected = torch.load(ds / f"{name}.zero_to_fp32.pt", weights_only=True)
+    got = values(ds / name)
+    for fqn, tensor in expected.items():
+        want = tensor.float().numpy().reshape(-1)
+        assert np.array_equal(got[fqn].view(np.uint32), want.view(np.uint32)), fqn
+    # compare: the torch.save of the fp32 state as reference, the DeepSpeed root as candidate.
+    report = compare(str(ds / f"{name}.zero_to_fp32.pt"), str(ds / name))
+    assert not codes(report, Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
+    assert "parameters and buffers identical" in report.summary
+
+
+def test_moments_rebuilt_from_two_flat_layouts_agree(ds: Path) -> None:
+    # ZeRO-2 cuts each group's flat buffer across the ranks (a parameter can straddle them, padding at the end);
+    # ZeRO-3 cuts every parameter in two (each padded). The same run's moments must agree to float rounding (the
+    # gradient reductions differ), so a slice misplaced by either mapping would show. ZeRO-0 keeps one unflattened
+    # tensor per parameter, with bf16 gradients: not equal, but strongly correlated with both.
+    def moments(path: Path) -> dict[tuple[str, str], np.ndarray]:
+        scanned = scan_checkpoint(str(path))
+        try:
+            return {(r.param or "", r.role): np.concatenate([c.copy() for c in iter_chunks(ref.data, scanned.ckpt.maps)])
+                    for r, ref in zip(scanned.records, scanned.refs, strict=True) if r.role in ("exp_avg", "exp_avg_sq")}
+        finally:
+            scanned.close()
+
+    zero2, zero3, zero0 = moments(ds / "s2-bf16"), moments(ds / "s3-bf16"), moments(ds / "s0-bf16")
+    assert sorted(zero2) == sorted(zero3) == sorted(zero0) and len(zero2) == 12
+    for key, want in zero3.items():
+        np.testing.assert_allclose(zero2[key], want, rtol=1e-4, atol=1e-12, err_msg=str(key))
+        if want.size > 4:
+            assert np.corrcoef(zero0[key], want)[0, 1] > 0.95, key
+
+
+def test_compare_deepspeed_against_itself_and_across_stages(ds: Path) -> None:
+    same = compare(str(ds / "s3-bf16"), str(ds / "s3-bf16"))
+    assert same.summary.startswith("candidate = reference"), same.summary
+    # ZeRO-2 vs ZeRO-3 of the same run: the masters are paired by name (not the empty ZeRO-3 placeholders).
+    across = compare(str(ds / "s2-bf16"), str(ds / "s3-bf16"))
+    assert "compare.shape-mismatch" not in codes(across)
+    assert "compare.missing" not in codes(across)
+
+
+def test_masters_rounded_in_the_engine_are_still_caught(ds: Path) -> None:
+    report = audit(str(ds / "s2-bf16-rounded"))
+    rounded = [f for f in report.findings if f.code == "precision.bf16-rounded"]
+    assert len(rounded) >= 4 and all("fp32_masters/" in f.subject for f in rounded)
+    assert all(f.severity is Severity.ERROR for f in rounded)
+    # The reference run's masters were not rounded: compare names the rounding too.
+    cmp = compare(str(ds / "s2-bf16.zero_to_fp32.pt"), str(ds / "s2-bf16-rounded"))
+    assert "precision.bf16-rounded" in codes(cmp, Severity.ERROR)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lost and damaged masters; `latest`
+
+
+@pytest.mark.parametrize(("name", "lose"), [("s2-bf16", "*optim_states.pt"), ("s3-bf16", "*zero_pp_rank_1_*optim_states.pt"),
+                                            ("s0-bf16", None)])
+def test_masters_lost_is_an_error_naming_the_masters(ds: Path, tmp_path: Path, name: str, lose: str | None) -> None:
+    root = tmp_path / name
+    shutil.copytree(ds / name, root)
+    step = root / "global_step2"
+    if lose is None:  # ZeRO-0 keeps the masters inside the model states: drop them there
+        import torch
+
+        sd = torch.load(step / "mp_rank_00_model_states.pt", weights_only=True)
+        sd["optimizer"] = None
+        torch.save(sd, step / "mp_rank_00_model_states.pt")
+    else:
+        for f in step.glob(lose):
+            f.unlink()
+    report = audit(str(root))
+    (lost,) = [f for f in report.findings if f.code == "deepspeed.masters-missing"]
+    assert lost.severity is Severity.ERROR
+    assert "fp32 masters are gone" in lost.message and "rebuild the masters from the bf16" in lost.message
+    if name == "s3-bf16":
+        assert "rank 1 of 2 is missing" in lost.message
+    # The compute copies are not held against the contract: the one error about the model is the lost masters.
+    assert not [f for f in report.findings if f.code.startswith("precision.")]
+    assert not [r for r in report.tensors if r.role == "parameter"]
+
+
+@pytest.mark.parametrize("name", ["s2-bf16", "s3-bf16"])
+def test_partitions_that_do_not_add_up_are_masters_missing_not_a_traceback(ds: Path, tmp_path: Path,
+                                                                           name: str) -> None:
+    import torch
+
+    root = tmp_path / name
+    shutil.copytree(ds / name, root)
+    for f in (root / "global_step2").glob("*model_states.pt"):
+        sd = torch.load(f, weights_only=True)
+        sd["param_shapes"][0]["body.0.weight"] = torch.Size([13, 9])  # 26 elements more than were partitioned
+        torch.save(sd, f)
+    report = audit(str(root))
+    (lost,) = [f for f in report.findings if f.code == "deepspeed.masters-missing"]
+    assert "cannot be mapped back to parameters" in lost.message and "would end at element" in lost.message
+    assert not [r for r in report.tensors if r.role == "parameter"]
+
+
+def test_latest_skips_a_damaged_newest_tag_the_latest_file_names(ds: Path, tmp_path: Path) -> None:
+    intact = latest_report(str(ds / "s1-bf16"))
+    assert intact.extra["latest"] == str(ds / "s1-bf16" / "global_step4")
+    assert not intact.findings
+    root = tmp_path / "run"
+    shutil.copytree(ds / "s1-bf16", root)
+    shard = root / "global_step4" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    os.truncate(shard, shard.stat().st_size // 2)
+    assert (root / "latest").read_text().strip() == "global_step4"
+    report = latest_report(str(root))
+    assert report.extra["latest"] == str(root / "global_step2")
+    (stale,) = [f for f in report.findings if f.code == "store.pointer-stale"]
+    assert "global_step4, which is not resumable" in stale.message and "global_step2" in stale.message
+    rejected = {f.code for f in report.findings if f.evidence.get("candidate") == "global_step4"}
+    assert {"integrity.corrupt", "deepspeed.masters-missing"} <= rejected
+    rows = {row[0]: row for row in report.extra["sections"][0]["rows"]}
+    assert rows["global_step4"][2] == "deepspeed" and rows["global_step4"][3] == "no"
+    # The audit of the root follows the tag file, as load_checkpoint does, and says the masters are gone.
+    assert "deepspeed.masters-missing" in codes(audit(str(root)), Severity.ERROR)
+
+
+def test_root_whose_latest_file_names_no_folder_audits_the_newest(ds: Path, tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    shutil.copytree(ds / "s1-bf16", root)
+    (root / "latest").write_text("global_step9")
+    report = audit(str(root))
+    (f,) = [f for f in report.findings if f.code == "integrity.incomplete"]
+    assert "global_step9" in f.message and "global_step4" in f.message
+    assert report.extra["step"] == 4
+
+
+def test_root_without_its_latest_file_audits_the_newest_tag(ds: Path, tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    shutil.copytree(ds / "s1-bf16", root)
+    (root / "latest").unlink()
+    (root / "zero_to_fp32.py").unlink()
+    report = audit(str(root))
+    assert report.format == "deepspeed" and report.extra["step"] == 4
+    (f,) = [f for f in report.findings if f.code == "integrity.incomplete"]
+    assert "no readable latest file" in f.message
+
+
+@pytest.mark.parametrize("name", ["s2-bf16", "s3-bf16"])
+def test_damaged_files_give_findings_never_a_traceback(ds: Path, tmp_path: Path, name: str) -> None:
+    rng = random.Random(name)
+    files = sorted((tag(ds, name)).glob("*.pt"))
+    for f in files:
+        size = f.stat().st_size
+        for damage in ("truncate", "truncate", "flip", "flip", "empty"):
+            root = tmp_path / f"{name}-{f.name}-{damage}-{rng.random()}"
+            shutil.copytree(ds / name, root)
+            victim = root / "global_step2" / f.name
+            if damage == "truncate":
+                os.truncate(victim, rng.randint(1, size - 1))
+            elif damage == "empty":
+                os.truncate(victim, 0)
+            else:
+                data = bytearray(victim.read_bytes())
+                for _ in range(8):
+                    data[rng.randrange(size)] ^= 0xFF
+                victim.write_bytes(bytes(data))
+            report = audit(str(root))  # must not raise
+            if damage != "flip":
+                assert report.fails(Severity.ERROR), (f.name, damage)
+            shutil.rmtree(root)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# security: DeepSpeed's classes are harmless only as their own pickling uses them
+
+
+def test_deepspeed_class_called_with_arguments_is_unsafe(ds: Path, tmp_path: Path) -> None:
+    import hostile_files as hf
+
+    src = tag(ds, "s2-bf16") / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    # LossScaler("...") runs its __init__ with attacker-chosen arguments on torch.load(weights_only=False); its own
+    # pickling is NEWOBJ without arguments + BUILD.
+    pkl = b"\x80\x02cdeepspeed.runtime.fp16.loss_scaler\nLossScaler\n" + hf._op_str("/tmp/x") + b"\x85R."
+    path = tmp_path / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    hf.replace_data_pkl(src, path, pkl)
+    report = audit(str(path))
+    (f,) = [f for f in report.findings if f.code == "security.unsafe-pickle"]
+    assert "LossScaler" in f.message and "called with arguments" in f.message
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the pure part: a flat element range of a tensor as rectangular pieces
+
+
+def test_blocks_tile_exactly_the_flat_range() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(0, 4)))
+        numel = math.prod(shape)
+        start = rng.randint(0, numel - 1)
+        length = rng.randint(0, numel - start)
+        covered = np.zeros(numel, dtype=np.int64)
+        for offsets, sizes in _blocks(shape, start, length):
+            block = np.zeros(shape, dtype=np.int64)
+            block[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] = 1
+            covered += block.reshape(-1)
+        want = np.zeros(numel, dtype=np.int64)
+        want[start:start + length] = 1
+        assert np.array_equal(covered, want), (shape, start, length)
