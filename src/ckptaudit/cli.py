@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="what the checkpoint is meant to be (default: training)")
     a.add_argument("--require", default="",
                    help="comma-separated components whose absence is an error: scheduler,rng,data-progress")
+    _jobs_arg(a)
 
     r = sub.add_parser("resume-test", help="differential resume test of an exporter on a recipe")
     r.add_argument("--recipe", default="ckptaudit.recipes.tinygpt:recipe",
@@ -97,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("reference", help="the reference checkpoint (e.g. saved the documented way)")
     c.add_argument("candidate", help="the checkpoint to judge against it (any layout the audit reads)")
     _output_args(c)
+    _jobs_arg(c)
 
     lt = sub.add_parser("latest", help="the newest resumable checkpoint under a directory, and why newer ones "
                         "are rejected")
@@ -131,6 +133,22 @@ def _parser() -> argparse.ArgumentParser:
 
 SERVING_DTYPES = ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"]
 """``ckptaudit.store.serving.EXPORT_DTYPES`` (listed here so that parsing arguments does not import torch)."""
+
+
+def _jobs(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--jobs takes a whole number of threads, not {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--jobs must be at least 1, got {n}")
+    return n
+
+
+def _jobs_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--jobs", "-j", type=_jobs, default=None, metavar="N",
+                   help="threads scanning tensors at once (default: every core this process may use); "
+                   "the report is the same whatever N")
 
 
 def _output_args(p: argparse.ArgumentParser) -> None:
@@ -184,11 +202,12 @@ def _progress(enabled: bool, stderr: TextIO):  # type: ignore[no-untyped-def]
 
 
 def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from ckptaudit.audit import AuditOptions, audit
+    from ckptaudit.audit import AuditOptions, audit, default_jobs
 
     if not os.path.exists(args.path):
         raise UsageError(f"{args.path}: no such file or directory; give the path of a checkpoint file or directory")
-    options = AuditOptions(master_dtype=args.master_dtype, expect=args.expect, require=_require(args.require))
+    options = AuditOptions(master_dtype=args.master_dtype, expect=args.expect, require=_require(args.require),
+                           jobs=args.jobs or default_jobs())
     prog, update = _progress(not args.no_progress, stderr)
     if prog is not None:
         with prog:
@@ -257,13 +276,14 @@ def _cmd_export_serving(args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 
 
 def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from ckptaudit.audit import default_jobs
     from ckptaudit.compare import CompareOptions, compare
 
     for role, path in (("reference", args.reference), ("candidate", args.candidate)):
         if not os.path.exists(path):
             raise UsageError(f"{role} {path}: no such file or directory; give the path of a checkpoint file or "
                              "directory")
-    options = CompareOptions(verbose=args.verbose)
+    options = CompareOptions(verbose=args.verbose, threads=min(64, args.jobs or default_jobs()))
     prog, update = _progress(not args.no_progress, stderr)
     if prog is not None:
         with prog:
