@@ -39,3 +39,12 @@ def copy_of(tmp_path: Path):  # type: ignore[no-untyped-def]
         return dst
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def scale_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One training state with multi-chunk tensors as torch.save, single-process DCP and safetensors (model),
+    written once (see ``real_checkpoints.chunked_checkpoints``). Read-only."""
+    from real_checkpoints import chunked_checkpoints
+
+    return chunked_checkpoints(tmp_path_factory.mktemp("chunked"))

@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--require", default="",
                    help="comma-separated components whose absence is an error: scheduler,rng,data-progress")
     _jobs_arg(a)
+    a.add_argument("--dist-timeout", type=float, default=1800.0, metavar="SECONDS",
+                   help="under torchrun: how long ranks wait for each other (default 1800)")
 
     r = sub.add_parser("resume-test", help="differential resume test of an exporter on a recipe")
     r.add_argument("--recipe", default="ckptaudit.recipes.tinygpt:recipe",
@@ -203,7 +205,14 @@ def _progress(enabled: bool, stderr: TextIO):  # type: ignore[no-untyped-def]
 
 def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from ckptaudit.audit import AuditOptions, audit, default_jobs
+    from ckptaudit.dist.audit import torchrun_rank
 
+    try:
+        place = torchrun_rank()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if place is not None and place.world_size > 1:
+        return _audit_distributed(args, place.rank, place.world_size, stdout)
     if not os.path.exists(args.path):
         raise UsageError(f"{args.path}: no such file or directory; give the path of a checkpoint file or directory")
     options = AuditOptions(master_dtype=args.master_dtype, expect=args.expect, require=_require(args.require),
@@ -214,6 +223,26 @@ def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
             report = audit(args.path, options, progress=update)
     else:
         report = audit(args.path, options)
+    return _emit(report, args, stdout)
+
+
+def _audit_distributed(args: argparse.Namespace, rank: int, world_size: int, stdout: TextIO) -> int:
+    """Under torchrun: every rank scans its share; rank 0 prints the one report, the others print nothing.
+    (No existence check before joining: a rank that returned early would leave the others waiting.)"""
+    from ckptaudit.audit import AuditOptions, default_jobs
+    from ckptaudit.dist.audit import DistributedAuditError, audit_distributed
+
+    # Ranks on one node share its cores.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    options = AuditOptions(master_dtype=args.master_dtype, expect=args.expect, require=_require(args.require),
+                           jobs=args.jobs or max(1, default_jobs() // max(1, local)))
+    try:
+        report = audit_distributed(args.path, options, rank=rank, world_size=world_size,
+                                   timeout_s=args.dist_timeout)
+    except DistributedAuditError as exc:
+        raise UsageError(str(exc)) from None
+    if report is None:
+        return EXIT_CLEAN
     return _emit(report, args, stdout)
 
 
