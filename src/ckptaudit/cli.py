@@ -213,7 +213,7 @@ def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         raise UsageError(str(exc)) from None
     if place is not None and place.world_size > 1:
         return _audit_distributed(args, place.rank, place.world_size, stdout)
-    if not os.path.exists(args.path):
+    if not _exists(args.path):
         raise UsageError(f"{args.path}: no such file or directory; give the path of a checkpoint file or directory")
     options = AuditOptions(master_dtype=args.master_dtype, expect=args.expect, require=_require(args.require),
                            jobs=args.jobs or default_jobs())
@@ -244,6 +244,13 @@ def _audit_distributed(args: argparse.Namespace, rank: int, world_size: int, std
     if report is None:
         return EXIT_CLEAN
     return _emit(report, args, stdout)
+
+
+def _exists(path: str) -> bool:
+    """Local paths (and ``file://`` URLs) are checked here; other URLs when they are opened."""
+    if "://" in path and not path.lower().startswith("file://"):
+        return True
+    return os.path.exists(path[len("file://"):] if path.lower().startswith("file://") else path)
 
 
 def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
@@ -309,7 +316,7 @@ def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
     from ckptaudit.compare import CompareOptions, compare
 
     for role, path in (("reference", args.reference), ("candidate", args.candidate)):
-        if not os.path.exists(path):
+        if not _exists(path):
             raise UsageError(f"{role} {path}: no such file or directory; give the path of a checkpoint file or "
                              "directory")
     options = CompareOptions(verbose=args.verbose, threads=min(64, args.jobs or default_jobs()))
