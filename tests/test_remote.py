@@ -100,3 +100,20 @@ def test_tensor_data_is_read_with_ranged_reads_not_staged(s3: dict[str, Any]) ->
     finally:
         ckpt.close()
     assert not os.path.exists(remote.root)  # the stand-in goes with the checkpoint
+
+
+def test_compare_reads_urls_too(s3: dict[str, Any]) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["compare", str(s3["files"]["ckpt.pt"]), "s3://ckpts/ckpt.pt", "--format", "json", "--no-progress"],
+                stdout=out, stderr=err)
+    assert code == 0, err.getvalue()
+    report = json.loads(out.getvalue())
+    assert report["pairs"] and all(p["status"] == "identical" for p in report["pairs"]), report["summary"]
+
+
+def test_url_forms() -> None:
+    from ckptaudit.formats.remote import is_url, local_path
+
+    assert is_url("s3://b/k") and is_url("gs://b/k") and is_url("https://h/x.pt")
+    assert not is_url("/tmp/x.pt") and not is_url("file:///tmp/x.pt") and not is_url("C://x")
+    assert local_path("file:///tmp/x.pt") == "/tmp/x.pt" and local_path("/tmp/x.pt") == "/tmp/x.pt"
