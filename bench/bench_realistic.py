@@ -350,7 +350,7 @@ def measure(fmt: str, path: str, repeat: int, jobs: list[int]) -> dict[str, Any]
 def render(rows: list[dict[str, Any]], jobs: list[int], startup: dict[str, dict[str, float]],
            dist: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     gb = 1e9
-    lines = [SECTION, "",
+    lines = [SECTION + meta["title"], "",
              f"Measured {meta['when']} on this project's development machine ({meta['cores']} cores, "
              f"load average {meta['load']} at the start: shared with other jobs), `--scale {meta['scale']}` "
              f"({meta['tensors']} tensors), best of {meta['repeat']}, page cache warm:", "",
@@ -386,14 +386,14 @@ def render(rows: list[dict[str, Any]], jobs: list[int], startup: dict[str, dict[
     return "\n".join(lines) + "\n"
 
 
-def write_docs(doc: str, text: str) -> None:
-    """Replace the section (from its heading to the next ``## ``) in ``doc``, or append it."""
+def write_docs(doc: str, text: str, heading: str) -> None:
+    """Replace the section (from ``heading`` to the next ``## ``) in ``doc``, or append it."""
     old = open(doc, encoding="utf-8").read() if os.path.exists(doc) else "# Performance\n"
-    start = old.find(SECTION)
+    start = old.find(heading + "\n")
     if start < 0:
         new = old.rstrip() + "\n\n" + text
     else:
-        nxt = old.find("\n## ", start + len(SECTION))
+        nxt = old.find("\n## ", start + len(heading))
         new = old[:start] + text + ("\n" + old[nxt + 1:] if nxt >= 0 else "")
     with open(doc, "w", encoding="utf-8") as fh:
         fh.write(new)
@@ -426,7 +426,8 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="ckptaudit-realistic-", dir=args.dir)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": len(os.sched_getaffinity(0)),
             "load": f"{os.getloadavg()[0]:.1f}", "scale": args.scale, "repeat": args.repeat,
-            "tensors": 4 * len(shapes(args.scale)) + 1}
+            "tensors": 4 * len(shapes(args.scale)) + 1,
+            "title": "" if args.scale == 1 else f" at --scale {args.scale}"}
     rows, dist = [], []
     try:
         for fmt in args.formats.split(","):
@@ -450,7 +451,7 @@ def main() -> None:
     text = render(rows, jobs, startup, dist, meta)
     print(text)
     if args.write_docs:
-        write_docs(args.write_docs, text)
+        write_docs(args.write_docs, text, SECTION + meta["title"])
 
 
 if __name__ == "__main__":
