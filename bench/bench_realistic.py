@@ -12,7 +12,8 @@ The checkpoint: 24 layers, d=1024, vocab 50304 (GPT-2 medium's tensors, HF names
 holds one of them): ``torch.save``, a single-process DCP directory, an 8-rank DCP save (a real gloo job, each
 rank saving its row shards as DTensors, one ``.distcp`` file per rank) and safetensors (the model).
 
-Measured, each in a fresh child process, page cache warm (the files were just written), best of ``--repeat``:
+Measured, each in a fresh child process, right after the format was written (so from the page cache when the
+machine's memory holds the files; a ``read`` far below memory speed says it did not), best of ``--repeat``:
 
 - ``read``: every 8-byte word xor-reduced by NumPy over read-only memory maps, the bytes split between 2
   threads: what reading the bytes costs at best;
@@ -353,7 +354,8 @@ def render(rows: list[dict[str, Any]], jobs: list[int], startup: dict[str, dict[
     lines = [SECTION + meta["title"], "",
              f"Measured {meta['when']} on this project's development machine ({meta['cores']} cores, "
              f"load average {meta['load']} at the start: shared with other jobs), `--scale {meta['scale']}` "
-             f"({meta['tensors']} tensors), best of {meta['repeat']}, page cache warm:", "",
+             f"({meta['tensors']} tensors), best of {meta['repeat']}, each format measured right after it was "
+             "written (page cache as the machine's memory left it):", "",
              "    .venv/bin/python bench/bench_realistic.py --scale " + str(meta["scale"]) +
              " --write-docs docs/performance.md", ""]
     head = "| format | size | 2-thread read | " + " | ".join(f"audit -j {j}" for j in jobs) + \

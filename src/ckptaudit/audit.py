@@ -165,12 +165,13 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
     """Scan the tensors ``plan.items[i]`` for ``i`` in ``indices`` on ``jobs`` threads.
 
     Each tensor is streamed in order by one thread (its hash is the sequential xxh3-128 of its bytes, whatever
-    ``jobs``); threads take the largest tensors first. Memory: one chunk buffer per thread. xxhash, NumPy's
-    reductions and ``os.preadv`` release the GIL, so the threads run on as many cores.
+    ``jobs``). One thread reads in the checkpoint's order (sequential on disk); several take the largest tensors
+    first, so that no thread is left alone with a big one at the end. Memory: one chunk buffer per thread.
+    xxhash, NumPy's reductions and ``os.preadv`` release the GIL, so the threads run on as many cores.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
-    order = sorted(indices, key=lambda i: (-plan.nbytes(i), i))
+    order = sorted(indices) if jobs == 1 else sorted(indices, key=lambda i: (-plan.nbytes(i), i))
     total = sum(plan.nbytes(i) for i in order)
     done = 0
     out: dict[int, ScanOutcome] = {}
