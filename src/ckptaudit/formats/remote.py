@@ -8,8 +8,10 @@ each stand-in file to its remote object, and :class:`~ckptaudit.formats.tensors.
 bytes from there with one ranged read per chunk, so memory stays bounded by the chunk as for local files and
 local disk holds only metadata (plus the span of the rare strided tensor, which is staged before it is viewed).
 
-``file://`` URLs and plain paths keep the local fast path. DCP directories behind URLs are not staged yet (their
-per-item archives would need the ``.metadata`` offsets first): :func:`stage` says so.
+``file://`` URLs and plain paths keep the local fast path. DCP directories behind URLs are not staged yet:
+:func:`stage` says so. (Each item is a ``torch.save`` archive whose members carry their sizes only in data
+descriptors after the data, so the ``.distcp`` files cannot be walked from the front; staging needs the items'
+byte ranges from ``.metadata``, through the DCP reader.)
 
 Credentials and endpoints come from fsspec's and the storage library's usual configuration (for S3:
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL`` or ``FSSPEC_S3_ENDPOINT_URL``...).
