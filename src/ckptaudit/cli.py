@@ -232,8 +232,13 @@ def _audit_distributed(args: argparse.Namespace, rank: int, world_size: int, std
     from ckptaudit.audit import AuditOptions, default_jobs
     from ckptaudit.dist.audit import DistributedAuditError, audit_distributed
 
+    if not args.dist_timeout > 0:
+        raise UsageError(f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
     # Ranks on one node share its cores.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    except ValueError:
+        local = 1
     options = AuditOptions(master_dtype=args.master_dtype, expect=args.expect, require=_require(args.require),
                            jobs=args.jobs or max(1, default_jobs() // max(1, local)))
     try:
@@ -248,9 +253,9 @@ def _audit_distributed(args: argparse.Namespace, rank: int, world_size: int, std
 
 def _exists(path: str) -> bool:
     """Local paths (and ``file://`` URLs) are checked here; other URLs when they are opened."""
-    if "://" in path and not path.lower().startswith("file://"):
-        return True
-    return os.path.exists(path[len("file://"):] if path.lower().startswith("file://") else path)
+    from ckptaudit.formats.remote import is_url, local_path
+
+    return is_url(path) or os.path.exists(local_path(path))
 
 
 def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
