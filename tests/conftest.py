@@ -91,3 +91,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     else:
         random.Random(seed).shuffle(order)
     items[:] = [item for f in order for item in files[f]]
+
+
+@pytest.fixture(scope="session")
+def scale_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One training state with multi-chunk tensors as torch.save, single-process DCP and safetensors (model),
+    written once (see ``real_checkpoints.chunked_checkpoints``). Read-only."""
+    from real_checkpoints import chunked_checkpoints
+
+    return chunked_checkpoints(tmp_path_factory.mktemp("chunked"))

@@ -103,3 +103,44 @@ def accelerate_directory(path: Path, random_states_extra: dict[str, Any] | None 
     states.update(random_states_extra or {})
     torch.save(states, path / "random_states_0.pkl")
     return path
+
+
+def chunked_training_state() -> tuple[dict[str, Any], dict[str, Any]]:
+    """A small model whose embedding spans several 1 MiB chunks, after two real AdamW steps; one layer's
+    weights rounded to bf16 and another's bias to fp16, as compute-copy exporters leave them (so every precision
+    path runs, and the precision evidence differs between the two 16-bit formats)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(1024, 640), torch.nn.Linear(640, 64), torch.nn.LayerNorm(64),
+                                torch.nn.Linear(64, 640))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randint(0, 1024, (4, 8))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    sd = model.state_dict()
+    sd["1.weight"] = sd["1.weight"].bfloat16().float()
+    sd["3.bias"] = sd["3.bias"].half().float()
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    osd = opt.state_dict()
+    state = {names[id(params[i])]: s for i, s in osd["state"].items()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]}
+              for g in osd["param_groups"]]
+    return sd, {"state": state, "param_groups": groups}
+
+
+def chunked_checkpoints(out: Path) -> dict[str, Path]:
+    """The same training state as torch.save, single-process DCP and safetensors (model), written once."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    sd, osd = chunked_training_state()
+    torch.save({"model": sd, "optimizer": osd, "step": 2}, out / "ckpt.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group": a single-process save is what we want
+        dcp.save({"model": sd, "optim": osd, "step": torch.tensor(2)}, checkpoint_id=str(out / "dcp"))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
+    return {"torch.save": out / "ckpt.pt", "dcp": out / "dcp", "safetensors": out / "model.safetensors"}

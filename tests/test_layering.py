@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "checks": 4,
     "report": 4,
     "audit": 5,
+    "distaudit": 6,
     "compare": 6,
     "probe": 6,
     "store": 7,

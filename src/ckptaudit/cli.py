@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="what the checkpoint is meant to be (default: training)")
     a.add_argument("--require", default="",
                    help="comma-separated components whose absence is an error: scheduler,rng,data-progress")
+    _jobs_arg(a)
+    a.add_argument("--dist-timeout", type=float, default=1800.0, metavar="SECONDS",
+                   help="under torchrun: how long ranks wait for each other (default 1800)")
 
     r = sub.add_parser("resume-test", help="differential resume test of exporters on a recipe")
     r.add_argument("--recipe", default="ckptaudit.recipes.tinygpt:recipe",
@@ -124,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("reference", help="the reference checkpoint (e.g. saved the documented way)")
     c.add_argument("candidate", help="the checkpoint to judge against it (any layout the audit reads)")
     _output_args(c)
+    _jobs_arg(c)
 
     lt = sub.add_parser("latest", help="the newest resumable checkpoint under a directory, and why newer ones "
                         "are rejected")
@@ -162,6 +166,22 @@ def _parser() -> argparse.ArgumentParser:
 
 SERVING_DTYPES = ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"]
 """``ckptaudit.store.serving.EXPORT_DTYPES`` (listed here so that parsing arguments does not import torch)."""
+
+
+def _jobs(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--jobs takes a whole number of threads, not {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--jobs must be at least 1, got {n}")
+    return n
+
+
+def _jobs_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--jobs", "-j", type=_jobs, default=None, metavar="N",
+                   help="threads scanning tensors at once (default: every core this process may use); "
+                   "the report is the same whatever N")
 
 
 def _output_args(p: argparse.ArgumentParser) -> None:
@@ -252,11 +272,19 @@ def _progress(enabled: bool, stderr: TextIO):  # type: ignore[no-untyped-def]
 
 
 def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from ckptaudit.audit import AuditOptions, audit
+    from ckptaudit.audit import AuditOptions, audit, default_jobs
+    from ckptaudit.distaudit import torchrun_rank
 
-    if not os.path.exists(args.path):
+    try:
+        place = torchrun_rank()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if place is not None and place.world_size > 1:
+        return _audit_distributed(args, place.rank, place.world_size, stdout)
+    if not _exists(args.path):
         raise UsageError(f"{args.path}: no such file or directory; give the path of a checkpoint file or directory")
-    options = AuditOptions(master_dtype=args.master_dtype, expect=args.expect, require=_require(args.require))
+    options = AuditOptions(master_dtype=args.master_dtype, expect=args.expect, require=_require(args.require),
+                           jobs=args.jobs or default_jobs())
     prog, update = _progress(not args.no_progress, stderr)
     if prog is not None:
         with prog:
@@ -264,6 +292,38 @@ def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     else:
         report = audit(args.path, options)
     return _emit(report, args, stdout)
+
+
+def _audit_distributed(args: argparse.Namespace, rank: int, world_size: int, stdout: TextIO) -> int:
+    """Under torchrun: every rank scans its share; rank 0 prints the one report, the others print nothing.
+    (No existence check before joining: a rank that returned early would leave the others waiting.)"""
+    from ckptaudit.audit import AuditOptions, default_jobs
+    from ckptaudit.distaudit import DistributedAuditError, audit_distributed
+
+    if not args.dist_timeout > 0:
+        raise UsageError(f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
+    # Ranks on one node share its cores.
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    except ValueError:
+        local = 1
+    options = AuditOptions(master_dtype=args.master_dtype, expect=args.expect, require=_require(args.require),
+                           jobs=args.jobs or max(1, default_jobs() // max(1, local)))
+    try:
+        report = audit_distributed(args.path, options, rank=rank, world_size=world_size,
+                                   timeout_s=args.dist_timeout)
+    except DistributedAuditError as exc:
+        raise UsageError(str(exc)) from None
+    if report is None:
+        return EXIT_CLEAN
+    return _emit(report, args, stdout)
+
+
+def _exists(path: str) -> bool:
+    """Local paths (and ``file://`` URLs) are checked here; other URLs when they are opened."""
+    from ckptaudit.formats.remote import is_url, local_path
+
+    return is_url(path) or os.path.exists(local_path(path))
 
 
 def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
@@ -337,13 +397,14 @@ def _cmd_export_serving(args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 
 
 def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from ckptaudit.audit import default_jobs
     from ckptaudit.compare import CompareOptions, compare
 
     for role, path in (("reference", args.reference), ("candidate", args.candidate)):
-        if not os.path.exists(path):
+        if not _exists(path):
             raise UsageError(f"{role} {path}: no such file or directory; give the path of a checkpoint file or "
                              "directory")
-    options = CompareOptions(verbose=args.verbose)
+    options = CompareOptions(verbose=args.verbose, threads=min(64, args.jobs or default_jobs()))
     prog, update = _progress(not args.no_progress, stderr)
     if prog is not None:
         with prog:

@@ -39,7 +39,15 @@ def open_checkpoint(path: str) -> Checkpoint:
     Raises ``FileNotFoundError`` when ``path`` does not exist and ``OSError`` (e.g. ``PermissionError``) when
     the directory ``path`` cannot be listed; everything else, down to a named pipe given as ``path``, becomes a
     finding. Nothing but regular files is ever opened.
+
+    ``path`` may be an fsspec URL (``s3://bucket/ckpt.pt``): the readers then parse a local stand-in holding the
+    metadata bytes, and tensor data is streamed with ranged reads (:mod:`ckptaudit.formats.remote`).
     """
+    from ckptaudit.formats.remote import is_url, local_path
+
+    if is_url(path):
+        return _open_remote(path)
+    path = local_path(path)
     if not os.path.exists(path):
         raise FileNotFoundError(path)
     path = os.path.abspath(path)
@@ -116,6 +124,20 @@ def _read_deepspeed(path: str, findings: list[Finding], files: dict[str, int]) -
     read = read_deepspeed(step_dir, prefix, lambda full, name: _read_entry(full, name, findings, files))
     findings += read.findings
     return read.part
+
+
+def _open_remote(url: str) -> Checkpoint:
+    from ckptaudit.formats.remote import stage
+
+    local, remote = stage(url)
+    try:
+        ckpt = open_checkpoint(local)
+    except BaseException:
+        remote.close()
+        raise
+    ckpt.maps.remote = remote
+    ckpt.path = url
+    return ckpt
 
 
 def _limit(flag: bool) -> dict[str, Any]:

@@ -140,6 +140,9 @@ class FileMaps:
         self._maps: dict[str, mmap.mmap] = {}
         self._files: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.remote: Any = None
+        """For a checkpoint behind a URL: the :class:`~ckptaudit.formats.remote.RemoteFiles` its stand-in files
+        read their data from (ranged reads); ``None`` for local checkpoints."""
 
     def fd(self, path: str) -> int:
         """A descriptor of ``path`` for ``os.preadv`` (regular files only: a pipe swapped in must not block)."""
@@ -179,7 +182,16 @@ class FileMaps:
             except (OSError, ValueError):  # best effort: the pages are reclaimable anyway
                 pass
 
+    def read_into(self, path: str, buf: memoryview, offset: int) -> int:
+        """Positional read of ``len(buf)`` bytes at ``offset`` of ``path`` (remote files: one ranged read)."""
+        if self.remote is not None and path in self.remote:
+            return int(self.remote.read_into(path, buf, offset))
+        return os.preadv(self.fd(path), [buf], offset)
+
     def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
         for fh in self._files.values():
             fh.close()
         self._files.clear()
@@ -223,10 +235,13 @@ def iter_chunks(
 
 def _piece_array(p: Piece, npdt: np.dtype, maps: FileMaps) -> np.ndarray:
     """A strided NumPy view of one piece, straight on the memory map."""
+    span = p.storage_offset + sum((s - 1) * st for s, st in zip(p.sizes, p.stride, strict=True)) + 1
+    if maps.remote is not None and p.file in maps.remote and p.numel:
+        # A stand-in file holds no tensor data: fetch this view's span into it before mapping it.
+        maps.remote.stage_span(p.file, p.data_offset, span * npdt.itemsize)
     mm = maps.get(p.file)
     if p.numel == 0 or mm is None:
         return np.empty(p.sizes, dtype=npdt)
-    span = p.storage_offset + sum((s - 1) * st for s, st in zip(p.sizes, p.stride, strict=True)) + 1
     base = np.frombuffer(mm, dtype=npdt, count=span, offset=p.data_offset)
     view = np.lib.stride_tricks.as_strided(
         base[p.storage_offset :],
@@ -243,7 +258,6 @@ def _piece_chunks(p: Piece, npdt: np.dtype, maps: FileMaps, per_chunk: int) -> I
     if p.is_contiguous():
         # Positional reads into one reusable buffer: no page faults and no mapped pages to give back, and a file
         # truncated under us is a short read (an error), not a SIGBUS.
-        fd = maps.fd(p.file)
         buf = np.empty(min(per_chunk, p.numel), dtype=npdt)
         raw = buf.data.cast("B")
         pos = p.data_offset + p.storage_offset * npdt.itemsize
@@ -251,7 +265,7 @@ def _piece_chunks(p: Piece, npdt: np.dtype, maps: FileMaps, per_chunk: int) -> I
         while remaining:
             n = min(per_chunk, remaining)
             nbytes = n * npdt.itemsize
-            got = os.preadv(fd, [raw[:nbytes]], pos)
+            got = maps.read_into(p.file, raw[:nbytes], pos)
             if got != nbytes:
                 raise ValueError(f"{p.file}: {got} of {nbytes} bytes at offset {pos}: the file ends early "
                                  "(truncated, or changed while being read)")

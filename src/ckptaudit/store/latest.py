@@ -209,9 +209,9 @@ def validate(c: Candidate, *, verify: str = "hashes",
 
 def _read_and_check(c: Candidate, verify: str, require: Collection[ComponentKind]) -> list[Finding]:
     if verify == "full":
-        from ckptaudit.audit import AuditOptions, audit
+        from ckptaudit.audit import AuditOptions, audit, default_jobs
 
-        return list(audit(c.path, AuditOptions(require=frozenset(require))).findings)
+        return list(audit(c.path, AuditOptions(require=frozenset(require), jobs=default_jobs())).findings)
     from ckptaudit.checks.components import check_components
     from ckptaudit.checks.integrity import check_indexes
     from ckptaudit.checks.manifest import check_manifest

@@ -1,0 +1,287 @@
+"""Checkpoints behind fsspec URLs (``s3://``, ``gs://``, ``https://``...): read with ranged reads, never downloaded.
+
+The readers work on local paths. For a URL, :func:`stage` builds a *stand-in*: a local directory of sparse files
+with the remote files' names and sizes, where only the bytes the readers parse are filled in (fetched with
+ranged reads): a safetensors header; a ``torch.save`` archive's central directory, local headers and small
+members (``data.pkl``, ``byteorder``...); a JSON index. Tensor data is never staged: :class:`RemoteFiles` maps
+each stand-in file to its remote object, and :class:`~ckptaudit.formats.tensors.FileMaps` streams a tensor's
+bytes from there with one ranged read per chunk, so memory stays bounded by the chunk as for local files and
+local disk holds only metadata (plus the span of the rare strided tensor, which is staged before it is viewed).
+
+``file://`` URLs and plain paths keep the local fast path. DCP directories behind URLs are not staged yet:
+:func:`stage` says so. (Each item is a ``torch.save`` archive whose members carry their sizes only in data
+descriptors after the data, so the ``.distcp`` files cannot be walked from the front; staging needs the items'
+byte ranges from ``.metadata``, through the DCP reader.)
+
+Credentials and endpoints come from fsspec's and the storage library's usual configuration (for S3:
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL`` or ``FSSPEC_S3_ENDPOINT_URL``...).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["MAX_STAGED_BYTES", "RemoteError", "RemoteFiles", "is_url", "local_path", "stage"]
+
+MAX_STAGED_BYTES = 1 << 30
+"""Metadata bytes staged per checkpoint at most (headers, pickles, JSON): a limit against hostile listings."""
+MAX_MEMBER_BYTES = 64 << 20
+"""A zip member larger than this is tensor data: only its local header is staged."""
+MAX_FILES = 100_000
+_SAFETENSORS_HEADER_LIMIT = 100_000_000
+TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
+
+
+class RemoteError(OSError):
+    """A URL that cannot be read: unknown protocol, missing library, unsupported layout, too much metadata."""
+
+
+def is_url(path: str) -> bool:
+    """Whether ``path`` names a remote object (``scheme://``, other than ``file://``)."""
+    scheme, sep, _ = path.partition("://")
+    return bool(sep) and scheme.isidentifier() and scheme.lower() != "file" and len(scheme) > 1
+
+
+def local_path(path: str) -> str:
+    """``file:///x`` -> ``/x``; anything else unchanged."""
+    return path[len("file://"):] if path.lower().startswith("file://") else path
+
+
+@dataclass(frozen=True, slots=True)
+class _Remote:
+    fs: Any
+    path: str
+    size: int
+
+
+class RemoteFiles:
+    """Stand-in file (absolute local path) -> its remote object; ranged reads for the tensor data.
+
+    Shared by the scanning threads: fsspec filesystems serve concurrent ranged reads; staging a span is
+    serialised by a lock.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        """The stand-in directory (removed by :meth:`close`)."""
+        self._files: dict[str, _Remote] = {}
+        self._staged: set[tuple[str, int, int]] = set()
+        self._lock = threading.Lock()
+
+    def add(self, local: str, fs: Any, path: str, size: int) -> None:
+        self._files[local] = _Remote(fs, path, size)
+
+    def __contains__(self, local: object) -> bool:
+        return local in self._files
+
+    def read_into(self, local: str, buf: memoryview, offset: int) -> int:
+        """Fill ``buf`` with the remote bytes at ``offset`` of the file behind ``local``; the count read."""
+        r = self._files[local]
+        end = min(r.size, offset + len(buf))
+        if end <= offset:
+            return 0
+        try:
+            data = r.fs.cat_file(r.path, start=offset, end=end)
+        except OSError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the scan reports OSError as unreadable data, with this text
+            raise OSError(f"ranged read of {r.path} at {offset}: {type(exc).__name__}: {exc}") from None
+        buf[: len(data)] = data
+        return len(data)
+
+    def stage_span(self, local: str, start: int, length: int) -> None:
+        """Write the remote bytes ``[start, start+length)`` into the stand-in (before a strided view maps it)."""
+        key = (local, start, length)
+        with self._lock:
+            if key in self._staged:
+                return
+            _fill(self._files[local], local, start, length)
+            self._staged.add(key)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _fs(url: str) -> tuple[Any, str]:
+    try:
+        import fsspec
+    except ImportError:
+        raise RemoteError(f"{url}: reading URLs needs fsspec (pip install fsspec s3fs/gcsfs)") from None
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as exc:
+        raise RemoteError(f"{url}: {exc}") from None
+    return fs, path
+
+
+def _fill(remote: _Remote, local: str, start: int, length: int) -> bytes:
+    """Copy the remote bytes ``[start, start+length)`` (clipped to the file) into the stand-in; return them."""
+    end = min(remote.size, start + length)
+    if end <= start:
+        return b""
+    data: bytes = remote.fs.cat_file(remote.path, start=start, end=end)
+    with open(local, "r+b") as fh:
+        fh.seek(start)
+        fh.write(data)
+    return data
+
+
+class _Budget:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.left = MAX_STAGED_BYTES
+
+    def take(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise RemoteError(f"{self.url}: more than {MAX_STAGED_BYTES} bytes of metadata to read; not a "
+                              "checkpoint ckptaudit can audit remotely (copy it locally)")
+
+
+def stage(url: str) -> tuple[str, RemoteFiles]:
+    """A local stand-in for the checkpoint at ``url`` (see the module docstring), and its remote files.
+
+    Raises ``FileNotFoundError`` when nothing is at ``url``, :class:`RemoteError` when it cannot be staged.
+    """
+    fs, root = _fs(url)
+    try:
+        info = fs.info(root)
+    except FileNotFoundError:
+        raise FileNotFoundError(2, "no such object or prefix", url) from None
+    except Exception as exc:  # noqa: BLE001 - credentials, endpoint, network: the storage library's own words
+        raise RemoteError(f"{url}: cannot reach it ({type(exc).__name__}: {exc})") from None
+    tmp = tempfile.mkdtemp(prefix="ckptaudit-remote-")
+    remote = RemoteFiles(tmp)
+    budget = _Budget(url)
+    try:
+        base = _safe_name(os.path.basename(root.rstrip("/"))) or "checkpoint"
+        if info.get("type") == "directory":
+            local_root = os.path.join(tmp, base)
+            os.mkdir(local_root)
+            entries = fs.ls(root, detail=True)
+            if len(entries) > MAX_FILES:
+                raise RemoteError(f"{url}: more than {MAX_FILES} objects under the prefix")
+            names = {os.path.basename(str(e["name"]).rstrip("/")): e for e in entries}
+            if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+                raise RemoteError(f"{url} is a DCP directory: auditing DCP through a URL is not supported yet; "
+                                  "audit it on a filesystem that holds it (or a copy)")
+            for name, entry in sorted(names.items()):
+                safe = _safe_name(name)
+                if safe is None or entry.get("type") != "file":
+                    continue  # sub-prefixes and odd names are not part of a flat checkpoint directory
+                _stage_file(fs, str(entry["name"]), int(entry.get("size") or 0), os.path.join(local_root, safe),
+                            remote, budget)
+            return local_root, remote
+        local = os.path.join(tmp, base)
+        _stage_file(fs, root, int(info.get("size") or 0), local, remote, budget)
+        return local, remote
+    except BaseException:
+        remote.close()
+        raise
+
+
+def _safe_name(name: str) -> str | None:
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        return None
+    return name
+
+
+def _stage_file(fs: Any, path: str, size: int, local: str, remote: RemoteFiles, budget: _Budget) -> None:
+    with open(local, "wb") as fh:
+        fh.truncate(size)  # sparse: holds no disk blocks until written
+    r = _Remote(fs, path, size)
+    remote.add(local, fs, path, size)
+    lower = local.lower()
+    if size == 0:
+        return
+    if lower.endswith(".safetensors"):
+        head = fs.cat_file(path, start=0, end=min(size, 8))
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        n = min(n, _SAFETENSORS_HEADER_LIMIT, size - len(head))
+        budget.take(8 + n)
+        _fill(r, local, 0, 8 + n)
+        return
+    if lower.endswith(".json"):
+        budget.take(size)
+        _fill(r, local, 0, size)
+        return
+    if not lower.endswith(TORCH_EXTENSIONS):
+        return  # not a file the readers open
+    head = fs.cat_file(path, start=0, end=min(size, 4))
+    if head != b"PK\x03\x04":  # a plain or legacy pickle: the readers parse all of it
+        budget.take(size)
+        _fill(r, local, 0, size)
+        return
+    _stage_zip(r, local, budget)
+
+
+def _stage_zip(r: _Remote, local: str, budget: _Budget) -> None:
+    """Stage a zip archive's end records, central directory, every local header and every small member."""
+    with r.fs.open(r.path, "rb", block_size=1 << 20, cache_type="readahead") as fh:
+        try:
+            zf = zipfile.ZipFile(fh)
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error):
+            # Not a readable zip: stage it whole if small, so the readers report what is wrong with it.
+            if r.size <= MAX_MEMBER_BYTES:
+                budget.take(r.size)
+                _fill(r, local, 0, r.size)
+            return
+        infos = zf.infolist()
+        start_dir = getattr(zf, "start_dir", None)
+        zf.close()
+    # The central directory and end records: from the first central header to the end of the file.
+    if start_dir is None or not 0 <= start_dir <= r.size:
+        start_dir = min((i.header_offset for i in infos), default=r.size)
+    budget.take(r.size - start_dir)
+    _fill(r, local, start_dir, r.size - start_dir)
+    # One concurrent batch of ranged reads for every local header (and small member), then a second one for
+    # the rare header whose own name or extra field is longer than the central directory let us guess.
+    plan: list[tuple[int, int, int]] = []  # (offset, guessed length, member bytes needed after the header)
+    for i in infos:
+        if not 0 <= i.header_offset < r.size:
+            continue
+        small = (i.compress_size <= MAX_MEMBER_BYTES and "/data/" not in i.filename) or i.compress_size <= 4096
+        # 30 fixed bytes, the header's own name and extra field (torch pads the extra field to align the data),
+        # then the member's bytes when it is small; the central directory's lengths plus slack are the guess.
+        member = i.compress_size if small else 0
+        guess = 30 + len(i.orig_filename.encode("utf-8", "surrogateescape")) + len(i.extra) + 128 + member
+        plan.append((i.header_offset, guess, member))
+    budget.take(sum(g for _, g, _ in plan))
+    more: list[tuple[int, int]] = []
+    for (off, _, member), got in zip(plan, _fill_many(r, local, [(o, g) for o, g, _ in plan]), strict=True):
+        if len(got) < 30:
+            continue
+        n, m = struct.unpack("<HH", got[26:30])
+        need = 30 + n + m + member
+        if need > len(got):
+            more.append((off + len(got), need - len(got)))
+    budget.take(sum(n for _, n in more))
+    _fill_many(r, local, more)
+
+
+def _fill_many(r: _Remote, local: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+    """:func:`_fill` for many ranges at once (``cat_ranges``: concurrent requests where the filesystem can)."""
+    spans = [(o, min(r.size, o + n)) for o, n in ranges]
+    if not spans:
+        return []
+    out: list[bytes] = []
+    batch = 1024
+    with open(local, "r+b") as fh:
+        for k in range(0, len(spans), batch):
+            part = spans[k : k + batch]
+            datas = r.fs.cat_ranges([r.path] * len(part), [s for s, _ in part], [e for _, e in part])
+            for (s, e), data in zip(part, datas, strict=True):
+                if isinstance(data, BaseException):
+                    raise data
+                if e > s:
+                    fh.seek(s)
+                    fh.write(data)
+                out.append(bytes(data) if e > s else b"")
+    return out
