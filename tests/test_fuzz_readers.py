@@ -221,7 +221,7 @@ def _safetensors_edit(path: Path, args: dict[str, Any]) -> None:
 
 
 def _metadata_edit(path: Path, args: dict[str, Any]) -> None:
-    md = dcp_metadata_loads(path.read_bytes())
+    md = rc.read_dcp_metadata(path.parent)
     infos = list(md.storage_data.values())
     info = infos[args["which"] % len(infos)]
     what, value = args["what"], args["value"] * (-1 if args["negative"] else 1)

@@ -430,7 +430,7 @@ def _is_plain_tree(obj: Any) -> bool:
     while todo:
         v = todo.pop()
         if isinstance(v, dict):
-            todo.extend(v.values())
+            todo.extend(dict.values(v))
         elif isinstance(v, list | tuple):
             todo.extend(v)
         elif not isinstance(v, TensorData | str | bytes | int | float | bool | type(None)):
@@ -451,7 +451,7 @@ def _bind_file(obj: Any, path: str, memo: dict[int, Any] | None = None, *,
         pieces = tuple(_with_file(p, path, moved) for p in obj.pieces)
         out: Any = TensorData(obj.dtype, obj.shape, pieces)
     elif isinstance(obj, dict):
-        items = [(k, _bind_file(v, path, memo, moved=moved)) for k, v in obj.items()]
+        items = [(k, _bind_file(v, path, memo, moved=moved)) for k, v in dict.items(obj)]
         out = type(obj)(items) if type(obj) is not dict else dict(items)
     elif isinstance(obj, list):
         out = [_bind_file(v, path, memo, moved=moved) for v in obj]
@@ -472,7 +472,7 @@ def _tensor_bytes(obj: Any) -> int:
         if isinstance(value, TensorData):
             total += value.nbytes
         elif isinstance(value, dict):
-            todo.extend(value.values())
+            todo.extend(dict.values(value))  # the data, never a method the pickle could shadow
         elif isinstance(value, list | tuple):
             todo.extend(value)
     return total

@@ -1,0 +1,296 @@
+"""Hostile input, round 2 (issue 16): one view of every object, bounded work, damage that must not pass as intact.
+
+Each attack is written as an attacker would write it (torch's own ``Metadata`` pickled with a crafted
+``__reduce__``, or opcodes assembled by hand) and run through every entry point that reads it: ``audit`` (in a
+child under ``RLIMIT_AS`` and a timeout, see :mod:`audit_worker`), ``check_metadata_safe``, ``safe_dcp_load``
+and the CLI. Payloads write a sentinel file; a control run of ``torch.distributed.checkpoint.load`` in a child
+shows each payload is live, so a test cannot pass because the attack was inert.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import pickletools
+import shutil
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import hostile_files as hf
+import real_checkpoints as rc
+from audit_worker import AuditWorker
+from ckptaudit.audit import audit
+from ckptaudit.cli import main
+from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe
+from ckptaudit.formats.pickle_scan import UnsafeGlobalError
+from ckptaudit.formats.torchload import safe_dcp_load
+from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
+
+M61 = (1 << 61) - 1
+"""Python hashes an int ``n`` to ``n mod M61``: every multiple of it hashes to 0."""
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("bases2")
+    return {
+        "pt": rc.torch_save_checkpoint(d / "ckpt.pt"),
+        "dcp": rc.dcp_checkpoint(d / "dcp"),
+        "st": rc.safetensors_file(d / "model.safetensors"),
+    }
+
+
+@pytest.fixture(scope="module")
+def worker(bases: dict[str, Path]):  # type: ignore[no-untyped-def]
+    w = AuditWorker(headroom_mib=1536, timeout_s=90)
+    w.start([str(bases["pt"]), str(bases["dcp"]), str(bases["st"])])
+    yield w
+    w.close()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One view: a pickle may not give an object an attribute that shadows a method a check reads it through
+
+
+class _Shadowed:
+    """Pickles as ``OrderedDict(entries)`` followed by ``BUILD {attr: OrderedDict}``: after ``pickle.load`` the
+    dict holds every entry, but ``d.<attr>()`` returns an empty dict (``OrderedDict()``)."""
+
+    def __init__(self, entries: dict[Any, Any], attr: str) -> None:
+        self.entries, self.attr = entries, attr
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return collections.OrderedDict, (), {self.attr: collections.OrderedDict}, None, iter(self.entries.items())
+
+
+def _payload_dcp(d: Path, sentinel: str) -> Path:
+    """A DCP checkpoint written by DCP itself whose non-tensor item ``extra`` runs a payload when
+    ``torch.distributed.checkpoint.load`` unpickles it (``torch.load(weights_only=False)``)."""
+    return rc.dcp_checkpoint(d, {"extra": hf.payload_object("os.system", sentinel)})
+
+
+def _shadow(ckpt: Path, how: str) -> None:
+    md = rc.read_dcp_metadata(ckpt)
+    if how == "items":  # the check walks storage_data.items() and sees nothing; DCP looks entries up by key
+        md.storage_data = _Shadowed(md.storage_data, "items")
+    elif how == "values":
+        md.state_dict_metadata = _Shadowed(md.state_dict_metadata, "values")
+    elif how == "planner_data.get":
+        md.planner_data = _Shadowed(md.planner_data, "get")
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
+
+
+def _memo_index(data: bytes, class_name: str) -> int:
+    """The memo slot of the first object of ``class_name`` a protocol-4 pickle builds (NEWOBJ + MEMOIZE)."""
+    memo, pending, last = 0, False, ""
+    for op, arg, _pos in pickletools.genops(data):
+        if op.name == "SHORT_BINUNICODE" and arg == class_name:
+            pending = True
+        if op.name == "MEMOIZE":
+            if pending and last == "NEWOBJ":
+                return memo
+            memo += 1
+        last = op.name
+    raise AssertionError(f"no {class_name} in the pickle")
+
+
+def _memo_mutated_index(ckpt: Path) -> None:
+    """After ``storage_data`` is built, ``BUILD`` its first ``MetadataIndex`` key again (through the memo) with
+    another item's name: the dict's key no longer hashes where it sits, and lookups by key fail."""
+    data = pickle.dumps(rc.read_dcp_metadata(ckpt), protocol=4)
+    slot = _memo_index(data, "MetadataIndex")
+    assert data.endswith(b"b.")  # ... Metadata's BUILD, STOP
+    name = b"model.2.bias"
+    rebuild = b"j" + struct.pack("<I", slot)  # LONG_BINGET slot
+    rebuild += b"}(" + b"\x8c\x03fqn" + b"\x8c" + bytes([len(name)]) + name + b"ub0"  # {fqn: name} BUILD POP
+    (ckpt / ".metadata").write_bytes(data[:-1] + rebuild + b".")
+
+
+ATTACKS = ("items", "values", "planner_data.get", "memo-mutated-MetadataIndex")
+
+
+@pytest.mark.parametrize("how", ATTACKS)
+def test_metadata_that_shows_checks_another_view_is_refused_everywhere(
+        how: str, tmp_path: Path, worker: AuditWorker) -> None:
+    import torch
+
+    sentinel = tmp_path / "ran"
+    ckpt = _payload_dcp(tmp_path / "ckpt", str(sentinel))
+    if how == "memo-mutated-MetadataIndex":
+        _memo_mutated_index(ckpt)
+    else:
+        _shadow(ckpt, how)
+    control = tmp_path / "control"
+    shutil.copytree(ckpt, control)
+
+    with pytest.raises(UnsafeCheckpointError, match=r"shadow|second BUILD|crafted"):
+        check_metadata_safe(str(ckpt))
+    with pytest.raises(UnsafeCheckpointError):
+        safe_dcp_load({"model": {"0.weight": torch.zeros(16, 8)}, "extra": 0}, str(ckpt))
+    answer = worker.audit(str(ckpt))
+    assert answer["ok"], answer.get("error")
+    assert any(c == "security.unsafe-pickle" and s == ".metadata" for c, s, _ in answer["findings"]), \
+        answer["findings"]
+    assert answer["seconds"] < 30
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["audit", str(ckpt), "--no-progress"], stdout=out, stderr=err) == 1
+    assert ".metadata" in out.getvalue()
+    assert not sentinel.exists(), "a payload ran inside ckptaudit"
+
+    # Control (after every ckptaudit entry point, as the payload writes the same sentinel): torch's own loader
+    # reaches the non-tensor item by key and runs it, whatever the shadowed method would have shown a check.
+    if how == "items":
+        hf.run_unsafely([("dcp", str(control))])
+        assert sentinel.exists(), "the control did not run the payload"
+
+
+def test_safe_dcp_load_restores_exactly_what_was_saved(bases: dict[str, Path]) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    def template() -> dict[str, Any]:
+        return {"model": {"0.weight": torch.zeros(16, 8), "2.bias": torch.zeros(4)}, "step": torch.tensor(0)}
+
+    state, ref = template(), template()
+    safe_dcp_load(state, str(bases["dcp"]))
+    dcp.load(ref, checkpoint_id=str(bases["dcp"]))  # torch's own reader on our own trusted checkpoint
+    assert int(state["step"]) == int(ref["step"]) == 2
+    for k in ref["model"]:
+        assert torch.equal(state["model"][k], ref["model"][k]) and ref["model"][k].abs().sum() > 0
+    with pytest.raises(TypeError, match="storage reader"):
+        safe_dcp_load(state, str(bases["dcp"]), storage_reader=object())
+
+
+@pytest.mark.parametrize("how", ["items", "values"])
+def test_torch_save_dict_with_a_shadowing_attribute_is_refused(how: str, tmp_path: Path) -> None:
+    import torch
+
+    path = tmp_path / "model.pt"
+    torch.save({"model": _Shadowed({f"w{i}": torch.ones(4) for i in range(3)}, how)}, path)
+    report = audit(str(path))
+    assert any(f.code == "integrity.corrupt" and how in f.message and "shadow" in f.message
+               for f in report.findings), [(f.code, f.message) for f in report.findings]
+    assert not report.tensors
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The second allowlist check: the restricted unpickler resolves names only through its table (issue 15)
+
+
+@pytest.mark.parametrize("kind", ["os.system", "stack_global_memo", "io.open"])
+def test_restricted_unpickler_refuses_globals_outside_its_table_without_a_scan(kind: str, tmp_path: Path) -> None:
+    sentinel = tmp_path / "ran"
+    data = hf.payload_pickle(kind, str(sentinel))
+    with pytest.raises(UnsafeGlobalError):
+        RestrictedUnpickler(io.BytesIO(data), base_table()).load()
+    assert not sentinel.exists()
+    # Control: the same bytes run the payload through plain pickle.
+    hf.run_unsafely([("pickle", _write(tmp_path / "p.pkl", data))])
+    assert sentinel.exists()
+
+
+def _write(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bounded work: hash collisions, opcode amplification
+
+
+def colliding_dict_pickle(n: int) -> bytes:
+    """A protocol-4 pickle of a dict of ``n`` integer keys that all hash to 0 (assembled: building the dict in
+    Python to pickle it would itself take quadratic time)."""
+    out = [b"\x80\x04}("]
+    for i in range(1, n + 1):
+        k = (i * M61).to_bytes(((i * M61).bit_length() + 8) // 8, "little", signed=True)
+        out.append(b"\x8a" + bytes([len(k)]) + k + b"K\x00")
+        if i % 1000 == 0:
+            out.append(b"u(")
+    out.append(b"u.")
+    return b"".join(out)
+
+
+def _case_collisions_pkl(b: dict[str, Path], d: Path) -> Path:
+    p = d / "state.pkl"
+    p.write_bytes(colliding_dict_pickle(200_000))
+    return p
+
+
+def _case_collisions_data_pkl(b: dict[str, Path], d: Path) -> Path:
+    p = d / "model.pt"
+    hf.replace_data_pkl(b["pt"], p, colliding_dict_pickle(200_000))
+    return p
+
+
+def _case_empty_set_amplification(b: dict[str, Path], d: Path) -> Path:
+    p = d / "state.pkl"
+    # A list of 4M empty sets, 1000 per APPENDS: 4 MB of pickle (under the opcode limit), 0.9 GiB if built.
+    p.write_bytes(b"\x80\x04]" + (b"(" + b"\x8f" * 1000 + b"e") * 4000 + b".")
+    return p
+
+
+def _case_memo_amplification(b: dict[str, Path], d: Path) -> Path:
+    p = d / "model.pt"
+    hf.replace_data_pkl(b["pt"], p, b"\x80\x04K\x00" + b"\x94" * 4_000_000 + b".")  # 4M memo entries
+    return p
+
+
+BOUNDED = {
+    "200k-colliding-keys.pkl": (_case_collisions_pkl, "share the hash value"),
+    "200k-colliding-keys-in-data.pkl": (_case_collisions_data_pkl, "share the hash value"),
+    "4MB-of-EMPTY_SET": (_case_empty_set_amplification, "amplification"),
+    "4M-MEMOIZE": (_case_memo_amplification, "amplification"),
+}
+
+
+@pytest.mark.parametrize("case", list(BOUNDED))
+def test_quadratic_and_amplifying_pickles_end_in_a_finding_fast(
+        case: str, bases: dict[str, Path], tmp_path: Path, worker: AuditWorker) -> None:
+    build, fragment = BOUNDED[case]
+    path = build(bases, tmp_path)
+    start = time.perf_counter()
+    answer = worker.audit(str(path))
+    assert answer["ok"], answer.get("error")
+    assert any(c == "integrity.corrupt" and fragment in m for c, _, m in answer["findings"]), answer["findings"]
+    assert time.perf_counter() - start < 30, answer["seconds"]
+    assert answer["maxrss_mib"] - worker.baseline_mib < 300, (answer["maxrss_mib"], worker.baseline_mib)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Layout: DCP shards must tile each tensor exactly
+
+
+def test_dcp_shards_that_overlap_and_leave_a_hole_are_corrupt(tmp_path: Path) -> None:
+    """Two ranks' shards of a (4, 2) tensor claim rows 0-1 and 1-2: the sizes add up, row 3 is never written
+    (``torch.distributed.checkpoint.load`` silently leaves it as it was)."""
+    import torch
+
+    ckpt = rc.dcp_checkpoint(tmp_path / "ckpt", {"sharded": torch.arange(8.0).reshape(4, 2)})
+    md = rc.read_dcp_metadata(ckpt)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    item = md.state_dict_metadata["sharded"]
+    (key,) = [k for k in md.storage_data if k.fqn == "sharded"]
+    info = md.storage_data.pop(key)
+    # Rewrite as two shards of 2 rows each, at rows 0 and 1, both pointing at a real (2, 2) shard's bytes.
+    half = rc.dcp_checkpoint(tmp_path / "half", {"sharded": torch.arange(4.0).reshape(2, 2)})
+    half_md = rc.read_dcp_metadata(half)
+    (hkey,) = [k for k in half_md.storage_data if k.fqn == "sharded"]
+    hinfo = half_md.storage_data[hkey]
+    for rank in (8, 9):  # each shard in its own file, so no two items share bytes
+        shutil.copy(half / hinfo.relative_path, ckpt / f"__{rank}_0.distcp")
+    item.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 2])),
+                   ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([2, 2]))]
+    for rank, row in ((8, 0), (9, 1)):
+        md.storage_data[MetadataIndex("sharded", [row, 0])] = type(info)(f"__{rank}_0.distcp", hinfo.offset,
+                                                                         hinfo.length)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    report = audit(str(ckpt))
+    bad = [f for f in report.findings if f.code == "integrity.corrupt" and f.subject == "sharded"]
+    assert bad and "overlap" in bad[0].message, [(f.code, f.subject, f.message) for f in report.findings]
