@@ -7,7 +7,6 @@ finding on the checkpoint; only a path that does not exist raises (``FileNotFoun
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from typing import Any
@@ -17,6 +16,7 @@ from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.dcp import is_dcp_dir, read_dcp
 from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, scan
 from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, describe_kind, open_regular, read_limited
+from ckptaudit.formats.safejson import JsonLimitError, loads_limited
 from ckptaudit.formats.safetensors import SafetensorsError, read_safetensors
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.formats.torchzip import TorchZipError, read_torch_zip
@@ -161,14 +161,12 @@ def _read_safetensors(full: str, name: str, subject: str, findings: list[Finding
 def _read_json(full: str, name: str, subject: str, findings: list[Finding]) -> Part | None:
     raw = read_limited(full, MAX_JSON_BYTES, "JSON file")
     try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        # ValueError covers JSONDecodeError, bad UTF-8 and integers beyond Python's digit limit.
-        findings.append(finding("integrity.corrupt", subject, f"{subject}: not valid JSON ({exc or 'nests too deep'})"))
+        value = loads_limited(raw, subject)
+    except JsonLimitError as exc:
+        findings.append(finding("integrity.corrupt", subject, f"{exc}; not read (JSON, limit)", limit=True))
         return None
-    problem = check_tree(value)
-    if problem is not None:
-        findings.append(finding("integrity.corrupt", subject, f"{subject}: {problem}; not read", limit=True))
+    except ValueError as exc:  # not JSON, bad UTF-8, integers beyond Python's digit limit
+        findings.append(finding("integrity.corrupt", subject, str(exc)))
         return None
     return Part(name, "json", value)
 

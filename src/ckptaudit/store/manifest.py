@@ -21,7 +21,6 @@ Pure: reading and hashing files, no torch.
 from __future__ import annotations
 
 import itertools
-import json
 import mmap
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,6 +29,8 @@ from typing import Any
 import xxhash
 
 from ckptaudit.catalogue import finding
+from ckptaudit.formats.safeio import LimitExceeded
+from ckptaudit.formats.safejson import read_json_limited
 from ckptaudit.model import HASH_ALGORITHM, Finding
 
 __all__ = [
@@ -107,15 +108,15 @@ def is_manifest(value: Any) -> bool:
 def read_manifest(path: str) -> dict[str, Any]:
     """Read and check ``path`` (a ``manifest.json``); :class:`ManifestError` says what is wrong."""
     try:
-        size = os.path.getsize(path)
-        if size > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{path}: {size} bytes, more than any manifest this tool writes")
-        with open(path, "rb") as fh:
-            value = json.loads(fh.read())
+        # Regular files only, opened without blocking (a FIFO or /dev/zero as manifest.json never hangs `latest`),
+        # size and shape bounded before parsing.
+        value = read_json_limited(path, MAX_MANIFEST_BYTES, path)
+    except LimitExceeded as exc:
+        raise ManifestError(f"{path}: {exc}; more than any manifest this tool writes") from None
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{path}: not valid JSON ({exc})") from None
+    except ValueError as exc:  # not JSON, past a nesting or container limit
+        raise ManifestError(str(exc)) from None
     problem = schema_problem(value)
     if problem:
         raise ManifestError(f"{path}: {problem}")
