@@ -294,3 +294,180 @@ def test_dcp_shards_that_overlap_and_leave_a_hole_are_corrupt(tmp_path: Path) ->
     report = audit(str(ckpt))
     bad = [f for f in report.findings if f.code == "integrity.corrupt" and f.subject == "sharded"]
     assert bad and "overlap" in bad[0].message, [(f.code, f.subject, f.message) for f in report.findings]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# JSON: bounded size, containers and nesting; files that are not regular never block
+
+
+def _case_trainer_state_of_empty_objects(b: dict[str, Path], d: Path) -> Path:
+    ckpt = d / "checkpoint-10"
+    ckpt.mkdir()
+    shutil.copy(b["st"], ckpt / "model.safetensors")
+    (ckpt / "trainer_state.json").write_bytes(b"[" + b"{}," * 7_000_000 + b"{}]")  # 21 MB, 1.3 GiB if parsed
+    return ckpt
+
+
+def _case_safetensors_header_of_empty_objects(b: dict[str, Path], d: Path) -> Path:
+    header = b'{"__metadata__": {}, "x": [' + b"{}," * 2_000_000 + b"{}]}"
+    p = d / "model.safetensors"
+    p.write_bytes(struct.pack("<Q", len(header)) + header)
+    return p
+
+
+def _case_deep_manifest(b: dict[str, Path], d: Path) -> Path:
+    ckpt = d / "step-000010"
+    shutil.copytree(b["dcp"], ckpt)
+    (ckpt / "manifest.json").write_bytes(b"[" * 200_000 + b"]" * 200_000)
+    return ckpt
+
+
+JSON_CASES = {
+    "trainer_state.json-7M-empty-objects": (_case_trainer_state_of_empty_objects, "objects and arrays"),
+    "safetensors-header-2M-empty-objects": (_case_safetensors_header_of_empty_objects, "objects and arrays"),
+    "manifest.json-nested-200k-deep": (_case_deep_manifest, "deeper"),
+}
+
+
+@pytest.mark.parametrize("case", list(JSON_CASES))
+def test_json_bombs_end_in_a_finding_within_bounds(
+        case: str, bases: dict[str, Path], tmp_path: Path, worker: AuditWorker) -> None:
+    build, fragment = JSON_CASES[case]
+    path = build(bases, tmp_path)
+    answer = worker.audit(str(path))
+    assert answer["ok"], answer.get("error")
+    assert any(c == "integrity.corrupt" and fragment in m for c, _, m in answer["findings"]), answer["findings"]
+    assert answer["seconds"] < 30
+    assert answer["maxrss_mib"] - worker.baseline_mib < 300, (answer["maxrss_mib"], worker.baseline_mib)
+
+
+@pytest.mark.parametrize("where", ["latest-pointer", "manifest.json", "manifest.json->/dev/zero"])
+def test_latest_never_blocks_on_a_fifo_or_reads_a_device(where: str, bases: dict[str, Path], tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = tmp_path / "run"
+    step = root / "step-000010"
+    shutil.copytree(bases["dcp"], step)
+    if where == "latest-pointer":
+        os.mkfifo(root / "latest")
+    elif where == "manifest.json":
+        os.mkfifo(step / "manifest.json")
+    else:
+        (step / "manifest.json").symlink_to("/dev/zero")
+    proc = subprocess.run([sys.executable, "-m", "ckptaudit", "latest", str(root), "--format", "json"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Every value printable: integers past Python's int-to-string limit, NaN, infinities, NumPy arrays
+
+
+PRINT_CASES: dict[str, Any] = {
+    "step-of-5000-digits": lambda m: {"model": m.state_dict(), "step": 10**5000},
+    "lightning-global-step-of-5000-digits": lambda m: {
+        "state_dict": m.state_dict(), "global_step": 10**5000, "epoch": float("inf"),
+        "loops": {"fit_loop": {"state_dict": {}}}, "optimizer_states": [], "lr_schedulers": []},
+    "nan-and-infinities": lambda m: {"model": m.state_dict(), "step": float("nan"), "loss": float("-inf")},
+    "numpy-rng-state": lambda m: {"model": m.state_dict(), "rng_state": {"numpy": _np_state(), "v": _np_array()}},
+}
+
+
+def _np_state() -> Any:
+    import numpy as np
+
+    return np.random.RandomState(0).get_state()
+
+
+def _np_array() -> Any:
+    import numpy as np
+
+    return np.arange(5, dtype=np.int64)
+
+
+@pytest.mark.parametrize("case", list(PRINT_CASES))
+def test_values_python_cannot_print_are_rendered_not_raised(case: str, tmp_path: Path) -> None:
+    import json
+
+    import torch
+
+    path = tmp_path / "ckpt.pt"
+    torch.save(PRINT_CASES[case](torch.nn.Linear(2, 2)), path)
+    for fmt in ("json", "table"):
+        out, err = io.StringIO(), io.StringIO()
+        assert main(["audit", str(path), "--no-progress", "--format", fmt], stdout=out, stderr=err) in (0, 1), \
+            err.getvalue()
+        if fmt == "json":
+            json.loads(out.getvalue())  # strict JSON: no NaN, no Infinity literals
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["compare", str(path), str(path), "--no-progress", "--format", "json"], stdout=out,
+                stderr=err) in (0, 1), err.getvalue()
+    json.loads(out.getvalue())
+
+
+def test_printable_spells_what_json_cannot_hold() -> None:
+    from ckptaudit.model import printable
+
+    assert printable(10**5000) == "<integer of about 5001 digits>"
+    assert [printable(float(x)) for x in ("nan", "inf", "-inf")] == ["NaN", "Infinity", "-Infinity"]
+    assert printable(7) == 7 and printable(1.5) == 1.5 and printable(True) is True
+
+
+def test_a_serving_gate_holding_infinity_is_reported(bases: dict[str, Path], tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "model.safetensors"
+    gate = '{"passed": false, "max_abs_error": Infinity, "failures": ["error Infinity"]}'
+    save_file(load_file(str(bases["st"])), str(path), metadata={"artifact": "serving", "quality_gate": gate})
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["audit", str(path), "--no-progress", "--expect", "serving", "--format", "json"], stdout=out,
+                stderr=err) == 1, err.getvalue()
+    doc = json.loads(out.getvalue())
+    (failed,) = [f for f in doc["findings"] if f["code"] == "artifact.gate-failed"]
+    assert failed["evidence"]["gate"]["max_abs_error"] == "Infinity"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# safetensors: the tensors tile the data section, names are unique
+
+
+def _rewrite_safetensors(src: Path, dst: Path, header_text: bytes, data: bytes) -> Path:
+    dst.write_bytes(struct.pack("<Q", len(header_text)) + header_text + data)
+    return dst
+
+
+@pytest.mark.parametrize("damage", ["gap", "trailing-bytes", "duplicate-key"])
+def test_safetensors_that_the_library_refuses_are_corrupt(damage: str, tmp_path: Path) -> None:
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "ok.safetensors"
+    save_file({"a": torch.ones(4), "b": torch.full((4,), 2.0)}, str(src))
+    raw = src.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    (first, second) = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    if damage == "gap":  # the second tensor moves 16 bytes on; bytes 16..32 belong to nobody
+        header[second]["data_offsets"] = [32, 48]
+        data = data[:16] + b"\0" * 16 + data[16:]
+        text = json.dumps(header).encode()
+    elif damage == "trailing-bytes":
+        data += b"\0" * 64
+        text = json.dumps(header).encode()
+    else:  # the second name also holds the first tensor: json.loads would keep one of the two silently
+        body = json.dumps({k: v for k, v in header.items() if k != second})
+        text = (body[:-1] + ", " + json.dumps(first) + ": " + json.dumps(header[second]) + "}").encode()
+    bad = _rewrite_safetensors(src, tmp_path / "model.safetensors", text, data)
+    with pytest.raises(Exception):  # the reference library refuses it too (with its own error type)
+        load_file(str(bad))
+    report = audit(str(bad))
+    assert any(f.code == "integrity.corrupt" and {"gap": "gap", "trailing-bytes": "no tensor holds",
+                                                  "duplicate-key": "twice"}[damage] in f.message
+               for f in report.findings), [(f.code, f.message) for f in report.findings]

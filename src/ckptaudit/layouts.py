@@ -27,7 +27,7 @@ from typing import Any
 
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.tensors import TensorData
-from ckptaudit.model import ComponentKind
+from ckptaudit.model import ComponentKind, text
 
 __all__ = ["ModelView", "OptimizerView", "TensorRef", "View", "interpret", "normalize_fqn"]
 
@@ -347,7 +347,7 @@ def _data_detail(tree: dict[str, Any], step_key: str | None) -> str:
     if isinstance(loops, dict) and "fit_loop" in loops:
         fit = loops.get("fit_loop")
         fit_state = fit.get("state_dict") if isinstance(fit, dict) else None
-        where = f"epoch {tree.get('epoch')}, global step {tree.get('global_step')}"
+        where = f"epoch {text(tree.get('epoch'))}, global step {text(tree.get('global_step'))}"
         if isinstance(fit_state, dict) and fit_state.get("combined_loader"):
             return f"Lightning loop progress ({where}) with data-loader state (loops/fit_loop/state_dict/combined_loader)"
         return (f"Lightning loop progress ({where}); no data-loader state (Lightning saves it only for stateful "
