@@ -520,3 +520,33 @@ def test_malformed_manifest_entries_are_skipped_not_raised(tmp_path: Path) -> No
     assert sorted(label for label, _ in items_by_file(manifest)["a.distcp"]) == ["o", "u", "v"]
     (bad,) = verify_files(str(tmp_path), manifest)
     assert bad.code == "integrity.corrupt" and "content differs" in bad.message
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Links that leave the checkpoint: reported with their target, never refused; `latest` never judges through one
+
+
+def test_a_file_linked_from_outside_is_read_and_reported(bases: dict[str, Path], tmp_path: Path) -> None:
+    outside = tmp_path / "cache" / "blob"
+    outside.parent.mkdir()
+    shutil.copy(bases["st"], outside)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").symlink_to(outside)  # how the Hugging Face cache lays out a snapshot
+    report = audit(str(ckpt))
+    (link,) = [f for f in report.findings if f.code == "integrity.link-outside"]
+    assert link.subject == "model.safetensors" and link.evidence["target"] == str(outside.resolve())
+    assert report.tensors and all(t.hash is not None for t in report.tensors)
+
+
+def test_latest_never_judges_a_candidate_that_links_elsewhere(bases: dict[str, Path], tmp_path: Path) -> None:
+    from ckptaudit.store import find_latest
+
+    elsewhere = tmp_path / "other-run" / "step-000099"
+    shutil.copytree(bases["dcp"], elsewhere)
+    root = tmp_path / "run"
+    shutil.copytree(bases["dcp"], root / "step-000010")
+    (root / "step-000099").symlink_to(elsewhere)
+    result = find_latest(str(root), verify="sizes")
+    seen = [ch.candidate.name for ch in result.checked] + [c.name for c in result.unchecked]
+    assert "step-000099" not in seen and "step-000010" in seen, seen

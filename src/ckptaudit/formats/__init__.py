@@ -61,6 +61,8 @@ def open_checkpoint(path: str) -> Checkpoint:
             fmt = "directory"
             for name in sorted(os.listdir(path)):
                 full = os.path.join(path, name)
+                if (_recognised_name(name) or is_dcp_dir(full)) and os.path.islink(full):
+                    _report_link(path, name, findings)
                 if os.path.isdir(full):
                     if is_dcp_dir(full):
                         read = read_dcp(full, name)
@@ -93,6 +95,16 @@ def open_checkpoint(path: str) -> Checkpoint:
         if part is not None:
             parts.append(part)
     return Checkpoint(path=path, format=fmt, parts=parts, findings=findings, files=files)
+
+
+def _report_link(root: str, name: str, findings: list[Finding]) -> None:
+    """A link whose target lies outside ``root`` is reported (never refused: the Hugging Face cache is links)."""
+    target = os.path.realpath(os.path.join(root, name))
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, target]) != real_root:
+        findings.append(finding("integrity.link-outside", name,
+                                f"{name} is a link to {target}, outside the checkpoint; it was read from there",
+                                target=target))
 
 
 def _limit(flag: bool) -> dict[str, Any]:
