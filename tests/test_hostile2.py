@@ -550,3 +550,40 @@ def test_latest_never_judges_a_candidate_that_links_elsewhere(bases: dict[str, P
     result = find_latest(str(root), verify="sizes")
     seen = [ch.candidate.name for ch in result.checked] + [c.name for c in result.unchecked]
     assert "step-000099" not in seen and "step-000010" in seen, seen
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Zip: central directory and local headers agree one to one
+
+
+def _shared_local_header_zip(src: Path, dst: Path, entries: int) -> Path:
+    """``src``'s first member, then a central directory listing it ``entries`` times under distinct names (all
+    pointing at the one local header), as a hostile archive would."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zf:
+        first = zf.infolist()[0]
+    raw = src.read_bytes()
+    (name_len, extra_len) = struct.unpack_from("<HH", raw, 26)
+    local_end = 30 + name_len + extra_len + first.compress_size
+    local = raw[:local_end]
+    central = []
+    for i in range(entries):
+        name = f"{first.filename}.{i}".encode()
+        central.append(struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, first.CRC,
+                                   first.compress_size, first.file_size, len(name), 0, 0, 0, 0, 0, 0) + name)
+    cd = b"".join(central)
+    eocd = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, min(entries, 0xFFFF), min(entries, 0xFFFF), len(cd),
+                       len(local), 0)
+    dst.write_bytes(local + cd + eocd)
+    return dst
+
+
+def test_central_entries_sharing_one_local_header_are_corrupt(
+        bases: dict[str, Path], tmp_path: Path, worker: AuditWorker) -> None:
+    path = _shared_local_header_zip(bases["pt"], tmp_path / "model.pt", 60_000)
+    answer = worker.audit(str(path))
+    assert answer["ok"], answer.get("error")
+    assert any(c == "integrity.corrupt" and "share local headers" in m for c, _, m in answer["findings"]), \
+        answer["findings"]
+    assert answer["seconds"] < 30
