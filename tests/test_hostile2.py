@@ -373,6 +373,11 @@ PRINT_CASES: dict[str, Any] = {
         "loops": {"fit_loop": {"state_dict": {}}}, "optimizer_states": [], "lr_schedulers": []},
     "nan-and-infinities": lambda m: {"model": m.state_dict(), "step": float("nan"), "loss": float("-inf")},
     "numpy-rng-state": lambda m: {"model": m.state_dict(), "rng_state": {"numpy": _np_state(), "v": _np_array()}},
+    "numpy-array-as-the-rng-state": lambda m: {"model": m.state_dict(), "rng_state": _np_array(),
+                                               "scheduler": _np_array(), "dataloader": _np_array()},
+    "numpy-array-as-lightning-loader-state": lambda m: {
+        "state_dict": m.state_dict(), "global_step": 3, "epoch": 0, "optimizer_states": [], "lr_schedulers": [],
+        "loops": {"fit_loop": {"state_dict": {"combined_loader": _np_array()}}}},
 }
 
 

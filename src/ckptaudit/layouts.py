@@ -305,15 +305,15 @@ def _classify_keys(part: Part, tree: dict[str, Any], view: View, found: Any, add
                 found(ComponentKind.OPTIMIZER, where)
         elif k in SCHEDULER_KEYS:
             matched = True
-            if value not in (None, [], {}):
+            if _present(value):
                 found(ComponentKind.SCHEDULER, where, _unreadable_detail(where, value))
         elif k in RNG_KEYS:
             matched = True
-            if value not in (None, [], {}):
+            if _present(value):
                 found(ComponentKind.RNG, where, _unreadable_detail(where, value))
         elif k in DATA_KEYS:
             matched = True
-            if value not in (None, [], {}):
+            if _present(value):
                 found(ComponentKind.DATA_PROGRESS, where)
         elif k in STEP_KEYS:
             matched = True
@@ -348,7 +348,7 @@ def _data_detail(tree: dict[str, Any], step_key: str | None) -> str:
         fit = loops.get("fit_loop")
         fit_state = fit.get("state_dict") if isinstance(fit, dict) else None
         where = f"epoch {text(tree.get('epoch'))}, global step {text(tree.get('global_step'))}"
-        if isinstance(fit_state, dict) and fit_state.get("combined_loader"):
+        if isinstance(fit_state, dict) and _present(fit_state.get("combined_loader")):
             return f"Lightning loop progress ({where}) with data-loader state (loops/fit_loop/state_dict/combined_loader)"
         return (f"Lightning loop progress ({where}); no data-loader state (Lightning saves it only for stateful "
                 "data loaders), so a mid-epoch resume restarts the epoch's data")
@@ -361,7 +361,7 @@ def _data_detail(tree: dict[str, Any], step_key: str | None) -> str:
             return (f"torchtitan data-loader state for dp rank(s) {', '.join(ranks)}"
                     + (f" of world size {world}" if isinstance(world, int) else "")
                     + (f"; rank(s) {', '.join(lost)} unreadable (see the integrity findings)" if lost else ""))
-    present = [k for k in tree if k in DATA_KEYS and tree[k] not in (None, [], {})]
+    present = [k for k in tree if k in DATA_KEYS and _present(tree[k])]
     if present:
         return f"data-loader / loop state ({', '.join(map(str, present))})"
     if step_key is not None or any(k in tree for k in STEP_KEYS):
@@ -379,6 +379,16 @@ def _find_step(value: Any) -> int | None:
             if k in value:
                 return _find_step(value[k])
     return None
+
+
+def _present(value: Any) -> bool:
+    """Whether a state value holds something: not ``None`` nor an empty list/dict/tuple/string. Never the value's
+    own truth (``bool(numpy_array)`` raises, and a pickle decides what its objects say)."""
+    if value is None:
+        return False
+    if isinstance(value, list | dict | tuple | str | bytes):
+        return len(value) > 0
+    return True
 
 
 def _as_int(v: Any) -> int | None:
