@@ -14,13 +14,14 @@ from typing import Any
 from ckptaudit.catalogue import finding
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.dcp import is_dcp_dir, read_dcp
+from ckptaudit.formats.object_tree import check_tree
 from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, scan
 from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, describe_kind, open_regular, read_limited
 from ckptaudit.formats.safejson import JsonLimitError, loads_limited
 from ckptaudit.formats.safetensors import SafetensorsError, read_safetensors
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.formats.torchzip import TorchZipError, read_torch_zip
-from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table, check_tree
+from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
 from ckptaudit.model import Finding
 
 __all__ = ["Checkpoint", "Part", "TensorData", "Unreadable", "open_checkpoint", "walk"]

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS, TORCH_DTYPES
+from ckptaudit.formats.object_tree import check_tree
 from ckptaudit.formats.pickle_scan import PickleLimitError
-from ckptaudit.formats.unpickler import PickledRecord, RestrictedUnpickler, check_tree
+from ckptaudit.formats.unpickler import PickledRecord, RestrictedUnpickler
 
 __all__ = [
     "BytesMeta",

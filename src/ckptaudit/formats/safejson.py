@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ckptaudit.formats.object_tree import check_tree
 from ckptaudit.formats.safeio import read_limited
-from ckptaudit.formats.unpickler import check_tree
 
 __all__ = ["MAX_JSON_CONTAINERS", "MAX_JSON_DEPTH", "JsonLimitError", "loads_limited", "read_json_limited"]
 

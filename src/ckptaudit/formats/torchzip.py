@@ -27,10 +27,11 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from ckptaudit.formats.object_tree import check_tree
 from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, scan
 from ckptaudit.formats.safeio import open_regular
 from ckptaudit.formats.tensors import DTYPES, DType, Piece, TensorData
-from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table, check_tree
+from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
 
 __all__ = ["TorchZip", "TorchZipError", "is_zip", "read_torch_zip"]
 

@@ -4,7 +4,7 @@
 implementation (the allowlist is checked a second time), which refuses ``EXT``/``INST``/``OBJ``, lets ``BUILD``
 touch only instances of vetted classes with vetted state, and charges every call against a budget proportional
 to the pickle's size (so a small pickle cannot make a huge object by calling allowed functions in a loop).
-:func:`check_tree` then bounds the depth and the expanded size of what was loaded (no cycles, no exponential
+:func:`ckptaudit.formats.object_tree.check_tree` then bounds the depth and the expanded size of what was loaded (no cycles, no exponential
 sharing), so every later recursive walk is safe.
 """
 
@@ -12,28 +12,32 @@ from __future__ import annotations
 
 import collections
 import io
-import math
 import pickle
 import struct
 from collections.abc import Callable, Iterable
 from typing import IO, Any, ClassVar
 
-from ckptaudit.formats.allowlist import NUMPY_DTYPE_CLASSES, TORCH_DTYPES, global_name
+from ckptaudit.formats.allowlist import TORCH_DTYPES, global_name
+from ckptaudit.formats.numpy_pickles import (
+    NdarrayShell,
+    dtype_from_state,
+    ndarray_from_state,
+    numpy_module,
+    numpy_table,
+)
 from ckptaudit.formats.pickle_scan import (
     BUILD_BUDGET_BASE,
     BUILD_BUDGET_FACTOR,
     CALL_BUDGET_FACTOR,
-    MAX_DEPTH,
     MAX_HASH_COLLISIONS,
     MAX_KEY_NODES,
     MAX_LINE,
-    MAX_NODES,
     PickleLimitError,
     UnsafeBuildError,
     UnsafeGlobalError,
 )
 
-__all__ = ["Opaque", "PickledRecord", "RestrictedUnpickler", "base_table", "check_tree"]
+__all__ = ["BUILD_ATTRIBUTES", "Opaque", "PickledRecord", "RestrictedUnpickler", "base_table"]
 
 # --------------------------------------------------------------------------------------------------------------
 # Restricted unpicklers
@@ -326,12 +330,12 @@ class RestrictedUnpickler(pickle._Unpickler):
             return inst
         if isinstance(inst, _OpaqueGlobal):
             return Opaque(inst.name, (), state)
-        np = _numpy()
+        np = numpy_module()
         if np is not None and isinstance(inst, np.dtype):
-            return _dtype_from_state(inst, state)
-        if isinstance(inst, _NdarrayShell):
+            return dtype_from_state(inst, state)
+        if isinstance(inst, NdarrayShell):
             self._charge(state[-1] if isinstance(state, tuple) and state else None)
-            return _ndarray_from_state(state)
+            return ndarray_from_state(state)
         if type(inst) not in self._build_types:
             raise pickle.UnpicklingError(f"BUILD on {type(inst).__name__} is not allowed")
         if id(inst) in self._built:  # a second BUILD through the memo would change an object already in use
@@ -388,7 +392,7 @@ class RestrictedUnpickler(pickle._Unpickler):
                 elif not (type(v) in _KEY_SCALARS or type(v) is frozenset or type(v).__hash__ is object.__hash__):
                     raise pickle.UnpicklingError(f"a {type(v).__name__} inside a dict key or set item")
             return hash(key)
-        np = _numpy()
+        np = numpy_module()
         if np is not None and isinstance(key, np.generic) and key.dtype.kind in "biufc":
             return hash(key)
         raise pickle.UnpicklingError(f"a {t.__name__} may not be a dict key or set item")
@@ -513,14 +517,6 @@ class RestrictedUnpickler(pickle._Unpickler):
     del _op, _fn
 
 
-def _numpy() -> Any:
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        return None
-    return np
-
-
 def _safe_codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
     # Protocol-2 pickles spell bytes as _codecs.encode(str, "latin1").
     if not isinstance(obj, str) or encoding not in ("latin1", "latin-1"):
@@ -528,95 +524,6 @@ def _safe_codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict
     return obj.encode("latin1")
 
 
-class _NdarrayType:
-    """Stands for ``numpy.ndarray`` in a pickle: only ever the first argument of ``_reconstruct``."""
-
-    __slots__ = ()
-
-
-class _NdarrayShell:
-    """What ``_reconstruct`` returns: an empty array waiting for its ``BUILD`` state."""
-
-    __slots__ = ()
-
-
-def _numeric_dtype(dt: Any) -> Any:
-    np = _numpy()
-    if not isinstance(dt, np.dtype) or dt.hasobject or dt.kind not in "biufc" or dt.subdtype is not None:
-        raise pickle.UnpicklingError(f"numpy dtype {dt!r} is not allowed (only plain numeric dtypes)")
-    return dt
-
-
-def _dtype_from_state(dt: Any, state: Any) -> Any:
-    # numpy pickles a dtype as dtype(spec, False, True) + BUILD (3, byteorder, None, None, None, -1, -1, 0).
-    ok = (
-        isinstance(state, tuple)
-        and len(state) in (8, 9)
-        and state[0] in (3, 4)
-        and state[1] in ("<", ">", "|", "=")
-        and state[2:5] == (None, None, None)
-        and state[5:8] == (-1, -1, 0)
-        and (len(state) == 8 or state[8] is None)
-    )
-    if not ok:
-        raise pickle.UnpicklingError(f"numpy dtype state {state!r} is not that of a plain numeric dtype")
-    new = dt.newbyteorder(state[1]) if state[1] in "<>" else dt
-    return _numeric_dtype(new)
-
-
-def _ndarray_from_state(state: Any) -> Any:
-    np = _numpy()
-    if not (isinstance(state, tuple) and len(state) == 5 and state[0] == 1):
-        raise pickle.UnpicklingError("numpy array state is not (1, shape, dtype, fortran, data)")
-    _, shape, dtype, fortran, raw = state
-    if not (isinstance(shape, tuple) and all(isinstance(d, int) and d >= 0 for d in shape) and len(shape) <= 64):
-        raise pickle.UnpicklingError(f"numpy array shape {shape!r} is not a tuple of sizes")
-    dtype = _numeric_dtype(dtype)
-    if not isinstance(raw, bytes | bytearray | memoryview):
-        raise pickle.UnpicklingError("numpy array data is not a byte string")
-    data = bytes(raw)
-    if len(data) != math.prod(shape) * dtype.itemsize:
-        raise pickle.UnpicklingError(f"numpy array data does not match shape {list(shape)} x {dtype}")
-    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
-
-
-def _numpy_table() -> dict[str, Any]:
-    np = _numpy()
-
-    def reconstruct(subtype: Any, shape: Any, dtype: Any) -> _NdarrayShell:
-        # numpy always writes _reconstruct(ndarray, (0,), b'b'): an empty array that BUILD fills.
-        if subtype is not _NdarrayType or not isinstance(shape, tuple) or math.prod(
-            int(d) if isinstance(d, int) else 1 for d in shape
-        ) != 0:
-            raise pickle.UnpicklingError("only an empty plain numpy.ndarray may be reconstructed")
-        return _NdarrayShell()
-
-    def make_dtype(spec: Any, align: bool = False, copy: bool = False) -> Any:
-        if not isinstance(spec, str) or len(spec) > 8:
-            raise pickle.UnpicklingError(f"numpy dtype spec {spec!r} is not a short type code")
-        return _numeric_dtype(np.dtype(spec, align=bool(align), copy=True))
-
-    def scalar(dtype: Any, data: Any = None) -> Any:
-        dtype = _numeric_dtype(dtype)
-        if not isinstance(data, bytes) or len(data) != dtype.itemsize:
-            raise pickle.UnpicklingError("numpy scalar data does not match its dtype")
-        return np.frombuffer(data, dtype=dtype)[0]
-
-    def frombuffer(buf: Any, dtype: Any, shape: Any, order: Any) -> Any:
-        # Protocol 5 spells an array as _frombuffer(bytes, dtype, shape, order).
-        return _ndarray_from_state((1, shape, dtype, order == "F", buf))
-
-    table: dict[str, Any] = {"numpy.ndarray": _NdarrayType, "numpy.dtype": make_dtype}
-    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        table[f"{mod}._reconstruct"] = reconstruct
-        table[f"{mod}.scalar"] = scalar
-    for mod in ("numpy.core.numeric", "numpy._core.numeric"):
-        table[f"{mod}._frombuffer"] = frombuffer
-    dtypes_mod = getattr(np, "dtypes", None)
-    for cls in NUMPY_DTYPE_CLASSES:
-        if dtypes_mod is not None and hasattr(dtypes_mod, cls):
-            table[f"numpy.dtypes.{cls}"] = getattr(dtypes_mod, cls)
-    return table
 
 
 def base_table() -> dict[str, Any]:
@@ -636,91 +543,7 @@ def base_table() -> dict[str, Any]:
         value = getattr(torch, d, None)
         if isinstance(value, torch.dtype):
             table[f"torch.{d}"] = value
-    table.update(_numpy_table())
+    table.update(numpy_table())
     return table
 
 
-_LEAF_TYPES = frozenset({str, bytes, bytearray, int, float, complex, bool, type(None)})
-
-
-def _children(value: Any) -> list[Any] | tuple[Any, ...] | None:
-    """The sub-objects of a container (dataclass instances, such as DCP metadata, through their fields)."""
-    if type(value) in _LEAF_TYPES:
-        return None
-    # The data itself (``dict.items(d)``), never a method a pickle could have shadowed (``d.items()``).
-    if isinstance(value, Opaque):
-        return [value.args, value.state]
-    if isinstance(value, PickledRecord):
-        return PickledRecord.values(value)
-    if isinstance(value, dict):
-        out = [x for kv in dict.items(value) for x in kv]
-        if type(value) is not dict:
-            out += list(dict.values(vars(value)))
-        return out
-    if isinstance(value, list | tuple):
-        return value
-    if isinstance(value, set | frozenset):
-        return list(value)
-    if hasattr(value, "__dict__") and not isinstance(value, type):
-        return list(dict.values(vars(value)))
-    return None
-
-
-def check_tree(obj: Any, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES) -> str | None:
-    """Why a loaded object tree is unsafe to walk recursively, or ``None``: cyclic, nested deeper than
-    ``max_depth``, or more than ``max_nodes`` nodes once shared sub-trees are expanded (a pickle can share one
-    list a billion times through its memo). Iterative; costs one visit per distinct object, not per path."""
-    too_many = f"the loaded object tree has more than {max_nodes} nodes (shared sub-trees counted each time)"
-    too_deep = f"the loaded object tree nests deeper than {max_depth} levels"
-    root = _children(obj)
-    if root is None:
-        return None
-    done: dict[int, tuple[int, int]] = {}  # id -> (nodes of the expanded sub-tree, height), once visited
-    pending: dict[int, tuple[int, int, list[Any]]] = {}  # id -> (own nodes, own height, container children)
-    on_path: set[int] = set()
-    seen = 0
-    todo: list[tuple[Any, Any, bool]] = [(obj, root, False)]
-    while todo:
-        node, children, finished = todo.pop()
-        key = id(node)
-        if finished:
-            on_path.discard(key)
-            n, h, containers = pending.pop(key)
-            for c in containers:
-                cn, ch = done[id(c)]
-                n, h = n + cn, max(h, ch + 1)
-            done[key] = (n, h)
-            if n > max_nodes:
-                return too_many
-            if h > max_depth:
-                return too_deep
-            continue
-        if key in done:  # a shared sub-tree, already measured
-            continue
-        if key in on_path:
-            return "the loaded object tree contains itself (a cycle)"
-        if len(on_path) >= max_depth:
-            return too_deep
-        seen += len(children) + 1
-        if seen > max_nodes:
-            return too_many
-        on_path.add(key)
-        todo.append((node, None, True))
-        n, h, containers = 1, 1, []
-        for c in children:
-            if type(c) in _LEAF_TYPES:
-                n += 1
-                continue
-            if id(c) in done:
-                containers.append(c)
-                continue
-            grand = _children(c)
-            if grand is None:
-                n += 1
-            elif not grand:  # an empty container: counted here, no bookkeeping
-                n, h = n + 1, max(h, 2)
-            else:
-                containers.append(c)
-                todo.append((c, grand, False))
-        pending[key] = (n, h, containers)
-    return None
