@@ -592,3 +592,20 @@ def test_central_entries_sharing_one_local_header_are_corrupt(
     assert any(c == "integrity.corrupt" and "share local headers" in m for c, _, m in answer["findings"]), \
         answer["findings"]
     assert answer["seconds"] < 30
+
+
+def test_a_non_tensor_dcp_item_that_would_hang_torch_load_is_refused_before_loading(tmp_path: Path) -> None:
+    """A DCP item (saved by DCP itself) holding a dict of 5000 integer keys that all hash alike: torch.load would
+    build it in quadratic time (200k keys: minutes); the guard loads it restricted first and refuses it."""
+    import torch
+
+    colliding: dict[int, int] = {}
+    for i in range(1, 5001):  # 12.5M comparisons to build here, once
+        colliding[i * M61] = 0
+    ckpt = rc.dcp_checkpoint(tmp_path / "ckpt", {"extra": (colliding,)})  # a tuple: one item, not flattened
+    start = time.perf_counter()
+    with pytest.raises(UnsafeCheckpointError, match="share the hash value"):
+        check_metadata_safe(str(ckpt))
+    with pytest.raises(UnsafeCheckpointError, match="share the hash value"):
+        safe_dcp_load({"model": {"0.weight": torch.zeros(16, 8)}, "extra": {}}, str(ckpt))
+    assert time.perf_counter() - start < 30

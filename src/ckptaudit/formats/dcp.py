@@ -138,7 +138,8 @@ def check_metadata_safe(path: str) -> DcpMetadata:
     allowlist; every file it names lies inside ``path`` (no ``..``, absolute path or escaping link) and, if
     present, is a regular file holding the item's byte range; and every non-tensor item (which DCP's
     ``DefaultLoadPlanner.load_bytes`` unpickles with ``torch.load(weights_only=False)``) is a ``torch.save``
-    archive whose pickle references only the allowlist. DCP unpickles ``.metadata`` with plain ``pickle``, so
+    archive whose pickle references only the allowlist and loads, restricted, within the limits (no hash-collision
+    or amplification bomb). DCP unpickles ``.metadata`` with plain ``pickle``, so
     call this before every ``torch.distributed.checkpoint.load``, and load through the metadata it returns.
     """
     meta_path = os.path.join(path, METADATA)
@@ -188,11 +189,14 @@ def check_metadata_safe(path: str) -> DcpMetadata:
                 f"{meta_path}: non-tensor item {fqn} is stored through transforms {info.transform_descriptors}; "
                 "its pickle cannot be vetted before torch.load(weights_only=False) runs it")
         try:
-            tz = read_torch_zip(full, offset, length, load=False)
+            # Loaded (restricted) too, not only scanned: what torch.load would build must be within the limits
+            # (hash collisions, amplification), or loading it would hang the job.
+            tz = read_torch_zip(full, offset, length, load=True)
         except TorchZipError as exc:
             raise UnsafeCheckpointError(
-                f"{full}: non-tensor item {fqn} at byte {offset} is not a readable torch.save archive ({exc}); "
-                "torch.distributed.checkpoint.load would unpickle it with weights_only=False") from None
+                f"{full}: non-tensor item {fqn} at byte {offset} is not a readable torch.save archive within the "
+                f"reader's limits ({exc}); torch.distributed.checkpoint.load would unpickle it with "
+                "weights_only=False") from None
         bad = tz.scan.unsafe + tz.scan.harmless
         if bad or tz.scan.error is not None:
             raise UnsafeCheckpointError(
