@@ -609,3 +609,22 @@ def test_a_non_tensor_dcp_item_that_would_hang_torch_load_is_refused_before_load
     with pytest.raises(UnsafeCheckpointError, match="share the hash value"):
         safe_dcp_load({"model": {"0.weight": torch.zeros(16, 8)}, "extra": {}}, str(ckpt))
     assert time.perf_counter() - start < 30
+
+
+def test_a_manifest_claiming_2_31_ranks_is_bounded_by_what_is_on_disk(tmp_path: Path) -> None:
+    import json
+
+    from ckptaudit.dist.launch import RankContext
+    from ckptaudit.recipes.tinygpt import plain_recipe
+    from ckptaudit.store import save_checkpoint
+
+    job = plain_recipe.setup(RankContext(rank=0, world_size=1, backend="gloo", shared_dir=""))
+    saved = Path(save_checkpoint(job, tmp_path / "run").path)
+    manifest = json.loads((saved / "manifest.json").read_text())
+    manifest["world_size"] = 2**31
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+    start = time.perf_counter()
+    report = audit(str(saved))
+    assert time.perf_counter() - start < 30
+    lost = [f for f in report.findings if f.code == "component.missing" and "2147483648 ranks" in f.message]
+    assert lost and all(len(f.evidence["ranks"]) <= 64 for f in lost), [(f.code, f.message) for f in report.findings]
