@@ -51,6 +51,13 @@ def safetensors_file(path: Path) -> Path:
     return path
 
 
+def read_dcp_metadata(ckpt: Path) -> Any:
+    """torch's own ``Metadata`` of a DCP directory these tests wrote (trusted bytes), to edit and pickle back."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.FileSystemReader(str(ckpt)).read_metadata()
+
+
 def dcp_checkpoint(path: Path, extra: dict[str, Any] | None = None) -> Path:
     """``torch.distributed.checkpoint.save`` of model + FQN-keyed optimizer state, in one process."""
     import torch

@@ -18,7 +18,7 @@ from ckptaudit.cli import _parser
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README_MAX_LINES = 250
-WRITTEN_ELSEWHERE = {"security.md": "security-legacy.md"}
+WRITTEN_ELSEWHERE: dict[str, str] = {}
 """Pages written on other branches (hostile, resume), and the page holding the former README text meanwhile."""
 
 

@@ -30,7 +30,6 @@ from audit_worker import AuditWorker
 from ckptaudit.audit import audit
 from ckptaudit.cli import main
 from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe
-from ckptaudit.formats.dcp_metadata import dcp_metadata_loads
 from ckptaudit.formats.torchload import safe_dcp_load, safe_torch_load
 from ckptaudit.model import Precision, Report, Severity
 from ckptaudit.report import OutputFormat, render
@@ -119,7 +118,7 @@ def _accelerate(d: Path, sentinel: str, bases: dict[str, Path]) -> tuple[Path, s
 def _dcp_metadata(d: Path, sentinel: str, bases: dict[str, Path]) -> tuple[Path, str, str, Path]:
     ckpt = d / "dcp"
     shutil.copytree(bases["dcp"], ckpt)
-    md = dcp_metadata_loads((ckpt / ".metadata").read_bytes())
+    md = rc.read_dcp_metadata(ckpt)
     md.version = hf.payload_object("os.system", sentinel)  # any field of the metadata will do
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
     return ckpt, ".metadata", "dcp", ckpt
@@ -253,7 +252,7 @@ def test_dcp_metadata_naming_files_outside_its_directory_is_rejected(
     data_file = next(p for p in ckpt.iterdir() if p.suffix == ".distcp")
     outside = tmp_path / "outside.distcp"
     shutil.copy(data_file, outside)
-    md = dcp_metadata_loads((ckpt / ".metadata").read_bytes())
+    md = rc.read_dcp_metadata(ckpt)
     if how in ("dotdot", "absolute"):
         for info in md.storage_data.values():
             info.relative_path = "../outside.distcp" if how == "dotdot" else str(outside)
@@ -279,7 +278,7 @@ def test_dcp_item_past_the_end_of_its_file_is_never_read(bases: dict[str, Path],
                                                          worker: AuditWorker) -> None:
     ckpt = tmp_path / "ckpt"
     shutil.copytree(bases["dcp"], ckpt)
-    md = dcp_metadata_loads((ckpt / ".metadata").read_bytes())
+    md = rc.read_dcp_metadata(ckpt)
     info = next(iter(md.storage_data.values()))
     info.length = 1 << 40  # a terabyte
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
@@ -294,7 +293,7 @@ def test_dcp_item_past_the_end_of_its_file_is_never_read(bases: dict[str, Path],
 def test_dcp_items_sharing_bytes_are_corrupt(bases: dict[str, Path], tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     shutil.copytree(bases["dcp"], ckpt)
-    md = dcp_metadata_loads((ckpt / ".metadata").read_bytes())
+    md = rc.read_dcp_metadata(ckpt)
     infos = list(md.storage_data.values())
     for info in infos[1:]:  # every item points at the first item's bytes
         info.relative_path, info.offset, info.length = infos[0].relative_path, infos[0].offset, infos[0].length

@@ -66,6 +66,9 @@ _RULES: tuple[Rule, ...] = (
          "add up, a hash that differs from the manifest."),
     Rule("integrity.path-escape", E, "Checkpoint metadata names a file outside the checkpoint directory (absolute "
          "path, '..', or a link leaving it); the file is not read."),
+    Rule("integrity.link-outside", INFO, "A file or folder of the checkpoint is a symbolic link to a target outside "
+         "it (the evidence names the target); it was read from there. Normal for the Hugging Face cache; elsewhere, "
+         "check that the target is the file you meant."),
     # security
     Rule("security.unsafe-pickle", E, "A pickle references a global outside the safe allowlist; it is never "
          "executed, and the file's contents are not loaded."),

@@ -33,7 +33,7 @@ from typing import Any
 
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.tensors import TensorData
-from ckptaudit.model import ComponentKind
+from ckptaudit.model import ComponentKind, text
 
 __all__ = ["ModelView", "OptimizerView", "TensorRef", "View", "interpret", "normalize_fqn"]
 
@@ -382,15 +382,15 @@ def _classify_keys(part: Part, tree: dict[str, Any], view: View, found: Any, add
                 found(ComponentKind.OPTIMIZER, where)
         elif k in SCHEDULER_KEYS:
             matched = True
-            if value not in (None, [], {}):
+            if _present(value):
                 found(ComponentKind.SCHEDULER, where, _unreadable_detail(where, value))
         elif k in RNG_KEYS:
             matched = True
-            if value not in (None, [], {}):
+            if _present(value):
                 found(ComponentKind.RNG, where, _unreadable_detail(where, value))
         elif k in DATA_KEYS:
             matched = True
-            if value not in (None, [], {}):
+            if _present(value):
                 found(ComponentKind.DATA_PROGRESS, where)
         elif k in STEP_KEYS:
             matched = True
@@ -424,8 +424,8 @@ def _data_detail(tree: dict[str, Any], step_key: str | None) -> str:
     if isinstance(loops, dict) and "fit_loop" in loops:
         fit = loops.get("fit_loop")
         fit_state = fit.get("state_dict") if isinstance(fit, dict) else None
-        where = f"epoch {tree.get('epoch')}, global step {tree.get('global_step')}"
-        if isinstance(fit_state, dict) and fit_state.get("combined_loader"):
+        where = f"epoch {text(tree.get('epoch'))}, global step {text(tree.get('global_step'))}"
+        if isinstance(fit_state, dict) and _present(fit_state.get("combined_loader")):
             return f"Lightning loop progress ({where}) with data-loader state (loops/fit_loop/state_dict/combined_loader)"
         return (f"Lightning loop progress ({where}); no data-loader state (Lightning saves it only for stateful "
                 "data loaders), so a mid-epoch resume restarts the epoch's data")
@@ -438,7 +438,7 @@ def _data_detail(tree: dict[str, Any], step_key: str | None) -> str:
             return (f"torchtitan data-loader state for dp rank(s) {', '.join(ranks)}"
                     + (f" of world size {world}" if isinstance(world, int) else "")
                     + (f"; rank(s) {', '.join(lost)} unreadable (see the integrity findings)" if lost else ""))
-    present = [k for k in tree if k in DATA_KEYS and tree[k] not in (None, [], {})]
+    present = [k for k in tree if k in DATA_KEYS and _present(tree[k])]
     if present:
         return f"data-loader / loop state ({', '.join(map(str, present))})"
     if step_key is not None or any(k in tree for k in STEP_KEYS):
@@ -456,6 +456,16 @@ def _find_step(value: Any) -> int | None:
             if k in value:
                 return _find_step(value[k])
     return None
+
+
+def _present(value: Any) -> bool:
+    """Whether a state value holds something: not ``None`` nor an empty list/dict/tuple/string. Never the value's
+    own truth (``bool(numpy_array)`` raises, and a pickle decides what its objects say)."""
+    if value is None:
+        return False
+    if isinstance(value, list | dict | tuple | str | bytes):
+        return len(value) > 0
+    return True
 
 
 def _as_int(v: Any) -> int | None:
@@ -692,12 +702,6 @@ def _megatron(ckpt: Checkpoint) -> View:
                 seen.add(id(leaf))
                 view.tensors.append((TensorRef(_label(part, *path), leaf, _leaf_file(ckpt, part, leaf)), "other"))
     return view
-
-
-def _present(value: Any) -> bool:
-    """Not ``None`` and not an empty list or dict (never ``==`` on a value from a file: arrays compare
-    element-wise)."""
-    return value is not None and not (isinstance(value, list | dict) and not value)
 
 
 def _megatron_data_detail(common: dict[str, Any]) -> str:

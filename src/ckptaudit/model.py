@@ -17,6 +17,28 @@ HASH_ALGORITHM = "xxh3-128"
 """The content hash of every tensor: xxh3-128 over its elements' little-endian bytes in row-major order."""
 
 
+def printable(value: Any) -> Any:
+    """``value`` as the report writes it: an integer too long for Python's int-to-string limit becomes the text
+    ``"<integer of about N digits>"``, NaN and infinities the texts ``"NaN"``, ``"Infinity"``, ``"-Infinity"``
+    (JSON has no numbers for them); anything else is returned as it is."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        try:
+            str(value)
+        except ValueError:  # past sys.get_int_max_str_digits()
+            return f"<integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
+        return value
+    if isinstance(value, float) and not (value == value and abs(value) != float("inf")):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
+def text(value: Any) -> str:
+    """``str(value)`` that never fails on an integer past Python's int-to-string limit."""
+    return str(printable(value))
+
+
 class Severity(enum.IntEnum):
     """How bad a finding is. Ordered, so ``--fail-on warning`` means ``severity >= WARNING``."""
 

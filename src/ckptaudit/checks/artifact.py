@@ -13,7 +13,6 @@ failed) in every shard's metadata; see :mod:`ckptaudit.store.serving` for the wh
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import xxhash
 
 from ckptaudit.catalogue import finding
 from ckptaudit.formats.base import Checkpoint
+from ckptaudit.formats.safejson import loads_limited
 from ckptaudit.layouts import View
 from ckptaudit.model import ComponentKind, Finding, TensorRecord
 
@@ -106,8 +106,8 @@ def check_artifact(view: View, expect: str, *, ckpt: Checkpoint | None = None,
         )
         return findings, True
     try:
-        gate = json.loads(gate_raw)
-    except (ValueError, RecursionError):  # not JSON, digits past Python's limit, nesting too deep
+        gate = loads_limited(gate_raw, "quality_gate metadata")
+    except ValueError:  # not JSON, digits past Python's limit, nesting or containers past the limits
         return [*findings, finding("integrity.corrupt", subject, "quality_gate metadata is not valid JSON")], True
     if not isinstance(gate, dict) or gate.get("passed") is not True:
         failed = gate.get("failures", []) if isinstance(gate, dict) else []

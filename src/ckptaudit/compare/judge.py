@@ -13,7 +13,7 @@ from typing import Any
 from ckptaudit.catalogue import finding
 from ckptaudit.compare.matching import Entry, key_text
 from ckptaudit.compare.pairs import Pair, is_moment
-from ckptaudit.model import ComponentKind, Finding, Severity
+from ckptaudit.model import ComponentKind, Finding, Severity, printable
 
 __all__ = ["component_findings", "group_of", "pair_findings", "pair_json", "sections", "summary"]
 
@@ -311,8 +311,8 @@ def _g(x: float | None) -> str:
 
 
 def _short(v: Any, n: int = 40) -> str:
-    text = repr(v)
-    return text if len(text) <= n else text[: n - 3] + "..."
+    shown = repr(printable(v))  # an integer past Python's int-to-string limit must not break the report
+    return shown if len(shown) <= n else shown[: n - 3] + "..."
 
 
 # --- JSON and tables -------------------------------------------------------------------------------------

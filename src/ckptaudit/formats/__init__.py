@@ -9,7 +9,6 @@ finding on the checkpoint; only a path that does not exist raises (``FileNotFoun
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from typing import Any
@@ -18,12 +17,14 @@ from ckptaudit.catalogue import finding
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.dcp import is_dcp_dir, read_dcp
 from ckptaudit.formats.deepspeed import is_deepspeed_root, is_deepspeed_step_dir, read_deepspeed, resolve_tag
+from ckptaudit.formats.object_tree import check_tree
 from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, scan
 from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, describe_kind, open_regular, read_limited
+from ckptaudit.formats.safejson import JsonLimitError, loads_limited
 from ckptaudit.formats.safetensors import SafetensorsError, read_safetensors
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.formats.torchzip import TorchZipError, read_torch_zip
-from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table, check_tree
+from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
 from ckptaudit.model import Finding
 
 __all__ = ["Checkpoint", "Part", "TensorData", "Unreadable", "open_checkpoint", "walk"]
@@ -76,6 +77,8 @@ def open_checkpoint(path: str) -> Checkpoint:
             fmt = "directory"
             for name in sorted(os.listdir(path)):
                 full = os.path.join(path, name)
+                if (_recognised_name(name) or is_dcp_dir(full)) and os.path.islink(full):
+                    _report_link(path, name, findings)
                 if os.path.isdir(full):
                     if is_dcp_dir(full):
                         read = read_dcp(full, name)
@@ -138,6 +141,16 @@ def _open_remote(url: str) -> Checkpoint:
     ckpt.maps.remote = remote
     ckpt.path = url
     return ckpt
+
+
+def _report_link(root: str, name: str, findings: list[Finding]) -> None:
+    """A link whose target lies outside ``root`` is reported (never refused: the Hugging Face cache is links)."""
+    target = os.path.realpath(os.path.join(root, name))
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, target]) != real_root:
+        findings.append(finding("integrity.link-outside", name,
+                                f"{name} is a link to {target}, outside the checkpoint; it was read from there",
+                                target=target))
 
 
 def _limit(flag: bool) -> dict[str, Any]:
@@ -206,14 +219,12 @@ def _read_safetensors(full: str, name: str, subject: str, findings: list[Finding
 def _read_json(full: str, name: str, subject: str, findings: list[Finding]) -> Part | None:
     raw = read_limited(full, MAX_JSON_BYTES, "JSON file")
     try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        # ValueError covers JSONDecodeError, bad UTF-8 and integers beyond Python's digit limit.
-        findings.append(finding("integrity.corrupt", subject, f"{subject}: not valid JSON ({exc or 'nests too deep'})"))
+        value = loads_limited(raw, subject)
+    except JsonLimitError as exc:
+        findings.append(finding("integrity.corrupt", subject, f"{exc}; not read (JSON, limit)", limit=True))
         return None
-    problem = check_tree(value)
-    if problem is not None:
-        findings.append(finding("integrity.corrupt", subject, f"{subject}: {problem}; not read", limit=True))
+    except ValueError as exc:  # not JSON, bad UTF-8, integers beyond Python's digit limit
+        findings.append(finding("integrity.corrupt", subject, str(exc)))
         return None
     return Part(name, "json", value)
 

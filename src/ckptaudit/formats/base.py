@@ -67,7 +67,7 @@ class Checkpoint:
 def walk(tree: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
     """Yield ``(path, leaf)`` for every leaf of a nested dict/list/tuple tree, in order."""
     if isinstance(tree, dict):
-        for k, v in tree.items():
+        for k, v in dict.items(tree):  # the data, never a method a pickle could shadow
             yield from walk(v, (*prefix, k))
     elif isinstance(tree, list | tuple) and not _is_rng_tuple(tree):
         for i, v in enumerate(tree):

@@ -1,9 +1,11 @@
 """``torch.distributed.checkpoint`` directories: ``.metadata`` plus ``__<rank>_<n>.distcp`` data files.
 
-``.metadata`` is a pickle; :func:`read_dcp` scans it and unpickles it only through the DCP allowlist
-(:func:`ckptaudit.formats.dcp_metadata.dcp_metadata_loads`), never with plain :mod:`pickle` as
-``FileSystemReader.read_metadata`` does. :func:`check_metadata_safe` is the same guard for callers that
-are about to hand a directory to ``torch.distributed.checkpoint.load`` (ours included).
+``.metadata`` is a pickle; :func:`read_dcp` scans it and unpickles it only through the DCP allowlist into
+plain data (:func:`ckptaudit.formats.dcp_metadata.load_dcp_metadata`), never with plain :mod:`pickle` as
+``FileSystemReader.read_metadata`` does. :func:`check_metadata_safe` is the same guard for callers that are
+about to load the directory; it returns the vetted :class:`~ckptaudit.formats.dcp_metadata.DcpMetadata`, which
+:func:`ckptaudit.formats.torchload.safe_dcp_load` hands to ``torch.distributed.checkpoint.load`` (so the loader
+reads exactly what was checked, never the pickle again).
 
 Every item named in the metadata is located (file inside the directory, offset + length inside the file)
 before it is read; each item is itself a ``torch.save`` archive, read with
@@ -13,14 +15,24 @@ before it is read; each item is itself a ``torch.save`` archive, read with
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.base import Part, Unreadable
-from ckptaudit.formats.dcp_metadata import dcp_metadata_loads
-from ckptaudit.formats.pickle_scan import MAX_METADATA_OPCODES, PickleLimitError, PickleScan, scan
+from ckptaudit.formats.dcp_metadata import (
+    BytesMeta,
+    DcpMetadata,
+    IndexKey,
+    MalformedMeta,
+    MetadataShapeError,
+    StorageInfo,
+    TensorMeta,
+    load_dcp_metadata,
+)
+from ckptaudit.formats.pickle_scan import MAX_METADATA_OPCODES, PickleLimitError, PickleScan, UnsafeBuildError, scan
 from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, file_kind, read_limited
 from ckptaudit.formats.tensors import DTYPES, Piece, TensorData
 from ckptaudit.formats.torchzip import TorchZipError, read_torch_zip
@@ -52,7 +64,7 @@ class DcpRead:
     part: Part | None
     findings: list[Finding]
     files: dict[str, int]
-    metadata: Any = None
+    metadata: DcpMetadata | None = None
 
 
 class UnsafeCheckpointError(Exception):
@@ -90,44 +102,45 @@ def _scan_problem(result: PickleScan) -> tuple[str, str] | None:
     return None
 
 
-def _load_metadata(data: bytes) -> tuple[Any, str | None]:
-    """Unpickle (restricted) and check the shape of the metadata: ``(md, None)`` or ``(None, why)``."""
+def _load_metadata(data: bytes) -> tuple[DcpMetadata | None, str, str]:
+    """Unpickle (restricted) and rebuild the metadata as plain data: ``(md, "", "")`` or
+    ``(None, finding code, why)``."""
     try:
-        md = dcp_metadata_loads(data)
+        return load_dcp_metadata(data), "", ""
     except MemoryError:
         raise
+    except UnsafeBuildError as exc:
+        return None, "security.unsafe-pickle", (
+            f"{METADATA} is crafted to show checks one thing and torch.distributed.checkpoint.load another ({exc}); "
+            "it was not loaded")
     except PickleLimitError as exc:
-        return None, f"{METADATA} exceeds a safety limit ({exc})"
+        return None, "integrity.corrupt", f"{METADATA} exceeds a safety limit ({exc})"
+    except MetadataShapeError as exc:
+        return None, "integrity.corrupt", f"{METADATA} cannot be interpreted ({exc})"
     except Exception as exc:  # noqa: BLE001 - any failure of the restricted unpickler is corrupt metadata
-        return None, f"{METADATA} cannot be interpreted ({type(exc).__name__}: {exc})"
-    sd_meta = getattr(md, "state_dict_metadata", None)
-    storage = getattr(md, "storage_data", None)
-    if not isinstance(sd_meta, dict) or not isinstance(storage, dict):
-        return None, f"{METADATA} cannot be interpreted (state_dict_metadata or storage_data is not a dict)"
-    return md, None
+        return None, "integrity.corrupt", f"{METADATA} cannot be interpreted ({type(exc).__name__}: {exc})"
 
 
-def _item_range(info: Any) -> tuple[str, int, int] | str:
+def _item_range(info: StorageInfo) -> tuple[str, int, int] | str:
     """``(relative path, offset, length)`` of a storage entry, or why it is malformed."""
-    rel = getattr(info, "relative_path", None)
-    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-    if not isinstance(rel, str):
-        return f"data file {rel!r} is not a path"
-    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-        return f"bad offset/length {offset!r}/{length!r}"
-    return rel, offset, length
+    if info.problem is not None:
+        return info.problem
+    return info.relative_path, info.offset, info.length
 
 
-def check_metadata_safe(path: str) -> None:
-    """Raise :class:`UnsafeCheckpointError` unless ``torch.distributed.checkpoint.load`` can be given ``path``
-    without running code from it, leaving it, blocking on it or reading past its files.
+def check_metadata_safe(path: str) -> DcpMetadata:
+    """The vetted metadata of ``path``; raise :class:`UnsafeCheckpointError` unless
+    ``torch.distributed.checkpoint.load`` can be given ``path`` with that metadata (see
+    :func:`ckptaudit.formats.torchload.safe_dcp_load`) without running code from it, leaving it, blocking on it
+    or reading past its files.
 
     Checks: ``path/.metadata`` is a regular file inside ``path``, parses, and references only the DCP
     allowlist; every file it names lies inside ``path`` (no ``..``, absolute path or escaping link) and, if
     present, is a regular file holding the item's byte range; and every non-tensor item (which DCP's
     ``DefaultLoadPlanner.load_bytes`` unpickles with ``torch.load(weights_only=False)``) is a ``torch.save``
-    archive whose pickle references only the allowlist. DCP unpickles ``.metadata`` with plain ``pickle``, so
-    call this before every ``torch.distributed.checkpoint.load``.
+    archive whose pickle references only the allowlist and loads, restricted, within the limits (no hash-collision
+    or amplification bomb). DCP unpickles ``.metadata`` with plain ``pickle``, so
+    call this before every ``torch.distributed.checkpoint.load``, and load through the metadata it returns.
     """
     meta_path = os.path.join(path, METADATA)
     _code, message, data = _metadata_problem(path)
@@ -136,13 +149,16 @@ def check_metadata_safe(path: str) -> None:
     problem = _scan_problem(scan(data, DCP_METADATA_GLOBALS, max_opcodes=MAX_METADATA_OPCODES))
     if problem is not None:
         raise UnsafeCheckpointError(f"{meta_path}: {problem[1]}; refusing to load it")
-    md, why = _load_metadata(data)
-    if why is not None:
+    md, _code, why = _load_metadata(data)
+    if md is None:
         raise UnsafeCheckpointError(f"{meta_path}: {why}")
-    entries: dict[Any, tuple[str, int, int, Any]] = {}
+    for item_md in md.state_dict_metadata.values():
+        if isinstance(item_md, MalformedMeta):
+            raise UnsafeCheckpointError(f"{meta_path}: {item_md.reason}")
+    entries: dict[IndexKey, tuple[str, int, int, StorageInfo]] = {}
     for index, info in md.storage_data.items():
         where = _item_range(info)
-        item = getattr(index, "fqn", index)
+        item = index.fqn
         if isinstance(where, str):
             raise UnsafeCheckpointError(f"{meta_path}: item {item}: {where}")
         rel, offset, length = where
@@ -160,29 +176,33 @@ def check_metadata_safe(path: str) -> None:
         if offset + length > size:
             raise UnsafeCheckpointError(
                 f"{meta_path}: item {item} needs bytes {offset}..{offset + length} of {rel}, which has {size}")
-        entries[_key(index)] = (full, offset, length, info)
+        entries[index] = (full, offset, length, info)
     for fqn, item_md in md.state_dict_metadata.items():
-        if type(item_md).__name__ == "TensorStorageMetadata":
+        if isinstance(item_md, TensorMeta):
             continue  # tensors are loaded with torch.load(weights_only=True)
-        found = entries.get((fqn, None))
+        found = entries.get(IndexKey(fqn, None))
         if found is None:
             continue
         full, offset, length, info = found
-        if getattr(info, "transform_descriptors", None):
+        if info.transform_descriptors:
             raise UnsafeCheckpointError(
                 f"{meta_path}: non-tensor item {fqn} is stored through transforms {info.transform_descriptors}; "
                 "its pickle cannot be vetted before torch.load(weights_only=False) runs it")
         try:
-            tz = read_torch_zip(full, offset, length, load=False)
+            # Loaded (restricted) too, not only scanned: what torch.load would build must be within the limits
+            # (hash collisions, amplification), or loading it would hang the job.
+            tz = read_torch_zip(full, offset, length, load=True)
         except TorchZipError as exc:
             raise UnsafeCheckpointError(
-                f"{full}: non-tensor item {fqn} at byte {offset} is not a readable torch.save archive ({exc}); "
-                "torch.distributed.checkpoint.load would unpickle it with weights_only=False") from None
+                f"{full}: non-tensor item {fqn} at byte {offset} is not a readable torch.save archive within the "
+                f"reader's limits ({exc}); torch.distributed.checkpoint.load would unpickle it with "
+                "weights_only=False") from None
         bad = tz.scan.unsafe + tz.scan.harmless
         if bad or tz.scan.error is not None:
             raise UnsafeCheckpointError(
                 f"{full}: non-tensor item {fqn} at byte {offset} references {', '.join(bad) or 'unvettable data'}; "
                 "torch.distributed.checkpoint.load would unpickle it with torch.load(weights_only=False)")
+    return md
 
 
 def _path_problem(root: str, rel: Any) -> str | None:
@@ -245,23 +265,23 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
             "security") else {"offset": result.error_offset}
         findings.append(finding(problem[0], meta_subject, problem[1], file=meta_subject, **evidence))
         return DcpRead(None, findings, files)
-    md, why = _load_metadata(data)
-    if why is not None:
-        findings.append(finding("integrity.corrupt", meta_subject, why, file=meta_subject))
+    md, code, why = _load_metadata(data)
+    if md is None:
+        findings.append(finding(code, meta_subject, why, file=meta_subject))
         return DcpRead(None, findings, files)
     sd_meta, storage = md.state_dict_metadata, md.storage_data
 
     # Locate every storage item once: file inside the directory, a regular file, range inside the file, and
     # no two items sharing bytes (a hostile metadata could point a million items at one range).
-    located: dict[Any, tuple[str, int, int] | Unreadable] = {}
+    located: dict[IndexKey, tuple[str, int, int] | Unreadable] = {}
     missing_files: dict[str, list[str]] = {}
     short_files: dict[str, tuple[int, int]] = {}
-    by_file: dict[str, list[tuple[int, int, Any]]] = {}
+    by_file: dict[str, list[tuple[int, int, IndexKey]]] = {}
     for index, info in storage.items():
-        fqn = str(getattr(index, "fqn", "?"))
+        fqn = index.fqn
         where = _item_range(info)
         if isinstance(where, str):
-            located[_key(index)] = Unreadable(where)
+            located[index] = Unreadable(where)
             findings.append(finding("integrity.corrupt", meta_subject, f"{METADATA}: item {fqn}: {where}",
                                     item=fqn))
             continue
@@ -272,12 +292,12 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
                 finding("integrity.path-escape", meta_subject, f"{METADATA} {problem_path} (item {fqn}); not read",
                         item=fqn, file=str(rel))
             )
-            located[_key(index)] = Unreadable(problem_path, str(rel))
+            located[index] = Unreadable(problem_path, str(rel))
             continue
         full = os.path.join(path, rel)
         rel_name = os.path.join(name, rel) if name else rel
-        if getattr(info, "transform_descriptors", None):
-            located[_key(index)] = Unreadable(
+        if info.transform_descriptors:
+            located[index] = Unreadable(
                 f"storage transforms {info.transform_descriptors} are not supported", rel_name
             )
             continue
@@ -286,39 +306,40 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
             size = os.path.getsize(full)
         except OSError:
             missing_files.setdefault(rel_name, []).append(fqn)
-            located[_key(index)] = Unreadable(f"data file {rel_name} is missing", rel_name)
+            located[index] = Unreadable(f"data file {rel_name} is missing", rel_name)
             continue
         if kind is not None:
             if rel_name not in short_files and not any(f.subject == rel_name for f in findings):
                 findings.append(finding("integrity.corrupt", rel_name,
                                         f"data file {rel_name} is {kind}, not a regular file; not opened",
                                         file=rel_name))
-            located[_key(index)] = Unreadable(f"{rel_name} is {kind}", rel_name)
+            located[index] = Unreadable(f"{rel_name} is {kind}", rel_name)
             continue
         files.setdefault(rel_name, size)
         if offset + length > size:
             need = max(offset + length, short_files.get(rel_name, (0, 0))[0])
             short_files[rel_name] = (need, size)
-            located[_key(index)] = Unreadable(
+            located[index] = Unreadable(
                 f"{rel_name} has {size} bytes, item needs bytes {offset}..{offset + length}", rel_name
             )
             continue
-        located[_key(index)] = (full, offset, length)
+        located[index] = (full, offset, length)
         by_file.setdefault(full, []).append((offset, length, index))
     for full, ranges in by_file.items():
         ranges.sort(key=lambda r: (r[0], r[1]))
-        prev_end, prev_index = 0, None
+        prev_end = 0
+        prev_index: IndexKey | None = None
         for offset, length, index in ranges:
             if length and offset < prev_end:
                 rel_name = os.path.relpath(full, path)
                 rel_name = os.path.join(name, rel_name) if name else rel_name
-                fqn = str(getattr(index, "fqn", "?"))
+                fqn = index.fqn
                 findings.append(finding(
                     "integrity.corrupt", rel_name,
                     f"{METADATA} puts item {fqn} at bytes {offset}..{offset + length} of {rel_name}, overlapping "
-                    f"item {getattr(prev_index, 'fqn', '?')}; torch.distributed.checkpoint never shares bytes "
+                    f"item {prev_index.fqn if prev_index else '?'}; torch.distributed.checkpoint never shares bytes "
                     "between items", offset=offset, item=fqn))
-                located[_key(index)] = Unreadable("overlaps another item", rel_name)
+                located[index] = Unreadable("overlaps another item", rel_name)
                 continue
             prev_end, prev_index = max(prev_end, offset + length), index
     for rel_name, fqns in missing_files.items():
@@ -348,10 +369,13 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
     for fqn, item in sd_meta.items():
         first = len(corrupt)
         try:
-            if type(item).__name__ == "TensorStorageMetadata":
-                flat[fqn] = _tensor_item(str(fqn), item, located, corrupt)
+            if isinstance(item, TensorMeta):
+                flat[fqn] = _tensor_item(fqn, item, located, corrupt)
+            elif isinstance(item, BytesMeta):
+                flat[fqn] = _bytes_item(fqn, located, corrupt)
             else:
-                flat[fqn] = _bytes_item(str(fqn), located, corrupt)
+                corrupt.append(("integrity.corrupt", fqn, f"its metadata entry is malformed ({item.reason})", None))
+                flat[fqn] = Unreadable("malformed metadata entry")
         except (AttributeError, TypeError, ValueError, KeyError, OverflowError) as exc:
             corrupt.append(("integrity.corrupt", str(fqn),
                             f"its metadata entry is malformed ({type(exc).__name__}: {exc})", None))
@@ -366,31 +390,26 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
         if i in where_of:
             item_evidence["file"] = where_of[i]
         findings.append(finding(code, fqn, f"item {fqn}: {reason}", **item_evidence))
-    tree = _unflatten(flat, getattr(md, "planner_data", None))
+    tree = _unflatten(flat, md.planner_data)
     return DcpRead(Part(name, "dcp", tree), findings, files, md)
-
-
-def _key(index: Any) -> tuple[str, tuple[int, ...] | None]:
-    off = getattr(index, "offset", None)
-    return (getattr(index, "fqn", ""), tuple(off) if off is not None else None)
 
 
 def _tensor_item(
     fqn: str,
-    item: Any,
-    located: dict[Any, tuple[str, int, int] | Unreadable],
+    item: TensorMeta,
+    located: dict[IndexKey, tuple[str, int, int] | Unreadable],
     corrupt: list[tuple[str, str, str, int | None]],
 ) -> TensorData | Unreadable:
-    dtype_name = str(getattr(item.properties, "dtype", "")).replace("torch.", "")
+    dtype_name = item.properties.dtype
     dtype = DTYPES.get(dtype_name)
-    shape = _ints(item.size, "size")
+    shape = item.size
     if dtype is None:
         corrupt.append(("integrity.corrupt", fqn, f"unsupported dtype {dtype_name}", None))
         return Unreadable(f"unsupported dtype {dtype_name}")
     pieces: list[Piece] = []
     for chunk in item.chunks:
-        offsets, sizes = _ints(chunk.offsets, "chunk offsets"), _ints(chunk.sizes, "chunk sizes")
-        where = located.get((fqn, offsets))
+        offsets, sizes = chunk.offsets, chunk.sizes
+        where = located.get(IndexKey(fqn, offsets))
         if where is None:
             corrupt.append(("integrity.corrupt", fqn, f"no storage entry for the shard at offsets {list(offsets)}",
                             None))
@@ -428,19 +447,12 @@ def _tensor_item(
     return td
 
 
-def _ints(values: Any, what: str) -> tuple[int, ...]:
-    out = tuple(values)
-    if len(out) > 64 or not all(type(v) is int and v >= 0 for v in out):
-        raise ValueError(f"{what} {list(out)[:8]} are not sizes")
-    return out
-
-
 def _bytes_item(
     fqn: str,
-    located: dict[Any, tuple[str, int, int] | Unreadable],
+    located: dict[IndexKey, tuple[str, int, int] | Unreadable],
     corrupt: list[tuple[str, str, str, int | None]],
 ) -> Any:
-    where = located.get((fqn, None))
+    where = located.get(IndexKey(fqn, None))
     if where is None:
         corrupt.append(("integrity.corrupt", fqn, "no storage entry", None))
         return Unreadable("no storage entry")
@@ -463,18 +475,11 @@ def _bytes_item(
     return tz.obj
 
 
-_MAX_PATH = 32
-"""Longest key path rebuilt from DCP's planner data (real ones: under 10)."""
-
-
-def _unflatten(flat: dict[Any, Any], mapping: Any) -> Any:
-    """Rebuild the nested state dict from DCP's flattened keys, using the saved path tuples."""
+def _unflatten(flat: dict[str, Any], mapping: Mapping[str, tuple[str | int, ...]]) -> Any:
+    """Rebuild the nested state dict from DCP's flattened keys, using the saved path tuples (already vetted)."""
     root: dict[Any, Any] = {}
     for key, value in flat.items():
-        path = mapping.get(key) if isinstance(mapping, dict) else None
-        if (not isinstance(path, tuple | list) or not path or len(path) > _MAX_PATH
-                or not all(isinstance(p, str | int) for p in path)):
-            path = (key,)
+        path: tuple[str | int, ...] = mapping.get(key) or (key,)
         node = root
         for p in path[:-1]:
             nxt = node.get(p)

@@ -1,57 +1,437 @@
-"""DCP ``.metadata`` through the restricted unpickler and the DCP allowlist."""
+"""DCP ``.metadata``, read as plain data: one view that every check and every loader share.
+
+``.metadata`` is a pickle of ``torch.distributed.checkpoint.metadata.Metadata``. It is never unpickled into
+torch's classes. The restricted unpickler builds torch-free stand-ins (:class:`~ckptaudit.formats.unpickler.
+PickledRecord`: declared fields only, no ``__dict__``, built once), and :func:`load_dcp_metadata` rebuilds from
+them, walking the data itself (``dict.items(d)``, never a method the pickle could have shadowed), a
+:class:`DcpMetadata` of frozen, slotted records holding only ``str``, ``int``, ``bool`` and tuples of them.
+
+Everything downstream reads that record: the audit (:func:`ckptaudit.formats.dcp.read_dcp`), the guard
+(:func:`ckptaudit.formats.dcp.check_metadata_safe`) and the live loader
+(:func:`ckptaudit.formats.torchload.safe_dcp_load`), which converts it to torch's classes and hands them to
+``torch.distributed.checkpoint.load`` instead of letting torch unpickle the file. So what is loaded is exactly
+what was vetted. This module imports nothing of torch.
+"""
 
 from __future__ import annotations
 
 import collections
 import io
+import pickle
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
+from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS, TORCH_DTYPES
+from ckptaudit.formats.object_tree import check_tree
 from ckptaudit.formats.pickle_scan import PickleLimitError
-from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table, check_tree
+from ckptaudit.formats.unpickler import PickledRecord, RestrictedUnpickler
 
-__all__ = ["dcp_metadata_loads"]
+__all__ = [
+    "BytesMeta",
+    "ChunkMeta",
+    "DcpMetadata",
+    "IndexKey",
+    "MalformedMeta",
+    "StorageInfo",
+    "StorageMetaInfo",
+    "TensorMeta",
+    "TensorProps",
+    "dcp_metadata_loads",
+    "load_dcp_metadata",
+]
 
-def dcp_metadata_loads(data: bytes) -> Any:
-    """Unpickle a DCP ``.metadata`` file through the DCP allowlist. Call :func:`scan` first for a report.
+MAX_RANK = 64
+"""Most dimensions of a tensor in the metadata."""
+MAX_PATH = 32
+"""Longest key path of ``planner_data`` (real ones: under 10)."""
+MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")
+"""``_MEM_FORMAT_ENCODING`` values 0, 1, 2, by torch's name."""
+LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn",
+                     "jagged"})
+_DTYPE_ALIASES = {"double": "float64", "float": "float32", "half": "float16", "long": "int64", "int": "int32",
+                  "short": "int16"}
 
-    Raises :class:`UnsafeGlobalError` for anything outside the allowlist, :class:`PickleLimitError` past a
-    limit, ``pickle.UnpicklingError`` or ``ValueError``/``EOFError``/``TypeError`` for malformed data.
+
+# --------------------------------------------------------------------------------------------------------------
+# What the restricted unpickler builds: stand-ins for torch's classes, named as the pickle names them
+
+
+class _Metadata(PickledRecord):
+    # all_local_plans: Megatron-Core's torch_dist save keeps every rank's SavePlan there (an instance attribute
+    # of torch's Metadata); unpickled into the stand-ins below and not read further.
+    __slots__ = FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version",
+                          "all_local_plans")
+
+
+class _TensorStorageMetadata(PickledRecord):
+    __slots__ = FIELDS = ("properties", "size", "chunks")
+
+
+class _BytesStorageMetadata(PickledRecord):
+    __slots__ = FIELDS = ()
+
+
+class _ChunkStorageMetadata(PickledRecord):
+    __slots__ = FIELDS = ("offsets", "sizes")
+
+
+class _StorageMeta(PickledRecord):
+    __slots__ = FIELDS = ("checkpoint_id", "save_id", "load_id", "modules")
+
+
+class _MetadataIndex(PickledRecord):
+    __slots__ = FIELDS = ("fqn", "offset", "index")
+
+
+class _StorageInfo(PickledRecord):
+    __slots__ = FIELDS = ("relative_path", "offset", "length", "transform_descriptors")
+
+
+class _SavePlan(PickledRecord):
+    __slots__ = FIELDS = ("items", "storage_data", "planner_data", "usable")
+
+
+class _WriteItem(PickledRecord):
+    __slots__ = FIELDS = ("index", "type", "bytes_io_data", "tensor_data")
+
+
+class _TensorWriteData(PickledRecord):
+    __slots__ = FIELDS = ("chunk", "properties", "size")
+
+
+class _BytesIOWriteData(PickledRecord):
+    __slots__ = FIELDS = ("nbytes",)
+
+
+class _StoragePrefix(PickledRecord):
+    __slots__ = FIELDS = ("prefix",)
+
+
+class _TensorProperties(PickledRecord):
+    """Pickled as a 5-tuple ``(dtype, layout, requires_grad, memory format encoding, pin_memory)``."""
+
+    __slots__ = FIELDS = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+
+    def __setstate__(self, state: Any) -> None:
+        if type(state) is not tuple or len(state) != 5:
+            raise pickle.UnpicklingError("TensorProperties state is not (dtype, layout, requires_grad, "
+                                         "memory_format, pin_memory)")
+        for name, value in zip(self.FIELDS, state, strict=True):
+            object.__setattr__(self, name, value)
+
+
+@dataclass(frozen=True, slots=True)
+class _TorchName:
+    """``torch.float32``, ``torch.strided``: a torch constant, by name."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class _MemFormat:
+    value: int
+
+
+@dataclass(frozen=True, slots=True)
+class _WriteItemType:
+    """``WriteItemType(value)``: the enum member, by its value (0 tensor, 1 shard, 2 bytes-io)."""
+
+    value: int
+
+
+def _write_item_type(value: Any) -> _WriteItemType:
+    if type(value) is not int or not 0 <= value <= 2:
+        raise pickle.UnpicklingError(f"WriteItemType value {value!r} is not 0, 1 or 2")
+    return _WriteItemType(value)
+
+
+def _size(values: Any = ()) -> tuple[int, ...]:
+    if type(values) not in (list, tuple) or len(values) > MAX_RANK:
+        raise pickle.UnpicklingError(f"torch.Size of {type(values).__name__}, not a short list of sizes")
+    if not all(type(v) is int and v >= 0 for v in values):
+        raise pickle.UnpicklingError("torch.Size with entries that are not non-negative integers")
+    return tuple(values)
+
+
+def _layout(name: Any) -> _TorchName:
+    if type(name) is not str or not name.startswith("torch.") or name[6:] not in LAYOUTS:
+        raise pickle.UnpicklingError(f"layout {name!r} is not a torch layout")
+    return _TorchName(name[6:])
+
+
+def _mem_format(value: Any) -> _MemFormat:
+    if type(value) is not int or not 0 <= value < len(MEMORY_FORMATS):
+        raise pickle.UnpicklingError(f"memory format encoding {value!r} is not 0, 1 or 2")
+    return _MemFormat(value)
+
+
+def _path(*parts: Any) -> str:
+    if len(parts) > MAX_PATH * 4 or not all(type(p) is str and len(p) < 4096 for p in parts):
+        raise pickle.UnpicklingError("a pathlib path whose parts are not short strings")
+    return posixpath.join(*parts) if parts else "."
+
+
+_STANDINS: dict[str, Any] = {
+    "Metadata": _Metadata,
+    "TensorStorageMetadata": _TensorStorageMetadata,
+    "BytesStorageMetadata": _BytesStorageMetadata,
+    "ChunkStorageMetadata": _ChunkStorageMetadata,
+    "TensorProperties": _TensorProperties,
+    "StorageMeta": _StorageMeta,
+    "MetadataIndex": _MetadataIndex,
+    "_MEM_FORMAT_ENCODING": _mem_format,
+}
+
+
+def _table() -> dict[str, Any]:
+    table: dict[str, Any] = {f"torch.distributed.checkpoint.metadata.{k}": v for k, v in _STANDINS.items()}
+    table["torch.distributed.checkpoint.filesystem._StorageInfo"] = _StorageInfo
+    table.update({f"torch.distributed.checkpoint.planner.{k}": v for k, v in _PLANNER_STANDINS.items()})
+    table["torch.distributed.checkpoint.filesystem._StoragePrefix"] = _StoragePrefix
+    table["torch.serialization._get_layout"] = _layout
+    table["torch.Size"] = _size
+    table["collections.OrderedDict"] = collections.OrderedDict
+    for name in ("pathlib.PosixPath", "pathlib.PurePosixPath", "pathlib.PureWindowsPath"):
+        table[name] = _path
+    for d in TORCH_DTYPES:
+        table[f"torch.{d}"] = _TorchName(_DTYPE_ALIASES.get(d, d))
+    assert set(table) <= DCP_METADATA_GLOBALS, set(table) - DCP_METADATA_GLOBALS
+    return table
+
+
+_PLANNER_STANDINS: dict[str, Any] = {
+    "SavePlan": _SavePlan,
+    "WriteItem": _WriteItem,
+    "WriteItemType": _write_item_type,
+    "TensorWriteData": _TensorWriteData,
+    "BytesIOWriteData": _BytesIOWriteData,
+}
+"""The planner's dataclasses a saver may keep in ``.metadata`` (Megatron-Core's ``all_local_plans``)."""
+
+
+_RECORD_TYPES: tuple[type, ...] = (*[v for v in (*_STANDINS.values(), *_PLANNER_STANDINS.values())
+                                     if isinstance(v, type)], _StorageInfo, _StoragePrefix, collections.OrderedDict)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# What everything else reads: frozen records of plain data
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMeta:
+    """One shard of a tensor: the block ``offsets[i] : offsets[i] + sizes[i]``."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorProps:
+    dtype: str
+    """Torch's name without the prefix (``float32``)."""
+    layout: str
+    requires_grad: bool
+    memory_format: str
+    """One of :data:`MEMORY_FORMATS`."""
+    pin_memory: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    properties: TensorProps
+    size: tuple[int, ...]
+    chunks: tuple[ChunkMeta, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BytesMeta:
+    """A non-tensor item (DCP pickles it with ``torch.save``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MalformedMeta:
+    """An entry of ``state_dict_metadata`` that is neither a well-formed tensor nor a bytes item."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class IndexKey:
+    """Where an item is in ``storage_data``: its key and, for a tensor shard, the shard's offsets."""
+
+    fqn: str
+    offset: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class StorageInfo:
+    """Where an item's bytes are; ``problem`` says why the entry is malformed (then the rest is empty)."""
+
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: tuple[str, ...] | None = None
+    problem: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StorageMetaInfo:
+    checkpoint_id: str | None
+    save_id: str | None
+    load_id: str | None
+    modules: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DcpMetadata:
+    """DCP ``.metadata`` as plain data. The mappings are our own ``dict``s with ``str`` / :class:`IndexKey`
+    keys, built here; nothing in them comes from the pickle but values checked field by field."""
+
+    state_dict_metadata: Mapping[str, TensorMeta | BytesMeta | MalformedMeta]
+    storage_data: Mapping[IndexKey, StorageInfo]
+    planner_data: Mapping[str, tuple[str | int, ...]]
+    storage_meta: StorageMetaInfo | None
+    version: str | None
+
+
+class MetadataShapeError(ValueError):
+    """The unpickled metadata is not shaped like ``Metadata`` (the message names the field and the value)."""
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if type(value) in (str, int, bool, type(None)) else type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _sizes(value: Any, what: str) -> tuple[int, ...]:
+    if type(value) not in (tuple, list) or len(value) > MAX_RANK:
+        raise MetadataShapeError(f"{what} is {_short(value)}, not a tuple of sizes")
+    if not all(type(v) is int and v >= 0 for v in value):
+        raise MetadataShapeError(f"{what} holds entries that are not non-negative integers")
+    return tuple(value)
+
+
+def _opt_str(value: Any, what: str) -> str | None:
+    if value is None or type(value) is str:
+        return value
+    raise MetadataShapeError(f"{what} is {_short(value)}, not a string")
+
+
+def _tensor(fqn: str, raw: _TensorStorageMetadata) -> TensorMeta | MalformedMeta:
+    try:
+        props = raw.get("properties")
+        if type(props) is not _TensorProperties:
+            raise MetadataShapeError(f"properties is {_short(props)}, not TensorProperties")
+        dtype, layout, fmt = props.get("dtype"), props.get("layout"), props.get("memory_format")
+        if type(dtype) is not _TorchName or type(layout) is not _TorchName or type(fmt) is not _MemFormat:
+            raise MetadataShapeError("properties do not hold a torch dtype, layout and memory format")
+        flags = props.get("requires_grad"), props.get("pin_memory")
+        if not all(type(f) is bool for f in flags):
+            raise MetadataShapeError("requires_grad / pin_memory are not booleans")
+        size = _sizes(raw.get("size"), "size")
+        chunks_raw = raw.get("chunks")
+        if type(chunks_raw) is not list:
+            raise MetadataShapeError(f"chunks is {_short(chunks_raw)}, not a list")
+        chunks = []
+        for c in chunks_raw:
+            if type(c) is not _ChunkStorageMetadata:
+                raise MetadataShapeError(f"a chunk is {_short(c)}, not ChunkStorageMetadata")
+            chunks.append(ChunkMeta(_sizes(c.get("offsets"), "chunk offsets"), _sizes(c.get("sizes"), "chunk sizes")))
+        return TensorMeta(TensorProps(dtype.name, layout.name, flags[0], MEMORY_FORMATS[fmt.value], flags[1]),
+                          size, tuple(chunks))
+    except MetadataShapeError as exc:
+        return MalformedMeta(f"tensor entry {fqn}: {exc}")
+
+
+def _storage(raw: Any) -> StorageInfo:
+    if type(raw) is not _StorageInfo:
+        return StorageInfo("", 0, 0, problem=f"storage entry is {_short(raw)}, not _StorageInfo")
+    rel, offset, length = raw.get("relative_path"), raw.get("offset"), raw.get("length")
+    if type(rel) is not str:
+        return StorageInfo("", 0, 0, problem=f"data file {_short(rel)} is not a path")
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+        return StorageInfo("", 0, 0, problem=f"bad offset/length {_short(offset)}/{_short(length)}")
+    transforms = raw.get("transform_descriptors")
+    if transforms is not None:
+        if type(transforms) not in (list, tuple) or not all(type(t) is str for t in transforms):
+            return StorageInfo("", 0, 0, problem="transform descriptors are not a list of names")
+        transforms = tuple(transforms)
+    return StorageInfo(rel, offset, length, transforms)
+
+
+def _storage_meta(raw: Any) -> StorageMetaInfo | None:
+    if raw is None:
+        return None
+    if type(raw) is not _StorageMeta:
+        raise MetadataShapeError(f"storage_meta is {_short(raw)}, not StorageMeta")
+    modules = raw.get("modules") or []
+    if type(modules) is not list or not all(type(m) is str for m in modules):
+        raise MetadataShapeError("storage_meta.modules is not a list of names")
+    return StorageMetaInfo(_opt_str(raw.get("checkpoint_id"), "storage_meta.checkpoint_id"),
+                           _opt_str(raw.get("save_id"), "storage_meta.save_id"),
+                           _opt_str(raw.get("load_id"), "storage_meta.load_id"), tuple(modules))
+
+
+def _planner(raw: Any) -> dict[str, tuple[str | int, ...]]:
+    """Key paths of ``planner_data`` that are well formed (the others are dropped: paths fall back to keys)."""
+    out: dict[str, tuple[str | int, ...]] = {}
+    if not isinstance(raw, dict):
+        return out
+    for key, path in dict.items(raw):
+        if (type(key) is str and type(path) in (tuple, list) and 0 < len(path) <= MAX_PATH
+                and all(type(p) in (str, int) for p in path)):
+            out[key] = tuple(path)
+    return out
+
+
+def rebuild(raw: Any) -> DcpMetadata:
+    """The plain-data :class:`DcpMetadata` of what the restricted unpickler built; raises
+    :class:`MetadataShapeError` for anything not shaped like ``Metadata``."""
+    if type(raw) is not _Metadata:
+        raise MetadataShapeError(f"the pickle holds {_short(raw)}, not Metadata")
+    sd_raw, st_raw = raw.get("state_dict_metadata"), raw.get("storage_data")
+    if not isinstance(sd_raw, dict) or not isinstance(st_raw, dict):
+        raise MetadataShapeError("state_dict_metadata or storage_data is not a dict")
+    sd: dict[str, TensorMeta | BytesMeta | MalformedMeta] = {}
+    for fqn, item in dict.items(sd_raw):
+        if type(fqn) is not str:
+            raise MetadataShapeError(f"state_dict_metadata has a key {_short(fqn)} that is not a name")
+        if type(item) is _TensorStorageMetadata:
+            sd[fqn] = _tensor(fqn, item)
+        elif type(item) is _BytesStorageMetadata:
+            sd[fqn] = BytesMeta()
+        else:
+            sd[fqn] = MalformedMeta(f"entry {fqn} is {_short(item)}, neither tensor nor bytes metadata")
+    storage: dict[IndexKey, StorageInfo] = {}
+    for index, info in dict.items(st_raw):
+        if type(index) is not _MetadataIndex or type(index.get("fqn")) is not str:
+            raise MetadataShapeError(f"storage_data has a key {_short(index)} that is not a MetadataIndex")
+        offset = index.get("offset")
+        key = IndexKey(index.get("fqn"), None if offset is None else _sizes(offset, "MetadataIndex.offset"))
+        if key in storage:
+            raise MetadataShapeError(f"storage_data lists item {key.fqn} at offsets {key.offset} twice")
+        storage[key] = _storage(info)
+    version = raw.get("version")
+    return DcpMetadata(sd, storage, _planner(raw.get("planner_data")), _storage_meta(raw.get("storage_meta")),
+                       _opt_str(version, "version"))
+
+
+def load_dcp_metadata(data: bytes) -> DcpMetadata:
+    """Unpickle a DCP ``.metadata`` file through the DCP allowlist into torch-free stand-ins and rebuild it as
+    plain data. Call :func:`~ckptaudit.formats.pickle_scan.scan` first for a report.
+
+    Raises :class:`~ckptaudit.formats.pickle_scan.UnsafeGlobalError` for anything outside the allowlist,
+    :class:`PickleLimitError` past a limit, :class:`MetadataShapeError` for metadata of the wrong shape, and
+    ``pickle.UnpicklingError`` or ``ValueError``/``EOFError``/``TypeError`` for malformed data.
     """
-    import pathlib
-
-    import torch
-    import torch.distributed.checkpoint.filesystem as dcp_fs
-    import torch.distributed.checkpoint.metadata as dcp_md
-    import torch.distributed.checkpoint.planner as dcp_planner
-    import torch.serialization
-
-    table = base_table()
-    classes: list[type] = [collections.OrderedDict, dcp_fs._StorageInfo]
-    for name in DCP_METADATA_GLOBALS:
-        module, _, attr = name.rpartition(".")
-        if module == "torch.distributed.checkpoint.metadata":
-            table[name] = getattr(dcp_md, attr)
-            if attr != "_MEM_FORMAT_ENCODING":
-                classes.append(getattr(dcp_md, attr))
-    table["torch.distributed.checkpoint.filesystem._StorageInfo"] = dcp_fs._StorageInfo
-    for name in DCP_METADATA_GLOBALS:  # the planner's dataclasses (Megatron-Core's all_local_plans)
-        module, _, attr = name.rpartition(".")
-        if module == "torch.distributed.checkpoint.planner":
-            table[name] = getattr(dcp_planner, attr)
-            if attr != "WriteItemType":
-                classes.append(getattr(dcp_planner, attr))
-    table["torch.distributed.checkpoint.filesystem._StoragePrefix"] = dcp_fs._StoragePrefix
-    classes.append(dcp_fs._StoragePrefix)
-    table["torch.serialization._get_layout"] = torch.serialization._get_layout
-    table["torch.Size"] = torch.Size
-    table["pathlib.PosixPath"] = pathlib.PurePosixPath
-    table["pathlib.PurePosixPath"] = pathlib.PurePosixPath
-    table["pathlib.PureWindowsPath"] = pathlib.PureWindowsPath
-    # Only the names the DCP allowlist admits: drop numpy, devices and the like from the base table.
-    table = {k: v for k, v in table.items() if k in DCP_METADATA_GLOBALS}
-    md = RestrictedUnpickler(io.BytesIO(data), table, build_types=classes).load()
-    problem = check_tree(md)
+    raw = RestrictedUnpickler(io.BytesIO(data), _table(), build_types=_RECORD_TYPES).load()
+    problem = check_tree(raw)
     if problem is not None:
         raise PickleLimitError(problem)
-    return md
+    return rebuild(raw)
+
+
+dcp_metadata_loads = load_dcp_metadata
+"""The name earlier versions used."""

@@ -20,9 +20,8 @@ Pure: reading and hashing files, no torch.
 
 from __future__ import annotations
 
+import errno
 import itertools
-import json
-import mmap
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -30,6 +29,8 @@ from typing import Any
 import xxhash
 
 from ckptaudit.catalogue import finding
+from ckptaudit.formats.safeio import LimitExceeded, open_regular
+from ckptaudit.formats.safejson import read_json_limited
 from ckptaudit.model import HASH_ALGORITHM, Finding
 
 __all__ = [
@@ -57,8 +58,17 @@ def hash_file(path: str, ranges: Sequence[tuple[int, int]] = ()) -> tuple[int, s
 
     One sequential pass when the ranges do not overlap (DCP items never do): each 1 MiB block feeds the file's
     hash and, while still in cache, its item's. A range that does not fit inside the file gets ``None``.
+
+    The file is read with positional reads into one reused buffer, never mapped: resident memory stays at one
+    block whatever the file's size, and holes of a sparse file (an 8 GiB file of 4 KiB) are fed as zeros
+    without being read (``SEEK_DATA``). Regular files only, opened without blocking.
     """
-    size = os.path.getsize(path)
+    with open_regular(path) as fh:
+        return _hash_fd(fh.fileno(), ranges)
+
+
+def _hash_fd(fd: int, ranges: Sequence[tuple[int, int]]) -> tuple[int, str, list[str | None]]:
+    size = os.fstat(fd).st_size
     whole = xxhash.xxh3_128()
     parts: list[str | None] = [None] * len(ranges)
     valid = sorted((off, length, i) for i, (off, length) in enumerate(ranges)
@@ -68,35 +78,63 @@ def hash_file(path: str, ranges: Sequence[tuple[int, int]] = ()) -> tuple[int, s
         for _, _, i in valid:
             parts[i] = xxhash.xxh3_128().hexdigest()
         return 0, whole.hexdigest(), parts
-    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        view = memoryview(mm)
-        try:
-            if disjoint:
-                pos = 0
-                for off, length, i in valid:
-                    _feed(view, pos, off, whole)
-                    item = xxhash.xxh3_128()
-                    _feed(view, off, off + length, whole, item)
-                    parts[i] = item.hexdigest()
-                    pos = off + length
-                _feed(view, pos, size, whole)
-            else:
-                _feed(view, 0, size, whole)
-                for off, length, i in valid:
-                    item = xxhash.xxh3_128()
-                    _feed(view, off, off + length, item)
-                    parts[i] = item.hexdigest()
-        finally:
-            view.release()
+    reader = _BlockReader(fd, size)
+    if disjoint:
+        pos = 0
+        for off, length, i in valid:
+            reader.feed(pos, off, whole)
+            item = xxhash.xxh3_128()
+            reader.feed(off, off + length, whole, item)
+            parts[i] = item.hexdigest()
+            pos = off + length
+        reader.feed(pos, size, whole)
+    else:
+        reader.feed(0, size, whole)
+        for off, length, i in valid:
+            item = xxhash.xxh3_128()
+            reader.feed(off, off + length, item)
+            parts[i] = item.hexdigest()
     return size, whole.hexdigest(), parts
 
 
-def _feed(view: memoryview, start: int, stop: int, *hashers: Any) -> None:
-    for block in range(start, stop, HASH_BLOCK):
-        chunk = view[block:min(block + HASH_BLOCK, stop)]
-        for h in hashers:
-            h.update(chunk)
-        chunk.release()
+class _BlockReader:
+    """Feeds byte ranges of one file to hashers, a block at a time, through one reused buffer."""
+
+    _ZEROS = bytes(HASH_BLOCK)
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+        self.buf = bytearray(HASH_BLOCK)
+        self.data_from = -1  # holes: [pos, data_from) is known to read as zeros
+
+    def _next_data(self, pos: int) -> int:
+        seek_data = getattr(os, "SEEK_DATA", None)
+        if seek_data is None:
+            return pos
+        try:
+            return os.lseek(self.fd, pos, seek_data)
+        except OSError as exc:  # ENXIO: only a hole from pos to the end; anything else: read it all
+            return self.size if exc.errno == errno.ENXIO else pos
+
+    def feed(self, start: int, stop: int, *hashers: Any) -> None:
+        view = memoryview(self.buf)
+        pos = start
+        while pos < stop:
+            n = min(HASH_BLOCK, stop - pos)
+            if pos >= self.data_from:
+                self.data_from = self._next_data(pos)
+            if pos < self.data_from:  # inside a hole: zeros, not read
+                n = min(n, self.data_from - pos)
+                chunk: Any = memoryview(self._ZEROS)[:n]
+            else:
+                got = os.preadv(self.fd, [view[:n]], pos)
+                if got <= 0:
+                    raise OSError(f"read of {n} bytes at {pos} returned {got} (the file shrank)")
+                n = got
+                chunk = view[:n]
+            for h in hashers:
+                h.update(chunk)
+            pos += n
 
 
 def is_manifest(value: Any) -> bool:
@@ -107,15 +145,15 @@ def is_manifest(value: Any) -> bool:
 def read_manifest(path: str) -> dict[str, Any]:
     """Read and check ``path`` (a ``manifest.json``); :class:`ManifestError` says what is wrong."""
     try:
-        size = os.path.getsize(path)
-        if size > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{path}: {size} bytes, more than any manifest this tool writes")
-        with open(path, "rb") as fh:
-            value = json.loads(fh.read())
+        # Regular files only, opened without blocking (a FIFO or /dev/zero as manifest.json never hangs `latest`),
+        # size and shape bounded before parsing.
+        value = read_json_limited(path, MAX_MANIFEST_BYTES, path)
+    except LimitExceeded as exc:
+        raise ManifestError(f"{path}: {exc}; more than any manifest this tool writes") from None
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{path}: not valid JSON ({exc})") from None
+    except ValueError as exc:  # not JSON, past a nesting or container limit
+        raise ManifestError(str(exc)) from None
     problem = schema_problem(value)
     if problem:
         raise ManifestError(f"{path}: {problem}")
@@ -153,13 +191,21 @@ def _plain_name(name: Any) -> bool:
             and "\\" not in name and "\0" not in name)
 
 
+def _offset(value: Any) -> int:
+    """An offset or length from a manifest entry; ``-1`` (not hashed) for anything but a plain integer."""
+    return value if type(value) is int else -1
+
+
 def items_by_file(manifest: Mapping[str, Any]) -> dict[str, list[tuple[str, dict[str, Any]]]]:
     """Stored items (tensor shards and objects) grouped by the file holding them: ``file -> [(label, entry)]``."""
     out: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for fqn, tensor in manifest.get("tensors", {}).items():
-        for shard in tensor.get("shards", []) if isinstance(tensor, dict) else []:
+        shards = tensor.get("shards") if isinstance(tensor, dict) else None
+        if not isinstance(shards, list):  # malformed entries are skipped, never raised
+            continue
+        for shard in shards:
             if isinstance(shard, dict) and isinstance(shard.get("file"), str):
-                label = fqn if len(tensor["shards"]) == 1 else f"{fqn} (shard at {shard.get('offsets')})"
+                label = fqn if len(shards) == 1 else f"{fqn} (shard at {shard.get('offsets')})"
                 out.setdefault(shard["file"], []).append((label, shard))
     for fqn, obj in manifest.get("objects", {}).items():
         if isinstance(obj, dict) and isinstance(obj.get("file"), str):
@@ -205,7 +251,7 @@ def verify_files(directory: str, manifest: Mapping[str, Any], *, hashes: bool = 
         if not hashes:
             continue
         items = by_file.get(name, [])
-        ranges = [(int(e.get("offset", -1)), int(e.get("length", -1))) for _, e in items]
+        ranges = [(_offset(e.get("offset")), _offset(e.get("length"))) for _, e in items]
         try:
             _, digest, item_digests = hash_file(full, ranges)
         except (OSError, ValueError) as exc:

@@ -20,9 +20,13 @@ from typing import IO, Any
 from ckptaudit.formats.allowlist import ALL_SAFE, HARMLESS_GLOBALS, global_name
 
 __all__ = [
+    "BUILD_BUDGET_BASE",
+    "BUILD_BUDGET_FACTOR",
     "CALL_BUDGET_FACTOR",
     "MAX_DEPTH",
+    "MAX_HASH_COLLISIONS",
     "MAX_INLINE",
+    "MAX_KEY_NODES",
     "MAX_LINE",
     "MAX_METADATA_OPCODES",
     "MAX_NODES",
@@ -30,6 +34,7 @@ __all__ = [
     "MAX_STACK",
     "PickleLimitError",
     "PickleScan",
+    "UnsafeBuildError",
     "UnsafeGlobalError",
     "scan",
 ]
@@ -57,6 +62,17 @@ MAX_NODES = 10_000_000
 """Most nodes of a loaded tree, shared sub-trees counted every time they are reachable."""
 CALL_BUDGET_FACTOR = 4
 """Constructors called while unpickling may copy at most this many times the pickle's size (plus 16 Mi)."""
+BUILD_BUDGET_FACTOR = 16
+"""What the opcodes of a pickle build (containers, strings, memo entries, estimated at CPython's object sizes)
+may take at most this many times the pickle's size, plus :data:`BUILD_BUDGET_BASE`. Real pickles take 9-12 times
+their size; 1-byte opcodes that each make a 216-byte empty set take 216 times."""
+BUILD_BUDGET_BASE = 32 << 20
+"""Fixed part of the build budget (bytes)."""
+MAX_HASH_COLLISIONS = 64
+"""Keys of one dict (or items of one set) that may share one hash value, past the first 32 entries: real
+checkpoints have none; 200k integer keys that all hash alike would make building the dict quadratic."""
+MAX_KEY_NODES = 256
+"""Most nodes of one dict key or set item (a tuple of tuples): hashing a tuple walks it every time."""
 
 @dataclass(frozen=True, slots=True)
 class PickleScan:
@@ -91,6 +107,11 @@ class UnsafeGlobalError(pickle.UnpicklingError):
     def __init__(self, name: str) -> None:
         super().__init__(f"global {name!r} is not in the allowlist; refusing to load it")
         self.name = name
+
+
+class UnsafeBuildError(pickle.UnpicklingError):
+    """A pickle tried to give an object an attribute its class does not declare (it could shadow a method a
+    check reads the object through: ``items``, ``values``, ``get``) or to rebuild an object already in use."""
 
 
 class PickleLimitError(pickle.UnpicklingError):
@@ -180,7 +201,10 @@ class _Walker:
         self.misused: dict[str, None] = {}
         self.stack: list[Any] = []
         self.marks: list[int] = []
-        self.memo: dict[int, Any] = {}
+        # A list indexed by memo slot (8 bytes a slot, slots bounded by the opcodes read), not a dict (~100 bytes
+        # an entry): millions of 1-byte MEMOIZE opcodes must not cost the scanner hundreds of MiB.
+        self.memo: list[Any] = []
+        self.memo_count = 0
         self.op_at = self.start
         self.proto = 0
 
@@ -301,17 +325,22 @@ class _Walker:
             elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
                 if not stack or (self.marks and len(stack) == self.marks[-1]):
                     raise _ScanError(f"{name} with nothing to remember")
-                index = len(self.memo) if name == "MEMOIZE" else int(arg)
+                index = self.memo_count if name == "MEMOIZE" else int(arg)
                 # Picklers number memo entries 0, 1, 2, ...; a far larger index would make C unpicklers (DCP's
                 # pickle.load of .metadata) allocate a memo array of that size.
                 if not 0 <= index <= count:
                     raise _ScanError(f"memo index {index} is beyond the {count} opcodes read so far (picklers number "
                                      "memo entries in order)")
+                if index >= len(self.memo):
+                    self.memo.extend([None] * (index + 1 - len(self.memo)))
+                if self.memo[index] is None:
+                    self.memo_count += 1
                 self.memo[index] = stack[-1]
             elif name in ("GET", "BINGET", "LONG_BINGET"):
-                if int(arg) not in self.memo:
+                at = int(arg)
+                if at >= len(self.memo) or self.memo[at] is None:
                     raise _ScanError(f"{name} of memo entry {arg}, which was never stored")
-                stack.append(self.memo[int(arg)])
+                stack.append(self.memo[at])
             elif name == "FRAME":
                 if int(arg) > self._remaining():
                     raise _ScanError(f"FRAME declares {arg} bytes, only {self._remaining()} remain")

@@ -6,8 +6,10 @@ of a ``.distcp`` file), ``.metadata`` of ``torch.distributed.checkpoint`` direct
 
 - :mod:`ckptaudit.formats.allowlist`: the names a pickle may reference, and how.
 - :mod:`ckptaudit.formats.pickle_scan`: :func:`scan`, the opcode walk (never executing), and the limits.
-- :mod:`ckptaudit.formats.unpickler`: :class:`RestrictedUnpickler` and :func:`check_tree`.
-- :mod:`ckptaudit.formats.dcp_metadata`: DCP ``.metadata`` through the DCP allowlist.
+- :mod:`ckptaudit.formats.unpickler`: :class:`RestrictedUnpickler` (one view: declared attributes only, vetted keys,
+  charged containers); :mod:`ckptaudit.formats.numpy_pickles`: NumPy arrays, scalars and dtypes in it.
+- :mod:`ckptaudit.formats.object_tree`: :func:`check_tree`, the bound on what was loaded.
+- :mod:`ckptaudit.formats.dcp_metadata`: DCP ``.metadata`` through the DCP allowlist, rebuilt as plain data.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ckptaudit.formats.allowlist import (
     global_name,
 )
 from ckptaudit.formats.dcp_metadata import dcp_metadata_loads
+from ckptaudit.formats.object_tree import check_tree
 from ckptaudit.formats.pickle_scan import (
     MAX_DEPTH,
     MAX_METADATA_OPCODES,
@@ -31,7 +34,7 @@ from ckptaudit.formats.pickle_scan import (
     UnsafeGlobalError,
     scan,
 )
-from ckptaudit.formats.unpickler import Opaque, RestrictedUnpickler, base_table, check_tree
+from ckptaudit.formats.unpickler import Opaque, RestrictedUnpickler, base_table
 
 __all__ = [
     "ALL_SAFE",

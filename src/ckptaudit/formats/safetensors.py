@@ -6,7 +6,6 @@ the file before anything is mapped, and hand out the same lazy :class:`TensorDat
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptaudit.formats.safeio import open_regular
+from ckptaudit.formats.safejson import loads_limited
 from ckptaudit.formats.tensors import DTYPES, Piece, TensorData
 
 __all__ = ["SafetensorsError", "SafetensorsFile", "read_safetensors"]
@@ -77,10 +77,9 @@ def read_safetensors(path: str) -> SafetensorsFile:
     if len(raw) != n:
         raise SafetensorsError(f"header declares {n} bytes, read {len(raw)}", 8)
     try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        # ValueError: JSONDecodeError, bad UTF-8, integers past Python's digit limit; RecursionError: nesting.
-        raise SafetensorsError(f"header is not valid JSON ({exc or 'nested too deeply'})", 8) from None
+        header = loads_limited(raw, "header", unique_keys=True)
+    except ValueError as exc:  # not JSON, a key twice, past a limit (depth, containers), digits past Python's limit
+        raise SafetensorsError(f"header is not valid JSON ({exc})", 8) from None
     if not isinstance(header, dict):
         raise SafetensorsError("header is not a JSON object", 8)
     data_start = 8 + n
@@ -97,7 +96,13 @@ def read_safetensors(path: str) -> SafetensorsFile:
     for begin, end, name, _ in entries:
         if begin < prev_end:
             raise SafetensorsError(f"tensor {name!r} overlaps the previous tensor", data_start + begin)
+        if begin > prev_end:  # the safetensors library refuses such a file (InvalidOffset)
+            raise SafetensorsError(f"tensor {name!r} starts at byte {begin} of the data, leaving bytes "
+                                   f"{prev_end}..{begin} that no tensor holds (a gap)", data_start + prev_end)
         prev_end = end
+    if prev_end != data_len:  # MetadataIncompleteBuffer in the safetensors library
+        raise SafetensorsError(f"the tensors end at byte {prev_end} of the data section, which has {data_len} "
+                               "bytes (bytes that no tensor holds)", data_start + prev_end)
     return SafetensorsFile({name: td for _, _, name, td in entries}, metadata)
 
 

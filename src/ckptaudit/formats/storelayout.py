@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 import re
 
+from ckptaudit.formats.safeio import open_regular
+
 __all__ = [
     "MANIFEST",
     "POINTER",
@@ -65,7 +67,8 @@ def parse_step_name(name: str) -> tuple[int, str] | None:
 def read_pointer(root: str) -> str | None:
     """The directory name the ``latest`` pointer holds, or ``None`` (absent, unreadable or not a step name)."""
     try:
-        with open(os.path.join(root, POINTER), "rb") as fh:
+        # A regular file only, opened without blocking: a FIFO as the pointer must not hang `latest`.
+        with open_regular(os.path.join(root, POINTER)) as fh:
             text = fh.read(256).decode("utf-8", "replace").strip()
     except OSError:
         return None

@@ -125,6 +125,17 @@ class TensorData:
             total += p.numel
         if total != self.numel:
             return f"shards hold {total} elements, the tensor has {self.numel}"
+        # Equal totals and every shard inside: the shards tile the tensor exactly unless two overlap (and so leave
+        # a hole elsewhere). Sorted by their first offset, a shard can only overlap those starting before it ends.
+        boxes = sorted((p.offsets, p.sizes) for p in self.pieces if p.numel)
+        for i, (offs, sizes) in enumerate(boxes):
+            for other_offs, other_sizes in boxes[i + 1:]:
+                if self.shape and other_offs[0] >= offs[0] + sizes[0]:
+                    break
+                if all(o2 < o1 + s1 and o1 < o2 + s2
+                       for o1, s1, o2, s2 in zip(offs, sizes, other_offs, other_sizes, strict=True)):
+                    return (f"shards at offsets {list(offs)} and {list(other_offs)} overlap (and leave a hole "
+                            "elsewhere): the tensor cannot be restored from them")
         return None
 
 

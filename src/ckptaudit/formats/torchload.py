@@ -5,7 +5,9 @@ comparing, exporting).
   ``torch.load(weights_only=True, mmap=True)`` and only the NumPy globals RNG states need added.
 - :func:`safe_dcp_load`: :func:`ckptaudit.formats.dcp.check_metadata_safe` first (``.metadata`` and every
   non-tensor item are pickles that ``torch.distributed.checkpoint.load`` unpickles without restriction), then
-  ``torch.distributed.checkpoint.load``. Call it on every rank, like ``torch.distributed.checkpoint.load``.
+  ``torch.distributed.checkpoint.load`` through :func:`safe_dcp_reader`, a storage reader that serves the
+  metadata the check rebuilt as plain data (converted to torch's classes here), never the pickle itself: what
+  is loaded is exactly what was vetted. Call it on every rank, like ``torch.distributed.checkpoint.load``.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import os
 from typing import Any
 
 from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe
+from ckptaudit.formats.dcp_metadata import BytesMeta, DcpMetadata, TensorMeta
 from ckptaudit.formats.torchzip import TorchZipError, is_zip, read_torch_zip
 
-__all__ = ["safe_dcp_load", "safe_torch_load"]
+__all__ = ["safe_dcp_load", "safe_dcp_reader", "safe_torch_load", "to_torch_metadata"]
 
 
 def _numpy_globals() -> list[Any]:
@@ -79,15 +82,74 @@ def materialize(data: Any, maps: Any) -> Any:
     return t.reshape(data.shape)
 
 
+def to_torch_metadata(md: DcpMetadata) -> Any:
+    """``torch.distributed.checkpoint.metadata.Metadata`` built from vetted plain data (for the live loader)."""
+    import torch
+    from torch.distributed.checkpoint import filesystem as dcp_fs
+    from torch.distributed.checkpoint import metadata as dcp_md
+
+    formats = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
+               "preserve_format": torch.preserve_format}
+    sd: dict[str, Any] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorMeta):
+            p = item.properties
+            dtype, layout = getattr(torch, p.dtype, None), getattr(torch, p.layout, None)
+            if not isinstance(dtype, torch.dtype) or not isinstance(layout, torch.layout):
+                raise UnsafeCheckpointError(f"item {fqn}: dtype {p.dtype} / layout {p.layout} unknown to torch")
+            props = dcp_md.TensorProperties(dtype=dtype, layout=layout, requires_grad=p.requires_grad,
+                                            memory_format=formats[p.memory_format], pin_memory=p.pin_memory)
+            chunks = [dcp_md.ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in item.chunks]
+            sd[fqn] = dcp_md.TensorStorageMetadata(props, torch.Size(item.size), chunks)
+        elif isinstance(item, BytesMeta):
+            sd[fqn] = dcp_md.BytesStorageMetadata()
+        else:
+            raise UnsafeCheckpointError(item.reason)
+    storage = {}
+    for key, info in md.storage_data.items():
+        if info.problem is not None:
+            raise UnsafeCheckpointError(f"item {key.fqn}: {info.problem}")
+        storage[dcp_md.MetadataIndex(key.fqn, key.offset)] = dcp_fs._StorageInfo(
+            info.relative_path, info.offset, info.length,
+            list(info.transform_descriptors) if info.transform_descriptors is not None else None)
+    sm = md.storage_meta
+    storage_meta = dcp_md.StorageMeta() if sm is None else dcp_md.StorageMeta(
+        checkpoint_id=sm.checkpoint_id, save_id=sm.save_id, load_id=sm.load_id, modules=list(sm.modules))
+    return dcp_md.Metadata(state_dict_metadata=sd, planner_data=dict(md.planner_data), storage_data=storage,
+                           storage_meta=storage_meta, version=md.version)
+
+
+def safe_dcp_reader(path: str | os.PathLike[str]) -> Any:
+    """A ``torch.distributed.checkpoint.FileSystemReader`` of ``path`` whose ``read_metadata`` returns the
+    metadata :func:`~ckptaudit.formats.dcp.check_metadata_safe` vetted (raises :class:`UnsafeCheckpointError`
+    when it refuses ``path``): ``.metadata`` is never unpickled by torch.
+
+    (all ranks) call it on every rank that loads, so each rank loads only what it checked itself.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = os.fspath(path)
+    vetted = to_torch_metadata(check_metadata_safe(path))
+
+    class _VettedReader(FileSystemReader):  # type: ignore[misc]
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            vetted.storage_meta.load_id = self.load_id
+            return vetted
+
+    return _VettedReader(path)
+
+
 def safe_dcp_load(state_dict: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load(state_dict, checkpoint_id=path, **kwargs)``, but only after
     :func:`~ckptaudit.formats.dcp.check_metadata_safe` accepted ``path`` (raises
-    :class:`UnsafeCheckpointError` otherwise, before anything of the checkpoint is unpickled).
+    :class:`UnsafeCheckpointError` otherwise, before anything of the checkpoint is unpickled), and through the
+    metadata that check vetted (:func:`safe_dcp_reader`), never a second reading of the pickle.
 
     (all ranks) every rank checks the directory itself, so no rank unpickles an unchecked file.
     """
     import torch.distributed.checkpoint as dcp
 
-    path = os.fspath(path)
-    check_metadata_safe(path)
-    dcp.load(state_dict, checkpoint_id=path, **kwargs)
+    if "storage_reader" in kwargs or "checkpoint_id" in kwargs:
+        raise TypeError("safe_dcp_load chooses the storage reader itself (the one that serves the vetted "
+                        "metadata); pass the directory as path, not storage_reader= or checkpoint_id=")
+    dcp.load(state_dict, storage_reader=safe_dcp_reader(path), **kwargs)

@@ -17,6 +17,7 @@ at most a few times the archive's bytes (overlapping views cannot turn a small f
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import os
 import pickle
@@ -26,10 +27,11 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from ckptaudit.formats.object_tree import check_tree
 from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, scan
 from ckptaudit.formats.safeio import open_regular
 from ckptaudit.formats.tensors import DTYPES, DType, Piece, TensorData
-from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table, check_tree
+from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
 
 __all__ = ["TorchZip", "TorchZipError", "is_zip", "read_torch_zip"]
 
@@ -103,6 +105,52 @@ class _Region(io.RawIOBase):
         b[: len(data)] = data
         self._pos += len(data)
         return len(data)
+
+
+MAX_ZIP_ENTRIES = 1_000_000
+"""Most members of one archive (``torch.save`` writes one per storage, plus three)."""
+_LOCAL_HEADER = 30
+"""Bytes of a zip local file header before its name: every member takes at least this much before the central
+directory."""
+
+
+def _check_directory_size(fh: Any, offset: int, length: int) -> None:
+    """Refuse an archive whose central directory lists more members than the bytes before it can hold (entries
+    sharing one local header: 2M entries would be read as valid at 1.2 GiB), from the end records alone."""
+    tail_len = min(length, 22 + 0xFFFF)
+    fh.seek(offset + length - tail_len)
+    tail = fh.read(tail_len)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + 22 > len(tail):
+        return  # no end record: zipfile says what is wrong
+    entries, _size, cd_offset = struct.unpack_from("<10xHLL", tail, at)
+    locator = at - 20
+    if (entries == 0xFFFF or cd_offset == 0xFFFFFFFF) and locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07":
+        (z64_at,) = struct.unpack_from("<8xQ", tail, locator)
+        if 0 <= z64_at <= length - 56:
+            fh.seek(offset + z64_at)
+            rec = fh.read(56)
+            if rec[:4] == b"PK\x06\x06":
+                entries, _size, cd_offset = struct.unpack_from("<32xQQQ", rec)
+    if entries > MAX_ZIP_ENTRIES:
+        raise TorchZipError(f"zip central directory lists {entries} members, more than the reader's limit of "
+                            f"{MAX_ZIP_ENTRIES}", offset, limit=True)
+    if entries * _LOCAL_HEADER > cd_offset:
+        raise TorchZipError(f"zip central directory lists {entries} members, but only {cd_offset} bytes precede it "
+                            f"(each member's local header takes at least {_LOCAL_HEADER}): members share local "
+                            "headers", offset)
+
+
+def _check_local_headers(infos: list[zipfile.ZipInfo], offset: int) -> None:
+    """Central entries and local headers agree one to one: each entry's local header, name and data fit before
+    the next entry's header."""
+    ordered = sorted(infos, key=lambda i: i.header_offset)
+    for cur, nxt in itertools.pairwise(ordered):
+        end = cur.header_offset + _LOCAL_HEADER + len(cur.filename.encode("utf-8", "surrogateescape")) \
+            + cur.compress_size
+        if nxt.header_offset < end:
+            raise TorchZipError(f"zip members {cur.filename!r} and {nxt.filename!r} share bytes (local header at "
+                                f"{nxt.header_offset}, inside the member before it)", offset + nxt.header_offset)
 
 
 def is_zip(path: str, offset: int = 0) -> bool:
@@ -308,12 +356,14 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
                 f"archive at offset {offset} with length {length} exceeds the file ({file_size} bytes)", offset
             )
         fh = raw
+        _check_directory_size(fh, offset, length)  # before zipfile builds one object per central entry
         try:
             zf = zipfile.ZipFile(_Region(fh, offset, length))  # type: ignore[arg-type]
         except _ZIP_ERRORS as exc:
             raise TorchZipError(f"not a readable zip archive ({exc})", offset) from None
         with zf:
             infos = zf.infolist()
+            _check_local_headers(infos, offset)
             names = [i.filename for i in infos]
             if len(set(names)) != len(names):
                 raise TorchZipError("zip archive names a member twice (readers could disagree on which one "
@@ -430,7 +480,7 @@ def _is_plain_tree(obj: Any) -> bool:
     while todo:
         v = todo.pop()
         if isinstance(v, dict):
-            todo.extend(v.values())
+            todo.extend(dict.values(v))
         elif isinstance(v, list | tuple):
             todo.extend(v)
         elif not isinstance(v, TensorData | str | bytes | int | float | bool | type(None)):
@@ -451,7 +501,7 @@ def _bind_file(obj: Any, path: str, memo: dict[int, Any] | None = None, *,
         pieces = tuple(_with_file(p, path, moved) for p in obj.pieces)
         out: Any = TensorData(obj.dtype, obj.shape, pieces)
     elif isinstance(obj, dict):
-        items = [(k, _bind_file(v, path, memo, moved=moved)) for k, v in obj.items()]
+        items = [(k, _bind_file(v, path, memo, moved=moved)) for k, v in dict.items(obj)]
         out = type(obj)(items) if type(obj) is not dict else dict(items)
     elif isinstance(obj, list):
         out = [_bind_file(v, path, memo, moved=moved) for v in obj]
@@ -472,7 +522,7 @@ def _tensor_bytes(obj: Any) -> int:
         if isinstance(value, TensorData):
             total += value.nbytes
         elif isinstance(value, dict):
-            todo.extend(value.values())
+            todo.extend(dict.values(value))  # the data, never a method the pickle could shadow
         elif isinstance(value, list | tuple):
             todo.extend(value)
     return total

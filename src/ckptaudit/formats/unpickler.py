@@ -4,7 +4,7 @@
 implementation (the allowlist is checked a second time), which refuses ``EXT``/``INST``/``OBJ``, lets ``BUILD``
 touch only instances of vetted classes with vetted state, and charges every call against a budget proportional
 to the pickle's size (so a small pickle cannot make a huge object by calling allowed functions in a loop).
-:func:`check_tree` then bounds the depth and the expanded size of what was loaded (no cycles, no exponential
+:func:`ckptaudit.formats.object_tree.check_tree` then bounds the depth and the expanded size of what was loaded (no cycles, no exponential
 sharing), so every later recursive walk is safe.
 """
 
@@ -12,23 +12,32 @@ from __future__ import annotations
 
 import collections
 import io
-import math
 import pickle
 import struct
 from collections.abc import Callable, Iterable
 from typing import IO, Any, ClassVar
 
-from ckptaudit.formats.allowlist import NUMPY_DTYPE_CLASSES, TORCH_DTYPES, global_name
+from ckptaudit.formats.allowlist import TORCH_DTYPES, global_name
+from ckptaudit.formats.numpy_pickles import (
+    NdarrayShell,
+    dtype_from_state,
+    ndarray_from_state,
+    numpy_module,
+    numpy_table,
+)
 from ckptaudit.formats.pickle_scan import (
+    BUILD_BUDGET_BASE,
+    BUILD_BUDGET_FACTOR,
     CALL_BUDGET_FACTOR,
-    MAX_DEPTH,
+    MAX_HASH_COLLISIONS,
+    MAX_KEY_NODES,
     MAX_LINE,
-    MAX_NODES,
     PickleLimitError,
+    UnsafeBuildError,
     UnsafeGlobalError,
 )
 
-__all__ = ["Opaque", "RestrictedUnpickler", "base_table", "check_tree"]
+__all__ = ["BUILD_ATTRIBUTES", "Opaque", "PickledRecord", "RestrictedUnpickler", "base_table"]
 
 # --------------------------------------------------------------------------------------------------------------
 # Restricted unpicklers
@@ -60,6 +69,54 @@ class _Capped:
 
 
 _SIZED = frozenset({str, bytes, bytearray, tuple, list, dict, set, frozenset})
+_KEY_SCALARS = frozenset({str, bytes, int, float, complex, bool, type(None)})
+
+BUILD_ATTRIBUTES: dict[type, frozenset[str]] = {collections.OrderedDict: frozenset({"_metadata"})}
+"""The only instance attributes ``BUILD`` may set on allowlisted classes without their own ``__setstate__``:
+``nn.Module.state_dict()`` returns an ``OrderedDict`` carrying ``_metadata`` (module versions). Nothing else, so
+no pickle can give a container an attribute that shadows one of its methods (``items``, ``values``, ``get``)."""
+
+_OPCODE_COST: dict[int, int] = {
+    pickle.EMPTY_DICT[0]: 64,
+    pickle.EMPTY_LIST[0]: 56,
+    pickle.EMPTY_SET[0]: 216,
+    pickle.MEMOIZE[0]: 100,
+    pickle.PUT[0]: 100,
+    pickle.BINPUT[0]: 100,
+    pickle.LONG_BINPUT[0]: 100,
+    pickle.TUPLE1[0]: 56,
+    pickle.TUPLE2[0]: 64,
+    pickle.TUPLE3[0]: 72,
+    pickle.REDUCE[0]: 64,
+    pickle.NEWOBJ[0]: 64,
+    pickle.NEWOBJ_EX[0]: 64,
+    pickle.BUILD[0]: 64,
+    pickle.LONG1[0]: 32,
+    pickle.LONG4[0]: 32,
+    pickle.BININT[0]: 32,
+    pickle.BINFLOAT[0]: 24,
+}
+_SIZED_RESULT = frozenset(
+    op[0] for op in (pickle.STRING, pickle.BINSTRING, pickle.SHORT_BINSTRING, pickle.UNICODE, pickle.BINUNICODE,
+                     pickle.SHORT_BINUNICODE, pickle.BINUNICODE8, pickle.BINBYTES, pickle.SHORT_BINBYTES,
+                     pickle.BINBYTES8, pickle.BYTEARRAY8, pickle.LONG4)
+)
+
+
+def _charged(fn: Callable[[Any], None], cost: int, sized: bool) -> Callable[[Any], None]:
+    if sized:
+        def run_sized(self: Any) -> None:
+            self._spend(cost + 50)
+            fn(self)
+            top = self.stack[-1]
+            if type(top) in _SIZED:
+                self._spend(len(top))
+        return run_sized
+
+    def run(self: Any) -> None:
+        self._spend(cost)
+        fn(self)
+    return run
 
 
 class Opaque:
@@ -74,6 +131,42 @@ class Opaque:
 
     def __repr__(self) -> str:
         return f"<not loaded: {self.name}>"
+
+
+class PickledRecord:
+    """A stand-in for a class a pickle may build, with one view only: ``__slots__`` hold exactly the declared
+    ``FIELDS`` (no ``__dict__``, so no attribute can shadow a method), ``NEWOBJ`` makes it empty and one ``BUILD``
+    sets declared fields; it is never called, and it hashes by identity (a pickle cannot make its keys collide)."""
+
+    __slots__ = ()
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    __hash__ = object.__hash__
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise pickle.UnpicklingError(f"{type(self).__name__} is only rebuilt from pickled state, never called")
+
+    def __setstate__(self, state: Any) -> None:
+        slots = None
+        if type(state) is tuple and len(state) == 2:
+            state, slots = state
+        for part in (state, slots):
+            if part is None:
+                continue
+            if type(part) is not dict:
+                raise pickle.UnpicklingError(f"BUILD state for {type(self).__name__} is not a plain dict")
+            for k, v in dict.items(part):
+                if type(k) is not str or k not in self.FIELDS:
+                    raise UnsafeBuildError(
+                        f"BUILD may not set {k!r} on {type(self).__name__} (fields: {', '.join(self.FIELDS)})")
+                object.__setattr__(self, k, v)
+
+    def get(self, name: str) -> Any:
+        """The value of field ``name``, ``None`` where the pickle left it unset."""
+        return getattr(self, name, None) if name in self.FIELDS else None
+
+    def values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, f, None) for f in self.FIELDS)
 
 
 class _OpaqueGlobal:
@@ -100,6 +193,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     stack: list[Any]
     append: Callable[[Any], None]
     read: Callable[[int], bytes]
+    pop_mark: Callable[[], list[Any]]
     proto: int
 
     dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
@@ -127,8 +221,11 @@ class RestrictedUnpickler(pickle._Unpickler):
         self._build_types = tuple(build_types)
         self._persistent = persistent_load
         self._budget = CALL_BUDGET_FACTOR * size + (16 << 20)
+        self._build_left = BUILD_BUDGET_FACTOR * size + BUILD_BUDGET_BASE
         self._inert = inert
         self._opaque: dict[str, _OpaqueGlobal] = {}
+        self._built: set[int] = set()
+        self._collisions: dict[int, tuple[Any, dict[int, int]]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         key = global_name(module, name, self.proto)  # the same name the scanner vetted
@@ -162,7 +259,27 @@ class RestrictedUnpickler(pickle._Unpickler):
         if id(func) not in self._callables or not isinstance(args, tuple):
             raise pickle.UnpicklingError(f"REDUCE of {type(func).__name__}, which is not an allowed callable")
         self._charge(*args)
+        if func is set or func is frozenset or func is collections.OrderedDict:
+            stack[-1] = self._container(func, args)
+            return
         stack[-1] = func(*args)
+
+    def _container(self, cls: Any, args: tuple[Any, ...]) -> Any:
+        """``set(items)``, ``frozenset(items)``, ``OrderedDict(pairs)``, built one vetted item at a time."""
+        if len(args) > 1 or (args and type(args[0]) not in (list, tuple)):
+            raise pickle.UnpicklingError(f"{cls.__name__} called with {len(args)} arguments that are not a list")
+        items = args[0] if args else ()
+        if cls is collections.OrderedDict:
+            od: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+            for pair in items:
+                if type(pair) not in (list, tuple) or len(pair) != 2:
+                    raise pickle.UnpicklingError("OrderedDict called with items that are not (key, value) pairs")
+                self._setitem(od, pair[0], pair[1])
+            return od
+        out: set[Any] = set()
+        for item in items:
+            self._add(out, item)
+        return out if cls is set else frozenset(out)
 
     def _load_newobj(self) -> None:
         args = self.stack.pop()
@@ -213,32 +330,177 @@ class RestrictedUnpickler(pickle._Unpickler):
             return inst
         if isinstance(inst, _OpaqueGlobal):
             return Opaque(inst.name, (), state)
-        np = _numpy()
+        np = numpy_module()
         if np is not None and isinstance(inst, np.dtype):
-            return _dtype_from_state(inst, state)
-        if isinstance(inst, _NdarrayShell):
+            return dtype_from_state(inst, state)
+        if isinstance(inst, NdarrayShell):
             self._charge(state[-1] if isinstance(state, tuple) and state else None)
-            return _ndarray_from_state(state)
+            return ndarray_from_state(state)
         if type(inst) not in self._build_types:
             raise pickle.UnpicklingError(f"BUILD on {type(inst).__name__} is not allowed")
+        if id(inst) in self._built:  # a second BUILD through the memo would change an object already in use
+            raise UnsafeBuildError(f"a second BUILD on one {type(inst).__name__} (picklers build each object once; "
+                                   "a second one would change an object already in use, e.g. a dict key)")
+        self._built.add(id(inst))
+        if isinstance(inst, PickledRecord):
+            type(inst).__setstate__(inst, state)
+            return inst
         own = type(inst).__dict__.get("__setstate__")
         if own is not None:
             own(inst, state)
             return inst
+        declared = BUILD_ATTRIBUTES.get(type(inst), frozenset())
         slots = None
-        if isinstance(state, tuple) and len(state) == 2:
+        if type(state) is tuple and len(state) == 2:
             state, slots = state
         for part in (state, slots):
             if part is None:
                 continue
-            if not isinstance(part, dict):
-                raise pickle.UnpicklingError(f"BUILD state for {type(inst).__name__} is not a dict")
-            for k, v in part.items():
-                if not isinstance(k, str) or k.startswith("__"):
-                    raise pickle.UnpicklingError(f"BUILD may not set attribute {k!r}")
+            if type(part) is not dict:
+                raise pickle.UnpicklingError(f"BUILD state for {type(inst).__name__} is not a plain dict")
+            for k, v in dict.items(part):
+                if type(k) is not str or k not in declared:
+                    raise UnsafeBuildError(
+                        f"BUILD may not set attribute {k!r} on {type(inst).__name__} (allowed: "
+                        f"{', '.join(sorted(declared)) or 'none'}): an instance attribute could shadow a method "
+                        "that a check reads the object through")
                 object.__setattr__(inst, k, v)
         return inst
 
+    # -- containers: exact types, vetted keys, charged sizes -------------------------------------------------
+    def _spend(self, cost: int) -> None:
+        self._build_left -= cost
+        if self._build_left < 0:
+            raise PickleLimitError(
+                f"the objects this pickle builds exceed {BUILD_BUDGET_FACTOR}x its size + "
+                f"{BUILD_BUDGET_BASE >> 20} MiB (an opcode amplification: many small opcodes, large objects)")
+
+    def _key_hash(self, key: Any) -> int:
+        """``hash(key)`` for a key whose hashing is cheap and cannot be steered into collisions unnoticed."""
+        t = type(key)
+        if t in _KEY_SCALARS or t is frozenset or t.__hash__ is object.__hash__:
+            return hash(key)
+        if isinstance(key, tuple):  # tuple, torch.Size: hashing walks it every time, so bound its size
+            nodes, todo = 0, [key]
+            while todo:
+                v = todo.pop()
+                nodes += 1
+                if nodes > MAX_KEY_NODES:
+                    raise PickleLimitError(f"a dict key or set item with more than {MAX_KEY_NODES} nodes")
+                if isinstance(v, tuple):
+                    todo.extend(v)
+                elif not (type(v) in _KEY_SCALARS or type(v) is frozenset or type(v).__hash__ is object.__hash__):
+                    raise pickle.UnpicklingError(f"a {type(v).__name__} inside a dict key or set item")
+            return hash(key)
+        np = numpy_module()
+        if np is not None and isinstance(key, np.generic) and key.dtype.kind in "biufc":
+            return hash(key)
+        raise pickle.UnpicklingError(f"a {t.__name__} may not be a dict key or set item")
+
+    def _admit(self, container: Any, key: Any) -> None:
+        """Vet ``key`` before it goes into ``container``: cheap to hash, and not the next of many keys sharing
+        one hash value (each would be compared with all the others: quadratic)."""
+        h = self._key_hash(key)
+        self._spend(48)
+        if len(container) < 32:
+            return
+        entry = self._collisions.get(id(container))
+        if entry is None or entry[0] is not container:
+            entry = self._collisions[id(container)] = (container, {})
+        counts = entry[1]
+        c = counts.get(h, 0) + 1
+        if c > MAX_HASH_COLLISIONS:
+            raise PickleLimitError(
+                f"more than {MAX_HASH_COLLISIONS} keys of one {type(container).__name__} share the hash value {h} "
+                "(a hash-collision attack: building it would take quadratic time)")
+        counts[h] = c
+        self._spend(64)
+
+    def _setitem(self, d: Any, key: Any, value: Any) -> None:
+        if not isinstance(d, dict):
+            raise pickle.UnpicklingError(f"SETITEM on a {type(d).__name__}, not a dict")
+        self._admit(d, key)
+        d[key] = value  # dict's own __setitem__ (looked up on the type, never on the instance)
+
+    def _add(self, s: set[Any], item: Any) -> None:
+        self._admit(s, item)
+        set.add(s, item)
+
+    def _load_setitem(self) -> None:
+        stack = self.stack
+        value = stack.pop()
+        key = stack.pop()
+        self._setitem(stack[-1], key, value)
+
+    def _load_setitems(self) -> None:
+        items = self.pop_mark()
+        if len(items) % 2:
+            raise pickle.UnpicklingError("SETITEMS with an odd number of items")
+        d = self.stack[-1]
+        for i in range(0, len(items), 2):
+            self._setitem(d, items[i], items[i + 1])
+
+    def _load_dict(self) -> None:
+        items = self.pop_mark()
+        if len(items) % 2:
+            raise pickle.UnpicklingError("DICT with an odd number of items")
+        self._spend(64)
+        d: dict[Any, Any] = {}
+        for i in range(0, len(items), 2):
+            self._setitem(d, items[i], items[i + 1])
+        self.append(d)
+
+    def _load_append(self) -> None:
+        value = self.stack.pop()
+        target = self.stack[-1]
+        if type(target) is not list:
+            raise pickle.UnpicklingError(f"APPEND to a {type(target).__name__}, not a list")
+        self._spend(8)
+        list.append(target, value)
+
+    def _load_appends(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        if type(target) is not list:
+            raise pickle.UnpicklingError(f"APPENDS to a {type(target).__name__}, not a list")
+        self._spend(8 * len(items))
+        list.extend(target, items)
+
+    def _load_additems(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        if type(target) is not set:
+            raise pickle.UnpicklingError(f"ADDITEMS to a {type(target).__name__}, not a set")
+        for item in items:
+            self._add(target, item)
+
+    def _load_frozenset(self) -> None:
+        items = self.pop_mark()
+        self._spend(216)
+        out: set[Any] = set()
+        for item in items:
+            self._add(out, item)
+        self.append(frozenset(out))
+
+    def _load_tuple(self) -> None:
+        items = self.pop_mark()
+        self._spend(40 + 8 * len(items))
+        self.append(tuple(items))
+
+    def _load_list(self) -> None:
+        items = self.pop_mark()
+        self._spend(56 + 8 * len(items))
+        self.append(items)
+
+    dispatch[pickle.SETITEM[0]] = _load_setitem
+    dispatch[pickle.SETITEMS[0]] = _load_setitems
+    dispatch[pickle.DICT[0]] = _load_dict
+    dispatch[pickle.APPEND[0]] = _load_append
+    dispatch[pickle.APPENDS[0]] = _load_appends
+    dispatch[pickle.ADDITEMS[0]] = _load_additems
+    dispatch[pickle.FROZENSET[0]] = _load_frozenset
+    dispatch[pickle.TUPLE[0]] = _load_tuple
+    dispatch[pickle.LIST[0]] = _load_list
     dispatch[pickle.REDUCE[0]] = _load_reduce
     dispatch[pickle.NEWOBJ[0]] = _load_newobj
     dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
@@ -246,14 +508,13 @@ class RestrictedUnpickler(pickle._Unpickler):
     dispatch[pickle.BYTEARRAY8[0]] = _load_bytearray8
     for _code in (pickle.EXT1, pickle.EXT2, pickle.EXT4, pickle.INST, pickle.OBJ):
         dispatch[_code[0]] = _refuse
-
-
-def _numpy() -> Any:
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        return None
-    return np
+    # Every other opcode is charged what it builds (estimated at CPython's object sizes) before it runs; strings
+    # and byte strings are charged their length after.
+    for _op, _fn in list(dispatch.items()):
+        if _fn not in (_load_setitem, _load_setitems, _load_dict, _load_append, _load_appends, _load_additems,
+                       _load_frozenset, _load_tuple, _load_list):
+            dispatch[_op] = _charged(_fn, _OPCODE_COST.get(_op, 16), _op in _SIZED_RESULT)
+    del _op, _fn
 
 
 def _safe_codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
@@ -263,95 +524,6 @@ def _safe_codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict
     return obj.encode("latin1")
 
 
-class _NdarrayType:
-    """Stands for ``numpy.ndarray`` in a pickle: only ever the first argument of ``_reconstruct``."""
-
-    __slots__ = ()
-
-
-class _NdarrayShell:
-    """What ``_reconstruct`` returns: an empty array waiting for its ``BUILD`` state."""
-
-    __slots__ = ()
-
-
-def _numeric_dtype(dt: Any) -> Any:
-    np = _numpy()
-    if not isinstance(dt, np.dtype) or dt.hasobject or dt.kind not in "biufc" or dt.subdtype is not None:
-        raise pickle.UnpicklingError(f"numpy dtype {dt!r} is not allowed (only plain numeric dtypes)")
-    return dt
-
-
-def _dtype_from_state(dt: Any, state: Any) -> Any:
-    # numpy pickles a dtype as dtype(spec, False, True) + BUILD (3, byteorder, None, None, None, -1, -1, 0).
-    ok = (
-        isinstance(state, tuple)
-        and len(state) in (8, 9)
-        and state[0] in (3, 4)
-        and state[1] in ("<", ">", "|", "=")
-        and state[2:5] == (None, None, None)
-        and state[5:8] == (-1, -1, 0)
-        and (len(state) == 8 or state[8] is None)
-    )
-    if not ok:
-        raise pickle.UnpicklingError(f"numpy dtype state {state!r} is not that of a plain numeric dtype")
-    new = dt.newbyteorder(state[1]) if state[1] in "<>" else dt
-    return _numeric_dtype(new)
-
-
-def _ndarray_from_state(state: Any) -> Any:
-    np = _numpy()
-    if not (isinstance(state, tuple) and len(state) == 5 and state[0] == 1):
-        raise pickle.UnpicklingError("numpy array state is not (1, shape, dtype, fortran, data)")
-    _, shape, dtype, fortran, raw = state
-    if not (isinstance(shape, tuple) and all(isinstance(d, int) and d >= 0 for d in shape) and len(shape) <= 64):
-        raise pickle.UnpicklingError(f"numpy array shape {shape!r} is not a tuple of sizes")
-    dtype = _numeric_dtype(dtype)
-    if not isinstance(raw, bytes | bytearray | memoryview):
-        raise pickle.UnpicklingError("numpy array data is not a byte string")
-    data = bytes(raw)
-    if len(data) != math.prod(shape) * dtype.itemsize:
-        raise pickle.UnpicklingError(f"numpy array data does not match shape {list(shape)} x {dtype}")
-    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C")
-
-
-def _numpy_table() -> dict[str, Any]:
-    np = _numpy()
-
-    def reconstruct(subtype: Any, shape: Any, dtype: Any) -> _NdarrayShell:
-        # numpy always writes _reconstruct(ndarray, (0,), b'b'): an empty array that BUILD fills.
-        if subtype is not _NdarrayType or not isinstance(shape, tuple) or math.prod(
-            int(d) if isinstance(d, int) else 1 for d in shape
-        ) != 0:
-            raise pickle.UnpicklingError("only an empty plain numpy.ndarray may be reconstructed")
-        return _NdarrayShell()
-
-    def make_dtype(spec: Any, align: bool = False, copy: bool = False) -> Any:
-        if not isinstance(spec, str) or len(spec) > 8:
-            raise pickle.UnpicklingError(f"numpy dtype spec {spec!r} is not a short type code")
-        return _numeric_dtype(np.dtype(spec, align=bool(align), copy=True))
-
-    def scalar(dtype: Any, data: Any = None) -> Any:
-        dtype = _numeric_dtype(dtype)
-        if not isinstance(data, bytes) or len(data) != dtype.itemsize:
-            raise pickle.UnpicklingError("numpy scalar data does not match its dtype")
-        return np.frombuffer(data, dtype=dtype)[0]
-
-    def frombuffer(buf: Any, dtype: Any, shape: Any, order: Any) -> Any:
-        # Protocol 5 spells an array as _frombuffer(bytes, dtype, shape, order).
-        return _ndarray_from_state((1, shape, dtype, order == "F", buf))
-
-    table: dict[str, Any] = {"numpy.ndarray": _NdarrayType, "numpy.dtype": make_dtype}
-    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        table[f"{mod}._reconstruct"] = reconstruct
-        table[f"{mod}.scalar"] = scalar
-    for mod in ("numpy.core.numeric", "numpy._core.numeric"):
-        table[f"{mod}._frombuffer"] = frombuffer
-    dtypes_mod = getattr(np, "dtypes", None)
-    for cls in NUMPY_DTYPE_CLASSES:
-        if dtypes_mod is not None and hasattr(dtypes_mod, cls):
-            table[f"numpy.dtypes.{cls}"] = getattr(dtypes_mod, cls)
-    return table
 
 
 def base_table() -> dict[str, Any]:
@@ -371,85 +543,7 @@ def base_table() -> dict[str, Any]:
         value = getattr(torch, d, None)
         if isinstance(value, torch.dtype):
             table[f"torch.{d}"] = value
-    table.update(_numpy_table())
+    table.update(numpy_table())
     return table
 
 
-_LEAF_TYPES = frozenset({str, bytes, bytearray, int, float, complex, bool, type(None)})
-
-
-def _children(value: Any) -> list[Any] | tuple[Any, ...] | None:
-    """The sub-objects of a container (dataclass instances, such as DCP metadata, through their fields)."""
-    if type(value) in _LEAF_TYPES:
-        return None
-    if isinstance(value, Opaque):
-        return [value.args, value.state]
-    if isinstance(value, dict):
-        return [x for kv in value.items() for x in kv]
-    if isinstance(value, list | tuple):
-        return value
-    if isinstance(value, set | frozenset):
-        return list(value)
-    if hasattr(value, "__dict__") and not isinstance(value, type):
-        return list(vars(value).values())
-    return None
-
-
-def check_tree(obj: Any, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES) -> str | None:
-    """Why a loaded object tree is unsafe to walk recursively, or ``None``: cyclic, nested deeper than
-    ``max_depth``, or more than ``max_nodes`` nodes once shared sub-trees are expanded (a pickle can share one
-    list a billion times through its memo). Iterative; costs one visit per distinct object, not per path."""
-    too_many = f"the loaded object tree has more than {max_nodes} nodes (shared sub-trees counted each time)"
-    too_deep = f"the loaded object tree nests deeper than {max_depth} levels"
-    root = _children(obj)
-    if root is None:
-        return None
-    done: dict[int, tuple[int, int]] = {}  # id -> (nodes of the expanded sub-tree, height), once visited
-    pending: dict[int, tuple[int, int, list[Any]]] = {}  # id -> (own nodes, own height, container children)
-    on_path: set[int] = set()
-    seen = 0
-    todo: list[tuple[Any, Any, bool]] = [(obj, root, False)]
-    while todo:
-        node, children, finished = todo.pop()
-        key = id(node)
-        if finished:
-            on_path.discard(key)
-            n, h, containers = pending.pop(key)
-            for c in containers:
-                cn, ch = done[id(c)]
-                n, h = n + cn, max(h, ch + 1)
-            done[key] = (n, h)
-            if n > max_nodes:
-                return too_many
-            if h > max_depth:
-                return too_deep
-            continue
-        if key in done:  # a shared sub-tree, already measured
-            continue
-        if key in on_path:
-            return "the loaded object tree contains itself (a cycle)"
-        if len(on_path) >= max_depth:
-            return too_deep
-        seen += len(children) + 1
-        if seen > max_nodes:
-            return too_many
-        on_path.add(key)
-        todo.append((node, None, True))
-        n, h, containers = 1, 1, []
-        for c in children:
-            if type(c) in _LEAF_TYPES:
-                n += 1
-                continue
-            if id(c) in done:
-                containers.append(c)
-                continue
-            grand = _children(c)
-            if grand is None:
-                n += 1
-            elif not grand:  # an empty container: counted here, no bookkeeping
-                n, h = n + 1, max(h, 2)
-            else:
-                containers.append(c)
-                todo.append((c, grand, False))
-        pending[key] = (n, h, containers)
-    return None

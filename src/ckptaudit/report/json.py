@@ -8,7 +8,7 @@ import json
 from typing import Any, TextIO
 
 from ckptaudit import __version__
-from ckptaudit.model import HASH_ALGORITHM, SCHEMA_VERSION, Report, Severity
+from ckptaudit.model import HASH_ALGORITHM, SCHEMA_VERSION, Report, Severity, printable, text
 
 __all__ = ["render_json", "to_dict"]
 
@@ -21,14 +21,27 @@ def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {text(k): _plain(v) for k, v in dict.items(value)}
     if isinstance(value, list | tuple | set | frozenset):
         return [_plain(v) for v in value]
-    if isinstance(value, float) and value != value:  # NaN is not JSON
-        return None
     if isinstance(value, str | int | float | bool) or value is None:
-        return value
+        # Integers past Python's int-to-string limit and NaN / infinities become documented texts.
+        return printable(value)
+    np_value = _numpy_value(value)
+    if np_value is not None:
+        return np_value
     return str(value)
+
+
+def _numpy_value(value: Any) -> Any:
+    """NumPy scalars and small arrays (RNG states) as JSON values; ``None`` for anything else."""
+    import numpy as np
+
+    if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+        return printable(value.item())
+    if isinstance(value, np.ndarray):
+        return f"<array {value.dtype}{list(value.shape)}>"
+    return None
 
 
 def to_dict(report: Report) -> dict[str, Any]:

@@ -144,6 +144,14 @@ def _lightning_step(path: str) -> int | None:
         return None
 
 
+def _links_outside(root: str, name: str) -> bool:
+    full = os.path.join(root, name)
+    if not os.path.islink(full):
+        return False
+    real_root = os.path.realpath(root)
+    return os.path.commonpath([real_root, os.path.realpath(full)]) != real_root
+
+
 def discover(root: str) -> list[Candidate]:
     """The checkpoints under ``root`` (or ``root`` itself, if it is one), newest first.
 
@@ -154,7 +162,9 @@ def discover(root: str) -> list[Candidate]:
     own = _classify(root, os.path.basename(root))
     if os.path.isfile(root):
         return [own] if own is not None else []
-    children = [c for c in (_classify(os.path.join(root, n), n) for n in sorted(os.listdir(root))) if c is not None]
+    # A candidate that is a link leaving root is never judged: `latest` would vouch for another checkpoint.
+    names = [n for n in sorted(os.listdir(root)) if not _links_outside(root, n)]
+    children = [c for c in (_classify(os.path.join(root, n), n) for n in names) if c is not None]
     if own is not None and not children:
         return [own]
     found = [Candidate(c.path, c.name, c.layout, _lightning_step(c.path), c.mtime)

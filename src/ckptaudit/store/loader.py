@@ -96,7 +96,8 @@ def load_checkpoint(
        ``allow_dtype_change``).
     3. (all ranks) verify the files against the manifest, each rank a share (sizes, and xxh3-128 when
        ``verify="hashes"``); exchange the problems, so every rank raises the same error.
-    4. (all ranks) ``check_metadata_safe`` on ``.metadata`` (DCP unpickles it with plain ``pickle``).
+    4. (all ranks) ``check_metadata_safe`` on ``.metadata`` (DCP unpickles it with plain ``pickle``); DCP is
+       given the metadata it vetted (``safe_dcp_reader``), never the file to unpickle again.
     5. (all ranks) ``torch.distributed.checkpoint.load`` into the live state (non-tensor items unpickled
        with ``weights_only=True``), then ``set_state_dict``, the scheduler, the step, the data progress, and
        last this rank's RNG state.
@@ -158,10 +159,11 @@ def load_checkpoint(
         raise CheckpointLoadError(f"{ckpt} does not match its manifest: {'; '.join(all_problems[:5])}"
                                   + (f" (and {len(all_problems) - 5} more)" if len(all_problems) > 5 else "")
                                   + "; resume from an older checkpoint (`ckptaudit latest` lists them)")
-    from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe
+    from ckptaudit.formats.dcp import UnsafeCheckpointError
+    from ckptaudit.formats.torchload import safe_dcp_reader
 
     try:
-        check_metadata_safe(ckpt)
+        reader = safe_dcp_reader(ckpt)  # DCP reads the metadata this check vetted, never the pickle again
     except UnsafeCheckpointError as exc:
         raise CheckpointLoadError(f"refusing to load {ckpt}: {exc}") from None
 
@@ -183,7 +185,7 @@ def load_checkpoint(
 
     try:
         with single_process_quiet(group):
-            dcp.load(tmpl, checkpoint_id=ckpt, planner=load_planner(), no_dist=not group.on)
+            dcp.load(tmpl, storage_reader=reader, planner=load_planner(), no_dist=not group.on)
     except CheckpointException as exc:
         raise CheckpointLoadError(f"torch.distributed.checkpoint.load of {ckpt} failed ({dcp_failures(exc)})") from None
     except Exception as exc:  # noqa: BLE001 - a collective inside DCP failed, or DCP rejected the state dict
