@@ -136,14 +136,14 @@ class _MemFormat:
 
 @dataclass(frozen=True, slots=True)
 class _WriteItemType:
-    """``WriteItemType(value)``: the enum member, by its value (0 tensor, 1 shard, 2 bytes-io)."""
+    """``WriteItemType(value)``: the enum member, by its value (``auto()``: 1 tensor, 2 shard, 3 bytes-io)."""
 
     value: int
 
 
 def _write_item_type(value: Any) -> _WriteItemType:
-    if type(value) is not int or not 0 <= value <= 2:
-        raise pickle.UnpicklingError(f"WriteItemType value {value!r} is not 0, 1 or 2")
+    if type(value) is not int or not 1 <= value <= 3:
+        raise pickle.UnpicklingError(f"WriteItemType value {value!r} is not 1, 2 or 3")
     return _WriteItemType(value)
 
 
@@ -294,6 +294,9 @@ class DcpMetadata:
     planner_data: Mapping[str, tuple[str | int, ...]]
     storage_meta: StorageMetaInfo | None
     version: str | None
+    save_plans: int = 0
+    """How many ranks' ``SavePlan``\ s the saver kept in ``.metadata`` (Megatron-Core's ``all_local_plans``); they
+    are vetted like the rest and not read further."""
 
 
 class MetadataShapeError(ValueError):
@@ -414,8 +417,10 @@ def rebuild(raw: Any) -> DcpMetadata:
             raise MetadataShapeError(f"storage_data lists item {key.fqn} at offsets {key.offset} twice")
         storage[key] = _storage(info)
     version = raw.get("version")
+    plans = raw.get("all_local_plans")
+    save_plans = (sum(1 for p in plans if type(p) is _SavePlan) if type(plans) is list else 0)
     return DcpMetadata(sd, storage, _planner(raw.get("planner_data")), _storage_meta(raw.get("storage_meta")),
-                       _opt_str(version, "version"))
+                       _opt_str(version, "version"), save_plans)
 
 
 def load_dcp_metadata(data: bytes) -> DcpMetadata:
