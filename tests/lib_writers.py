@@ -274,7 +274,8 @@ def write_torchtitan(ctx: Any, out: str, steps: int) -> dict[str, Any]:
 
     class Batches(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         def __iter__(self) -> Any:
-            data = SyntheticTokens(recipe.cfg, seed=recipe.seed, rank=ctx.rank, batch_size=1)
+            data = SyntheticTokens(recipe.cfg, seed=recipe.seed, rank=ctx.rank, batch_size=1,
+                                   world_size=ctx.world_size)
             while True:
                 yield data.next()[0]
 

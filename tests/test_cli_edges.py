@@ -190,8 +190,8 @@ def test_the_serving_artifact_honours_the_umask(tmp_path: Path, umask: int, mode
 def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["resume-test", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    for flag, default in (("--save-at", "8"), ("--steps", "8"), ("--margin", "10.0"), ("--timeout", "600.0")):
-        assert re.search(re.escape(flag) + r" [A-Z_]+ [^-]*\(default: " + re.escape(default) + r"\)", text), flag
+    for flag, default in (("--save-at", "8"), ("--steps", "8"), ("--margin", "10"), ("--timeout", "600")):
+        assert re.search(re.escape(flag) + r" [A-Z_]+ [^-]*\(default:? " + re.escape(default) + r"[ )]", text), flag
     assert main(["audit", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: auto)" in text and "(default: table)" in text

@@ -148,6 +148,9 @@ class SyntheticTokens:
     """
 
     def __init__(self, cfg: GPTConfig, *, seed: int, rank: int, batch_size: int, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"SyntheticTokens: rank {rank} is not in a world of {world_size} rank(s); pass "
+                             f"world_size= (each rank takes its own rows of the global batch)")
         self.cfg, self.seed, self.rank = cfg, seed, rank
         self.batch_size = batch_size
         """Rows of this rank."""
