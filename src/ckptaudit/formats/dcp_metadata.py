@@ -295,7 +295,7 @@ class DcpMetadata:
     storage_meta: StorageMetaInfo | None
     version: str | None
     save_plans: int = 0
-    """How many ranks' ``SavePlan``\ s the saver kept in ``.metadata`` (Megatron-Core's ``all_local_plans``); they
+    """How many ranks' save plans (``SavePlan``) the saver kept in ``.metadata`` (Megatron-Core's ``all_local_plans``); they
     are vetted like the rest and not read further."""
 
 
