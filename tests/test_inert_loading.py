@@ -53,3 +53,28 @@ def test_a_payload_beside_the_tensors_never_runs(tmp_path: Path) -> None:
     assert "posix.system" in finding.message or "os.system" in finding.message
     assert any(t.name.endswith("lin.weight") and t.hash for t in report.tensors)
     assert not sentinel.exists()
+
+
+def test_objects_the_writer_declares_safe_are_read_silently_but_misuse_is_not(tmp_path: Path) -> None:
+    # Megatron-LM pickles its args (argparse.Namespace) in common.pt and registers it (megatron.core.safe_globals)
+    # for its own weights_only load: an inert placeholder, no security finding. TrainingArguments-like objects
+    # nobody declared safe keep security.not-loaded; a Namespace *called* with arguments is a payload shape.
+    import argparse
+    import pickle
+
+    path = lightning_like(tmp_path / "args.ckpt", argparse.Namespace(lr=0.1, seq_length=16))
+    report = audit(str(path))
+    assert not [f for f in report.findings if f.code.startswith("security.")]
+    with open_checkpoint(str(path)) as ckpt:
+        placeholder = ckpt.parts[0].tree["hyper_parameters"]["config"]
+        assert isinstance(placeholder, Opaque) and placeholder.name == "argparse.Namespace"
+
+    class CalledNamespace:  # pickles as argparse.Namespace("x") through REDUCE: not how a Namespace pickles
+        def __reduce__(self) -> tuple[object, ...]:
+            return (argparse.Namespace, ("x",))
+
+    misused = tmp_path / "misused.ckpt"
+    misused = lightning_like(misused, CalledNamespace())
+    report = audit(str(misused))
+    finding = next(f for f in report.findings if f.code == "security.unsafe-pickle")
+    assert "argparse.Namespace" in finding.message and finding.severity is Severity.ERROR

@@ -14,6 +14,7 @@ import stat
 from typing import Any
 
 from ckptaudit.catalogue import finding
+from ckptaudit.formats.allowlist import WRITER_DECLARED_SAFE
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.dcp import is_dcp_dir, read_dcp
 from ckptaudit.formats.deepspeed import is_deepspeed_root, is_deepspeed_step_dir, read_deepspeed, resolve_tag
@@ -328,7 +329,10 @@ def _small_pickle_value(fh: Any, end: int) -> Any:
 def _report_unloaded(subject: str, result: PickleScan, findings: list[Finding], *, inert: bool = False) -> None:
     """The security finding for a pickle with globals outside the allowlist. ``inert``: the rest of the file was
     read with inert placeholders where those objects were (nothing executed), and is audited."""
-    unsafe, harmless = result.unsafe, result.harmless
+    unsafe = result.unsafe
+    harmless = tuple(h for h in result.harmless if h not in WRITER_DECLARED_SAFE)
+    if not unsafe and not harmless and result.error is None:
+        return  # only objects the writing library declares safe for its own weights_only load: nothing to say
     what = ("their objects were replaced by inert placeholders and the rest of the file was read and audited"
             if inert else "it was not loaded")
     if unsafe:
@@ -340,10 +344,10 @@ def _report_unloaded(subject: str, result: PickleScan, findings: list[Finding], 
                 subject,
                 f"{subject} references {', '.join(unsafe)}, outside the safe allowlist{why}; {what}, and "
                 "nothing in it was executed. Do not torch.load it with weights_only=False.",
-                globals=list(unsafe + harmless),
+                globals=list(unsafe + result.harmless),
             )
         )
-    else:
+    elif harmless:
         findings.append(
             finding(
                 "security.not-loaded",

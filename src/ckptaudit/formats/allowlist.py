@@ -18,6 +18,7 @@ __all__ = [
     "STORAGE_TYPES",
     "TORCH_DTYPES",
     "TORCH_GLOBALS",
+    "WRITER_DECLARED_SAFE",
     "global_name",
 ]
 
@@ -147,6 +148,27 @@ called with constant arguments (the enum member lookup ``Enum(value)``). Calling
 framework code with attacker-chosen arguments on ``torch.load(weights_only=False)``, so that makes the pickle
 ``security.unsafe-pickle``. Exact names only: ``transformers.training_args`` + ``os.system`` (a dotted
 ``STACK_GLOBAL`` name reaching through the module) is not harmless."""
+
+WRITER_DECLARED_SAFE: frozenset[str] = frozenset([
+    # megatron.core.safe_globals.SAFE_GLOBALS (megatron-core 0.16): registered with
+    # torch.serialization.add_safe_globals so that Megatron's own torch.load(weights_only=True) reads common.pt.
+    "argparse.Namespace",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.enums.ModelType",
+    "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.rerun_state_machine.RerunState",
+    "signal.Signals",
+])
+"""Names of :data:`HARMLESS_GLOBALS` that the library writing the checkpoint itself declares safe for
+``torch.load(weights_only=True)`` of its own files. They are read exactly like the other harmless names (inert
+placeholders, nothing constructed; a use other than their own pickling's is still ``security.unsafe-pickle``),
+but not reported as ``security.not-loaded``: the checkpoint's own loader accepts them without running code, so
+there is nothing to warn about. Hugging Face's ``TrainingArguments`` and DeepSpeed's classes are not declared
+safe by their libraries, and keep the warning."""
+assert WRITER_DECLARED_SAFE <= set(HARMLESS_GLOBALS)
 
 ALL_SAFE: frozenset[str] = TORCH_GLOBALS | NUMPY_GLOBALS | DCP_METADATA_GLOBALS
 
