@@ -60,7 +60,6 @@ def test_objects_the_writer_declares_safe_are_read_silently_but_misuse_is_not(tm
     # for its own weights_only load: an inert placeholder, no security finding. TrainingArguments-like objects
     # nobody declared safe keep security.not-loaded; a Namespace *called* with arguments is a payload shape.
     import argparse
-    import pickle
 
     path = lightning_like(tmp_path / "args.ckpt", argparse.Namespace(lr=0.1, seq_length=16))
     report = audit(str(path))
