@@ -1,5 +1,66 @@
-"""ckptaudit: is this checkpoint really my training state, and can I resume from it?"""
+"""ckptaudit: is this checkpoint really my training state, and can I resume from it?
+
+The public Python API (documented in ``docs/api.md``; everything else is internal and may change)::
+
+    import ckptaudit
+
+    report = ckptaudit.audit("out/checkpoint-500")           # -> ckptaudit.Report
+    report.ok, report.findings, report.to_json()
+    ckptaudit.compare("ref/step-8", "export/model.pt")       # -> ckptaudit.Report
+
+plus :mod:`ckptaudit.integrations` (guards for Trainer, Lightning, DeepSpeed, torchtitan, ckptaudit.store) and
+:mod:`ckptaudit.testing` (assertions for pytest and CI). ``import ckptaudit`` is cheap: nothing heavy (no torch,
+no NumPy) is imported until a function is called.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+__all__ = ["Report", "__version__", "audit", "compare"]
+
+if TYPE_CHECKING:
+    from ckptaudit.api import Report
+
+
+def audit(path: str | os.PathLike[str], **options: Any) -> Report:
+    """Audit the checkpoint at ``path``; see :func:`ckptaudit.api.audit` for the options."""
+    from ckptaudit.api import audit as _audit
+
+    return _audit(path, **options)
+
+
+def compare(reference: str | os.PathLike[str], candidate: str | os.PathLike[str], **options: Any) -> Report:
+    """Compare ``candidate`` with ``reference``; see :func:`ckptaudit.api.compare` for the options."""
+    from ckptaudit.api import compare as _compare
+
+    return _compare(reference, candidate, **options)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Report":
+        from ckptaudit.api import Report
+
+        return Report
+    raise AttributeError(f"module 'ckptaudit' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """Keeps ``ckptaudit.audit`` and ``ckptaudit.compare`` the public functions.
+
+    The engine lives in the modules ``ckptaudit.audit`` and ``ckptaudit.compare``; importing a submodule makes
+    Python set it as an attribute of its package, which would replace the function of the same name. Those
+    modules stay importable by name (``from ckptaudit.audit import AuditOptions``; ``sys.modules``).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("audit", "compare") and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
