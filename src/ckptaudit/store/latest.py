@@ -45,7 +45,7 @@ class Candidate:
     """Relative to the root (the root's own name when the root is a checkpoint)."""
     layout: str
     """``ckptaudit``, ``ckptaudit-temporary``, ``torchtitan``, ``dcp``, ``huggingface-trainer``,
-    ``accelerate`` or ``lightning``."""
+    ``accelerate``, ``lightning`` or ``quarantined`` (moved aside by the in-loop guard: never resumable)."""
     step: int | None
     mtime: float
 
@@ -96,6 +96,10 @@ def _mtime(path: str) -> float:
 def _classify(path: str, name: str) -> Candidate | None:
     from ckptaudit.formats.dcp import is_dcp_dir
 
+    original = layout.quarantined_original(os.path.basename(os.path.normpath(path)))
+    if original is not None and os.path.exists(path):
+        m = _LIGHTNING_STEP.search(original) or _TRAILING.search(original.removesuffix(".ckpt"))
+        return Candidate(path, name, "quarantined", int(m.group(1)) if m else None, _mtime(path))
     if os.path.isfile(path):
         if not name.endswith(".ckpt"):
             return None
@@ -167,6 +171,13 @@ def validate(c: Candidate, *, verify: str = "hashes",
         temp = uncommitted(c.path)
         assert temp is not None
         return Checked(c, False, (temp,))
+    if c.layout == "quarantined":
+        report = os.path.normpath(c.path) + ".ckptaudit.json"
+        return Checked(c, False, (finding(
+            "guard.quarantined", c.name,
+            f"{c.name}: failed its audit during training and was moved aside by the guard"
+            + (f" (report: {os.path.basename(report)})" if os.path.isfile(report) else ""),
+            original=layout.quarantined_original(os.path.basename(os.path.normpath(c.path)))),))
     if os.path.isdir(c.path) and not os.listdir(c.path):
         return Checked(c, False, (finding("integrity.incomplete", c.name,
                                           f"{c.name} is empty: the save died before writing anything"),))

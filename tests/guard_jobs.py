@@ -1,0 +1,139 @@
+"""Training runs with the guard on, for ``test_guard_*.py``: real libraries on CPU, tiny models, one process.
+
+Run as a script in a fresh interpreter (``python guard_jobs.py hf|lightning OUT``, see ``run_job``) so each
+library's process-wide state stays out of the test process. Each job writes ``OUT/result.json``: what the
+guard decided and what the library's own resume path then did.
+
+The defect: an exporter that rounds the fp32 masters to bf16 values in what it writes at its second save (the
+live model keeps its fp32 masters, as an exporter that captured the bf16 compute copies would).
+
+``SlowSteps`` waits at each step end until the guard has no audit pending: it stands for a training step longer
+than an audit (the common case at scale), and makes "stopped at the next step boundary after the failing audit"
+one exact step for the assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+VOCAB, HIDDEN = 64, 32
+
+
+def _bf16_values(state: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    return {k: (v.detach().to(torch.bfloat16).float() if v.is_floating_point() else v) for k, v in state.items()}
+
+
+def _dataset(n: int = 64, seq: int = 8) -> Any:
+    import torch
+
+    class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return n
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            ids = torch.randint(0, VOCAB, (seq,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    return Tokens()
+
+
+def hf(out: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from ckptaudit.integrations.transformers import AuditCallback
+
+    class RoundingTrainer(Trainer):
+        """The lossy exporter: at its second save the model weights it writes are rounded to bf16 values."""
+
+        saves = 0
+
+        def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+            RoundingTrainer.saves += 1
+            if RoundingTrainer.saves == 2:
+                state_dict = _bf16_values(self.model.state_dict())
+            super()._save(output_dir, state_dict)
+
+    def model() -> Any:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+    guard = AuditCallback(on_failure="stop")
+
+    class SlowSteps(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            assert guard.guard.wait(120), "audit did not finish in 120 s"
+
+    class Seen(TrainerCallback):  # type: ignore[misc]
+        begin_step: int | None = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            Seen.begin_step = state.global_step
+
+    def args(max_steps: int) -> Any:
+        return TrainingArguments(output_dir=out, max_steps=max_steps, save_steps=2, per_device_train_batch_size=4,
+                                 report_to=[], use_cpu=True, logging_strategy="no", dataloader_num_workers=0,
+                                 disable_tqdm=True, seed=0, save_total_limit=3)
+
+    trainer = RoundingTrainer(model=model(), args=args(20), train_dataset=_dataset(),
+                              callbacks=[SlowSteps(), guard])
+    trainer.train()
+    stopped_at = trainer.state.global_step
+    listing = sorted(os.listdir(out))
+    last = get_last_checkpoint(out)
+    # The library's own resume path, in a new Trainer (no guard: what the user runs after the crash).
+    resumed = Trainer(model=model(), args=args(stopped_at + 2), train_dataset=_dataset(), callbacks=[Seen()])
+    resumed.train(resume_from_checkpoint=True)
+    _result(out, stopped_at=stopped_at, listing=listing, get_last_checkpoint=os.path.basename(last or ""),
+            resumed_from_step=Seen.begin_step, resumed_to_step=resumed.state.global_step,
+            verdicts=[_verdict(v) for v in guard.verdicts])
+
+
+def _verdict(v: Any) -> dict[str, Any]:
+    return {"checkpoint": os.path.basename(v.checkpoint), "step": v.step, "ok": v.ok, "codes": list(v.codes),
+            "report": os.path.basename(v.report) if v.report else None,
+            "quarantined_to": os.path.basename(v.quarantined_to) if v.quarantined_to else None,
+            "summary": v.summary, "error": v.error}
+
+
+def _result(out: str, **facts: Any) -> None:
+    with open(os.path.join(out, "result.json"), "w") as fh:
+        json.dump(facts, fh, indent=1)
+
+
+def run_job(what: str, out: str, timeout_s: float = 600) -> dict[str, Any]:
+    """(test process) Run job ``what`` in a fresh interpreter, offline; its ``result.json``, or raise with its
+    output."""
+    import subprocess
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true", "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), what, out], env=env, cwd=out,
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"guard_jobs {what} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                           f"{proc.stderr[-8000:]}")
+    with open(os.path.join(out, "result.json")) as fh:
+        result: dict[str, Any] = json.load(fh)
+    result["log"] = proc.stderr
+    return result
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+    what, where = sys.argv[1], sys.argv[2]
+    {"hf": hf}[what](where)
