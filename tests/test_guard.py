@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from guard_jobs import run_job
-from test_api import trained
 
 from ckptaudit.cli import main
 from ckptaudit.integrations.guard import Guard, report_path
 from ckptaudit.schema import validate
+from guard_jobs import run_job
+from test_api import trained
 
 
 @pytest.mark.parametrize("background", ["thread", "process"])
