@@ -98,6 +98,67 @@ def hf(out: str) -> None:
             verdicts=[_verdict(v) for v in guard.verdicts])
 
 
+def lightning(out: str) -> None:
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ckptaudit.integrations.lightning import AuditCallback
+    from ckptaudit.recipes.tinygpt import GPTConfig, TinyGPT, lm_loss
+
+    class LitGPT(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = TinyGPT(GPTConfig(vocab_size=VOCAB, seq_len=16, d_model=HIDDEN, n_layers=2))
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            (tokens,) = batch
+            return lm_loss(self.model(tokens[:, :-1]), tokens[:, 1:])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            # The lossy exporter: the second save point (step 4) writes the weights rounded to bf16 values.
+            if self.trainer.global_step == 4:
+                checkpoint["state_dict"] = _bf16_values(checkpoint["state_dict"])
+
+    guard = AuditCallback(on_failure="stop")
+
+    class SlowSteps(L.Callback):
+        def on_train_batch_end(self, *args: Any, **kw: Any) -> None:
+            assert guard.guard.wait(120), "audit did not finish in 120 s"
+
+    class Seen(L.Callback):
+        start_step: int | None = None
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            Seen.start_step = trainer.global_step
+
+    def loader() -> Any:
+        tokens = torch.randint(0, VOCAB, (64, 17), generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
+
+    def trainer(max_steps: int, *callbacks: Any) -> Any:
+        ckpt = ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), every_n_train_steps=2, save_top_k=-1,
+                               save_last=True)
+        return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=out, callbacks=[*callbacks, ckpt])
+
+    torch.manual_seed(0)
+    first = trainer(20, SlowSteps(), guard)
+    first.fit(LitGPT(), loader())
+    stopped_at = first.global_step
+    listing = sorted(os.listdir(os.path.join(out, "ckpts")))
+    last = os.path.join(out, "ckpts", "last.ckpt")
+    last_state = torch.load(last, map_location="cpu", weights_only=True)
+    second = trainer(stopped_at + 2, Seen())
+    second.fit(LitGPT(), loader(), ckpt_path="last")
+    _result(out, stopped_at=stopped_at, listing=listing, last_is_link=os.path.islink(last),
+            last_global_step=last_state["global_step"], resumed_from_step=Seen.start_step,
+            resumed_to_step=second.global_step, verdicts=[_verdict(v) for v in guard.verdicts])
+
+
 def _verdict(v: Any) -> dict[str, Any]:
     return {"checkpoint": os.path.basename(v.checkpoint), "step": v.step, "ok": v.ok, "codes": list(v.codes),
             "report": os.path.basename(v.report) if v.report else None,
@@ -136,4 +197,4 @@ if __name__ == "__main__":
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     what, where = sys.argv[1], sys.argv[2]
-    {"hf": hf}[what](where)
+    {"hf": hf, "lightning": lightning}[what](where)

@@ -121,3 +121,29 @@ def test_trainer_stops_after_the_lossy_save_and_resumes_from_the_good_one(hf_sto
     # Trainer's own resume path (resume_from_checkpoint=True -> get_last_checkpoint) took the good one.
     assert hf_story["get_last_checkpoint"] == "checkpoint-2"
     assert hf_story["resumed_from_step"] == 2 and hf_story["resumed_to_step"] == 7
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real Lightning Trainer on CPU (ModelCheckpoint every 2 steps, save_last=True)
+
+
+@pytest.fixture(scope="session")
+def lightning_story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_job("lightning", str(tmp_path_factory.mktemp("guard-lightning")))
+
+
+@pytest.mark.libs
+def test_lightning_stops_after_the_lossy_save_and_last_resumes_the_good_one(lightning_story: dict[str, Any]) -> None:
+    verdicts = [(v["checkpoint"], v["step"], v["ok"]) for v in lightning_story["verdicts"]]
+    assert verdicts == [("epoch=0-step=2.ckpt", 2, True), ("last.ckpt", 2, True),
+                        ("epoch=0-step=4.ckpt", 4, False), ("last.ckpt", 4, False)]
+    assert all(set(v["codes"]) == {"precision.bf16-rounded"} for v in lightning_story["verdicts"][2:])
+    assert lightning_story["stopped_at"] == 5
+    assert lightning_story["listing"] == [
+        "epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.ckptaudit.json",
+        "epoch=0-step=4.ckpt.quarantined", "epoch=0-step=4.ckpt.quarantined.ckptaudit.json",
+        "last.ckpt", "last.ckpt.quarantined", "last.ckpt.quarantined.ckptaudit.json"]
+    # last.ckpt was the failed step-4 state; it is now a real copy (not a link) of the step-2 checkpoint, and
+    # Lightning's own ckpt_path="last" resumed from it.
+    assert lightning_story["last_global_step"] == 2 and not lightning_story["last_is_link"]
+    assert lightning_story["resumed_from_step"] == 2 and lightning_story["resumed_to_step"] == 7

@@ -80,6 +80,17 @@ class _Job:
     quarantine: Callable[[str], str | None] | None
     on_pass: Callable[[str], None] | None
     submitted: float
+    signature: tuple[int, int, int] | None
+    """(inode, mtime_ns, size) at submit: a checkpoint replaced since (Lightning rewrites ``last.ckpt``) is not
+    the one audited, and is never quarantined for it."""
+
+
+def _signature(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 class Guard:
@@ -132,7 +143,7 @@ class Guard:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="ckptaudit-guard", daemon=True)
             self._thread.start()
-        self._jobs.put(_Job(checkpoint, step, quarantine, on_pass, time.monotonic()))
+        self._jobs.put(_Job(checkpoint, step, quarantine, on_pass, time.monotonic(), _signature(checkpoint)))
 
     def should_stop(self) -> bool:
         """True once a checkpoint failed and ``on_failure="stop"``: stop at this step boundary."""
@@ -214,6 +225,10 @@ class Guard:
                 except Exception as exc:  # noqa: BLE001
                     log.error("ckptaudit guard: %s passed, but updating the library's pointer failed (%s: %s)",
                               job.checkpoint, type(exc).__name__, exc)
+        elif _signature(job.checkpoint) != job.signature:
+            log.warning("ckptaudit guard: %s FAILED its audit (%s), but it was replaced since it was saved; the new "
+                        "one is not quarantined for it. Report: %s", job.checkpoint, ", ".join(sorted(set(codes))),
+                        where)
         else:
             try:
                 moved = (job.quarantine or _move_aside)(job.checkpoint)
