@@ -76,7 +76,7 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
             if trainer.is_global_zero:
                 self._saved(os.fspath(filepath), trainer.global_step, bool(weights_only))
 
-        trainer.save_checkpoint = save_checkpoint  # an instance attribute over the method: removed at teardown
+        trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]  # an instance attribute over the method: removed at teardown
         self._wrapped = trainer
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
