@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptaudit.store.layout import REPORT_SUFFIX, is_quarantined, quarantine_name
+from ckptaudit.formats.quarantine import REPORT_SUFFIX, is_quarantined, quarantine_name
 
 __all__ = ["BACKGROUNDS", "ON_FAILURE", "REPORT_SUFFIX", "Guard", "Verdict", "is_quarantined", "quarantine_name",
            "report_path"]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptaudit.catalogue import finding
+from ckptaudit.formats import quarantine
 from ckptaudit.model import ComponentKind, Finding, Report, Severity
 from ckptaudit.store import layout
 from ckptaudit.store import manifest as mf
@@ -96,7 +97,7 @@ def _mtime(path: str) -> float:
 def _classify(path: str, name: str) -> Candidate | None:
     from ckptaudit.formats.dcp import is_dcp_dir
 
-    original = layout.quarantined_original(os.path.basename(os.path.normpath(path)))
+    original = quarantine.quarantined_original(os.path.basename(os.path.normpath(path)))
     if original is not None and os.path.exists(path):
         m = _LIGHTNING_STEP.search(original) or _TRAILING.search(original.removesuffix(".ckpt"))
         return Candidate(path, name, "quarantined", int(m.group(1)) if m else None, _mtime(path))
@@ -172,12 +173,12 @@ def validate(c: Candidate, *, verify: str = "hashes",
         assert temp is not None
         return Checked(c, False, (temp,))
     if c.layout == "quarantined":
-        report = os.path.normpath(c.path) + ".ckptaudit.json"
+        report = os.path.normpath(c.path) + quarantine.REPORT_SUFFIX
         return Checked(c, False, (finding(
             "guard.quarantined", c.name,
             f"{c.name}: failed its audit during training and was moved aside by the guard"
             + (f" (report: {os.path.basename(report)})" if os.path.isfile(report) else ""),
-            original=layout.quarantined_original(os.path.basename(os.path.normpath(c.path)))),))
+            original=quarantine.quarantined_original(os.path.basename(os.path.normpath(c.path)))),))
     if os.path.isdir(c.path) and not os.listdir(c.path):
         return Checked(c, False, (finding("integrity.incomplete", c.name,
                                           f"{c.name} is empty: the save died before writing anything"),))

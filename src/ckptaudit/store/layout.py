@@ -25,12 +25,9 @@ __all__ = [
     "MANIFEST",
     "POINTER",
     "fsync_dir",
-    "is_quarantined",
     "nonce",
     "parse_step_name",
     "partial_name",
-    "quarantine_name",
-    "quarantined_original",
     "read_pointer",
     "step_name",
     "write_durably",
@@ -43,15 +40,6 @@ STEP_DIGITS = 6
 STEP_RE = re.compile(r"^step-(\d+)$")
 TEMP_RE = re.compile(r"^step-(\d+)\.(partial|deleting|replaced)-([0-9a-f]+)$")
 
-QUARANTINE_PREFIX = "quarantined-"
-"""A directory the in-loop guard (:mod:`ckptaudit.integrations`) found failing becomes ``quarantined-<name>``:
-no resume path's pattern (``checkpoint-N``, ``step-N``, ``global_stepN``) matches it, nor Trainer's rotation
-glob ``checkpoint-*``."""
-QUARANTINE_SUFFIX = ".quarantined"
-"""A failing file becomes ``<name>.quarantined`` (no longer ``*.ckpt``)."""
-REPORT_SUFFIX = ".ckptaudit.json"
-"""The in-loop guard writes each checkpoint's JSON report beside it: ``<checkpoint>.ckptaudit.json``."""
-_QUARANTINED_DIR = re.compile(r"^quarantined-(?:\d+-)?(.+)$")
 
 
 def step_name(step: int) -> str:
@@ -118,36 +106,3 @@ def read_pointer(root: str) -> str | None:
         return None
     return text if text and os.sep not in text and text not in (".", "..") else None
 
-
-def quarantine_name(path: str) -> str:
-    """Where a failing checkpoint is moved (see :data:`QUARANTINE_PREFIX`, :data:`QUARANTINE_SUFFIX`); a free
-    name (``quarantined-2-<name>``, ``<name>.quarantined-2``, ...) when one is taken."""
-    path = os.path.normpath(path)
-    parent, name = os.path.split(path)
-    is_dir = os.path.isdir(path)
-    n = 1
-    while True:
-        if is_dir:
-            dest = os.path.join(parent, f"{QUARANTINE_PREFIX}{'' if n == 1 else f'{n}-'}{name}")
-        else:
-            dest = f"{path}{QUARANTINE_SUFFIX}{'' if n == 1 else f'-{n}'}"
-        if not os.path.lexists(dest):
-            return dest
-        n += 1
-
-
-def quarantined_original(name: str) -> str | None:
-    """The name a quarantined checkpoint had (``quarantined-checkpoint-4`` -> ``checkpoint-4``), or ``None``
-    when ``name`` is not a quarantine name (a guard's report, ``*.ckptaudit.json``, is not one)."""
-    if name.endswith(REPORT_SUFFIX):
-        return None
-    m = _QUARANTINED_DIR.match(name)
-    if m:
-        return m.group(1)
-    if QUARANTINE_SUFFIX in name:
-        return name[: name.rindex(QUARANTINE_SUFFIX)]
-    return None
-
-
-def is_quarantined(name: str) -> bool:
-    return quarantined_original(name) is not None
