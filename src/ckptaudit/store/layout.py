@@ -41,7 +41,6 @@ STEP_RE = re.compile(r"^step-(\d+)$")
 TEMP_RE = re.compile(r"^step-(\d+)\.(partial|deleting|replaced)-([0-9a-f]+)$")
 
 
-
 def step_name(step: int) -> str:
     """``step-000123``: zero-padded so that names sort like steps (torchtitan's ``step-N`` parses the same)."""
     if step < 0:
@@ -105,4 +104,3 @@ def read_pointer(root: str) -> str | None:
     except OSError:
         return None
     return text if text and os.sep not in text and text not in (".", "..") else None
-
