@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_api import trained
 
 from ckptaudit.testing import assert_checkpoint_ok, assert_resumes_faithfully
+from test_api import trained
 
 
 def test_assert_checkpoint_ok_passes_a_good_checkpoint_and_names_each_finding_of_a_bad_one(tmp_path: Path) -> None:
