@@ -19,7 +19,7 @@ def test_assert_checkpoint_ok_passes_a_good_checkpoint_and_names_each_finding_of
     assert text.startswith("checkpoint audit failed (fail_on=error):\n")
     assert "error precision.bf16-rounded model/0.weight: model/0.weight: float32 parameter whose" in text
     assert text.count("\n  error precision.bf16-rounded ") == 4  # one line per rounded parameter
-    with pytest.raises(AssertionError, match="component.missing scheduler"):
+    with pytest.raises(AssertionError, match=r"component\.missing scheduler"):
         assert_checkpoint_ok(tmp_path / "good.pt", require="scheduler")
 
 
