@@ -159,6 +159,50 @@ def lightning(out: str) -> None:
             resumed_to_step=second.global_step, verdicts=[_verdict(v) for v in guard.verdicts])
 
 
+def store(ctx: Any, root: str) -> dict[str, Any] | None:
+    """(2 ranks) The tiny FSDP2 recipe saved through ckptaudit.store with the guard: step 2 good; before step 4
+    a bug rounds the live fp32 masters to bf16 values (in place), so step 4 is saved faithfully but holds
+    rounded masters; keep_last=1. Then every rank resumes with load_checkpoint."""
+    import torch
+
+    from ckptaudit.integrations.guard import Guard
+    from ckptaudit.integrations.store import save_checkpoint, stop_requested
+    from ckptaudit.recipes.tinygpt import recipe
+    from ckptaudit.store import load_checkpoint
+
+    guard = Guard(on_failure="stop")
+    job = recipe.setup(ctx)
+    stopped_at = None
+    pointers: list[tuple[str | None, str | None]] = []
+
+    def pointer() -> str | None:
+        path = os.path.join(root, "latest")
+        return open(path).read().strip() if os.path.exists(path) else None
+    for step in range(1, 9):
+        recipe.step(job)
+        if step == 4:
+            with torch.no_grad():
+                for p in job.model.parameters():
+                    p.copy_(p.bfloat16().float())
+        if step % 2 == 0:
+            save_checkpoint(job, root, guard=guard, keep_last=1)
+            if ctx.rank == 0:
+                before = pointer()
+                assert guard.wait(120)  # SlowSteps: a step longer than the audit
+                pointers.append((before, pointer()))
+        if stop_requested(guard):
+            stopped_at = step
+            break
+    guard.close(120)
+    fresh = recipe.setup(ctx)
+    loaded = load_checkpoint(fresh, root)
+    if ctx.rank != 0:
+        return None
+    return {"stopped_at": stopped_at, "pointer_before_and_after_each_audit": pointers, "listing": sorted(os.listdir(root)),
+            "pointer": open(os.path.join(root, "latest")).read().strip(), "loaded_step": loaded.step,
+            "verdicts": [_verdict(v) for v in guard.verdicts]}
+
+
 def _verdict(v: Any) -> dict[str, Any]:
     return {"checkpoint": os.path.basename(v.checkpoint), "step": v.step, "ok": v.ok, "codes": list(v.codes),
             "report": os.path.basename(v.report) if v.report else None,

@@ -147,3 +147,31 @@ def test_lightning_stops_after_the_lossy_save_and_last_resumes_the_good_one(ligh
     # Lightning's own ckpt_path="last" resumed from it.
     assert lightning_story["last_global_step"] == 2 and not lightning_story["last_is_link"]
     assert lightning_story["resumed_from_step"] == 2 and lightning_story["resumed_to_step"] == 7
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ckptaudit.store on 2 real FSDP2 ranks: latest and retention wait for the audit
+
+
+@pytest.mark.dist
+def test_store_latest_and_retention_wait_for_the_audit(tmp_path: Path) -> None:
+    from ckptaudit.dist.launch import launch
+
+    root = tmp_path / "ckpts"
+    result = launch(_store_job(), 2, (str(root),), timeout_s=240)[0]
+    assert [(v["checkpoint"], v["ok"]) for v in result["verdicts"]] == [("step-000002", True),
+                                                                       ("step-000004", False)]
+    assert set(result["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
+    # latest moved to step 2 once it passed, not at its commit; it never named step 4.
+    assert result["pointer_before_and_after_each_audit"] == [(None, "step-000002"), ("step-000002", "step-000002")]
+    assert result["stopped_at"] == 4  # the boundary right after the save: this loop waited for the audit there
+    # keep_last=1 did not delete step 2 for the failed step 4 (retention runs only after a pass).
+    assert result["listing"] == ["latest", "quarantined-step-000004", "quarantined-step-000004.ckptaudit.json",
+                                 "step-000002", "step-000002.ckptaudit.json"]
+    assert result["loaded_step"] == 2 and result["pointer"] == "step-000002"
+
+
+def _store_job() -> Any:
+    import guard_jobs
+
+    return guard_jobs.store
