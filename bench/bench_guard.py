@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import proc_status  # noqa: E402
+from common import proc_status
 
 
 class RssPeak:

@@ -203,6 +203,63 @@ def store(ctx: Any, root: str) -> dict[str, Any] | None:
             "verdicts": [_verdict(v) for v in guard.verdicts]}
 
 
+def deepspeed(out: str) -> None:
+    """DeepSpeed (ZeRO stage 0, fp32, CPU, gloo, one process): the exporter defect at the second save (step 4):
+    the weights written are rounded to bf16 values (the live masters are put back right after)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed as ds
+    import torch
+
+    from ckptaudit.integrations.deepspeed import save_checkpoint
+    from ckptaudit.integrations.guard import Guard, stop_requested
+
+    ds.init_distributed(dist_backend="gloo")
+    ckpts = os.path.join(out, "ckpts")
+
+    def engine() -> Any:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+        return ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+    guard = Guard(on_failure="stop")
+    e = engine()
+    stopped_at = None
+    latest_after_each_audit = []
+    for step in range(1, 21):
+        e.backward(e(torch.randn(4, 32)).square().mean())
+        e.step()
+        if step % 2 == 0:
+            exact = [p.detach().clone() for p in e.module.parameters()]
+            if step == 4:
+                with torch.no_grad():
+                    for p in e.module.parameters():
+                        p.copy_(p.bfloat16().float())
+            save_checkpoint(e, ckpts, guard=guard)
+            with torch.no_grad():
+                for p, x in zip(e.module.parameters(), exact, strict=True):
+                    p.copy_(x)
+            assert guard.wait(120)  # SlowSteps: a step longer than the audit
+            latest = os.path.join(ckpts, "latest")
+            latest_after_each_audit.append(open(latest).read() if os.path.exists(latest) else None)
+        if stop_requested(guard):
+            stopped_at = step
+            break
+    guard.close(120)
+    listing = sorted(os.listdir(ckpts))
+    resumed = engine()
+    path, _ = resumed.load_checkpoint(ckpts)
+    _result(out, stopped_at=stopped_at, listing=listing, latest_after_each_audit=latest_after_each_audit,
+            loaded=os.path.basename(os.path.dirname(path)) if path else None, resumed_step=resumed.global_steps,
+            verdicts=[_verdict(v) for v in guard.verdicts])
+
+
 def _verdict(v: Any) -> dict[str, Any]:
     return {"checkpoint": os.path.basename(v.checkpoint), "step": v.step, "ok": v.ok, "codes": list(v.codes),
             "report": os.path.basename(v.report) if v.report else None,
@@ -241,4 +298,4 @@ if __name__ == "__main__":
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     what, where = sys.argv[1], sys.argv[2]
-    {"hf": hf, "lightning": lightning}[what](where)
+    {"hf": hf, "lightning": lightning, "deepspeed": deepspeed}[what](where)

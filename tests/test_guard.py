@@ -175,3 +175,25 @@ def _store_job() -> Any:
     import guard_jobs
 
     return guard_jobs.store
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSpeed on CPU (ZeRO stage 0: what the audit reads today; ZeRO partitions need the DeepSpeed reader)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_job("deepspeed", str(tmp_path_factory.mktemp("guard-deepspeed")))
+
+
+@pytest.mark.libs
+def test_deepspeed_latest_moves_only_to_a_tag_that_passed(deepspeed_story: dict[str, Any]) -> None:
+    verdicts = [(v["checkpoint"], v["step"], v["ok"]) for v in deepspeed_story["verdicts"]]
+    assert verdicts == [("global_step2", 2, True), ("global_step4", 4, False)]
+    assert set(deepspeed_story["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
+    assert deepspeed_story["stopped_at"] == 4  # the loop waited for the audit right after the save
+    assert deepspeed_story["latest_after_each_audit"] == ["global_step2", "global_step2"]
+    assert deepspeed_story["listing"] == ["global_step2", "global_step2.ckptaudit.json", "latest",
+                                          "quarantined-global_step4", "quarantined-global_step4.ckptaudit.json"]
+    # DeepSpeed's own resume path (engine.load_checkpoint(dir) reads `latest`) loads the tag that passed.
+    assert deepspeed_story["loaded"] == "global_step2" and deepspeed_story["resumed_step"] == 2

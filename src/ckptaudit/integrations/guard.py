@@ -38,7 +38,7 @@ from typing import Any
 from ckptaudit.formats.quarantine import REPORT_SUFFIX, is_quarantined, quarantine_name
 
 __all__ = ["BACKGROUNDS", "ON_FAILURE", "REPORT_SUFFIX", "Guard", "Verdict", "is_quarantined", "quarantine_name",
-           "report_path"]
+           "report_path", "stop_requested"]
 
 log = logging.getLogger("ckptaudit.guard")
 
@@ -296,3 +296,19 @@ def _move_aside(checkpoint: str) -> str:
     dest = quarantine_name(checkpoint)
     shutil.move(checkpoint, dest)
     return dest
+
+
+def stop_requested(guard: Guard) -> bool:
+    """(all ranks, collective when distributed) Whether rank 0's guard asks training to stop; every rank gets
+    the same answer (a one-element all-reduce), so all of them leave the loop at the same step."""
+    import torch
+    import torch.distributed as dist
+
+    on = dist.is_available() and dist.is_initialized()
+    flag = guard.should_stop() if not on or dist.get_rank() == 0 else False
+    if not on or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32,
+                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

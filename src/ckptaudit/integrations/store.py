@@ -1,7 +1,7 @@
 """ckptaudit's own writer (:mod:`ckptaudit.store`): the ``latest`` pointer and retention wait for the audit.
 See ``docs/integrations/store.md``.
 
-    from ckptaudit.integrations.guard import Guard
+    from ckptaudit.integrations.guard import Guard, stop_requested
     from ckptaudit.integrations.store import save_checkpoint
 
     guard = Guard(on_failure="stop")                                  # on every rank; only rank 0 audits
@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ckptaudit.integrations.guard import Guard
+from ckptaudit.integrations.guard import Guard, stop_requested
 
 __all__ = ["save_checkpoint", "stop_requested"]
 
@@ -73,18 +73,3 @@ def save_checkpoint(job: Any, root: str | os.PathLike[str], *, guard: Guard, kee
 
     guard.submit(saved.path, step=saved.step, on_pass=passed)
     return saved
-
-
-def stop_requested(guard: Guard) -> bool:
-    """(all ranks, collective when distributed) Whether rank 0's guard asks training to stop; every rank gets
-    the same answer (a one-element all-reduce), so all of them leave the loop at the same step."""
-    import torch
-    import torch.distributed as dist
-
-    flag = guard.should_stop() if _rank() == 0 else False
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32,
-                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
