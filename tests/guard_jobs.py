@@ -260,6 +260,76 @@ def deepspeed(out: str) -> None:
             verdicts=[_verdict(v) for v in guard.verdicts])
 
 
+def torchtitan(out: str) -> None:
+    """torchtitan's real CheckpointManager (DCP, synchronous) on one gloo rank: the second save (step 4) writes
+    the weights rounded to bf16 values (the live masters are put back right after)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+
+    from ckptaudit.integrations.guard import Guard, stop_requested
+    from ckptaudit.integrations.torchtitan import guard_checkpoint_manager
+
+    dist.init_process_group("gloo")
+
+    def build() -> tuple[Any, Any, Any, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        opt = OptimizersContainer(OptimizersContainer.Config(implementation="for-loop", param_groups=[
+            ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})]),
+            model_parts=[model])
+        sched = LRSchedulersContainer.Config().build(optimizers=opt, training_steps=20)
+        mgr = CheckpointManager(CheckpointManager.Config(enable=True, folder="ckpt", interval=2, keep_latest_k=0,
+                                                         last_save_model_only=False),
+                                dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched,
+                                states={}, sd_adapter=None, base_folder=out)
+        return model, opt, sched, mgr
+
+    guard = Guard(on_failure="stop")
+    model, opt, sched, mgr = build()
+    mgr = guard_checkpoint_manager(mgr, guard)
+    stopped_at, at_step_2 = None, None
+    for step in range(1, 21):
+        model(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        exact = [p.detach().clone() for p in model.parameters()]
+        if step == 2:
+            at_step_2 = exact
+        if step == 4:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.bfloat16().float())
+        mgr.save(step, last_step=step == 20)
+        with torch.no_grad():
+            for p, x in zip(model.parameters(), exact, strict=True):
+                p.copy_(x)
+        assert guard.wait(120)  # SlowSteps: a step longer than the audit
+        if stop_requested(guard):
+            stopped_at = step
+            break
+    guard.close(120)
+    mgr.close()
+    listing = sorted(os.listdir(os.path.join(out, "ckpt")))
+    fresh, _, _, mgr2 = build()
+    loaded = mgr2.load()  # torchtitan's own resume path: the newest valid step-N
+    assert at_step_2 is not None
+    same = all(torch.equal(p, x) for p, x in zip(fresh.parameters(), at_step_2, strict=True))
+    mgr2.close()
+    dist.destroy_process_group()
+    _result(out, stopped_at=stopped_at, listing=listing, loaded=loaded, loaded_step_2_weights=same,
+            verdicts=[_verdict(v) for v in guard.verdicts])
+
+
 def _verdict(v: Any) -> dict[str, Any]:
     return {"checkpoint": os.path.basename(v.checkpoint), "step": v.step, "ok": v.ok, "codes": list(v.codes),
             "report": os.path.basename(v.report) if v.report else None,
@@ -298,4 +368,4 @@ if __name__ == "__main__":
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     what, where = sys.argv[1], sys.argv[2]
-    {"hf": hf, "lightning": lightning, "deepspeed": deepspeed}[what](where)
+    {"hf": hf, "lightning": lightning, "deepspeed": deepspeed, "torchtitan": torchtitan}[what](where)

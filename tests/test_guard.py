@@ -197,3 +197,26 @@ def test_deepspeed_latest_moves_only_to_a_tag_that_passed(deepspeed_story: dict[
                                           "quarantined-global_step4", "quarantined-global_step4.ckptaudit.json"]
     # DeepSpeed's own resume path (engine.load_checkpoint(dir) reads `latest`) loads the tag that passed.
     assert deepspeed_story["loaded"] == "global_step2" and deepspeed_story["resumed_step"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torchtitan's real CheckpointManager (DCP) on one gloo rank
+
+
+@pytest.fixture(scope="session")
+def torchtitan_story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_job("torchtitan", str(tmp_path_factory.mktemp("guard-torchtitan")))
+
+
+@pytest.mark.libs
+def test_torchtitan_newest_step_is_never_one_that_failed(torchtitan_story: dict[str, Any]) -> None:
+    verdicts = [(v["checkpoint"], v["step"], v["ok"], v["report"]) for v in torchtitan_story["verdicts"]]
+    assert verdicts == [("step-2", 2, True, "step_2.ckptaudit.json"),
+                        ("step-4", 4, False, "step_4.ckptaudit.json")]
+    assert set(torchtitan_story["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
+    assert torchtitan_story["stopped_at"] == 4
+    # No name but step-2 holds "step-<digits>", which torchtitan's load and purge search for.
+    assert torchtitan_story["listing"] == ["quarantined-step_4", "step-2", "step_2.ckptaudit.json",
+                                           "step_4.ckptaudit.json"]
+    # CheckpointManager.load() (the newest valid step) restored step 2's weights.
+    assert torchtitan_story["loaded"] is True and torchtitan_story["loaded_step_2_weights"] is True

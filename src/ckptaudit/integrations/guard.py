@@ -80,6 +80,8 @@ class _Job:
     quarantine: Callable[[str], str | None] | None
     on_pass: Callable[[str], None] | None
     submitted: float
+    report: str
+    """Where the report goes (``<checkpoint>.ckptaudit.json`` unless the integration names another place)."""
     signature: tuple[int, int, int] | None
     """(inode, mtime_ns, size) at submit: a checkpoint replaced since (Lightning rewrites ``last.ckpt``) is not
     the one audited, and is never quarantined for it."""
@@ -127,9 +129,11 @@ class Guard:
 
     def submit(self, checkpoint: str, *, step: int | None = None,
                quarantine: Callable[[str], str | None] | None = None,
-               on_pass: Callable[[str], None] | None = None) -> None:
+               on_pass: Callable[[str], None] | None = None, report: str | None = None) -> None:
         """Queue ``checkpoint`` (just saved, complete) for an audit; returns at once.
 
+        ``report``: where to write the JSON report instead of ``<checkpoint>.ckptaudit.json`` (it then stays
+        there when the checkpoint is quarantined).
         ``quarantine(path)`` replaces the default move (:func:`quarantine_name`) and returns where the checkpoint
         went (or ``None`` if it stayed); ``on_pass(path)`` runs when it passes. Both run on the worker.
         """
@@ -143,7 +147,8 @@ class Guard:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="ckptaudit-guard", daemon=True)
             self._thread.start()
-        self._jobs.put(_Job(checkpoint, step, quarantine, on_pass, time.monotonic(), _signature(checkpoint)))
+        self._jobs.put(_Job(checkpoint, step, quarantine, on_pass, time.monotonic(),
+                            report or report_path(checkpoint), _signature(checkpoint)))
 
     def should_stop(self) -> bool:
         """True once a checkpoint failed and ``on_failure="stop"``: stop at this step boundary."""
@@ -206,7 +211,7 @@ class Guard:
     def _judge(self, job: _Job) -> Verdict:
         start = time.monotonic()
         queued = start - job.submitted
-        where = report_path(job.checkpoint)
+        where = job.report
         try:
             result = self._run_audit(job.checkpoint, where)
         except Exception as exc:  # noqa: BLE001 - any failure of one audit is reported, never kills the loop
@@ -232,7 +237,7 @@ class Guard:
         else:
             try:
                 moved = (job.quarantine or _move_aside)(job.checkpoint)
-                if moved is not None and os.path.exists(where):
+                if moved is not None and where == report_path(job.checkpoint) and os.path.exists(where):
                     os.replace(where, report_path(moved))
                     where = report_path(moved)
             except Exception as exc:  # noqa: BLE001
