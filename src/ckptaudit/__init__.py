@@ -10,7 +10,8 @@ The public Python API (documented in ``docs/api.md``; everything else is interna
 
 plus :mod:`ckptaudit.integrations` (guards for Trainer, Lightning, DeepSpeed, torchtitan, ckptaudit.store) and
 :mod:`ckptaudit.testing` (assertions for pytest and CI). ``import ckptaudit`` is cheap: nothing heavy (no torch,
-no NumPy) is imported until a function is called.
+no NumPy) is imported until a function is called. The types of this surface are in ``__init__.pyi`` (the root
+imports nothing of its own, not even for type checking).
 """
 
 from __future__ import annotations
@@ -19,25 +20,20 @@ import importlib
 import os
 import sys
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __version__ = "0.1.0"
 __all__ = ["Report", "__version__", "audit", "compare"]
 
-if TYPE_CHECKING:
-    from ckptaudit.api import Report
 
-
-def audit(path: str | os.PathLike[str], **options: Any) -> Report:
+def audit(path: str | os.PathLike[str], **options: Any) -> Any:
     """Audit the checkpoint at ``path``; see :func:`ckptaudit.api.audit` for the options."""
-    result: Report = _api().audit(path, **options)
-    return result
+    return _api().audit(path, **options)
 
 
-def compare(reference: str | os.PathLike[str], candidate: str | os.PathLike[str], **options: Any) -> Report:
+def compare(reference: str | os.PathLike[str], candidate: str | os.PathLike[str], **options: Any) -> Any:
     """Compare ``candidate`` with ``reference``; see :func:`ckptaudit.api.compare` for the options."""
-    result: Report = _api().compare(reference, candidate, **options)
-    return result
+    return _api().compare(reference, candidate, **options)
 
 
 def _api() -> Any:
