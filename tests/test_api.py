@@ -121,3 +121,12 @@ def test_the_schema_ships_in_the_package_and_rejects_what_it_should(tmp_path: Pa
     with pytest.raises(ValueError, match=r"breaks report.schema.json \(4 error\(s\)\)") as info:
         validate(broken)
     assert "at /findings/" in str(info.value) and "'counts' is a required property" in str(info.value)
+
+
+def test_every_catalogued_code_fits_the_schema() -> None:
+    import re
+
+    from ckptaudit.catalogue import CATALOGUE
+
+    pattern = re.compile(load_schema()["$defs"]["finding"]["properties"]["code"]["pattern"])
+    assert CATALOGUE and all(pattern.match(code) for code in CATALOGUE), [c for c in CATALOGUE if not pattern.match(c)]
