@@ -1,7 +1,7 @@
 """What the in-loop guard costs the training loop: step time with and without it, in one run.
 
-    .venv/bin/python bench/bench_guard.py                          # thread worker, full audit
-    .venv/bin/python bench/bench_guard.py --background process --quick
+    .venv/bin/python bench/bench_guard.py                          # process worker (the default), full audit
+    .venv/bin/python bench/bench_guard.py --background thread --quick
 
 A small real loop, one process: an MLP of ``--mib`` MiB of fp32 parameters, AdamW, one torch thread (the
 accelerator's role; the audit gets the other core, as the host CPU would beside a GPU), a checkpoint
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=60, help="steps per segment")
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5, help="pairs of segments (without, with the guard)")
-    p.add_argument("--background", choices=["thread", "process"], default="thread")
+    p.add_argument("--background", choices=["thread", "process"], default="process")
     p.add_argument("--quick", action="store_true", help="the quick audit (first chunk, no hashes)")
     p.add_argument("--batch", type=int, default=64)
     args = p.parse_args(argv)

@@ -2,8 +2,9 @@
 
 Which process runs what: only the process that owns the checkpoint's files (rank 0, or the rank that wrote
 them) creates a :class:`Guard` and calls :meth:`Guard.submit` right after the library's save returns. The
-audit (:func:`ckptaudit.audit`, nothing re-implemented) runs on one background worker, a thread of this
-process (``background="thread"``) or one long-lived child interpreter (``background="process"``), while
+audit (:func:`ckptaudit.audit`, nothing re-implemented) runs on one background worker, one long-lived child
+interpreter (``background="process"``, the default: measured cheaper for the training loop, bench/bench_guard.py)
+or a thread of this process (``background="thread"``: no second interpreter, but it shares the GIL), while
 training goes on; saves that come while an audit is running wait in a queue, in order (logged), and no step
 ever waits. Then, on the worker:
 
@@ -99,11 +100,11 @@ class Guard:
     """Audits checkpoints as they are saved, in the background (see the module docstring).
 
     ``on_failure``: ``"warn"`` (log, quarantine, go on) or ``"stop"`` (also make :meth:`should_stop` true);
-    ``background``: ``"thread"`` or ``"process"``; every other keyword is an option of :func:`ckptaudit.audit`
+    ``background``: ``"process"`` (default) or ``"thread"``; every other keyword is an option of :func:`ckptaudit.audit`
     (``quick``, ``fail_on``, ``master_dtype``, ``require``, ...), checked here, before training starts.
     """
 
-    def __init__(self, *, on_failure: str = "warn", background: str = "thread", **audit_options: Any) -> None:
+    def __init__(self, *, on_failure: str = "warn", background: str = "process", **audit_options: Any) -> None:
         from ckptaudit.api import AUDIT_OPTIONS, _resolve
 
         if on_failure not in ON_FAILURE:

@@ -44,12 +44,12 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
     """Audit each checkpoint file in the background; quarantine it when it fails; keep ``last`` good.
 
     ``on_failure``: ``"warn"`` (log and quarantine) or ``"stop"`` (also ``trainer.should_stop`` at the first
-    batch end after the failing audit finishes). ``background``: ``"thread"`` or ``"process"``.
+    batch end after the failing audit finishes). ``background``: ``"process"`` (default) or ``"thread"``.
     ``wait_at_end``: seconds to wait at the end of fitting for the audits still queued (``None``: no limit).
     Other keywords are options of :func:`ckptaudit.audit` (``quick=True``, ``fail_on``, ``master_dtype``...).
     """
 
-    def __init__(self, on_failure: str = "warn", *, background: str = "thread",
+    def __init__(self, on_failure: str = "warn", *, background: str = "process",
                  wait_at_end: float | None = None, **audit_options: Any) -> None:
         self.guard = Guard(on_failure=on_failure, background=background, **audit_options)
         self.wait_at_end = wait_at_end

@@ -32,12 +32,12 @@ class AuditCallback(TrainerCallback):  # type: ignore[misc]
     """Audit each new ``checkpoint-N`` in the background; quarantine it when it fails.
 
     ``on_failure``: ``"warn"`` (log and quarantine) or ``"stop"`` (also ``control.should_training_stop`` at the
-    first step end after the failing audit finishes). ``background``: ``"thread"`` or ``"process"``.
+    first step end after the failing audit finishes). ``background``: ``"process"`` (default) or ``"thread"``.
     ``wait_at_end``: seconds to wait at the end of training for the audits still queued (``None``: no limit).
     Other keywords are options of :func:`ckptaudit.audit` (``quick=True``, ``fail_on``, ``master_dtype``...).
     """
 
-    def __init__(self, on_failure: str = "warn", *, background: str = "thread",
+    def __init__(self, on_failure: str = "warn", *, background: str = "process",
                  wait_at_end: float | None = None, **audit_options: Any) -> None:
         self.guard = Guard(on_failure=on_failure, background=background, **audit_options)
         self.wait_at_end = wait_at_end
