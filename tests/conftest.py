@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -7,6 +8,10 @@ from typing import Any
 import pytest
 
 from ckptaudit.dist.launch import launch
+
+# Every JSON report the suite renders, here or in a child process, is validated against the shipped schema
+# (ckptaudit/schema/report.schema.json) before it is returned.
+os.environ["CKPTAUDIT_VALIDATE_REPORTS"] = "1"
 
 
 @pytest.fixture(scope="session")

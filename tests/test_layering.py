@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     "model": 0,
     "dist": 0,
     "catalogue": 1,
+    "schema": 1,
     "recipe": 1,
     # one reader per on-disk format (the store's manifest and layout names included)
     "formats": 2,
@@ -34,6 +35,7 @@ LAYERS: dict[str, int] = {
     "compare": 6,
     "probe": 6,
     "store": 7,
+    "api": 7,
     "resume": 7,
     "demo": 8,
     "integrations": 8,

@@ -26,7 +26,7 @@ from ckptaudit.formats.base import Checkpoint, Unreadable, walk
 from ckptaudit.formats.tensors import DEFAULT_CHUNK_BYTES, FileMaps, TensorData, iter_chunks
 from ckptaudit.layouts import SCHEDULER_KEYS, TensorRef, View, file_rule, interpret
 from ckptaudit.model import ComponentKind, Finding, Precision, Report, Severity, TensorRecord
-from ckptaudit.records import TensorScan, scan_tensor
+from ckptaudit.records import TensorScan, scan_first_chunk, scan_tensor
 
 __all__ = ["AuditOptions", "ScanOutcome", "ScanPlan", "ScannedCheckpoint", "assemble", "audit", "default_jobs",
            "judge", "plan_scan", "scan_checkpoint", "scan_items"]
@@ -47,6 +47,11 @@ class AuditOptions:
     jobs: int = 1
     """Threads scanning tensors at once (the CLI's default: every core available, :func:`default_jobs`). The
     report is the same whatever the number."""
+    quick: bool = False
+    """The in-loop mode: inventory, attachment, integrity from headers and recorded sizes, and each tensor's
+    precision decided from its first chunk; no content hash (``hash`` is ``None``), manifest hashes not
+    verified. A tensor rounded after its first chunk, or corrupted beyond it, is not seen: a quick clean is
+    not a full clean (the summary says so, and ``extra["mode"]`` is ``"quick"``)."""
 
     def __post_init__(self) -> None:
         if self.jobs < 1:
@@ -162,7 +167,7 @@ def plan_scan(path: str) -> ScanPlan:
 
 
 def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               progress: Progress | None = None) -> dict[int, ScanOutcome]:
+               progress: Progress | None = None, quick: bool = False) -> dict[int, ScanOutcome]:
     """Scan the tensors ``plan.items[i]`` for ``i`` in ``indices`` on ``jobs`` threads.
 
     Each tensor is streamed in order by one thread (its hash is the sequential xxh3-128 of its bytes, whatever
@@ -181,7 +186,7 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
         data = plan.items[index][0].data
         assert isinstance(data, TensorData)
         try:
-            scanned = scan_tensor(data, plan.ckpt.maps, chunk_bytes)
+            scanned = (scan_first_chunk if quick else scan_tensor)(data, plan.ckpt.maps, chunk_bytes)
         except (ValueError, OSError) as exc:
             return ScanOutcome(None, str(exc))
         step = scalar_value(data, plan.ckpt.maps) if index in plan.step_items else None
@@ -245,12 +250,13 @@ def assemble(plan: ScanPlan, outcomes: dict[int, ScanOutcome]) -> ScannedCheckpo
 
 
 def scan_checkpoint(path: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Progress | None = None,
-                    jobs: int = 1) -> ScannedCheckpoint:
-    """Read ``path`` and scan every tensor once (hash + effective precision) on ``jobs`` threads.
-    Raises ``FileNotFoundError``."""
+                    jobs: int = 1, quick: bool = False) -> ScannedCheckpoint:
+    """Read ``path`` and scan every tensor once (hash + effective precision; with ``quick``, the precision of
+    the first chunk and no hash) on ``jobs`` threads. Raises ``FileNotFoundError``."""
     plan = plan_scan(path)
     try:
-        outcomes = scan_items(plan, plan.scannable(), jobs=jobs, chunk_bytes=chunk_bytes, progress=progress)
+        outcomes = scan_items(plan, plan.scannable(), jobs=jobs, chunk_bytes=chunk_bytes, progress=progress,
+                              quick=quick)
     except BaseException:
         plan.close()
         raise
@@ -275,7 +281,8 @@ def scalar_value(data: TensorData, maps: FileMaps) -> float | None:
 def audit(path: str, options: AuditOptions | None = None, *, progress: Progress | None = None) -> Report:
     """Audit the checkpoint at ``path``. Raises ``FileNotFoundError`` when it does not exist."""
     options = options or AuditOptions()
-    scanned = scan_checkpoint(path, chunk_bytes=options.chunk_bytes, progress=progress, jobs=options.jobs)
+    scanned = scan_checkpoint(path, chunk_bytes=options.chunk_bytes, progress=progress, jobs=options.jobs,
+                              quick=options.quick)
     try:
         return judge(scanned, options)
     finally:
@@ -288,7 +295,8 @@ def judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
     findings = list(s.findings)
     findings += check_indexes(s.ckpt, view)
     seen = {(f.code, f.subject) for f in findings}
-    findings += [f for f in check_manifest(s.ckpt, view, s.records) if (f.code, f.subject) not in seen]
+    findings += [f for f in check_manifest(s.ckpt, view, s.records, hashes=not options.quick)
+                 if (f.code, f.subject) not in seen]
     serving_findings, _ = check_artifact(view, options.expect, ckpt=s.ckpt, records=s.records)
     findings += serving_findings
     params = [r for r in s.records if r.component == ComponentKind.MODEL.value and r.role == "parameter"
@@ -331,7 +339,7 @@ def judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
         tensors=tuple(s.records),
         summary=summary,
         extra={"files": dict(s.ckpt.files), "attachment": s.attachment.status,
-               "step": view.step, "expect": options.expect},
+               "step": view.step, "expect": options.expect, **({"mode": "quick"} if options.quick else {})},
     )
 
 
@@ -489,4 +497,7 @@ def _summary(s: ScannedCheckpoint, findings: list[Finding], master: str, options
             f"{errors} error(s), {warnings} warning(s)")
     if rounded:
         text += f"; {rounded} parameter(s) below the master precision"
+    if options.quick:
+        text = ("quick audit (first chunk of each tensor, no content hashes): "
+                + (text if errors else f"no defect seen, not a full verdict: {text.split(': ', 1)[1]}"))
     return text

@@ -153,6 +153,9 @@ _RULES: tuple[Rule, ...] = (
          "never resumable, even with DCP's .metadata present; the next save removes it."),
     Rule("store.unverified", INFO, "A checkpoint without a ckptaudit manifest: `ckptaudit latest` judged its "
          "completeness from the format's commit marker and recorded sizes; its content was not verified."),
+    Rule("guard.quarantined", E, "A checkpoint the in-loop guard (ckptaudit.integrations) audited as it was saved "
+         "and found failing: moved to a quarantined-<name> / <name>.quarantined name, which no resume path picks, "
+         "with its report beside it (<name>.ckptaudit.json)."),
     Rule("store.pointer-stale", W, "The `latest` pointer names a checkpoint that is missing, not resumable, or "
          "older than the newest resumable one."),
     # ---- probe (ckptaudit probe / ckptaudit.probe.Probe: the live job observed at three points) ----

@@ -26,7 +26,7 @@ import xxhash
 from ckptaudit.formats.tensors import DEFAULT_CHUNK_BYTES, FileMaps, TensorData, iter_chunks
 from ckptaudit.model import Precision, PrecisionStats
 
-__all__ = ["MIN_INFORMATIVE", "TensorScan", "classify", "scan_tensor"]
+__all__ = ["MIN_INFORMATIVE", "TensorScan", "classify", "scan_first_chunk", "scan_tensor"]
 
 MIN_INFORMATIVE = 4
 """Informative values needed before a 16-bit-representable tensor is called rounded."""
@@ -34,7 +34,8 @@ MIN_INFORMATIVE = 4
 
 @dataclass(frozen=True, slots=True)
 class TensorScan:
-    hash: str
+    hash: str | None
+    """``None`` for a quick scan (:func:`scan_first_chunk`), which hashes nothing."""
     precision: Precision
     stats: PrecisionStats | None
 
@@ -166,3 +167,25 @@ def scan_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHU
     if dtype.itemsize <= 2:
         return TensorScan(h.hexdigest(), Precision.NATIVE_16, None)
     return TensorScan(h.hexdigest(), Precision.EXACT, None)
+
+
+def scan_first_chunk(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TensorScan:
+    """The quick scan: effective precision from the first chunk of ``data`` only, and no hash.
+
+    A genuine fp32 tensor is told from a rounded one by its first chunk (one value needing the low bits is
+    enough), so a tensor called rounded here is rounded; but a tensor whose first chunk is exact and whose later
+    chunks were rounded (or corrupted) is not seen. Raises ``ValueError`` / ``OSError`` as :func:`scan_tensor`.
+    """
+    dtype = data.dtype
+    if not dtype.is_float:
+        return TensorScan(None, Precision.NOT_FLOAT, None)
+    if dtype.name != "float32":
+        return TensorScan(None, Precision.NATIVE_16 if dtype.itemsize <= 2 else Precision.EXACT, None)
+    state = _Fp32State()
+    chunk = next(iter(iter_chunks(data, maps, chunk_bytes)), None)
+    if chunk is not None:
+        state.update(chunk)
+        if state.recheck_fp16_chunks:
+            state.recheck(chunk)
+    precision, stats = state.result()
+    return TensorScan(None, precision, stats)

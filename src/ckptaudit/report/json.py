@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 from typing import Any, TextIO
 
 from ckptaudit import __version__
@@ -63,6 +64,10 @@ def to_dict(report: Report) -> dict[str, Any]:
     for key, value in report.extra.items():
         if key not in doc:
             doc[key] = _plain(value)
+    if os.environ.get("CKPTAUDIT_VALIDATE_REPORTS") == "1":  # set by the test suite: see ckptaudit.schema
+        from ckptaudit.schema import validate
+
+        validate(doc)
     return doc
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.formats import manifest as mf
+from ckptaudit.formats import quarantine
 from ckptaudit.model import ComponentKind, Finding, Report, Severity
 from ckptaudit.store import layout
 
@@ -51,7 +52,8 @@ class Candidate:
     """Relative to the root (the root's own name when the root is a checkpoint)."""
     layout: str
     """``ckptaudit``, ``ckptaudit-temporary``, ``torchtitan``, ``dcp``, ``huggingface-trainer``,
-    ``accelerate``, ``megatron``, ``lightning`` or ``deepspeed``."""
+    ``accelerate``, ``megatron``, ``lightning``, ``deepspeed`` or ``quarantined`` (moved aside by the in-loop
+    guard: never resumable)."""
     step: int | None
     mtime: float
 
@@ -103,6 +105,10 @@ def _classify(path: str, name: str) -> Candidate | None:
     from ckptaudit.formats.dcp import is_dcp_dir
     from ckptaudit.formats.deepspeed import is_deepspeed_step_dir
 
+    original = quarantine.quarantined_original(os.path.basename(os.path.normpath(path)))
+    if original is not None and os.path.exists(path):
+        m = _LIGHTNING_STEP.search(original) or _TRAILING.search(original.removesuffix(".ckpt"))
+        return Candidate(path, name, "quarantined", int(m.group(1)) if m else None, _mtime(path))
     if os.path.isfile(path):
         if not name.endswith(".ckpt"):
             return None
@@ -187,6 +193,13 @@ def validate(c: Candidate, *, verify: str = "hashes",
         temp = uncommitted(c.path)
         assert temp is not None
         return Checked(c, False, (temp,))
+    if c.layout == "quarantined":
+        report = os.path.normpath(c.path) + quarantine.REPORT_SUFFIX
+        return Checked(c, False, (finding(
+            "guard.quarantined", c.name,
+            f"{c.name}: failed its audit during training and was moved aside by the guard"
+            + (f" (report: {os.path.basename(report)})" if os.path.isfile(report) else ""),
+            original=quarantine.quarantined_original(os.path.basename(os.path.normpath(c.path)))),))
     if os.path.isdir(c.path) and not os.listdir(c.path):
         return Checked(c, False, (finding("integrity.incomplete", c.name,
                                           f"{c.name} is empty: the save died before writing anything"),))

@@ -1,0 +1,222 @@
+"""The in-loop guard: the shared engine (background audit, report beside the checkpoint, quarantine, stop flag,
+queueing, "not judged"), ``ckptaudit latest`` honouring quarantine, and the Trainer story end to end."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptaudit.cli import main
+from ckptaudit.integrations.guard import Guard, report_path
+from ckptaudit.schema import validate
+from guard_jobs import run_job
+from test_api import trained
+
+
+@pytest.mark.parametrize("background", ["thread", "process"])
+def test_a_failing_checkpoint_is_quarantined_with_its_report_and_stops(tmp_path: Path, background: str) -> None:
+    good, bad = trained(tmp_path / "step=2.ckpt"), trained(tmp_path / "step=4.ckpt", rounded=True)
+    passed: list[str] = []
+    guard = Guard(on_failure="stop", background=background)
+    guard.submit(str(good), step=2, on_pass=passed.append)
+    guard.submit(str(bad), step=4, on_pass=passed.append)
+    assert guard.close(120)
+    first, second = guard.verdicts
+    assert (first.ok, first.quarantined_to, first.report) == (True, None, report_path(str(good)))
+    assert passed == [str(good)] and good.exists()
+    assert second.ok is False and set(second.codes) == {"precision.bf16-rounded"}
+    assert second.quarantined_to == str(bad) + ".quarantined" and not bad.exists()
+    assert Path(second.quarantined_to).exists()
+    assert second.report == second.quarantined_to + ".ckptaudit.json"
+    doc = json.loads(Path(second.report).read_text())
+    validate(doc)
+    assert doc["counts"]["error"] == len(second.codes) and not os.path.exists(report_path(str(bad)))
+    assert guard.should_stop() and guard.failed == second
+
+
+def test_warn_quarantines_but_does_not_stop(tmp_path: Path) -> None:
+    bad = trained(tmp_path / "bad.pt", rounded=True)
+    guard = Guard(on_failure="warn", quick=True)
+    guard.submit(str(bad))
+    assert guard.close(60)
+    (v,) = guard.verdicts
+    assert v.ok is False and v.quarantined_to is not None and not guard.should_stop()
+    assert json.loads(Path(v.report or "").read_text())["mode"] == "quick"
+
+
+def test_an_audit_that_cannot_run_is_not_judged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    guard = Guard(on_failure="stop")
+    with caplog.at_level(logging.WARNING, logger="ckptaudit.guard"):
+        guard.submit(str(tmp_path / "rotated-away"))
+        assert guard.close(60)
+    (v,) = guard.verdicts
+    assert v.ok is None and v.quarantined_to is None and "does not exist" in v.error
+    assert not guard.should_stop()
+    assert "was not judged" in caplog.text
+
+
+def test_saves_during_an_audit_queue_in_order_and_are_logged(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    paths = [str(trained(tmp_path / f"s{i}.pt")) for i in range(3)]
+    guard = Guard()
+    with caplog.at_level(logging.INFO, logger="ckptaudit.guard"):
+        for p in paths:
+            guard.submit(p)
+        assert guard.close(120)
+    assert [v.checkpoint for v in guard.verdicts] == paths and all(v.ok for v in guard.verdicts)
+    assert "audit(s) are pending; queued behind them" in caplog.text
+
+
+def test_guard_options_are_checked_before_training() -> None:
+    with pytest.raises(ValueError, match="on_failure='halt' is not valid; pass 'warn'"):
+        Guard(on_failure="halt")
+    with pytest.raises(TypeError, match="unknown option 'quik'; did you mean 'quick'"):
+        Guard(quik=True)
+
+
+def test_ckptaudit_latest_never_picks_a_quarantined_checkpoint(tmp_path: Path) -> None:
+    trained(tmp_path / "epoch=0-step=2.ckpt")
+    bad = trained(tmp_path / "epoch=0-step=4.ckpt", rounded=True)
+    guard = Guard()
+    guard.submit(str(bad))
+    assert guard.close(60)
+    out = io.StringIO()
+    assert main(["latest", str(tmp_path), "--format", "json", "--all"], stdout=out, stderr=io.StringIO()) == 0
+    doc = json.loads(out.getvalue())
+    assert os.path.basename(doc["latest"]) == "epoch=0-step=2.ckpt"
+    by_name = {c["name"]: c for c in doc["candidates"]}
+    quarantined = by_name["epoch=0-step=4.ckpt.quarantined"]
+    assert (quarantined["layout"], quarantined["step"], quarantined["resumable"]) == ("quarantined", 4, False)
+    assert [f["code"] for f in quarantined["findings"]] == ["guard.quarantined"]
+    assert not any(n.endswith(".ckptaudit.json") for n in by_name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real Trainer on CPU
+
+
+@pytest.fixture(scope="session")
+def hf_story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_job("hf", str(tmp_path_factory.mktemp("guard-hf")))
+
+
+@pytest.mark.libs
+def test_trainer_stops_after_the_lossy_save_and_resumes_from_the_good_one(hf_story: dict[str, Any]) -> None:
+    good, bad = hf_story["verdicts"]
+    assert (good["checkpoint"], good["ok"], good["report"]) == ("checkpoint-2", True, "checkpoint-2.ckptaudit.json")
+    assert (bad["checkpoint"], bad["ok"]) == ("checkpoint-4", False)
+    assert set(bad["codes"]) == {"precision.bf16-rounded"}
+    # Stopped at the first step end after the failing audit: the save was at 4 (of max_steps 20).
+    assert hf_story["stopped_at"] == 5
+    assert hf_story["listing"] == ["checkpoint-2", "checkpoint-2.ckptaudit.json", "quarantined-checkpoint-4",
+                                   "quarantined-checkpoint-4.ckptaudit.json"]
+    assert bad["quarantined_to"] == "quarantined-checkpoint-4"
+    assert bad["report"] == "quarantined-checkpoint-4.ckptaudit.json"
+    # Trainer's own resume path (resume_from_checkpoint=True -> get_last_checkpoint) took the good one.
+    assert hf_story["get_last_checkpoint"] == "checkpoint-2"
+    assert hf_story["resumed_from_step"] == 2 and hf_story["resumed_to_step"] == 7
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real Lightning Trainer on CPU (ModelCheckpoint every 2 steps, save_last=True)
+
+
+@pytest.fixture(scope="session")
+def lightning_story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_job("lightning", str(tmp_path_factory.mktemp("guard-lightning")))
+
+
+@pytest.mark.libs
+def test_lightning_stops_after_the_lossy_save_and_last_resumes_the_good_one(lightning_story: dict[str, Any]) -> None:
+    verdicts = [(v["checkpoint"], v["step"], v["ok"]) for v in lightning_story["verdicts"]]
+    assert verdicts == [("epoch=0-step=2.ckpt", 2, True), ("last.ckpt", 2, True),
+                        ("epoch=0-step=4.ckpt", 4, False), ("last.ckpt", 4, False)]
+    assert all(set(v["codes"]) == {"precision.bf16-rounded"} for v in lightning_story["verdicts"][2:])
+    assert lightning_story["stopped_at"] == 5
+    assert lightning_story["listing"] == [
+        "epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.ckptaudit.json",
+        "epoch=0-step=4.ckpt.quarantined", "epoch=0-step=4.ckpt.quarantined.ckptaudit.json",
+        "last.ckpt", "last.ckpt.quarantined", "last.ckpt.quarantined.ckptaudit.json"]
+    # last.ckpt was the failed step-4 state; it is now a real copy (not a link) of the step-2 checkpoint, and
+    # Lightning's own ckpt_path="last" resumed from it.
+    assert lightning_story["last_global_step"] == 2 and not lightning_story["last_is_link"]
+    assert lightning_story["resumed_from_step"] == 2 and lightning_story["resumed_to_step"] == 7
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ckptaudit.store on 2 real FSDP2 ranks: latest and retention wait for the audit
+
+
+@pytest.mark.dist
+def test_store_latest_and_retention_wait_for_the_audit(tmp_path: Path) -> None:
+    from ckptaudit.dist.launch import launch
+
+    root = tmp_path / "ckpts"
+    result = launch(_store_job(), 2, (str(root),), timeout_s=240)[0]
+    assert [(v["checkpoint"], v["ok"]) for v in result["verdicts"]] == [("step-000002", True),
+                                                                       ("step-000004", False)]
+    assert set(result["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
+    # latest moved to step 2 once it passed, not at its commit; it never named step 4.
+    assert result["pointer_before_and_after_each_audit"] == [(None, "step-000002"), ("step-000002", "step-000002")]
+    assert result["stopped_at"] == 4  # the boundary right after the save: this loop waited for the audit there
+    # keep_last=1 did not delete step 2 for the failed step 4 (retention runs only after a pass).
+    assert result["listing"] == ["latest", "quarantined-step-000004", "quarantined-step-000004.ckptaudit.json",
+                                 "step-000002", "step-000002.ckptaudit.json"]
+    assert result["loaded_step"] == 2 and result["pointer"] == "step-000002"
+
+
+def _store_job() -> Any:
+    import guard_jobs
+
+    return guard_jobs.store
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSpeed on CPU (ZeRO stage 0: what the audit reads today; ZeRO partitions need the DeepSpeed reader)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_job("deepspeed", str(tmp_path_factory.mktemp("guard-deepspeed")))
+
+
+@pytest.mark.libs
+def test_deepspeed_latest_moves_only_to_a_tag_that_passed(deepspeed_story: dict[str, Any]) -> None:
+    verdicts = [(v["checkpoint"], v["step"], v["ok"]) for v in deepspeed_story["verdicts"]]
+    assert verdicts == [("global_step2", 2, True), ("global_step4", 4, False)]
+    assert set(deepspeed_story["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
+    assert deepspeed_story["stopped_at"] == 4  # the loop waited for the audit right after the save
+    assert deepspeed_story["latest_after_each_audit"] == ["global_step2", "global_step2"]
+    assert deepspeed_story["listing"] == ["global_step2", "global_step2.ckptaudit.json", "latest",
+                                          "quarantined-global_step4", "quarantined-global_step4.ckptaudit.json"]
+    # DeepSpeed's own resume path (engine.load_checkpoint(dir) reads `latest`) loads the tag that passed.
+    assert deepspeed_story["loaded"] == "global_step2" and deepspeed_story["resumed_step"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torchtitan's real CheckpointManager (DCP) on one gloo rank
+
+
+@pytest.fixture(scope="session")
+def torchtitan_story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_job("torchtitan", str(tmp_path_factory.mktemp("guard-torchtitan")))
+
+
+@pytest.mark.libs
+def test_torchtitan_newest_step_is_never_one_that_failed(torchtitan_story: dict[str, Any]) -> None:
+    verdicts = [(v["checkpoint"], v["step"], v["ok"], v["report"]) for v in torchtitan_story["verdicts"]]
+    assert verdicts == [("step-2", 2, True, "step_2.ckptaudit.json"),
+                        ("step-4", 4, False, "step_4.ckptaudit.json")]
+    assert set(torchtitan_story["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
+    assert torchtitan_story["stopped_at"] == 4
+    # No name but step-2 holds "step-<digits>", which torchtitan's load and purge search for.
+    assert torchtitan_story["listing"] == ["quarantined-step_4", "step-2", "step_2.ckptaudit.json",
+                                           "step_4.ckptaudit.json"]
+    # CheckpointManager.load() (the newest valid step) restored step 2's weights.
+    assert torchtitan_story["loaded"] is True and torchtitan_story["loaded_step_2_weights"] is True
