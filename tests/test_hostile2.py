@@ -495,7 +495,7 @@ def test_a_sparse_8gib_file_is_hashed_without_mapping_it(tmp_path: Path) -> None
         fh.write(b"x" * 4096)
     script = f"""
 import resource, time, xxhash
-from ckptaudit.store.manifest import hash_file
+from ckptaudit.formats.manifest import hash_file
 with open("/proc/self/status") as fh:
     vm = next(int(l.split()[1]) for l in fh if l.startswith("VmSize:")) << 10
 resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), resource.RLIM_INFINITY))
@@ -513,7 +513,7 @@ print(time.perf_counter() - start)
 
 
 def test_malformed_manifest_entries_are_skipped_not_raised(tmp_path: Path) -> None:
-    from ckptaudit.store.manifest import items_by_file, verify_files
+    from ckptaudit.formats.manifest import items_by_file, verify_files
 
     (tmp_path / "a.distcp").write_bytes(b"x" * 10)
     manifest: dict[str, Any] = {
