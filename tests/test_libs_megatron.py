@@ -112,8 +112,12 @@ def test_model_only_checkpoint_reports_the_missing_optimizer(megatron: dict[str,
     params = {t.name for t in report.tensors if t.component == "model" and t.role == "parameter"}
     assert params == set(megatron["params"])
     assert "security.unsafe-pickle" not in _codes(report)
-    # With no optimizer the contract is unknown (contract.unknown); whether the bf16 weights are then precision
-    # errors is decided by checks/precision.py (issue 17's last bullet, not this layout), so it is not asserted.
+    # With no optimizer the contract is unknown: said once (contract.unknown, a warning), and no precision finding
+    # holds the bf16 weights to a contract nobody knows; no message prints "unknown" as a dtype.
+    assert {(f.code, f.severity) for f in report.findings if f.code.startswith("contract.")} == {
+        ("contract.unknown", Severity.WARNING)}
+    assert not [f for f in report.findings if f.code.startswith("precision.")]
+    assert not [f for f in report.findings if "unknown masters" in f.message or "into unknown" in f.message]
 
 
 def test_latest_finds_the_iteration_the_tracker_names(megatron: dict[str, Any]) -> None:
