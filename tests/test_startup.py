@@ -12,12 +12,6 @@ import pytest
 
 from real_checkpoints import safetensors_file
 
-PICKLES_PENDING = pytest.mark.xfail(
-    strict=True,
-    reason="the pickle reader (formats/pickles.py: base_table, dcp_metadata_loads) still imports torch for its "
-    "unpickler tables; the hostile-input work (pickles split into modules, torch-free tables) removes it",
-)
-
 
 def _torch_imported(*argv: str) -> bool:
     """Run ``ckptaudit.cli.main(argv)`` in a fresh interpreter; whether torch was imported by the end."""
@@ -60,11 +54,14 @@ def test_offline_modules_do_not_import_torch() -> None:
     assert run.stdout.strip() == "False"
 
 
-@PICKLES_PENDING
 def test_audit_of_a_torch_save_file_does_not_import_torch(scale_checkpoints: dict[str, Path]) -> None:
     assert not _torch_imported("audit", str(scale_checkpoints["torch.save"]), "--format", "json")
 
 
-@PICKLES_PENDING
 def test_audit_of_a_dcp_directory_does_not_import_torch(scale_checkpoints: dict[str, Path]) -> None:
     assert not _torch_imported("audit", str(scale_checkpoints["dcp"]), "--format", "json")
+
+
+def test_compare_of_torch_save_and_dcp_does_not_import_torch(scale_checkpoints: dict[str, Path]) -> None:
+    assert not _torch_imported("compare", str(scale_checkpoints["dcp"]), str(scale_checkpoints["torch.save"]),
+                               "--format", "json")

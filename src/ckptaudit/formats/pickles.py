@@ -7,7 +7,8 @@ of a ``.distcp`` file), ``.metadata`` of ``torch.distributed.checkpoint`` direct
 - :mod:`ckptaudit.formats.allowlist`: the names a pickle may reference, and how.
 - :mod:`ckptaudit.formats.pickle_scan`: :func:`scan`, the opcode walk (never executing), and the limits.
 - :mod:`ckptaudit.formats.unpickler`: :class:`RestrictedUnpickler` (one view: declared attributes only, vetted keys,
-  charged containers); :mod:`ckptaudit.formats.numpy_pickles`: NumPy arrays, scalars and dtypes in it.
+  charged containers); :mod:`ckptaudit.formats.numpy_pickles`: NumPy arrays, scalars and dtypes in it;
+  :mod:`ckptaudit.formats.torch_values`: torch's dtypes, devices and sizes in it, as torch-free stand-ins.
 - :mod:`ckptaudit.formats.object_tree`: :func:`check_tree`, the bound on what was loaded.
 - :mod:`ckptaudit.formats.dcp_metadata`: DCP ``.metadata`` through the DCP allowlist, rebuilt as plain data.
 """

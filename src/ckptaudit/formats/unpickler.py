@@ -17,7 +17,7 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import IO, Any, ClassVar
 
-from ckptaudit.formats.allowlist import TORCH_DTYPES, global_name
+from ckptaudit.formats.allowlist import global_name
 from ckptaudit.formats.numpy_pickles import (
     NdarrayShell,
     dtype_from_state,
@@ -36,6 +36,7 @@ from ckptaudit.formats.pickle_scan import (
     UnsafeBuildError,
     UnsafeGlobalError,
 )
+from ckptaudit.formats.torch_values import torch_values_table
 
 __all__ = ["BUILD_ATTRIBUTES", "Opaque", "PickledRecord", "RestrictedUnpickler", "base_table"]
 
@@ -524,26 +525,16 @@ def _safe_codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict
     return obj.encode("latin1")
 
 
-
-
 def base_table() -> dict[str, Any]:
-    """Harmless builtins and containers shared by every restricted unpickler."""
-    import torch
-
+    """Harmless builtins and containers shared by every restricted unpickler, and torch's plain values (dtypes,
+    ``torch.device``, ``torch.Size``) as the torch-free stand-ins of :mod:`ckptaudit.formats.torch_values`."""
     table: dict[str, Any] = {
         "collections.OrderedDict": collections.OrderedDict,
         "_codecs.encode": _safe_codecs_encode,
-        "torch.Size": torch.Size,
-        "torch.device": torch.device,
     }
     # (Protocol 2, torch.save's default, spells them __builtin__.set etc.: see global_name.)
     table.update({"builtins.set": set, "builtins.frozenset": frozenset, "builtins.complex": complex,
                   "builtins.slice": slice})
-    for d in TORCH_DTYPES:
-        value = getattr(torch, d, None)
-        if isinstance(value, torch.dtype):
-            table[f"torch.{d}"] = value
+    table.update(torch_values_table())
     table.update(numpy_table())
     return table
-
-
