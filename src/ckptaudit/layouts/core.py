@@ -32,7 +32,7 @@ from ckptaudit.model import ComponentKind
 
 
 def interpret(ckpt: Checkpoint) -> View:
-    """Map the parts of ``ckpt`` to checkpoint components (see the module docstring for the layouts)."""
+    """Map the parts of ``ckpt`` to checkpoint components (see :mod:`ckptaudit.layouts` for the layouts)."""
     if _is_megatron(ckpt):
         return _megatron(ckpt)
     view = View(layout=ckpt.format, model=None, optimizer=None)
