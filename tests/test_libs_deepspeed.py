@@ -23,7 +23,7 @@ import pytest
 
 from ckptaudit.audit import audit, scan_checkpoint
 from ckptaudit.compare import compare
-from ckptaudit.formats.deepspeed import _blocks
+from ckptaudit.formats.deepspeed_zero import _blocks
 from ckptaudit.formats.tensors import iter_chunks
 from ckptaudit.model import ComponentKind, Report, Severity
 from ckptaudit.store.latest import latest_report

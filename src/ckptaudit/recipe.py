@@ -189,7 +189,7 @@ class RecipeError(Exception):
 
 _SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__,)) + tuple(
     os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
-_RUNNER = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("resume.py", "recipe.py", "dist" + os.sep))
+_RUNNER = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("resume" + os.sep, "recipe.py", "dist" + os.sep))
 
 
 def _is_user_frame(filename: str) -> bool:

@@ -1,0 +1,186 @@
+"""Layouts read by their dict keys: plain dicts and bare state dicts, ``torch.distributed.checkpoint`` with
+``get_state_dict`` and ckptaudit's writer, torchtitan (model FQNs at the top level, a flattened optimizer,
+``dataloader``/``train_state``), and Lightning ``.ckpt`` (``state_dict``, ``optimizer_states``, ``loops``).
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ckptaudit.formats.base import Checkpoint, Part, Unreadable
+from ckptaudit.formats.tensors import TensorData
+from ckptaudit.layouts.view import (
+    _STEP_PRIORITY,
+    DATA_KEYS,
+    MODEL_KEYS,
+    OPTIMIZER_KEYS,
+    RNG_KEYS,
+    SCHEDULER_KEYS,
+    STEP_KEYS,
+    OptimizerView,
+    TensorRef,
+    View,
+    _find_step,
+    _label,
+    _leaf_file,
+    _present,
+    _unreadable_detail,
+)
+from ckptaudit.model import ComponentKind, text
+
+
+def _classify_keys(part: Part, tree: dict[str, Any], view: View, found: Any, add_model: Any,
+                   ckpt: Checkpoint) -> bool:
+    matched = False
+    top_tensors = {k: v for k, v in tree.items() if isinstance(v, TensorData | Unreadable)}
+    for key, value in tree.items():
+        k = str(key)
+        where = _label(part, k)
+        if k in MODEL_KEYS and isinstance(value, dict):
+            add_model(part, value, where, (k,))
+            matched = True
+        elif k in OPTIMIZER_KEYS:
+            matched = True
+            opt = _optimizer_view(part, value, where, ckpt)
+            if opt is not None:
+                if view.optimizer is None:
+                    view.optimizer = opt
+                found(ComponentKind.OPTIMIZER, where)
+        elif k in SCHEDULER_KEYS:
+            matched = True
+            if _present(value):
+                found(ComponentKind.SCHEDULER, where, _unreadable_detail(where, value))
+        elif k in RNG_KEYS:
+            matched = True
+            if _present(value):
+                found(ComponentKind.RNG, where, _unreadable_detail(where, value))
+        elif k in DATA_KEYS:
+            matched = True
+            if _present(value):
+                found(ComponentKind.DATA_PROGRESS, where)
+        elif k in STEP_KEYS:
+            matched = True
+            found(ComponentKind.DATA_PROGRESS, where)
+    step_key = next((k for k in _STEP_PRIORITY if k in tree and _find_step(tree[k]) is not None), None)
+    if step_key is not None and view.step is None:
+        view.step = _find_step(tree[step_key])
+    detail = _data_detail(tree, step_key)
+    if detail and (ComponentKind.DATA_PROGRESS not in view.details
+                   or view.details[ComponentKind.DATA_PROGRESS].startswith("step counter only")):
+        view.details[ComponentKind.DATA_PROGRESS] = detail
+    if matched and top_tensors and len(top_tensors) >= 1 and not any(
+        str(k) in MODEL_KEYS for k in tree
+    ):
+        # torchtitan: model FQNs at the top level beside optimizer/lr_scheduler/...
+        add_model(part, top_tensors, _label(part) + " (top-level keys)", ())
+    return matched
+
+
+
+def _data_detail(tree: dict[str, Any], step_key: str | None) -> str:
+    """What the data-progress state of one top-level dict can restore, in a sentence for the inventory."""
+    loops = tree.get("loops")
+    if isinstance(loops, dict) and "fit_loop" in loops:
+        fit = loops.get("fit_loop")
+        fit_state = fit.get("state_dict") if isinstance(fit, dict) else None
+        where = f"epoch {text(tree.get('epoch'))}, global step {text(tree.get('global_step'))}"
+        if isinstance(fit_state, dict) and _present(fit_state.get("combined_loader")):
+            return f"Lightning loop progress ({where}) with data-loader state (loops/fit_loop/state_dict/combined_loader)"
+        return (f"Lightning loop progress ({where}); no data-loader state (Lightning saves it only for stateful "
+                "data loaders), so a mid-epoch resume restarts the epoch's data")
+    loader = tree.get("dataloader")
+    if isinstance(loader, dict) and loader:
+        ranks = sorted(str(k)[len("dp_rank_"):] for k in loader if str(k).startswith("dp_rank_"))
+        if ranks:
+            world = loader.get("world_size")
+            lost = [r for r in ranks if isinstance(loader.get(f"dp_rank_{r}"), Unreadable)]
+            return (f"torchtitan data-loader state for dp rank(s) {', '.join(ranks)}"
+                    + (f" of world size {world}" if isinstance(world, int) else "")
+                    + (f"; rank(s) {', '.join(lost)} unreadable (see the integrity findings)" if lost else ""))
+    present = [k for k in tree if k in DATA_KEYS and _present(tree[k])]
+    if present:
+        return f"data-loader / loop state ({', '.join(map(str, present))})"
+    if step_key is not None or any(k in tree for k in STEP_KEYS):
+        return f"step counter only ({step_key or next(k for k in tree if k in STEP_KEYS)}); no data-loader position"
+    return ""
+
+
+
+_TITAN_STATE = re.compile(r"^state\.(?P<fqn>.+)\.(?P<name>[^.]+)$")
+_TITAN_GROUP = re.compile(r"^param_groups\.(?P<fqn>.+)\.(?P<name>[^.]+)$")
+
+
+def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> OptimizerView | None:
+    count = 1
+    if isinstance(tree, list):  # Lightning: optimizer_states is a list, one per optimizer
+        count = len(tree)
+        if not tree:
+            return None
+        tree = tree[0]
+        where = where + "/0"
+    if not isinstance(tree, dict):
+        return None
+
+    def ref(path: tuple[Any, ...], leaf: Any) -> Any:
+        if isinstance(leaf, TensorData | Unreadable):
+            return TensorRef(_label(part, *where_keys, *path), leaf, _leaf_file(ckpt, part, leaf))
+        return leaf
+
+    where_keys = tuple(where.split("/")[1:]) if part.name else tuple(where.split("/"))
+    if where == "(root)" or where == part.name:
+        where_keys = ()
+    if "state" in tree:
+        raw_state = tree.get("state")
+        groups = _clean_groups(tree.get("param_groups"))
+        state: dict[Any, dict[str, Any]] = {}
+        items: list[tuple[Any, Any]]
+        if isinstance(raw_state, dict):
+            items = list(raw_state.items())
+        elif isinstance(raw_state, list):
+            items = list(enumerate(raw_state))
+        else:
+            items = []
+        for key, entry in items:
+            if isinstance(entry, dict):
+                key = key if isinstance(key, str | int) else str(key)  # state is keyed by FQN or index
+                state[key] = {str(n): ref(("state", key, n), v) for n, v in entry.items()}
+        keyed = "index" if any(isinstance(k, int) for k in state) else "fqn"
+        if not state and groups:
+            params = [p for g in groups for p in g["params"]]
+            keyed = "index" if any(isinstance(p, int) for p in params) else "fqn"
+        return OptimizerView(where, keyed, state, groups, count)
+    # torchtitan flattened optimizer: state.<fqn>.<name>, param_groups.<fqn>.<key>
+    flat_state: dict[Any, dict[str, Any]] = {}
+    group_params: list[str] = []
+    for key, value in tree.items():
+        m = _TITAN_STATE.match(str(key))
+        if m:
+            flat_state.setdefault(m["fqn"], {})[m["name"]] = ref((key,), value)
+            continue
+        g = _TITAN_GROUP.match(str(key))
+        if g and g["fqn"] not in group_params:
+            group_params.append(g["fqn"])
+    if flat_state or group_params:
+        return OptimizerView(where, "fqn", flat_state, [{"params": group_params}] if group_params else [], count)
+    return None
+
+
+def _clean_groups(raw: Any) -> list[dict[str, Any]]:
+    """``param_groups`` as real optimizers save them: dicts whose ``params`` list holds ints or FQN strings.
+
+    Anything else a (damaged or hostile) file puts there is dropped, so the checks never meet unhashable keys.
+    """
+    if not isinstance(raw, list):
+        return []
+    groups = []
+    for g in raw:
+        if not isinstance(g, dict):
+            continue
+        ps = g.get("params")
+        ps = [p for p in ps if isinstance(p, int | str) and not isinstance(p, bool)] if isinstance(ps, list) else []
+        groups.append({**g, "params": ps})
+    return groups
+

@@ -1,0 +1,165 @@
+"""The interpretation's data (:class:`View`, :class:`ModelView`, :class:`OptimizerView`, :class:`TensorRef`),
+the key tables every dict layout is read by, and the helpers the library rules share.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
+from ckptaudit.formats.tensors import TensorData
+from ckptaudit.model import ComponentKind
+
+MODEL_KEYS = ("model", "state_dict", "module", "model_state_dict", "model_state", "net", "network")
+OPTIMIZER_KEYS = ("optimizer", "optim", "optimizer_states", "optimizer_state_dict", "optimizer_state", "opt")
+SCHEDULER_KEYS = ("scheduler", "lr_scheduler", "lr_schedulers", "scheduler_state_dict", "lr_scheduler_state_dict",
+                  "schedulers")
+RNG_KEYS = ("rng", "rng_state", "rng_states", "random_state", "random_states", "rng_tracker")
+DATA_KEYS = ("data", "dataloader", "data_loader", "dataloaders", "loops", "sampler", "data_progress",
+             "dataloader_state", "data_state")
+STEP_KEYS = ("step", "global_step", "train_state", "iteration", "iter_num", "epoch")
+_STEP_PRIORITY = ("global_step", "step", "train_state", "iteration", "iter_num")
+"""Keys that hold the optimizer-step counter, best first; ``epoch`` counts epochs, never steps."""
+
+_INNER_WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+_OUTER_WRAPPERS = ("module.", "_orig_mod.", "_forward_module.")
+
+
+def normalize_fqn(fqn: str) -> str:
+    """A parameter's name without wrapper segments, so names from differently wrapped models meet.
+
+    FSDP1 and activation-checkpoint wrappers insert ``_fsdp_wrapped_module`` / ``_checkpoint_wrapped_module``
+    segments anywhere; DDP (``module.``), ``torch.compile`` (``_orig_mod.``) and Lightning
+    (``_forward_module.``) prefix the whole name. Only leading occurrences of the latter are stripped, so a
+    submodule a user named ``module`` keeps its name.
+    """
+    name = ".".join(p for p in fqn.split(".") if p not in _INNER_WRAPPERS)
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _OUTER_WRAPPERS:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix):], True
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor leaf with a readable name and the file it lives in."""
+
+    name: str
+    data: TensorData | Unreadable
+    file: str
+
+
+@dataclass
+class ModelView:
+    params: dict[str, TensorRef]
+    """Model tensors by FQN, in the order the writer saw them (when ``order_known``)."""
+    where: list[str]
+    order_known: bool
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Tied weights: a later FQN -> the first FQN whose stored bytes it shares (``torch.save`` stores a shared
+    tensor once, e.g. ``lm_head.weight`` tied to the token embedding). ``named_parameters()`` yields such a
+    parameter once, under its first name."""
+
+
+@dataclass
+class OptimizerView:
+    where: str
+    keyed: str
+    """``fqn`` or ``index``."""
+    state: dict[Any, dict[str, Any]]
+    """Parameter key (FQN or int) -> state name -> :class:`TensorRef` or plain value."""
+    groups: list[dict[str, Any]]
+    """``param_groups``, each with a ``params`` list of FQNs or ints whatever the file held (see
+    :func:`_clean_groups`), and ``param_names`` if saved."""
+    count: int = 1
+    """How many optimizers the checkpoint holds (only the first is checked)."""
+    masters: frozenset[str] = frozenset()
+    """State names that hold the parameter's full-precision master copy (Megatron: ``fp32_param``, ``param``):
+    the master, not the model's 16-bit copy, is the training state held to the contract."""
+    unattached_masters: list[TensorRef] = field(default_factory=list)
+    """Masters that belong to no one parameter (the distributed optimizer's flat buckets)."""
+
+
+@dataclass
+class View:
+    layout: str
+    model: ModelView | None
+    optimizer: OptimizerView | None
+    components: dict[ComponentKind, list[str]] = field(default_factory=dict)
+    details: dict[ComponentKind, str] = field(default_factory=dict)
+    tensors: list[tuple[TensorRef, str]] = field(default_factory=list)
+    """Every tensor with its component label (model tensors first)."""
+    step: int | None = None
+    indexes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    """Hugging Face ``*.index.json`` files: (name, parsed)."""
+    manifest: dict[str, Any] | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    """Format metadata of the model files (safetensors ``__metadata__``), merged."""
+    roles: dict[int, tuple[str, str | None]] = field(default_factory=dict)
+    """``id(tensor data)`` -> (role, parameter) where the layout knows better than the model/optimizer split:
+    DeepSpeed's bf16 module weights are ``compute-copy`` records of the parameter whose master is audited."""
+
+
+def _label(part: Part, *keys: Any) -> str:
+    bits = [part.name] if part.name else []
+    bits += [str(k) for k in keys]
+    return "/".join(bits) if bits else "(root)"
+
+
+def _is_state_dict(tree: Any) -> bool:
+    """A flat mapping whose values are mostly tensors: a model state dict."""
+    if not isinstance(tree, dict) or not tree:
+        return False
+    tensors = sum(isinstance(v, TensorData | Unreadable) for v in tree.values())
+    return tensors > 0 and tensors >= len(tree) / 2
+
+
+def _leaf_file(ckpt: Checkpoint, part: Part, leaf: Any) -> str:
+    if isinstance(leaf, TensorData) and leaf.pieces:
+        return os.path.relpath(leaf.pieces[0].file, ckpt.path) if os.path.isdir(ckpt.path) else os.path.basename(
+            leaf.pieces[0].file
+        )
+    if isinstance(leaf, Unreadable) and leaf.file:
+        return leaf.file
+    return part.name or os.path.basename(ckpt.path)
+
+
+def _unreadable_detail(where: str, value: Any) -> str:
+    """A note for a component whose every value is unreadable (e.g. its DCP data file is lost), else ``""``."""
+    leaves = [leaf for _, leaf in walk(value)]
+    if leaves and all(isinstance(leaf, Unreadable) for leaf in leaves):
+        return f"{where} is named, but its data is unreadable (see the integrity findings)"
+    return ""
+
+
+def _find_step(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, dict):
+        for k in ("step", "global_step", "iteration"):
+            if k in value:
+                return _find_step(value[k])
+    return None
+
+
+def _present(value: Any) -> bool:
+    """Whether a state value holds something: not ``None`` nor an empty list/dict/tuple/string. Never the value's
+    own truth (``bool(numpy_array)`` raises, and a pickle decides what its objects say)."""
+    if value is None:
+        return False
+    if isinstance(value, list | dict | tuple | str | bytes):
+        return len(value) > 0
+    return True
+
+
+def _as_int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None

@@ -1,0 +1,51 @@
+"""The differential resume test: does a checkpoint resume the original trajectory?
+
+Phases, each a fresh set of real processes (:func:`ckptaudit.dist.launch.launch`):
+
+1. **train** (``nproc`` ranks): build the recipe's job, train ``save_at`` steps; save the reference through the
+   documented path (:func:`ckptaudit.exporters.documented`: ``get_state_dict`` + DCP, with scheduler, RNG and
+   data position) and each candidate through its exporter (a failing exporter is recorded and skipped); then
+   continue ``steps`` steps uninterrupted, recording the loss and the parameters (rank 0 keeps them) after
+   every step.
+2. **reference resume** (``resume_nproc`` ranks, fresh processes): build the job, restore the reference, run the
+   same steps. Its per-step deviation from the uninterrupted run is the *floor* (zero on deterministic CPU
+   kernels on the same number of ranks; reduction order when the world size changes).
+3. **positive control** (``resume_nproc`` ranks): the reference with its parameters rounded to the compute dtype
+   (or nudged by one ulp when the masters are already that narrow), resumed like a candidate. It must stand out
+   from the floor after restore, or the test has no power: ``resume.no-power``, and no candidate is judged.
+4. **candidate resume** (``resume_nproc`` ranks, once per candidate): a fresh job restored from the candidate
+   alone, through its exporter's ``load`` (default: :func:`default_load`), nothing of the reference underneath
+   (``borrow_state``: the reference first, then the candidate's loader over it, the old controlled experiment).
+
+Every resumed run snapshots the job's state right after the restore, before any step, component by component
+(parameters, optimizer moments, optimizer step, optimizer hyperparameters, scheduler, each rank's RNG, each
+rank's data position, the training step). There is no kernel noise before the first step, so a candidate whose
+restored state differs from the reference's restored state is a finding however noisy the steps are:
+``resume.not-restored`` (still the fresh job's value) or ``resume.restored-differs``. After the restore, the
+verdict is floor-relative per step: ``resume.drift`` when the relative L2 deviation of the parameters at step
+``k`` exceeds ``max(margin x floor[k], min_rel)``.
+
+The package follows the phases: :mod:`~ckptaudit.resume.config` (the experiment asked and the records handed
+back), :mod:`~ckptaudit.resume.phases` and :mod:`~ckptaudit.resume.snapshot` (what each rank runs and records),
+:mod:`~ckptaudit.resume.deviation` (the pure comparisons), :mod:`~ckptaudit.resume.judge` (the verdicts and the
+report) and :mod:`~ckptaudit.resume.driver` (:func:`run_resume_test`, which launches the phases).
+"""
+
+from __future__ import annotations
+
+from ckptaudit.resume.config import (
+    COMPONENTS,
+    DEFAULT_EXPORTER,
+    DEFAULT_RECIPE,
+    ResumeConfig,
+    ResumeError,
+    Trajectory,
+)
+from ckptaudit.resume.deviation import Deviation, compare_states, compare_trajectories, thresholds
+from ckptaudit.resume.driver import run_resume_test
+from ckptaudit.resume.judge import _judge
+from ckptaudit.resume.phases import default_load, load_weights
+
+__all__ = ["COMPONENTS", "DEFAULT_EXPORTER", "DEFAULT_RECIPE", "Deviation", "ResumeConfig", "ResumeError",
+           "Trajectory", "_judge", "compare_states", "compare_trajectories", "default_load", "load_weights",
+           "run_resume_test", "thresholds"]

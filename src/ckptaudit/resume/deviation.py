@@ -1,0 +1,81 @@
+"""The comparison (pure, this process): a resumed trajectory against the uninterrupted one, a restored state
+against the reference's, and the floor-relative drift thresholds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckptaudit.resume.config import COMPONENTS, Trajectory
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """One resumed run against the uninterrupted one, step by step (index 0: right after the restore)."""
+
+    rel_l2: list[float]
+    max_abs: list[float]
+    loss_diff: list[float]
+    """Per training step: resumed loss minus uninterrupted loss."""
+    loss_rel: list[float]
+    per_param: list[dict[str, float]]
+    """Per step: parameter name -> relative L2 deviation."""
+
+
+def compare_trajectories(base: Trajectory, other: Trajectory) -> Deviation:
+    rel, mx, per = [], [], []
+    for b_vals, o_vals, b_norms, o_norms in zip(base.params, other.params, base.norms, other.norms, strict=True):
+        if base.full and other.full:
+            num = den = 0.0
+            worst = 0.0
+            pp: dict[str, float] = {}
+            for name, b in b_vals.items():
+                o = o_vals[name]
+                d = (o.astype(np.float64) - b.astype(np.float64)).ravel()
+                dn = float(np.dot(d, d))
+                bn = float(np.dot(b.astype(np.float64).ravel(), b.astype(np.float64).ravel()))
+                num += dn
+                den += bn
+                worst = max(worst, float(np.max(np.abs(d))) if d.size else 0.0)
+                pp[name] = math.sqrt(dn) / math.sqrt(bn) if bn > 0 else math.sqrt(dn)
+            rel.append(math.sqrt(num) / math.sqrt(den) if den > 0 else math.sqrt(num))
+            mx.append(worst)
+            per.append(pp)
+        else:  # bounded summary: the norm difference is a lower bound of the deviation
+            pp = {n: abs(o_norms[n] - b) / b if b > 0 else abs(o_norms[n]) for n, b in b_norms.items()}
+            total_b = math.sqrt(sum(b * b for b in b_norms.values()))
+            total_d = math.sqrt(sum((o_norms[n] - b) ** 2 for n, b in b_norms.items()))
+            rel.append(total_d / total_b if total_b > 0 else total_d)
+            mx.append(float("nan"))
+            per.append(pp)
+    loss_diff = [o - b for b, o in zip(base.losses, other.losses, strict=True)]
+    loss_rel = [abs(d) / abs(b) if b else abs(d) for d, b in zip(loss_diff, base.losses, strict=True)]
+    return Deviation(rel, mx, loss_diff, loss_rel, per)
+
+
+def compare_states(reference: dict[str, dict[str, str]], fresh: dict[str, dict[str, str]],
+                   candidate: dict[str, dict[str, str]]) -> dict[str, dict[str, Any]]:
+    """Per component: ``restored`` (equal to the reference's restored state), ``not restored`` (every differing
+    entry still holds the fresh job's value) or ``differs``, with the differing keys."""
+    out: dict[str, dict[str, Any]] = {}
+    for comp in COMPONENTS:
+        r, f, c = reference.get(comp, {}), fresh.get(comp, {}), candidate.get(comp, {})
+        diff = [k for k in sorted(set(r) | set(c)) if r.get(k) != c.get(k)]
+        if not diff:
+            status = "restored"
+        elif all(c.get(k) == f.get(k) for k in diff):
+            status = "not restored"
+        else:
+            status = "differs"
+        out[comp] = {"status": status, "keys": diff}
+    return out
+
+
+def thresholds(floor: list[float], margin: float, min_rel: float) -> list[float]:
+    """Per step: 0 right after the restore (no kernel noise yet: any difference counts), then
+    ``max(margin x floor[k], min_rel)``."""
+    return [0.0] + [max(margin * f, min_rel) for f in floor[1:]]

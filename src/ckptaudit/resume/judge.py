@@ -1,0 +1,207 @@
+"""(this process) The judgement and the report: the noise floor, the positive control's power, each candidate's
+drift and restored state, and the offline comparison with the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from ckptaudit.catalogue import finding
+from ckptaudit.model import Finding, Report
+from ckptaudit.resume.config import COMPONENTS, ResumeConfig, Trajectory
+from ckptaudit.resume.deviation import compare_states, compare_trajectories, thresholds
+
+_STAGE = {"export": "could not be written", "load": "could not be restored",
+          "steps": "was restored, but the recipe's steps failed on it", "crash": "crashed its resume"}
+
+
+def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any], control: dict[str, Any],
+           candidates: list[tuple[int, Any, str, str]]) -> Report:
+    findings: list[Finding] = []
+    ref_dev = compare_trajectories(base, ref["traj"])
+    floor = ref_dev.rel_l2
+    thr = thresholds(floor, cfg.margin, cfg.min_rel)
+    peak = max(floor)
+    ranks = f"{cfg.nproc} rank(s)" + (f", resumed on {cfg.resume_ranks}" if cfg.resume_ranks != cfg.nproc else "")
+    if floor[0] > 0:
+        findings.append(finding(
+            "resume.reference-not-reproducible", "reference",
+            f"right after restoring the documented-path reference, its parameters differ from the saved run by rel. "
+            f"L2 {floor[0]:.2e}: the documented restore itself is not exact, so no candidate can be judged",
+            rel_l2=floor[0]))
+    if peak > 0:
+        findings.append(finding("resume.noise-floor", "reference",
+                                f"the documented-path reference deviates by up to rel. L2 {peak:.2e} over the "
+                                f"steps ({ranks}); a candidate drifts at step k above max({cfg.margin:g} x floor[k], "
+                                f"{cfg.min_rel:.0e})", floor=floor))
+    ctl_dev = compare_trajectories(base, control["traj"])
+    power_steps = [k for k in range(1, len(thr)) if ctl_dev.rel_l2[k] > thr[k]]
+    power = bool(power_steps) and floor[0] == 0
+    if not power:
+        findings.append(finding(
+            "resume.no-power", "positive control",
+            f"the positive control ({control['control']}) stays within the reference's floor after the restore "
+            f"(max rel. L2 {max(ctl_dev.rel_l2[1:]):.2e} vs threshold up to {max(thr):.2e}): the steps of this "
+            "recipe are too noisy to see a defect of that size, so no candidate is judged; make the recipe "
+            "deterministic (seeded data and dropout, deterministic kernels) or take fewer steps",
+            control_rel_l2=ctl_dev.rel_l2, threshold=thr))
+    borrowed = ["optimizer moments", "optimizer step", "optimizer hyperparameters", "scheduler", "rng",
+                "data position", "training step"] if cfg.borrow_state else []
+    results: list[dict[str, Any]] = []
+    rows: list[list[str]] = [
+        ["reference (documented path)", "restored", _fmt(peak), f"{max(ref_dev.loss_rel, default=0.0):.2%}", "-",
+         "bit-identical" if peak == 0 else "floor"],
+        [f"positive control ({control['control']})", "parameters differ", _fmt(max(ctl_dev.rel_l2)),
+         f"{max(ctl_dev.loss_rel, default=0.0):.2%}", str(power_steps[0]) if power_steps else "-",
+         "stands out (power)" if power else "NO POWER"]]
+    forensic_rows: list[list[str]] = []
+    summaries = [f"reference resumes {'bit-identically' if peak == 0 else f'within {peak:.1e}'}"
+                 + ("" if power else "; NO POWER: the positive control does not stand out from the floor, "
+                    "so no candidate is judged")]
+    for i, run, stage, error in candidates:
+        spec = cfg.exporters[i]
+        name = spec.rpartition(":")[2]
+        if run is None:
+            findings.append(finding("resume.candidate-failed", spec,
+                                    f"{name}: the candidate {_STAGE.get(stage, 'failed')}: {error}", stage=stage))
+            results.append({"exporter": spec, "verdict": "failed", "stage": stage, "error": error})
+            rows.append([name, "-", "-", "-", "-", "FAILED"])
+            summaries.append(f"{name}: FAILED ({stage})")
+            continue
+        dev = compare_trajectories(base, run["traj"])
+        restore = compare_states(ref["restored"], run["fresh"], run["restored"])
+        for comp in borrowed:
+            if restore[comp]["status"] == "restored":
+                restore[comp]["status"] = "borrowed"
+        problems = [c for c in COMPONENTS if restore[c]["status"] in ("not restored", "differs")]
+        for comp in problems:
+            st = restore[comp]
+            keys = ", ".join(st["keys"][:3]) + (f" and {len(st['keys']) - 3} more" if len(st["keys"]) > 3 else "")
+            if st["status"] == "not restored":
+                findings.append(finding(
+                    "resume.not-restored", f"{spec}: {comp}",
+                    f"{name}: the {comp} is not restored by {run['loader']}: right after loading it is still the "
+                    f"fresh job's ({keys}); a real resume from this checkpoint would start with it; save and load "
+                    f"the {comp} in the exporter", component=comp, keys=st["keys"]))
+            else:
+                findings.append(finding(
+                    "resume.restored-differs", f"{spec}: {comp}",
+                    f"{name}: {comp} restored by {run['loader']}, but not to the reference's values ({keys}), "
+                    "before any step (no kernel noise yet)", component=comp, keys=st["keys"]))
+        forensics, misattached = _forensics(workdir, cfg, i)
+        for f in misattached:
+            findings.append(finding("optimizer.misattached", f"{name}: {f.subject}", f"{name}: {f.message}",
+                                    **f.evidence))
+        # Without power nothing about the steps is judged; what differs right after the restore is reported
+        # above as restored-state findings (they need no power).
+        drifting = [k for k, r in enumerate(dev.rel_l2) if r > thr[k]] if power else []
+        worst_step = int(np.argmax(dev.rel_l2))
+        top = sorted(dev.per_param[worst_step].items(), key=lambda kv: -kv[1])[:5]
+        max_loss_rel = max(dev.loss_rel, default=0.0)
+        if not power:
+            verdict = "not judged"
+        elif drifting:
+            verdict = "drift"
+        elif problems:
+            verdict = "incomplete"
+        else:
+            verdict = "faithful"
+        if drifting:
+            start = drifting[0]
+            findings.append(finding(
+                "resume.drift", spec,
+                f"{name}: parameters deviate from the uninterrupted run by rel. L2 {dev.rel_l2[worst_step]:.2e} at "
+                f"step {worst_step} (threshold {thr[worst_step]:.2e}, floor {floor[worst_step]:.1e}), from step "
+                f"{start} on; most: {', '.join(f'{n} ({v:.1e})' for n, v in top[:3])}",
+                start_step=start, max_rel_l2=max(dev.rel_l2), threshold=thr[worst_step],
+                top_parameters=[n for n, _ in top]))
+            if max_loss_rel < cfg.loss_threshold:
+                findings.append(finding(
+                    "resume.loss-looks-normal", spec,
+                    f"{name}: the loss stays within {max_loss_rel:.2%} of the uninterrupted run over {cfg.steps} "
+                    "steps while the parameters drift: a loss curve would not have shown it",
+                    max_loss_rel=max_loss_rel))
+        if borrowed:
+            findings.append(finding(
+                "resume.state-borrowed", spec,
+                f"{name}: restored over the reference (--borrow-state): {', '.join(borrowed)} came from the "
+                f"reference unless {run['loader']} overwrote them; this judges the parameters, not the whole "
+                "checkpoint", borrowed=borrowed))
+        results.append({
+            "exporter": spec, "verdict": verdict, "drift_start": drifting[0] if drifting else None,
+            "loader": run["loader"], "restore": restore, "borrowed": borrowed,
+            "rel_l2": dev.rel_l2, "max_abs": dev.max_abs, "loss_diff": dev.loss_diff, "loss_rel": dev.loss_rel,
+            "top_parameters": [{"name": n, "rel_l2": v} for n, v in top],
+            "forensics": forensics,
+        })
+        state_text = ("restored" if not problems else
+                      "; ".join(f"{c}: {restore[c]['status']}" for c in problems))
+        rows.append([name, state_text, _fmt(max(dev.rel_l2)), f"{max_loss_rel:.2%}",
+                     str(drifting[0]) if drifting else "-", verdict.upper() if verdict != "faithful" else verdict])
+        forensic_rows.append([name, forensics])
+        state_issues = ", ".join(f"{c} {'differ' if restore[c]['status'] == 'differs' else 'not restored'}"
+                                 for c in problems)
+        if verdict == "drift":
+            summaries.append(f"{name}: DRIFT (rel. L2 {max(dev.rel_l2):.1e}, loss within {max_loss_rel:.2%})"
+                             + (f"; {state_issues}" if problems else ""))
+        elif verdict == "faithful":
+            summaries.append(f"{name}: resumes faithfully")
+        elif verdict == "incomplete":
+            summaries.append(f"{name}: INCOMPLETE ({state_issues})")
+        else:
+            summaries.append(f"{name}: not judged" + (f" ({state_issues})" if problems else ""))
+    findings.sort(key=lambda f: (-int(f.severity), f.code, f.subject))
+    doc = {
+        "config": {k: v for k, v in asdict(cfg).items() if k != "workdir"},
+        "workdir": None if cfg.workdir is None else os.path.abspath(cfg.workdir),
+        "nproc": cfg.nproc,
+        "resume_nproc": cfg.resume_ranks,
+        "noise_floor": peak,
+        "floor": floor,
+        "threshold": thr,
+        "power": power,
+        "borrowed": borrowed,
+        "uninterrupted_loss": base.losses,
+        "reference": {"rel_l2": ref_dev.rel_l2, "max_abs": ref_dev.max_abs, "loss_diff": ref_dev.loss_diff},
+        "control": {"what": control["control"], "rel_l2": ctl_dev.rel_l2, "loss_diff": ctl_dev.loss_diff,
+                    "stands_out_from_step": power_steps[0] if power_steps else None},
+        "candidates": results,
+        "recorded": "full" if base.full else "norms",
+    }
+    section = {"title": f"resume test: {cfg.steps} steps after step {cfg.save_at}, {ranks}"
+                        + (" (state borrowed from the reference)" if borrowed else ""),
+               "columns": ["run", "state right after restore", "max rel. L2 dev.", "max loss diff.",
+                           "drift from step", "verdict"],
+               "rows": rows}
+    sections = [section]
+    if forensic_rows:
+        sections.append({"title": "offline comparison of each candidate with the reference (ckptaudit compare)",
+                         "columns": ["candidate", "summary"], "rows": forensic_rows})
+    path = cfg.recipe
+    return Report(command="resume-test", path=path, format="resume-test", findings=tuple(findings),
+                  summary="; ".join(summaries), extra={"resume": doc, "sections": sections})
+
+
+def _forensics(workdir: str, cfg: ResumeConfig, i: int) -> tuple[str, list[Finding]]:
+    """The offline comparison of a candidate with the reference: its summary, and its misattached moments
+    (the comparison names swapped parameters exactly; the trajectory only shows where drift is largest)."""
+    from ckptaudit.compare import compare
+
+    path = os.path.join(workdir, cfg.candidate_name(i))
+    if not os.path.exists(path):
+        return "candidate not found on disk", []
+    try:
+        report = compare(os.path.join(workdir, cfg.reference_name), path)
+    except Exception as exc:  # noqa: BLE001 - forensics are a bonus; the trajectory verdict stands alone
+        return f"not compared ({exc})", []
+    return report.summary, [f for f in report.findings if f.code == "optimizer.misattached"]
+
+
+def _fmt(x: float) -> str:
+    if x != x:
+        return "n/a"
+    return "0" if x == 0 else f"{x:.2e}"
