@@ -14,7 +14,7 @@ import collections
 import io
 import pickle
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import IO, Any, ClassVar
 
 from ckptaudit.formats.allowlist import global_name
@@ -134,6 +134,27 @@ class Opaque:
         return f"<not loaded: {self.name}>"
 
 
+def set_declared(inst: Any, state: Any, declared: Collection[str]) -> None:
+    """Apply ``BUILD`` state (a dict, or ``(dict, slots dict)``) to ``inst``, setting only the ``declared``
+    attributes: any other name could become an instance attribute shadowing a method that a check reads the
+    object through. Raises :class:`UnsafeBuildError` naming the attribute and what is allowed."""
+    slots = None
+    if type(state) is tuple and len(state) == 2:
+        state, slots = state
+    for part in (state, slots):
+        if part is None:
+            continue
+        if type(part) is not dict:
+            raise pickle.UnpicklingError(f"BUILD state for {type(inst).__name__} is not a plain dict")
+        for k, v in dict.items(part):
+            if type(k) is not str or k not in declared:
+                raise UnsafeBuildError(
+                    f"BUILD may not set attribute {k!r} on {type(inst).__name__} (allowed: "
+                    f"{', '.join(sorted(declared)) or 'none'}): an instance attribute could shadow a method "
+                    "that a check reads the object through")
+            object.__setattr__(inst, k, v)
+
+
 class PickledRecord:
     """A stand-in for a class a pickle may build, with one view only: ``__slots__`` hold exactly the declared
     ``FIELDS`` (no ``__dict__``, so no attribute can shadow a method), ``NEWOBJ`` makes it empty and one ``BUILD``
@@ -148,19 +169,7 @@ class PickledRecord:
         raise pickle.UnpicklingError(f"{type(self).__name__} is only rebuilt from pickled state, never called")
 
     def __setstate__(self, state: Any) -> None:
-        slots = None
-        if type(state) is tuple and len(state) == 2:
-            state, slots = state
-        for part in (state, slots):
-            if part is None:
-                continue
-            if type(part) is not dict:
-                raise pickle.UnpicklingError(f"BUILD state for {type(self).__name__} is not a plain dict")
-            for k, v in dict.items(part):
-                if type(k) is not str or k not in self.FIELDS:
-                    raise UnsafeBuildError(
-                        f"BUILD may not set {k!r} on {type(self).__name__} (fields: {', '.join(self.FIELDS)})")
-                object.__setattr__(self, k, v)
+        set_declared(self, state, self.FIELDS)
 
     def get(self, name: str) -> Any:
         """The value of field ``name``, ``None`` where the pickle left it unset."""
@@ -350,22 +359,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         if own is not None:
             own(inst, state)
             return inst
-        declared = BUILD_ATTRIBUTES.get(type(inst), frozenset())
-        slots = None
-        if type(state) is tuple and len(state) == 2:
-            state, slots = state
-        for part in (state, slots):
-            if part is None:
-                continue
-            if type(part) is not dict:
-                raise pickle.UnpicklingError(f"BUILD state for {type(inst).__name__} is not a plain dict")
-            for k, v in dict.items(part):
-                if type(k) is not str or k not in declared:
-                    raise UnsafeBuildError(
-                        f"BUILD may not set attribute {k!r} on {type(inst).__name__} (allowed: "
-                        f"{', '.join(sorted(declared)) or 'none'}): an instance attribute could shadow a method "
-                        "that a check reads the object through")
-                object.__setattr__(inst, k, v)
+        set_declared(inst, state, BUILD_ATTRIBUTES.get(type(inst), frozenset()))
         return inst
 
     # -- containers: exact types, vetted keys, charged sizes -------------------------------------------------
