@@ -29,17 +29,11 @@ def _bf16_values(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _dataset(n: int = 64, seq: int = 8) -> Any:
-    import torch
+    from lib_writers import VOCAB as WRITER_VOCAB
+    from lib_writers import _token_dataset
 
-    class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
-        def __len__(self) -> int:
-            return n
-
-        def __getitem__(self, i: int) -> dict[str, Any]:
-            ids = torch.randint(0, VOCAB, (seq,), generator=torch.Generator().manual_seed(i))
-            return {"input_ids": ids, "labels": ids}
-
-    return Tokens()
+    assert WRITER_VOCAB == VOCAB  # the same tiny vocabulary as the models here
+    return _token_dataset(n, seq)
 
 
 def hf(out: str) -> None:
