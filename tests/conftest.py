@@ -105,3 +105,30 @@ def scale_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
     from real_checkpoints import chunked_checkpoints
 
     return chunked_checkpoints(tmp_path_factory.mktemp("chunked"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The hostile-input tests (test_hostile.py, test_hostile2.py): one clean checkpoint of each format per module,
+# and a warm audit worker (a child under an address-space cap) that audits damaged copies of them.
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    import real_checkpoints as rc
+
+    d = tmp_path_factory.mktemp("bases")
+    return {
+        "pt": rc.torch_save_checkpoint(d / "ckpt.pt"),
+        "dcp": rc.dcp_checkpoint(d / "dcp"),
+        "st": rc.safetensors_file(d / "model.safetensors"),
+    }
+
+
+@pytest.fixture(scope="module")
+def worker(bases: dict[str, Path]):  # type: ignore[no-untyped-def]
+    from audit_worker import AuditWorker
+
+    w = AuditWorker(headroom_mib=1536, timeout_s=90)
+    w.start([str(bases["pt"]), str(bases["dcp"]), str(bases["st"])])
+    yield w
+    w.close()

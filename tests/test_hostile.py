@@ -51,23 +51,6 @@ def codes(report: Report) -> set[str]:
     return {f.code for f in report.findings}
 
 
-@pytest.fixture(scope="module")
-def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("bases")
-    return {
-        "pt": rc.torch_save_checkpoint(d / "ckpt.pt"),
-        "dcp": rc.dcp_checkpoint(d / "dcp"),
-        "st": rc.safetensors_file(d / "model.safetensors"),
-    }
-
-
-@pytest.fixture(scope="module")
-def worker(bases: dict[str, Path]):  # type: ignore[no-untyped-def]
-    w = AuditWorker(headroom_mib=1536, timeout_s=90)
-    w.start([str(bases["pt"]), str(bases["dcp"]), str(bases["st"])])
-    yield w
-    w.close()
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Payloads: plain pickles, torch.save archives, Accelerate random states, DCP metadata and DCP non-tensor items

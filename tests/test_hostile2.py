@@ -35,23 +35,6 @@ M61 = (1 << 61) - 1
 """Python hashes an int ``n`` to ``n mod M61``: every multiple of it hashes to 0."""
 
 
-@pytest.fixture(scope="module")
-def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    d = tmp_path_factory.mktemp("bases2")
-    return {
-        "pt": rc.torch_save_checkpoint(d / "ckpt.pt"),
-        "dcp": rc.dcp_checkpoint(d / "dcp"),
-        "st": rc.safetensors_file(d / "model.safetensors"),
-    }
-
-
-@pytest.fixture(scope="module")
-def worker(bases: dict[str, Path]):  # type: ignore[no-untyped-def]
-    w = AuditWorker(headroom_mib=1536, timeout_s=90)
-    w.start([str(bases["pt"]), str(bases["dcp"]), str(bases["st"])])
-    yield w
-    w.close()
-
 
 # --------------------------------------------------------------------------------------------------------------
 # One view: a pickle may not give an object an attribute that shadows a method a check reads it through
