@@ -28,38 +28,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
-from common import proc_status
+from common import AnonPeak, proc_status
 
 TENSOR_MIB = 16
 
 
 
-class AnonPeak:
-    """Samples ``RssAnon`` in a background thread; ``peak`` is the largest value seen."""
-
-    def __init__(self, every_s: float = 0.005) -> None:
-        self.peak = proc_status("RssAnon")
-        self._stop = threading.Event()
-        self._every = every_s
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, proc_status("RssAnon"))
-            self._stop.wait(self._every)
-
-    def __enter__(self) -> AnonPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, proc_status("RssAnon"))
 
 
 def _tensors(gib: float, rounded: bool) -> Any:

@@ -43,7 +43,7 @@ import threading
 import time
 from typing import Any
 
-from common import proc_status
+from common import AnonPeak, proc_status
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## The realistic benchmark"
@@ -207,26 +207,6 @@ def child_read(path: str, threads: int) -> dict[str, Any]:
     return {"seconds": secs, "bytes": total, "xor": results[0]}
 
 
-class AnonPeak:
-    """Samples RssAnon every 5 ms on a thread; ``peak`` is the largest value seen."""
-
-    def __init__(self) -> None:
-        self.peak = proc_status("RssAnon")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, proc_status("RssAnon"))
-
-    def __enter__(self) -> AnonPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, proc_status("RssAnon"))
 
 
 def _warm_up(tmp: str) -> None:
