@@ -6,17 +6,77 @@ per line on stdout, until stdin closes.
 
 Started as ``python -m ckptaudit.integrations._worker`` (never by re-importing the training script, as
 multiprocessing's spawn would), it imports no torch: the audit reads files with NumPy.
+
+Cheap by construction for the training process beside it: before it imports anything else, the worker lowers
+itself to the lowest CPU priority (:func:`lower_priority`: ``nice`` 19 and, on Linux, ``SCHED_IDLE``, so it
+runs only on CPU time nothing else wants) and to the idle I/O class (Linux ``ioprio_set``, best effort), and it
+scans with one thread (``AuditOptions.jobs`` is 1; the guard starts it with ``OMP_NUM_THREADS=1`` and the like,
+so no numerical library starts a thread pool of its own).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
-from ckptaudit.integrations.guard import audit_to_file
+# ioprio_set(2): which = IOPRIO_WHO_PROCESS, the class in the top bits; syscall numbers per architecture
+_IOPRIO_WHO_PROCESS = 1
+_IOPRIO_CLASS_IDLE = 3
+_IOPRIO_CLASS_SHIFT = 13
+_IOPRIO_SYSCALLS = {"x86_64": (251, 252), "aarch64": (30, 31), "ppc64le": (273, 274), "s390x": (282, 283)}
+"""(ioprio_set, ioprio_get) by ``platform.machine()``."""
+
+
+def _ioprio_syscall(index: int, *args: int) -> int:
+    """(this process) Call ioprio_set (index 0) or ioprio_get (1) through libc's ``syscall``; -1 where unknown."""
+    import ctypes
+    import platform
+
+    numbers = _IOPRIO_SYSCALLS.get(platform.machine())
+    if numbers is None or not sys.platform.startswith("linux"):
+        return -1
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.syscall(numbers[index], *args))
+
+
+def io_priority_class(pid: int = 0) -> int | None:
+    """The I/O scheduling class of ``pid`` (0: this process; 3 is idle), or ``None`` where it cannot be read."""
+    value = _ioprio_syscall(1, _IOPRIO_WHO_PROCESS, pid)
+    return None if value < 0 else value >> _IOPRIO_CLASS_SHIFT
+
+
+def lower_priority() -> dict[str, str]:
+    """(worker process, once, first thing) Lowest CPU priority and idle I/O priority for this whole process.
+
+    Best effort, each step on its own: ``os.nice`` to 19 (POSIX), ``SCHED_IDLE`` (Linux: runs only when a
+    core would otherwise idle), the idle I/O class (Linux ``ioprio_set``; honoured by the BFQ and CFQ I/O
+    schedulers, a no-op under ``none``/``mq-deadline``). A step the platform refuses is recorded, never raised:
+    the audit still runs, at a higher priority. Returns what each step did (``"ok"`` or why not).
+    """
+    done: dict[str, str] = {}
+    try:
+        os.nice(19 - os.getpriority(os.PRIO_PROCESS, 0))
+        done["nice"] = "ok"
+    except (AttributeError, OSError) as exc:
+        done["nice"] = f"not applied: {exc}"
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        done["sched_idle"] = "ok"
+    except (AttributeError, OSError) as exc:
+        done["sched_idle"] = f"not applied: {exc}"
+    try:
+        rc = _ioprio_syscall(0, _IOPRIO_WHO_PROCESS, 0, _IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT)
+        done["ioprio_idle"] = "ok" if rc == 0 else "not applied: ioprio_set unavailable or refused"
+    except OSError as exc:
+        done["ioprio_idle"] = f"not applied: {exc}"
+    return done
 
 
 def main() -> int:
+    lower_priority()
+    from ckptaudit.integrations.guard import audit_to_file
+
     for line in sys.stdin:
         if not line.strip():
             continue

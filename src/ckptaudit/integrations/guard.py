@@ -3,7 +3,8 @@
 Which process runs what: only the process that owns the checkpoint's files (rank 0, or the rank that wrote
 them) creates a :class:`Guard` and calls :meth:`Guard.submit` right after the library's save returns. The
 audit (:func:`ckptaudit.audit`, nothing re-implemented) runs on one background worker, one long-lived child
-interpreter (``background="process"``, the default: measured cheaper for the training loop, bench/bench_guard.py)
+interpreter at the lowest CPU and I/O priority, scanning with one thread (``background="process"``, the default:
+measured cheaper for the training loop, bench/bench_guard.py; the training thread's part is a message on a queue)
 or a thread of this process (``background="thread"``: no second interpreter, but it shares the GIL), while
 training goes on; saves that come while an audit is running wait in a queue, in order (logged), and no step
 ever waits. Then, on the worker:
@@ -257,7 +258,8 @@ class Guard:
     def _run_in_child(self, checkpoint: str, where: str) -> dict[str, Any]:
         if self._child is None or self._child.poll() is not None:
             self._child = subprocess.Popen([sys.executable, "-m", "ckptaudit.integrations._worker"],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                           env=worker_env())
         assert self._child.stdin is not None and self._child.stdout is not None
         self._child.stdin.write(json.dumps({"checkpoint": checkpoint, "report": where,
                                             "options": self.audit_options}) + "\n")
@@ -283,6 +285,16 @@ class Guard:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
+
+
+WORKER_ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+"""Set to 1 in the worker process's environment: NumPy's BLAS would otherwise start a thread per core."""
+
+
+def worker_env() -> dict[str, str]:
+    """(training process) The audit worker's environment: this one, with one thread per numerical library (the
+    worker scans with one thread and lowers its own priority first thing: :mod:`ckptaudit.integrations._worker`)."""
+    return {**os.environ, **dict.fromkeys(WORKER_ONE_THREAD, "1")}
 
 
 def audit_to_file(checkpoint: str, where: str, options: dict[str, Any]) -> dict[str, Any]:
