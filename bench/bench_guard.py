@@ -1,37 +1,53 @@
-"""What the in-loop guard costs the training loop: step time with and without it, in one run.
+"""What the in-loop guard costs the training loop, with confidence intervals that say whether 1% is resolved.
 
-    .venv/bin/python bench/bench_guard.py                          # process worker (the default), full audit
-    .venv/bin/python bench/bench_guard.py --background thread --quick
+    .venv/bin/python bench/bench_guard.py                                   # both scenarios, process worker
+    .venv/bin/python bench/bench_guard.py --rounds 60 --scenario saturated  # more blocks: a narrower interval
+    .venv/bin/python bench/bench_guard.py --write-docs docs/integrations/index.md README.md
 
-A small real loop, one process: an MLP of ``--mib`` MiB of fp32 parameters, AdamW, one torch thread (the
-accelerator's role; the audit gets the other core, as the host CPU would beside a GPU), a checkpoint
-(``torch.save`` of model + optimizer, as most loops write it) every ``--save-every`` steps. ``--rounds`` pairs
-of segments of ``--steps`` steps, alternating without and with the guard (``Guard.submit`` after each save, the
-audit in the background), in alternating order; each guarded segment then waits for its audits (untimed), so
-every guarded segment pays for all its audits. Reported: median step time (the steps only, saves excluded, as
-the guard adds nothing to a save), median segment wall time (steps + saves), the overhead of each, the audit
-time per checkpoint, and memory: the peak RSS of this process above the unguarded peak (thread worker) or the
-worker process's peak RSS (process worker).
+A small real loop, one process: an MLP of ``--mib`` MiB of fp32 parameters, AdamW, and a checkpoint
+(``torch.save`` of model + optimizer, as most loops write it) at the start of every segment of ``--steps``
+steps. Segments with the guard call what an integration calls: ``Guard.submit`` after the save and
+``Guard.should_stop`` at every step boundary; they end by waiting for their audit, timed, so every guarded
+segment pays for its whole audit (an upper bound: a real loop never waits). Measured:
+
+(a) the critical path: time on the training thread inside ``submit`` and ``should_stop``, summed, over the
+    guarded segments' wall time (deterministic, resolves far below 1%);
+(b) the wall-time overhead from ``--rounds`` blocks of four segments in ABBA / BAAB order (a linear drift of
+    the machine cancels in each block), as the mean paired difference with a 95% Student-t interval, and the
+    same for the training process's CPU time (all its threads; the worker process excluded). Only what the
+    interval supports is said: "overhead < 1% (95% CI [a, b])" or "cannot resolve 1% with this noise";
+(c) two scenarios: ``free-core`` (one torch thread, a core left for the worker: a GPU job, whose host cores are
+    mostly idle) and ``saturated`` (torch threads = cores: the worker, at nice 19 and SCHED_IDLE, competes);
+(d) memory: the worker process's peak RSS, and the training process's peak RSS in guarded segments over
+    the unguarded ones (sampled every 10 ms).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import platform
+import shlex
 import shutil
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import proc_status
+from pairstats import Interval, abba_overheads, mean_ci, verdict
+
+SCENARIOS = ("free-core", "saturated")
+MARKERS = {"figures": ("<!-- bench_guard:figures:begin -->", "<!-- bench_guard:figures:end -->"),
+           "sentence": ("<!-- bench_guard:sentence:begin -->", "<!-- bench_guard:sentence:end -->")}
 
 
 class RssPeak:
-    """Samples VmRSS every 5 ms while active (VmHWM never goes down, so it cannot compare segments)."""
+    """Samples VmRSS every 10 ms while active (VmHWM never goes down, so it cannot compare segments)."""
 
     def __init__(self) -> None:
         self.peak = 0
@@ -39,7 +55,7 @@ class RssPeak:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(0.005):
+        while not self._stop.wait(0.01):
             self.peak = max(self.peak, proc_status("VmRSS"))
 
     def __enter__(self) -> RssPeak:
@@ -53,6 +69,7 @@ class RssPeak:
 
 
 def child_hwm(guard: Any) -> int:
+    """The worker process's peak RSS (VmHWM), 0 without one."""
     child = getattr(guard, "_child", None)
     if child is None or child.poll() is not None:
         return 0
@@ -63,99 +80,275 @@ def child_hwm(guard: Any) -> int:
     return 0
 
 
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+@dataclass
+class Scenario:
+    """What one scenario measured (the segments of the blocks; the warm-up is dropped)."""
+
+    name: str
+    threads: int
+    blocks_wall: list[tuple[float, float, float, float]] = field(default_factory=list)
+    blocks_cpu: list[tuple[float, float, float, float]] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)
+    critical: float = 0.0
+    critical_cpu: float = 0.0
+    guarded_wall: float = 0.0
+    submits: int = 0
+    polls: int = 0
+    waited: list[float] = field(default_factory=list)
+    peaks: dict[str, int] = field(default_factory=lambda: {"A": 0, "B": 0})
+    wall: Interval | None = None
+    cpu: Interval | None = None
+    seconds: float = 0.0
+    """Wall time of the measured blocks (for the hint: how long more rounds would take)."""
+
+
+class Loop:
+    """The real training loop and its segments (one process; only this thread trains)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        from ckptaudit.integrations.guard import Guard
+
+        self.torch, self.args = torch, args
+        torch.manual_seed(0)
+        width = 1024
+        self.layers = max(1, args.mib * (1 << 20) // (4 * width * width))
+        self.model = torch.nn.Sequential(*[m for _ in range(self.layers)
+                                           for m in (torch.nn.Linear(width, width), torch.nn.GELU())])
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(args.batch, width)
+        self.nbytes = sum(p.numel() * 4 for p in self.model.parameters())
+        self.work = tempfile.mkdtemp(prefix="bench-guard-")
+        self.guard = Guard(on_failure="warn", background=args.background, quick=args.quick)
+        self.saved = 0
+
+    def segment(self, guarded: bool, sc: Scenario) -> tuple[float, float]:
+        """(training thread) One segment: save, ``--steps`` steps, [wait for the audit]. Wall and CPU seconds."""
+        torch, guard, clock = self.torch, self.guard, time.perf_counter
+        self.saved += 1
+        path = os.path.join(self.work, f"step-{self.saved}.pt")
+        critical = critical_cpu = 0.0
+        tcpu = time.thread_time
+        with RssPeak() as rss:
+            start, cpu0 = clock(), time.process_time()
+            torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": self.saved},
+                       path)
+            if guarded:
+                t0, c0 = clock(), tcpu()
+                guard.submit(path, step=self.saved)
+                critical, critical_cpu = critical + clock() - t0, critical_cpu + tcpu() - c0
+            for _ in range(self.args.steps):
+                self.model(self.x).square().mean().backward()
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+                if guarded:
+                    t0, c0 = clock(), tcpu()
+                    guard.should_stop()
+                    critical, critical_cpu = critical + clock() - t0, critical_cpu + tcpu() - c0
+            if guarded:
+                t0 = clock()
+                guard.wait()
+                sc.waited.append(clock() - t0)
+            wall, cpu = clock() - start, time.process_time() - cpu0
+        if guarded:
+            sc.critical += critical
+            sc.critical_cpu += critical_cpu
+            sc.guarded_wall += wall
+            sc.submits += 1
+            sc.polls += self.args.steps
+        key = "B" if guarded else "A"
+        sc.peaks[key] = max(sc.peaks[key], rss.peak)
+        for n in os.listdir(self.work):  # keep the disk use flat (untimed)
+            os.remove(os.path.join(self.work, n))
+        return wall, cpu
+
+    def run(self, sc: Scenario, rounds: int, budget_s: float) -> None:
+        """(training thread) Warm up, then ``rounds`` blocks, or fewer (3 at least) once ``budget_s`` is spent."""
+        self.torch.set_num_threads(sc.threads)
+        scratch = Scenario(sc.name, sc.threads)
+        for guarded in (False, True):  # warm-up: allocator, page cache, the worker's start
+            self.segment(guarded, scratch)
+        start = time.perf_counter()
+        for r in range(rounds):
+            if r >= 3 and time.perf_counter() - start > budget_s:
+                break
+            kind = "ABBA" if r % 2 == 0 else "BAAB"
+            walls, cpus = [], []
+            for k in kind:
+                wall, cpu = self.segment(k == "B", sc)
+                walls.append(wall)
+                cpus.append(cpu)
+            sc.blocks_wall.append((walls[0], walls[1], walls[2], walls[3]))
+            sc.blocks_cpu.append((cpus[0], cpus[1], cpus[2], cpus[3]))
+            sc.order.append(kind)
+        sc.seconds = time.perf_counter() - start
+        sc.wall = mean_ci(abba_overheads(sc.blocks_wall, sc.order))
+        sc.cpu = mean_ci(abba_overheads(sc.blocks_cpu, sc.order))
+
+    def close(self) -> None:
+        self.guard.close()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def a_segments(sc: Scenario) -> list[float]:
+    return [t for block, kind in zip(sc.blocks_wall, sc.order, strict=True)
+            for t, k in zip(block, kind, strict=True) if k == "A"]
+
+
+def said(sc: Scenario, ci: Interval, target: float, n_scenarios: int) -> str:
+    """The verdict on ``ci``; when not resolved, the rounds to run and the budget they need (this run's pace)."""
+    per_block = sc.seconds / max(1, len(sc.order))
+    return verdict(ci, target, hint="run with --rounds {n} and --budget-s of {n} x "
+                   f"{per_block * n_scenarios:.1f} s")
+
+
+def report(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target: float) -> list[str]:
+    args = loop.args
+    out = [f"bench_guard: {loop.layers} x Linear(1024, 1024), {loop.nbytes / 2**20:.0f} MiB fp32 parameters; a "
+           f"{3 * loop.nbytes / 2**20:.0f} MiB checkpoint (model + AdamW) per segment of {args.steps} steps; "
+           f"{', '.join(str(len(sc.order)) for sc in scenarios)} ABBA blocks; worker: {args.background}, "
+           f"{'quick' if args.quick else 'full'} audit; {meta['cores']} cores; load average {meta['load0']} at "
+           f"the start, {meta['load1']} at the end"]
+    for sc in scenarios:
+        assert sc.wall is not None and sc.cpu is not None
+        seg = statistics.median(a_segments(sc))
+        out += [f"scenario {sc.name} (torch threads {sc.threads}):",
+                f"  critical path on the training thread: {100 * sc.critical / sc.guarded_wall:.4f}% of wall time "
+                f"({1e6 * sc.critical / sc.submits:.0f} us per save: submit + {args.steps} should_stop polls; "
+                f"{1e6 * sc.critical_cpu / sc.submits:.0f} us of it on the CPU)",
+                f"  wall time: {said(sc, sc.wall, target, len(scenarios))}",
+                f"  training process CPU time: {said(sc, sc.cpu, target, len(scenarios))}",
+                f"  segment without the guard: median {seg:.3f} s; waited for the audit at the segment's end: "
+                f"median {1e3 * statistics.median(sc.waited):.1f} ms, max {1e3 * max(sc.waited):.1f} ms",
+                f"  training process peak RSS: {(sc.peaks['B'] - sc.peaks['A']) / 2**20:+.1f} MiB with the guard "
+                f"over without ({sc.peaks['A'] / 2**20:.0f} MiB)"]
+    out += [f"audits: {meta['audits']}, median {meta['audit_s'] * 1e3:.0f} ms each, {meta['failed']} not passed; "
+            f"worker process peak RSS {meta['worker_rss'] / 2**20:.1f} MiB"]
+    return out
+
+
+def pct(ci: Interval) -> str:
+    return f"{100 * ci.mean:+.2f}% [{100 * ci.low:+.2f}%, {100 * ci.high:+.2f}%]"
+
+
+def markdown(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target: float,
+             command: str) -> dict[str, str]:
+    """The docs' figure section and README's sentence, from this run."""
+    rows = ["| scenario | critical path (training thread) | wall time, 95% CI | training process CPU, 95% CI "
+            "| verdict (wall) | extra RSS, training process |", "|---|---|---|---|---|---|"]
+    for sc in scenarios:
+        assert sc.wall is not None and sc.cpu is not None
+        said = verdict(sc.wall, target).split(" (")[0]
+        rows.append(f"| {sc.name} (torch threads {sc.threads}) | {100 * sc.critical / sc.guarded_wall:.3f}% "
+                    f"({1e6 * sc.critical / sc.submits:.0f} us per save) | {pct(sc.wall)} | {pct(sc.cpu)} | {said} "
+                    f"| {(sc.peaks['B'] - sc.peaks['A']) / 2**20:+.1f} MiB |")
+    figures = "\n".join([
+        f"Measured {meta['when']} on a {meta['cores']}-core machine (load average {meta['load0']} at the start, "
+        f"{meta['load1']} at the end; {meta['note']}) by", "", "```", command, "```", "",
+        f"{loop.layers} x `Linear(1024, 1024)` ({loop.nbytes / 2**20:.0f} MiB of fp32 parameters), a "
+        f"{3 * loop.nbytes / 2**20:.0f} MiB checkpoint of model + AdamW per segment of {loop.args.steps} steps, "
+        f"{' and '.join(str(len(sc.order)) for sc in scenarios)} ABBA blocks, {loop.args.background} worker, "
+        f"{'quick' if loop.args.quick else 'full'} audit (median {meta['audit_s'] * 1e3:.0f} ms per checkpoint); "
+        f"the worker process's peak RSS: {meta['worker_rss'] / 2**20:.0f} MiB. Overheads are means of the blocks' "
+        "paired differences with their 95% intervals:", "", *rows, ""])
+    free = next((s for s in scenarios if s.name == "free-core"), scenarios[0])
+    assert free.wall is not None
+    sentence = (f"Its cost, measured by `{command}` on a {meta['cores']}-core machine (load average "
+                f"{meta['load0']}): {100 * free.critical / free.guarded_wall:.3f}% of wall time on the training "
+                f"thread; wall time with a free core {verdict(free.wall, target).split(', mean')[0]})"
+                + "".join(f", with every core busy {verdict(s.wall, target).split(', mean')[0]})"
+                          for s in scenarios if s.name == "saturated")
+                + f"; the worker holds {meta['worker_rss'] / 2**20:.0f} MiB.")
+    return {"figures": figures, "sentence": sentence}
+
+
+def write_docs(paths: list[str], parts: dict[str, str]) -> None:
+    """Replace the text between each pair of markers (:data:`MARKERS`) found in each file; a file with none is
+    an error (exit 2), so a moved section is never silently left stale."""
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        found = 0
+        for name, (begin, end) in MARKERS.items():
+            i, j = text.find(begin), text.find(end)
+            if i < 0 or j < i:
+                continue
+            text = text[:i + len(begin)] + "\n" + parts[name] + "\n" + text[j:]
+            found += 1
+        if not found:
+            raise SystemExit(f"bench_guard: {path} has no {' / '.join(b for b, _ in MARKERS.values())} markers; "
+                             "add a pair where the figures belong")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        print(f"bench_guard: wrote the figures into {path}")
+
+
+def shown_args(argv: list[str] | None) -> list[str]:
+    """The command line as the docs show it: without ``--write-docs`` and its files."""
+    out, skipping = [], False
+    for a in argv if argv is not None else sys.argv[1:]:
+        if a == "--write-docs" or a.startswith("--write-docs="):
+            skipping = a == "--write-docs"
+            continue
+        if skipping and not a.startswith("--"):
+            continue
+        skipping = False
+        out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mib", type=int, default=32, help="MiB of fp32 parameters (checkpoint: 3x with AdamW)")
-    p.add_argument("--steps", type=int, default=60, help="steps per segment")
-    p.add_argument("--save-every", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=5, help="pairs of segments (without, with the guard)")
+    p.add_argument("--mib", type=int, default=16, help="MiB of fp32 parameters (checkpoint: 3x with AdamW)")
+    p.add_argument("--steps", type=int, default=6, help="steps per segment (one save per segment)")
+    p.add_argument("--rounds", type=int, default=100, help="ABBA blocks (four segments each) per scenario, at most")
+    p.add_argument("--budget-s", type=float, default=210.0,
+                   help="seconds of measured blocks, all scenarios together (3 blocks each at least)")
+    p.add_argument("--scenario", choices=[*SCENARIOS, "both"], default="both")
     p.add_argument("--background", choices=["thread", "process"], default="process")
     p.add_argument("--quick", action="store_true", help="the quick audit (first chunk, no hashes)")
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--target", type=float, default=1.0, help="the overhead to resolve, in percent")
+    p.add_argument("--write-docs", nargs="+", metavar="FILE.md",
+                   help="rewrite the figures between the bench_guard markers in these files")
+    p.add_argument("--note", default="shared with other jobs",
+                   help="what the docs say about the machine's state")
     args = p.parse_args(argv)
-
-    import torch
-
-    from ckptaudit.integrations.guard import Guard
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    width = 1024
-    layers = max(1, args.mib * (1 << 20) // (4 * width * width))
-    model = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.GELU())])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(args.batch, width)
-    nbytes = sum(p.numel() * 4 for p in model.parameters())
-    work = tempfile.mkdtemp(prefix="bench-guard-")
-    guard = Guard(on_failure="warn", background=args.background, quick=args.quick)
-    step_times: dict[str, list[float]] = {"without": [], "with": []}
-    seg_times: dict[str, list[float]] = {"without": [], "with": []}
-    peaks: dict[str, list[int]] = {"without": [], "with": []}
-    saved = 0
-
-    def segment(guarded: bool) -> None:
-        nonlocal saved
-        steps: list[float] = []
-        with RssPeak() as rss:
-            seg_start = time.perf_counter()
-            for s in range(1, args.steps + 1):
-                t0 = time.perf_counter()
-                model(x).square().mean().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                steps.append(time.perf_counter() - t0)
-                if s % args.save_every == 0:
-                    saved += 1
-                    path = os.path.join(work, f"step-{saved}.pt")
-                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": saved}, path)
-                    if guarded:
-                        guard.submit(path, step=saved)
-            seg = time.perf_counter() - seg_start
-            if guarded:
-                guard.wait()
-        key = "with" if guarded else "without"
-        step_times[key].append(statistics.median(steps))
-        seg_times[key].append(seg)
-        peaks[key].append(rss.peak)
-        for n in os.listdir(work):  # keep the disk use flat
-            os.remove(os.path.join(work, n))
-
+    if args.rounds < 2 or args.steps < 1:
+        p.error(f"--rounds needs at least 2 blocks (got {args.rounds}) and --steps at least 1 (got {args.steps})")
+    names = SCENARIOS if args.scenario == "both" else (args.scenario,)
+    scenarios = [Scenario(n, 1 if n == "free-core" else cores()) for n in names]
+    meta: dict[str, Any] = {"cores": cores(), "load0": load(), "when": time.strftime("%Y-%m-%d"),
+                            "note": args.note, "machine": platform.machine()}
+    loop = Loop(args)
     try:
-        segment(False)  # warm-up: allocator, page cache, the guard's imports in the next one
-        segment(True)
-        for key in step_times:
-            step_times[key].clear()
-            seg_times[key].clear()
-            peaks[key].clear()
-        for r in range(args.rounds):
-            for guarded in ((False, True) if r % 2 == 0 else (True, False)):
-                segment(guarded)
-        audits = [v.seconds for v in guard.verdicts[-args.rounds * (args.steps // args.save_every):]]
-        child_peak = child_hwm(guard)
-        failed = [v for v in guard.verdicts if v.ok is not True]
+        for sc in scenarios:
+            loop.run(sc, args.rounds, args.budget_s / len(scenarios))
+        verdicts = loop.guard.verdicts
+        meta["audits"] = len(verdicts)
+        meta["audit_s"] = statistics.median(v.seconds for v in verdicts)
+        meta["failed"] = sum(v.ok is not True for v in verdicts)
+        meta["worker_rss"] = child_hwm(loop.guard)
     finally:
-        guard.close()
-        shutil.rmtree(work, ignore_errors=True)
-
-    med = {k: statistics.median(v) for k, v in step_times.items()}
-    seg = {k: statistics.median(v) for k, v in seg_times.items()}
-    peak = {k: max(v) for k, v in peaks.items()}
-    print(f"bench_guard: {layers} x Linear(1024, 1024), {nbytes / 2**20:.0f} MiB fp32 parameters; checkpoint "
-          f"{3 * nbytes / 2**20:.0f} MiB (model + AdamW) every {args.save_every} steps; {args.rounds} rounds of "
-          f"{args.steps} steps each way; worker: {args.background}, {'quick' if args.quick else 'full'} audit; "
-          f"torch threads 1, cores {os.cpu_count()}")
-    print(f"  median step time  without {med['without'] * 1e3:8.2f} ms   with {med['with'] * 1e3:8.2f} ms   "
-          f"overhead {100 * (med['with'] / med['without'] - 1):+.2f}%")
-    print(f"  median segment    without {seg['without']:8.3f} s    with {seg['with']:8.3f} s     "
-          f"overhead {100 * (seg['with'] / seg['without'] - 1):+.2f}%  (steps + saves, audits in the background)")
-    print(f"  audit per checkpoint: median {statistics.median(audits):.3f} s (max {max(audits):.3f} s), "
-          f"{len(audits)} audits, {len(failed)} not passed")
-    if args.background == "thread":
-        print(f"  memory: peak RSS with the guard {(peak['with'] - peak['without']) / 2**20:+.1f} MiB over the "
-              f"unguarded peak ({peak['without'] / 2**20:.0f} MiB)")
-    else:
-        print(f"  memory: worker process peak RSS {child_peak / 2**20:.1f} MiB; this process "
-              f"{(peak['with'] - peak['without']) / 2**20:+.1f} MiB over the unguarded peak")
+        loop.close()
+    meta["load1"] = load()
+    target = args.target / 100
+    print("\n".join(report(loop, scenarios, meta, target)))
+    if args.write_docs:
+        command = " ".join([".venv/bin/python bench/bench_guard.py", *(shlex.quote(a) for a in shown_args(argv))])
+        write_docs(args.write_docs, markdown(loop, scenarios, meta, target, command))
     return 0
 
 

@@ -118,13 +118,14 @@ def rounds_needed(ci: Interval, target: float) -> int | None:
     return max(ci.n + 1, math.ceil((z * ci.sd / gap) ** 2 * 1.2))
 
 
-def verdict(ci: Interval, target: float = 0.01, label: str = "overhead") -> str:
-    """One line that states only what the interval supports: below ``target``, above it, or not resolved."""
+def verdict(ci: Interval, target: float = 0.01, label: str = "overhead", hint: str = "run with --rounds {n}") -> str:
+    """One line that states only what the interval supports: below ``target``, above it, or not resolved (then
+    ``hint``, formatted with ``n``, the blocks :func:`rounds_needed` projects)."""
     pct = f"{ci.level:.0%} CI [{100 * ci.low:+.2f}%, {100 * ci.high:+.2f}%]"
     if ci.high < target:
         return f"{label} < {100 * target:g}% ({pct}, mean {100 * ci.mean:+.2f}%, {ci.n} blocks)"
     if ci.low > target:
         return f"{label} > {100 * target:g}% ({pct}, mean {100 * ci.mean:+.2f}%, {ci.n} blocks)"
     need = rounds_needed(ci, target)
-    hint = f"run with --rounds {need}" if need else "the mean sits on the target; more rounds will not resolve it"
-    return f"cannot resolve {100 * target:g}% with this noise ({pct}, mean {100 * ci.mean:+.2f}%); {hint}"
+    advice = hint.format(n=need) if need else "the mean sits on the target; more rounds will not resolve it"
+    return f"cannot resolve {100 * target:g}% with this noise ({pct}, mean {100 * ci.mean:+.2f}%); {advice}"
