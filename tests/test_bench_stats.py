@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,20 @@ def test_bad_input_is_refused_with_the_reason() -> None:
         mean_ci([0.1])
     with pytest.raises(ValueError, match="'ABBA' or 'BAAB'"):
         abba_overheads([(1.0, 1.0, 1.0, 1.0)], ["ABAB"])
+
+
+def test_write_docs_replaces_only_the_marked_figures_and_refuses_a_file_without_markers(tmp_path: Path) -> None:
+    from bench_guard import MARKERS, shown_args, write_docs
+
+    begin, end = MARKERS["figures"]
+    doc = tmp_path / "index.md"
+    doc.write_text(f"# Guards\n\nbefore\n{begin}\nold figures\n{end}\nafter\n")
+    write_docs([str(doc)], {"figures": "new figures", "sentence": "unused"})
+    write_docs([str(doc)], {"figures": "newer figures", "sentence": "unused"})  # idempotent shape
+    assert doc.read_text() == f"# Guards\n\nbefore\n{begin}\nnewer figures\n{end}\nafter\n"
+    bare = tmp_path / "bare.md"
+    bare.write_text("no markers\n")
+    with pytest.raises(SystemExit) as exc:
+        write_docs([str(bare)], {"figures": "x", "sentence": "y"})
+    assert exc.value.code == 2 and bare.read_text() == "no markers\n"
+    assert shown_args(["--rounds", "9", "--write-docs", "a.md", "README.md", "--quick"]) == ["--rounds", "9", "--quick"]
