@@ -277,8 +277,8 @@ def markdown(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target
     free = next((s for s in scenarios if s.name == "free-core"), scenarios[0])
     assert free.wall is not None
     sentence = (f"Its cost, measured by `{command}` on a {meta['cores']}-core machine (load average "
-                f"{meta['load0']}): {100 * free.critical / free.guarded_wall:.3f}% of wall time on the training "
-                f"thread; wall time, counting each audit as if the loop waited for it: with a free core "
+                f"{meta['load0']}): {1e6 * free.critical_cpu / free.submits:.0f} us of CPU per save on the training "
+                f"thread ({100 * free.critical / free.guarded_wall:.2f}% of wall time); wall time, counting each audit as if the loop waited for it: with a free core "
                 f"{verdict(free.wall, target).split(', mean')[0]})"
                 + "".join(f", with every core busy {verdict(s.wall, target).split(', mean')[0]})"
                           for s in scenarios if s.name == "saturated")
