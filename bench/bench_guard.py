@@ -244,7 +244,8 @@ def report(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target: 
                 f"  training process peak RSS: {(sc.peaks['B'] - sc.peaks['A']) / 2**20:+.1f} MiB with the guard "
                 f"over without ({sc.peaks['A'] / 2**20:.0f} MiB)"]
     out += [f"audits: {meta['audits']}, median {meta['audit_s'] * 1e3:.0f} ms each, {meta['failed']} not passed; "
-            f"worker process peak RSS {meta['worker_rss'] / 2**20:.1f} MiB"]
+            + (f"worker process peak RSS {meta['worker_rss'] / 2**20:.1f} MiB" if meta["worker_rss"]
+               else "thread worker: no worker process (its memory is in the training process's RSS)")]
     return out
 
 
@@ -271,7 +272,8 @@ def markdown(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target
         f"{3 * loop.nbytes / 2**20:.0f} MiB checkpoint of model + AdamW per segment of {loop.args.steps} steps, "
         f"{' and '.join(str(len(sc.order)) for sc in scenarios)} ABBA blocks, {loop.args.background} worker, "
         f"{'quick' if loop.args.quick else 'full'} audit (median {meta['audit_s'] * 1e3:.0f} ms per checkpoint); "
-        f"the worker process's peak RSS: {meta['worker_rss'] / 2**20:.0f} MiB. Overheads are means of the blocks' "
+        + (f"the worker process's peak RSS: {meta['worker_rss'] / 2**20:.0f} MiB." if meta["worker_rss"] else
+           "a thread worker (its memory is in the training process's RSS).") + " Overheads are means of the blocks' "
         "paired differences with their 95% intervals; the verdict is on the upper bound (each guarded segment "
         "waits, timed, for its audit):", "", *rows, ""])
     free = next((s for s in scenarios if s.name == "free-core"), scenarios[0])
@@ -282,7 +284,7 @@ def markdown(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target
                 f"{verdict(free.wall, target).split(', mean')[0]})"
                 + "".join(f", with every core busy {verdict(s.wall, target).split(', mean')[0]})"
                           for s in scenarios if s.name == "saturated")
-                + f"; the worker holds {meta['worker_rss'] / 2**20:.0f} MiB.")
+                + (f"; the worker holds {meta['worker_rss'] / 2**20:.0f} MiB." if meta["worker_rss"] else "."))
     return {"figures": figures, "sentence": sentence}
 
 
