@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +171,11 @@ def plan_scan(path: str) -> ScanPlan:
     return ScanPlan(ckpt, view, items, list(ckpt.findings), attachment, frozenset(step_keys), step_keys)
 
 
+SERIAL_BYTES = 1 << 20
+"""Checkpoints up to this many tensor bytes are scanned by one thread whatever ``jobs``: that takes about a
+millisecond, less than starting a pool."""
+
+
 def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                progress: Progress | None = None, quick: bool = False) -> dict[int, ScanOutcome]:
     """Scan the tensors ``plan.items[i]`` for ``i`` in ``indices`` on ``jobs`` threads.
@@ -198,13 +202,15 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
         step = scalar_value(data, plan.ckpt.maps) if index in plan.step_items else None
         return ScanOutcome(scanned, step=step)
 
-    if jobs == 1 or len(order) <= 1:
+    if jobs == 1 or len(order) <= 1 or total <= SERIAL_BYTES:
         for i in order:
             out[i] = one(i)
             done += plan.nbytes(i)
             if progress is not None:
                 progress(done, total)
         return out
+    from concurrent.futures import ThreadPoolExecutor, as_completed  # (and logging): only for a pool
+
     with ThreadPoolExecutor(max_workers=min(jobs, len(order)), thread_name_prefix="ckptaudit-scan") as pool:
         futures = {pool.submit(one, i): i for i in order}
         try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -341,6 +340,8 @@ def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
                            borrow_state=args.borrow_state, debug=args.debug)
     except ValueError as exc:
         if (args.verbose or args.debug) and exc.__cause__ is not None:
+            import traceback
+
             stderr.write("".join(traceback.format_exception(exc.__cause__)))
         raise UsageError(str(exc)) from None
 
