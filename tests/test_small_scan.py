@@ -183,3 +183,33 @@ def test_scalar_value_and_all_zero_without_numpy_equal_numpy(tmp_path: Path, dty
             assert got == expected or (got is not None and expected is not None and math.isnan(got)
                                        and math.isnan(expected)), (dtype, raw, got, expected)
             assert _all_zero(data, maps) is (not any(raw))
+
+
+# -- NumPy objects in pickles: the unpickler's NumPy entries are made when a pickle first names NumPy ---------------
+
+def test_numpy_objects_in_pickles_are_rebuilt_on_demand(tmp_path: Path) -> None:
+    import io
+    import pickle
+
+    import torch
+
+    from ckptaudit.formats import open_checkpoint
+    from ckptaudit.formats.pickle_scan import UnsafeGlobalError
+    from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
+
+    state = np.random.RandomState(0).get_state()
+    arr = np.arange(5, dtype=np.int16)
+    for proto in (2, 5):
+        loaded = RestrictedUnpickler(io.BytesIO(pickle.dumps((state, arr), protocol=proto)), base_table()).load()
+        assert loaded[0][0] == state[0] and loaded[0][2:] == state[2:]
+        assert loaded[0][1].dtype == state[1].dtype and np.array_equal(loaded[0][1], state[1])
+        assert loaded[1].dtype == arr.dtype and np.array_equal(loaded[1], arr)
+    # Only a table that asked for NumPy (base_table) gets it: a table without it still refuses NumPy globals.
+    with pytest.raises(UnsafeGlobalError):
+        RestrictedUnpickler(io.BytesIO(pickle.dumps(arr, protocol=2)), {}).load()
+    # A torch.save file holding an RNG state: read whole, the arrays real, nothing reported as unloaded.
+    torch.save({"w": torch.ones(2), "rng_state": {"numpy": state, "v": arr}}, tmp_path / "c.pt")
+    ckpt = open_checkpoint(str(tmp_path / "c.pt"))
+    tree = ckpt.parts[0].tree
+    assert np.array_equal(tree["rng_state"]["numpy"][1], state[1]) and np.array_equal(tree["rng_state"]["v"], arr)
+    assert ckpt.findings == []
