@@ -7,12 +7,10 @@ files -> readers (:mod:`ckptaudit.formats`) -> interpretation (:mod:`ckptaudit.l
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from ckptaudit.catalogue import finding
 from ckptaudit.checks.artifact import check_artifact
@@ -23,10 +21,17 @@ from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_attachment, chec
 from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.base import Checkpoint, Unreadable, walk
-from ckptaudit.formats.tensors import DEFAULT_CHUNK_BYTES, FileMaps, TensorData, iter_chunks
+from ckptaudit.formats.tensors import (
+    DEFAULT_CHUNK_BYTES,
+    FileMaps,
+    TensorData,
+    iter_chunks,
+    read_exact,
+    small_read_plan,
+)
 from ckptaudit.layouts import SCHEDULER_KEYS, TensorRef, View, file_rule, interpret
 from ckptaudit.model import ComponentKind, Finding, Precision, Report, Severity, TensorRecord
-from ckptaudit.records import TensorScan, scan_first_chunk, scan_tensor
+from ckptaudit.records import SMALL_TENSOR_BYTES, TensorScan, scan_first_chunk, scan_tensor
 
 __all__ = ["AuditOptions", "ScanOutcome", "ScanPlan", "ScannedCheckpoint", "assemble", "audit", "default_jobs",
            "judge", "plan_scan", "scan_checkpoint", "scan_items"]
@@ -166,6 +171,11 @@ def plan_scan(path: str) -> ScanPlan:
     return ScanPlan(ckpt, view, items, list(ckpt.findings), attachment, frozenset(step_keys), step_keys)
 
 
+SERIAL_BYTES = 1 << 20
+"""Checkpoints up to this many tensor bytes are scanned by one thread whatever ``jobs``: that takes about a
+millisecond, less than starting a pool."""
+
+
 def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                progress: Progress | None = None, quick: bool = False) -> dict[int, ScanOutcome]:
     """Scan the tensors ``plan.items[i]`` for ``i`` in ``indices`` on ``jobs`` threads.
@@ -192,13 +202,15 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
         step = scalar_value(data, plan.ckpt.maps) if index in plan.step_items else None
         return ScanOutcome(scanned, step=step)
 
-    if jobs == 1 or len(order) <= 1:
+    if jobs == 1 or len(order) <= 1 or total <= SERIAL_BYTES:
         for i in order:
             out[i] = one(i)
             done += plan.nbytes(i)
             if progress is not None:
                 progress(done, total)
         return out
+    from concurrent.futures import ThreadPoolExecutor, as_completed  # (and logging): only for a pool
+
     with ThreadPoolExecutor(max_workers=min(jobs, len(order)), thread_name_prefix="ckptaudit-scan") as pool:
         futures = {pool.submit(one, i): i for i in order}
         try:
@@ -265,17 +277,31 @@ def scan_checkpoint(path: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progre
 
 def scalar_value(data: TensorData, maps: FileMaps) -> float | None:
     """The value of a one-element tensor (a step counter), or ``None`` if it cannot be read."""
+    code = _SCALAR_CODES.get(data.dtype.numpy)
     try:
-        chunk = next(iter(iter_chunks(data, maps)), None)
+        plan = small_read_plan(data, 16) if code is not None else None
+        if code is not None and plan is not None:  # without NumPy: a small audit need not import it for this
+            if len(plan) != 1 or data.numel != 1:
+                return None
+            piece, pos = plan[0]
+            value = struct.unpack(code, read_exact(maps, piece, pos, data.dtype.itemsize))[0]
+        else:
+            chunk = next(iter(iter_chunks(data, maps)), None)
+            if chunk is None or chunk.size != 1:
+                return None
+            value = chunk[0]
     except (ValueError, OSError):
         return None
-    if chunk is None or chunk.size != 1:
-        return None
     if data.dtype.name == "bfloat16":
-        return float(np.array([int(chunk[0]) << 16], dtype=np.uint32).view(np.float32)[0])
+        return float(struct.unpack("<f", struct.pack("<I", int(value) << 16))[0])
     if data.dtype.numpy.startswith("u") and data.dtype.is_float:
         return None
-    return float(chunk[0])
+    return float(value)
+
+
+_SCALAR_CODES = {"<f8": "<d", "<f4": "<f", "<f2": "<e", "<i8": "<q", "<i4": "<i", "<i2": "<h", "i1": "<b",
+                 "u1": "<B", "<u2": "<H", "<u4": "<I", "<u8": "<Q", "?": "<?"}
+"""``struct`` codes of the NumPy types :func:`scalar_value` reads without NumPy (complex ones go through it)."""
 
 
 def audit(path: str, options: AuditOptions | None = None, *, progress: Progress | None = None) -> Report:
@@ -416,6 +442,11 @@ def before_first_update(s: ScannedCheckpoint) -> str | None:
 
 def _all_zero(data: TensorData, maps: FileMaps) -> bool:
     try:
+        plan = small_read_plan(data, SMALL_TENSOR_BYTES)
+        if plan is not None:  # without NumPy
+            return not any(any(read_exact(maps, p, pos, p.numel * data.dtype.itemsize)) for p, pos in plan)
+        import numpy as np
+
         return not any(np.ascontiguousarray(chunk).view(np.uint8).any() for chunk in iter_chunks(data, maps))
     except (ValueError, OSError):
         return False

@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ckptaudit import __version__
-from ckptaudit.model import ComponentKind, Report, Severity
+
+if TYPE_CHECKING:  # imported by the commands that run: ``--help`` needs none of it
+    from ckptaudit.model import ComponentKind, Report
 
 __all__ = ["main"]
 
@@ -194,6 +195,8 @@ def _output_args(p: argparse.ArgumentParser) -> None:
 
 
 def _require(text: str) -> frozenset[ComponentKind]:
+    from ckptaudit.model import ComponentKind
+
     kinds: set[ComponentKind] = set()
     for item in filter(None, (t.strip() for t in text.split(","))):
         try:
@@ -253,6 +256,8 @@ def _emit(report: Report, args: argparse.Namespace, stdout: TextIO) -> int:
             raise UsageError(f"--output {args.output}: cannot write ({exc.strerror})") from None
     else:
         render(report, fmt, stdout, verbose=args.verbose)
+    from ckptaudit.model import Severity
+
     return EXIT_FINDINGS if report.fails(Severity.parse(args.fail_on)) else EXIT_CLEAN
 
 
@@ -341,6 +346,8 @@ def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
                            borrow_state=args.borrow_state, debug=args.debug)
     except ValueError as exc:
         if (args.verbose or args.debug) and exc.__cause__ is not None:
+            import traceback
+
             stderr.write("".join(traceback.format_exception(exc.__cause__)))
         raise UsageError(str(exc)) from None
 

@@ -24,7 +24,6 @@ so a rank's share is never smaller than the largest tensor (a 70B model's larges
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -149,11 +148,13 @@ def audit_distributed(path: str, options: AuditOptions | None = None, *, rank: i
     Raises :class:`DistributedAuditError` on rank 0 when any rank failed (each failure tagged by rank), and
     ``FileNotFoundError`` there when rank 0 itself cannot see ``path``.
     """
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     options = options or AuditOptions()
     dist.init_process_group(backend="gloo", init_method="env://", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=timeout_s))
     plan: ScanPlan | None = None
     try:
         own_error: BaseException | None = None

@@ -5,28 +5,27 @@ One module per container format (:mod:`.torchzip`, :mod:`.safetensors`, :mod:`.d
 partitions mapped back to parameters there);
 :func:`open_checkpoint` picks the readers by looking at the path. Every failure of a reader becomes a
 finding on the checkpoint; only a path that does not exist raises (``FileNotFoundError``).
+
+Each reader's module is imported when a checkpoint needs it (a directory for DCP and DeepSpeed, the file's
+extension and magic bytes for safetensors and ``torch.save``), so that auditing a small file starts fast.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.formats.allowlist import WRITER_DECLARED_SAFE
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
-from ckptaudit.formats.dcp import is_dcp_dir, read_dcp
-from ckptaudit.formats.deepspeed import is_deepspeed_root, is_deepspeed_step_dir, read_deepspeed, resolve_tag
-from ckptaudit.formats.object_tree import check_tree
-from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, scan
 from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, describe_kind, open_regular, read_limited
 from ckptaudit.formats.safejson import JsonLimitError, loads_limited
-from ckptaudit.formats.safetensors import SafetensorsError, read_safetensors
 from ckptaudit.formats.tensors import TensorData
-from ckptaudit.formats.torchzip import TorchZipError, read_torch_zip
-from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
 from ckptaudit.model import Finding
+
+if TYPE_CHECKING:
+    from ckptaudit.formats.pickle_scan import PickleScan
 
 __all__ = ["Checkpoint", "Part", "TensorData", "Unreadable", "open_checkpoint", "walk"]
 
@@ -57,6 +56,9 @@ def open_checkpoint(path: str) -> Checkpoint:
     files: dict[str, int] = {}
     parts: list[Part] = []
     if os.path.isdir(path):
+        from ckptaudit.formats.dcp import is_dcp_dir, read_dcp
+        from ckptaudit.formats.deepspeed import is_deepspeed_root, is_deepspeed_step_dir
+
         if is_deepspeed_step_dir(path) or is_deepspeed_root(path):
             fmt = "deepspeed"
             parts.append(_read_deepspeed(path, findings, files))
@@ -116,6 +118,8 @@ def open_checkpoint(path: str) -> Checkpoint:
 
 def _read_deepspeed(path: str, findings: list[Finding], files: dict[str, int]) -> Part:
     """A DeepSpeed tag folder, or the root ``save_checkpoint`` wrote (its ``latest`` tag resolved)."""
+    from ckptaudit.formats.deepspeed import is_deepspeed_step_dir, read_deepspeed, resolve_tag
+
     step_dir, prefix = path, ""
     if not is_deepspeed_step_dir(path):
         tag, notes = resolve_tag(path)
@@ -206,6 +210,8 @@ def _read_file(full: str, name: str, findings: list[Finding]) -> Part | None:
 
 
 def _read_safetensors(full: str, name: str, subject: str, findings: list[Finding]) -> Part | None:
+    from ckptaudit.formats.safetensors import SafetensorsError, read_safetensors
+
     try:
         st = read_safetensors(full)
     except SafetensorsError as exc:
@@ -240,6 +246,10 @@ def _corrupt_pickle(subject: str, result: PickleScan, findings: list[Finding]) -
 
 
 def _read_pickled(full: str, name: str, subject: str, findings: list[Finding]) -> Part | None:
+    from ckptaudit.formats.object_tree import check_tree
+    from ckptaudit.formats.pickle_scan import PickleLimitError, scan
+    from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
+
     with open_regular(full) as fh:
         size = os.fstat(fh.fileno()).st_size
         head = fh.read(4)
@@ -247,6 +257,8 @@ def _read_pickled(full: str, name: str, subject: str, findings: list[Finding]) -
         findings.append(finding("integrity.corrupt", subject, f"{subject} is empty (0 bytes)", offset=0))
         return None
     if head == b"PK\x03\x04":
+        from ckptaudit.formats.torchzip import TorchZipError, read_torch_zip
+
         try:
             # Inert: globals outside the allowlist become placeholders, so the rest (the tensors) is still audited.
             tz = read_torch_zip(full, inert=True)
@@ -296,6 +308,8 @@ def _read_pickled(full: str, name: str, subject: str, findings: list[Finding]) -
 
 
 def _read_legacy(full: str, name: str, subject: str, findings: list[Finding]) -> Part | None:
+    from ckptaudit.formats.pickle_scan import PickleScan, scan
+
     with open_regular(full) as fh:
         unsafe: list[str] = []
         harmless: list[str] = []
@@ -318,6 +332,8 @@ def _read_legacy(full: str, name: str, subject: str, findings: list[Finding]) ->
 
 
 def _small_pickle_value(fh: Any, end: int) -> Any:
+    from ckptaudit.formats.unpickler import RestrictedUnpickler
+
     if end > 4096:
         return None
     try:

@@ -13,7 +13,12 @@ from typing import Any
 
 from ckptaudit.formats.allowlist import NUMPY_DTYPE_CLASSES
 
-__all__ = ["NdarrayShell", "dtype_from_state", "ndarray_from_state", "numpy_module", "numpy_table"]
+__all__ = ["NUMPY_ON_DEMAND", "NdarrayShell", "dtype_from_state", "ndarray_from_state", "numpy_module", "numpy_table"]
+
+NUMPY_ON_DEMAND = "numpy"
+"""A key of an unpickler's table that no global resolves to (every resolved name has a dot): its presence says
+that :func:`numpy_table`'s entries are added when a pickle first names a NumPy global, so that reading a
+checkpoint without NumPy objects does not import NumPy."""
 
 
 def numpy_module() -> Any:

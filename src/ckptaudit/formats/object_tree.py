@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from ckptaudit.formats.pickle_scan import MAX_DEPTH, MAX_NODES
-from ckptaudit.formats.unpickler import Opaque, PickledRecord
 
 __all__ = ["check_tree"]
 
@@ -13,15 +13,22 @@ __all__ = ["check_tree"]
 _LEAF_TYPES = frozenset({str, bytes, bytearray, int, float, complex, bool, type(None)})
 
 
-def _children(value: Any) -> list[Any] | tuple[Any, ...] | None:
+def _unpickled_types() -> Any:
+    """The unpickler's module (its ``Opaque`` and ``PickledRecord``), or ``None`` when it was never imported: then
+    no such object exists, and a JSON tree (safetensors headers) is checked without importing it."""
+    return sys.modules.get("ckptaudit.formats.unpickler")
+
+
+def _children(value: Any, unpickled: Any) -> list[Any] | tuple[Any, ...] | None:
     """The sub-objects of a container (dataclass instances, such as DCP metadata, through their fields)."""
     if type(value) in _LEAF_TYPES:
         return None
     # The data itself (``dict.items(d)``), never a method a pickle could have shadowed (``d.items()``).
-    if isinstance(value, Opaque):
-        return [value.args, value.state]
-    if isinstance(value, PickledRecord):
-        return PickledRecord.values(value)
+    if unpickled is not None:
+        if isinstance(value, unpickled.Opaque):
+            return [value.args, value.state]
+        if isinstance(value, unpickled.PickledRecord):
+            return unpickled.PickledRecord.values(value)
     if isinstance(value, dict):
         out = [x for kv in dict.items(value) for x in kv]
         if type(value) is not dict:
@@ -42,7 +49,8 @@ def check_tree(obj: Any, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES)
     list a billion times through its memo). Iterative; costs one visit per distinct object, not per path."""
     too_many = f"the loaded object tree has more than {max_nodes} nodes (shared sub-trees counted each time)"
     too_deep = f"the loaded object tree nests deeper than {max_depth} levels"
-    root = _children(obj)
+    unpickled = _unpickled_types()
+    root = _children(obj, unpickled)
     if root is None:
         return None
     done: dict[int, tuple[int, int]] = {}  # id -> (nodes of the expanded sub-tree, height), once visited
@@ -84,7 +92,7 @@ def check_tree(obj: Any, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES)
             if id(c) in done:
                 containers.append(c)
                 continue
-            grand = _children(c)
+            grand = _children(c, unpickled)
             if grand is None:
                 n += 1
             elif not grand:  # an empty container: counted here, no bookkeeping

@@ -20,11 +20,8 @@ Credentials and endpoints come from fsspec's and the storage library's usual con
 from __future__ import annotations
 
 import os
-import shutil
 import struct
-import tempfile
 import threading
-import zipfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +103,8 @@ class RemoteFiles:
             self._staged.add(key)
 
     def close(self) -> None:
+        import shutil
+
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -157,6 +156,8 @@ def stage(url: str) -> tuple[str, RemoteFiles]:
         raise FileNotFoundError(2, "no such object or prefix", url) from None
     except Exception as exc:  # noqa: BLE001 - credentials, endpoint, network: the storage library's own words
         raise RemoteError(f"{url}: cannot reach it ({type(exc).__name__}: {exc})") from None
+    import tempfile  # here: is_url and local_path are on every command's start-up path
+
     tmp = tempfile.mkdtemp(prefix="ckptaudit-remote-")
     remote = RemoteFiles(tmp)
     budget = _Budget(url)
@@ -224,6 +225,8 @@ def _stage_file(fs: Any, path: str, size: int, local: str, remote: RemoteFiles, 
 
 def _stage_zip(r: _Remote, local: str, budget: _Budget) -> None:
     """Stage a zip archive's end records, central directory, every local header and every small member."""
+    import zipfile
+
     with r.fs.open(r.path, "rb", block_size=1 << 20, cache_type="readahead") as fh:
         try:
             zf = zipfile.ZipFile(fh)

@@ -14,13 +14,14 @@ import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from ckptaudit.formats.safeio import open_regular
 
-__all__ = ["DTYPES", "DType", "FileMaps", "Piece", "TensorData", "iter_chunks"]
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["DTYPES", "DType", "FileMaps", "Piece", "TensorData", "iter_chunks", "read_exact", "small_read_plan"]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 """1 MiB: the chunk stays in cache between the hash and the OR-reduction that read it (measured: 4 MiB chunks
@@ -228,6 +229,8 @@ def iter_chunks(
     Each array is valid only until the next one is requested (it may view a reused buffer).
     Raises ``ValueError`` when the pieces do not tile the tensor (see :meth:`TensorData.coverage_error`).
     """
+    import numpy as np  # here, not at import time: a small audit may never need it (see small_read_plan)
+
     err = data.coverage_error()
     if err is not None:
         raise ValueError(err)
@@ -246,6 +249,8 @@ def iter_chunks(
 
 def _piece_array(p: Piece, npdt: np.dtype, maps: FileMaps) -> np.ndarray:
     """A strided NumPy view of one piece, straight on the memory map."""
+    import numpy as np
+
     span = p.storage_offset + sum((s - 1) * st for s, st in zip(p.sizes, p.stride, strict=True)) + 1
     if maps.remote is not None and p.file in maps.remote and p.numel:
         # A stand-in file holds no tensor data: fetch this view's span into it before mapping it.
@@ -264,6 +269,8 @@ def _piece_array(p: Piece, npdt: np.dtype, maps: FileMaps) -> np.ndarray:
 
 
 def _piece_chunks(p: Piece, npdt: np.dtype, maps: FileMaps, per_chunk: int) -> Iterator[np.ndarray]:
+    import numpy as np
+
     if p.numel == 0:
         return
     if p.is_contiguous():
@@ -299,6 +306,8 @@ def _assembled_chunks(
     data: TensorData, pieces: list[Piece], npdt: np.dtype, maps: FileMaps, per_chunk: int
 ) -> Iterator[np.ndarray]:
     # Pieces split along more than the first dimension: assemble blocks of leading rows.
+    import numpy as np
+
     shape = data.shape
     row_elems = max(1, math.prod(shape[1:]))
     step = max(1, per_chunk // row_elems)
@@ -314,3 +323,40 @@ def _assembled_chunks(
             dst = [slice(lo - r0, hi - r0)] + [slice(o, o + s) for o, s in zip(p.offsets[1:], p.sizes[1:], strict=True)]
             buf[tuple(dst)] = view[lo - p.offsets[0] : hi - p.offsets[0]]
         yield buf.reshape(-1)
+
+
+def small_read_plan(data: TensorData, max_bytes: int) -> list[tuple[Piece, int]] | None:
+    """The plan of a NumPy-free read of a small tensor: its non-empty pieces in row-major order, each with the
+    file offset of its first byte; ``None`` when the tensor is over ``max_bytes`` or not a row-major
+    concatenation of contiguous pieces (then only :func:`iter_chunks` reads it).
+
+    Raises ``ValueError`` when the pieces do not tile the tensor, as :func:`iter_chunks` does. The pieces come in
+    :func:`iter_chunks`' order, so reading them (:func:`read_exact`) yields the same bytes it would.
+    """
+    if data.nbytes > max_bytes:
+        return None
+    err = data.coverage_error()
+    if err is not None:
+        raise ValueError(err)
+    pieces = sorted(data.pieces, key=lambda p: p.offsets)
+    if not (len(data.shape) == 0 or all(tuple(p.sizes[1:]) == data.shape[1:] for p in pieces)):
+        return None
+    plan = []
+    for p in pieces:
+        if p.numel == 0:
+            continue
+        if not p.is_contiguous():
+            return None
+        plan.append((p, p.data_offset + p.storage_offset * data.dtype.itemsize))
+    return plan
+
+
+def read_exact(maps: FileMaps, piece: Piece, pos: int, nbytes: int) -> bytes:
+    """``nbytes`` bytes of ``piece``'s file at ``pos`` (positional read; remote files: one ranged read); raises
+    ``ValueError`` on a short read, with :func:`iter_chunks`' message."""
+    buf = bytearray(nbytes)
+    got = maps.read_into(piece.file, memoryview(buf), pos)
+    if got != nbytes:  # the same message as _piece_chunks'
+        raise ValueError(f"{piece.file}: {got} of {nbytes} bytes at offset {pos}: the file ends early "
+                         "(truncated, or changed while being read)")
+    return bytes(buf)

@@ -14,15 +14,16 @@ import collections
 import io
 import pickle
 import struct
+import sys
 from collections.abc import Callable, Collection, Iterable
 from typing import IO, Any, ClassVar
 
 from ckptaudit.formats.allowlist import global_name
 from ckptaudit.formats.numpy_pickles import (
+    NUMPY_ON_DEMAND,
     NdarrayShell,
     dtype_from_state,
     ndarray_from_state,
-    numpy_module,
     numpy_table,
 )
 from ckptaudit.formats.pickle_scan import (
@@ -239,12 +240,23 @@ class RestrictedUnpickler(pickle._Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         key = global_name(module, name, self.proto)  # the same name the scanner vetted
+        if key.startswith("numpy.") and NUMPY_ON_DEMAND in self._table:
+            self._add_numpy()
         try:
             return self._table[key]
         except KeyError:
             if self._inert:  # an inert placeholder: the rest of the pickle can be read, nothing is run
                 return self._opaque.setdefault(key, _OpaqueGlobal(key))
             raise UnsafeGlobalError(key) from None
+
+    def _add_numpy(self) -> None:
+        """The table's NumPy entries, made when a pickle first names a NumPy global (importing NumPy costs ~0.1 s,
+        and most checkpoints hold no NumPy object); entries the table already has are kept."""
+        table = {**numpy_table(), **self._table}
+        del table[NUMPY_ON_DEMAND]
+        self._table = table
+        self._callables = {id(v) for v in table.values()}
+        self._types = {v for v in table.values() if isinstance(v, type)}
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is None:
@@ -340,7 +352,7 @@ class RestrictedUnpickler(pickle._Unpickler):
             return inst
         if isinstance(inst, _OpaqueGlobal):
             return Opaque(inst.name, (), state)
-        np = numpy_module()
+        np = sys.modules.get("numpy")  # not imported: no NumPy object exists
         if np is not None and isinstance(inst, np.dtype):
             return dtype_from_state(inst, state)
         if isinstance(inst, NdarrayShell):
@@ -387,7 +399,7 @@ class RestrictedUnpickler(pickle._Unpickler):
                 elif not (type(v) in _KEY_SCALARS or type(v) is frozenset or type(v).__hash__ is object.__hash__):
                     raise pickle.UnpicklingError(f"a {type(v).__name__} inside a dict key or set item")
             return hash(key)
-        np = numpy_module()
+        np = sys.modules.get("numpy")  # not imported: no NumPy object exists
         if np is not None and isinstance(key, np.generic) and key.dtype.kind in "biufc":
             return hash(key)
         raise pickle.UnpicklingError(f"a {t.__name__} may not be a dict key or set item")
@@ -520,8 +532,9 @@ def _safe_codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict
 
 
 def base_table() -> dict[str, Any]:
-    """Harmless builtins and containers shared by every restricted unpickler, and torch's plain values (dtypes,
-    ``torch.device``, ``torch.Size``) as the torch-free stand-ins of :mod:`ckptaudit.formats.torch_values`."""
+    """Harmless builtins and containers shared by every restricted unpickler, torch's plain values (dtypes,
+    ``torch.device``, ``torch.Size``) as the torch-free stand-ins of :mod:`ckptaudit.formats.torch_values`, and
+    NumPy's arrays, scalars and dtypes (:func:`~ckptaudit.formats.numpy_pickles.numpy_table`, made on demand)."""
     table: dict[str, Any] = {
         "collections.OrderedDict": collections.OrderedDict,
         "_codecs.encode": _safe_codecs_encode,
@@ -530,5 +543,5 @@ def base_table() -> dict[str, Any]:
     table.update({"builtins.set": set, "builtins.frozenset": frozenset, "builtins.complex": complex,
                   "builtins.slice": slice})
     table.update(torch_values_table())
-    table.update(numpy_table())
+    table[NUMPY_ON_DEMAND] = numpy_table  # numpy_table() itself when a pickle names NumPy (find_class)
     return table

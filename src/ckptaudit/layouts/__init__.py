@@ -31,9 +31,10 @@ Pure: no I/O beyond what the parts already describe.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ckptaudit.layouts.core import interpret
 from ckptaudit.layouts.huggingface import file_rule
-from ckptaudit.layouts.megatron import MEGATRON_MASTERS
 from ckptaudit.layouts.view import (
     DATA_KEYS,
     MODEL_KEYS,
@@ -64,3 +65,12 @@ __all__ = [
     "interpret",
     "normalize_fqn",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The Megatron and DeepSpeed rules are imported when a checkpoint needs them (core.interpret).
+    if name == "MEGATRON_MASTERS":
+        from ckptaudit.layouts.megatron import MEGATRON_MASTERS
+
+        return MEGATRON_MASTERS
+    raise AttributeError(f"module 'ckptaudit.layouts' has no attribute {name!r}")

@@ -10,10 +10,8 @@ from typing import Any
 
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.tensors import TensorData
-from ckptaudit.layouts.deepspeed import _deepspeed
 from ckptaudit.layouts.huggingface import _layout_name, file_rule
 from ckptaudit.layouts.keyed import _classify_keys, _optimizer_view
-from ckptaudit.layouts.megatron import _is_megatron, _megatron
 from ckptaudit.layouts.view import (
     DATA_KEYS,
     MODEL_KEYS,
@@ -33,8 +31,13 @@ from ckptaudit.model import ComponentKind
 
 def interpret(ckpt: Checkpoint) -> View:
     """Map the parts of ``ckpt`` to checkpoint components (see :mod:`ckptaudit.layouts` for the layouts)."""
-    if _is_megatron(ckpt):
-        return _megatron(ckpt)
+    # The Megatron rule (and the DeepSpeed one below) is imported only where it may apply: a DCP directory with
+    # Megatron-Core's metadata.json or common.pt (what _is_megatron looks for).
+    if ckpt.format == "dcp" and any(p.name in ("metadata.json", "common.pt") for p in ckpt.parts):
+        from ckptaudit.layouts.megatron import _is_megatron, _megatron
+
+        if _is_megatron(ckpt):
+            return _megatron(ckpt)
     view = View(layout=ckpt.format, model=None, optimizer=None)
     model_params: dict[str, TensorRef] = {}
     model_aliases: dict[str, str] = {}
@@ -82,6 +85,8 @@ def interpret(ckpt: Checkpoint) -> View:
         if part.format == "safetensors":
             view.metadata.update(part.metadata)
         if part.format == "deepspeed" and isinstance(tree, dict):
+            from ckptaudit.layouts.deepspeed import _deepspeed
+
             _deepspeed(part, tree, view, found, add_model, ckpt)
             continue
         if isinstance(rule, ComponentKind) and rule is not ComponentKind.MODEL:
