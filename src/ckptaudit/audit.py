@@ -7,6 +7,7 @@ files -> readers (:mod:`ckptaudit.formats`) -> interpretation (:mod:`ckptaudit.l
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_attachment, chec
 from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.base import Checkpoint, Unreadable, walk
-from ckptaudit.formats.tensors import DEFAULT_CHUNK_BYTES, FileMaps, TensorData, iter_chunks
+from ckptaudit.formats.tensors import DEFAULT_CHUNK_BYTES, FileMaps, TensorData, iter_chunks, scratch_buffer
 from ckptaudit.layouts import SCHEDULER_KEYS, TensorRef, View, file_rule, interpret
 from ckptaudit.model import ComponentKind, Finding, Precision, Report, Severity, TensorRecord
 from ckptaudit.records import TensorScan, scan_first_chunk, scan_tensor
@@ -182,11 +183,19 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
     done = 0
     out: dict[int, ScanOutcome] = {}
 
+    local = threading.local()  # one read buffer per scanning thread, reused across its tensors
+
     def one(index: int) -> ScanOutcome:
         data = plan.items[index][0].data
         assert isinstance(data, TensorData)
         try:
-            scanned = (scan_first_chunk if quick else scan_tensor)(data, plan.ckpt.maps, chunk_bytes)
+            if quick:
+                scanned = scan_first_chunk(data, plan.ckpt.maps, chunk_bytes)
+            else:
+                buffer = getattr(local, "buffer", None)
+                if buffer is None:
+                    buffer = local.buffer = scratch_buffer(chunk_bytes)
+                scanned = scan_tensor(data, plan.ckpt.maps, chunk_bytes, buffer)
         except (ValueError, OSError) as exc:
             return ScanOutcome(None, str(exc))
         step = scalar_value(data, plan.ckpt.maps) if index in plan.step_items else None
