@@ -17,7 +17,8 @@ chunk of the same bytes:
 - ``scan_tensor``: the whole scan of the file as one tensor (read + hash + precision).
 
 Prints CPU s/GB for each (best of ``--repeat``) and the load average at the start: on a loaded machine CPU time
-still grows with cache contention, so compare figures from the same run.
+still grows with cache and memory-bandwidth contention, so compare figures from the same run. ``--src DIR``
+measures another copy of the package (an earlier commit's ``src``, e.g. from ``git worktree add``).
 """
 
 from __future__ import annotations
@@ -32,13 +33,19 @@ import time
 from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
+_SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv[:-1] else os.path.join(HERE, "..", "src")
+sys.path.insert(0, _SRC)
 
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
-from ckptaudit.formats.tensors import DTYPES, FileMaps, Piece, TensorData, scratch_buffer  # noqa: E402
+from ckptaudit.formats.tensors import DTYPES, FileMaps, Piece, TensorData  # noqa: E402
 from ckptaudit.records import _Fp32State, scan_tensor  # noqa: E402
+
+try:  # absent before the scan reused its buffers: this script also measures earlier commits' src
+    from ckptaudit.formats.tensors import scratch_buffer
+except ImportError:
+    scratch_buffer = None
 
 
 def write(path: str, mib: int, rounded: bool) -> int:
@@ -98,7 +105,10 @@ def measure(path: str, nbytes: int, chunk: int, repeat: int, label: str) -> None
     def scan() -> None:
         data = TensorData(DTYPES["float32"], (nbytes // 4,), (Piece(path, 0, 0, (nbytes // 4,), (1,), (0,)),))
         with FileMaps() as maps:
-            scan_tensor(data, maps, chunk, scratch_buffer(chunk))
+            if scratch_buffer is None:
+                scan_tensor(data, maps, chunk)
+            else:
+                scan_tensor(data, maps, chunk, scratch_buffer(chunk))
 
     try:
         for name, fn in (("mmap read", mmap_read), ("pread", pread), ("xxh3_128", hash_only),
@@ -116,10 +126,11 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--chunk-kib", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--src", default=_SRC, help="the ckptaudit source tree to measure (default: this checkout's)")
     args = ap.parse_args()
     chunk = args.chunk_kib * 1024
     tmp = tempfile.mkdtemp(prefix="ckptaudit-parts-")
-    print(f"load average {os.getloadavg()[0]:.2f}; {args.mib} MiB, chunks of {args.chunk_kib} KiB, "
+    print(f"{_SRC}: load average {os.getloadavg()[0]:.2f}; {args.mib} MiB, chunks of {args.chunk_kib} KiB, "
           f"best of {args.repeat}, CPU s/GB (one thread)")
     try:
         for rounded in (False, True):
