@@ -173,13 +173,16 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
 
     Each tensor is streamed in order by one thread (its hash is the sequential xxh3-128 of its bytes, whatever
     ``jobs``). One thread reads in the checkpoint's order (sequential on disk); several take the largest tensors
-    first, so that no thread is left alone with a big one at the end. Memory: one chunk buffer per thread.
+    first, so that no thread is left alone with a big one at the end (a tensor is the unit of work: see
+    docs/performance.md, "Where the scan's time goes"). Memory: one chunk buffer per thread, reused across its
+    tensors.
     xxhash, NumPy's reductions and ``os.preadv`` release the GIL, so the threads run on as many cores.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
-    order = sorted(indices) if jobs == 1 else sorted(indices, key=lambda i: (-plan.nbytes(i), i))
-    total = sum(plan.nbytes(i) for i in order)
+    sizes = {i: plan.nbytes(i) for i in indices}
+    order = sorted(indices) if jobs == 1 else sorted(indices, key=lambda i: (-sizes[i], i))
+    total = sum(sizes[i] for i in order)
     done = 0
     out: dict[int, ScanOutcome] = {}
 
@@ -204,7 +207,7 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
     if jobs == 1 or len(order) <= 1:
         for i in order:
             out[i] = one(i)
-            done += plan.nbytes(i)
+            done += sizes[i]
             if progress is not None:
                 progress(done, total)
         return out
@@ -214,7 +217,7 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
             for fut in as_completed(futures):
                 i = futures[fut]
                 out[i] = fut.result()
-                done += plan.nbytes(i)
+                done += sizes[i]
                 if progress is not None:
                     progress(done, total)
         except BaseException:
