@@ -176,3 +176,24 @@ def test_random_fp32_bit_patterns_equal_the_reference(tmp_path: Path, buffer: np
                                                       low_mask: int, chunk_bytes: int) -> None:
     arr = (np.array(words, dtype=np.uint32) & np.uint32(low_mask)).view(np.float32)
     check(tmp_path, arr, "float32", chunk_bytes, buffer)
+
+
+def test_threads_each_read_into_their_own_buffer(tmp_path: Path) -> None:
+    """Many multi-chunk tensors on 4 threads: a buffer shared between threads would mix their chunks."""
+    from safetensors.numpy import save_file
+
+    from ckptaudit.audit import plan_scan, scan_items
+
+    rng = np.random.default_rng(3)
+    tensors = {f"layer{i}.weight": (rng.standard_normal((64, 256)) * 0.02).astype(np.float32) for i in range(24)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    want = {name: xxhash.xxh3_128(arr.tobytes()).hexdigest() for name, arr in tensors.items()}
+    plan = plan_scan(str(path))
+    try:
+        for _ in range(3):
+            outcomes = scan_items(plan, plan.scannable(), jobs=4, chunk_bytes=4096)  # 16 chunks per tensor
+            got = {plan.items[i][0].name.split("/")[-1]: o.scan.hash for i, o in outcomes.items() if o.scan}
+            assert got == want
+    finally:
+        plan.close()
