@@ -226,7 +226,9 @@ def scratch_buffer(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> np.ndarray:
     Reusing it saves, per tensor, the allocation and the first-touch page faults of a fresh chunk-sized array.
     16 bytes over ``chunk_bytes`` so that a chunk of any element size (up to complex128) fits.
     """
-    return np.empty(chunk_bytes + 16, dtype=np.uint8)
+    import numpy  # here, not at import time: the start-up path imports no NumPy for small audits
+
+    return numpy.empty(chunk_bytes + 16, dtype=numpy.uint8)
 
 
 def _whole(data: TensorData) -> bool:
