@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +29,7 @@ from ckptaudit.formats.tensors import (
     TensorData,
     iter_chunks,
     read_exact,
+    scratch_buffer,
     small_read_plan,
 )
 from ckptaudit.layouts import SCHEDULER_KEYS, TensorRef, View, file_rule, interpret
@@ -182,21 +185,33 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
 
     Each tensor is streamed in order by one thread (its hash is the sequential xxh3-128 of its bytes, whatever
     ``jobs``). One thread reads in the checkpoint's order (sequential on disk); several take the largest tensors
-    first, so that no thread is left alone with a big one at the end. Memory: one chunk buffer per thread.
+    first, so that no thread is left alone with a big one at the end (a tensor is the unit of work: see
+    docs/performance.md, "Where the scan's time goes"). Memory: one chunk buffer per thread, reused across its
+    tensors.
     xxhash, NumPy's reductions and ``os.preadv`` release the GIL, so the threads run on as many cores.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
-    order = sorted(indices) if jobs == 1 else sorted(indices, key=lambda i: (-plan.nbytes(i), i))
-    total = sum(plan.nbytes(i) for i in order)
+    sizes = {i: plan.nbytes(i) for i in indices}
+    order = sorted(indices) if jobs == 1 else sorted(indices, key=lambda i: (-sizes[i], i))
+    total = sum(sizes[i] for i in order)
     done = 0
     out: dict[int, ScanOutcome] = {}
+
+    local = threading.local()  # one read buffer per scanning thread, reused across its tensors
 
     def one(index: int) -> ScanOutcome:
         data = plan.items[index][0].data
         assert isinstance(data, TensorData)
         try:
-            scanned = (scan_first_chunk if quick else scan_tensor)(data, plan.ckpt.maps, chunk_bytes)
+            if quick:
+                scanned = scan_first_chunk(data, plan.ckpt.maps, chunk_bytes)
+            else:
+                buffer = getattr(local, "buffer", None)
+                if buffer is None and (sizes[index] > SMALL_TENSOR_BYTES or "numpy" in sys.modules):
+                    # Not for a small tensor while NumPy is not loaded: scan_tensor may judge it without NumPy.
+                    buffer = local.buffer = scratch_buffer(chunk_bytes)
+                scanned = scan_tensor(data, plan.ckpt.maps, chunk_bytes, buffer)
         except (ValueError, OSError) as exc:
             return ScanOutcome(None, str(exc))
         step = scalar_value(data, plan.ckpt.maps) if index in plan.step_items else None
@@ -205,7 +220,7 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
     if jobs == 1 or len(order) <= 1 or total <= SERIAL_BYTES:
         for i in order:
             out[i] = one(i)
-            done += plan.nbytes(i)
+            done += sizes[i]
             if progress is not None:
                 progress(done, total)
         return out
@@ -217,7 +232,7 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
             for fut in as_completed(futures):
                 i = futures[fut]
                 out[i] = fut.result()
-                done += plan.nbytes(i)
+                done += sizes[i]
                 if progress is not None:
                     progress(done, total)
         except BaseException:

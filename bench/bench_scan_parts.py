@@ -1,0 +1,144 @@
+"""Where the scan's time goes: CPU seconds per GB of each part of :func:`ckptaudit.records.scan_tensor`, on one thread.
+
+    .venv/bin/python bench/bench_scan_parts.py                 # 1 GiB of genuine fp32, then of bf16-rounded fp32
+    .venv/bin/python bench/bench_scan_parts.py --mib 512 --repeat 5
+
+Writes a raw file of fp32 values (``randn * 0.02``, and the same rounded to bf16) to a temporary directory and
+reads it back from the page cache in ``--chunk-kib`` chunks, timing each part alone with ``time.process_time``
+(CPU time of this single-threaded process: wall time lies on a shared machine). The parts, each over every
+chunk of the same bytes:
+
+- ``mmap read``: xor-reduce of every 8-byte word through a read-only map (what ``bench_realistic``'s baseline
+  does per thread);
+- ``pread``: ``os.preadv`` into one reused buffer (the kernel's copy from the page cache, what the scan reads
+  with);
+- ``xxh3_128``: the hash alone, over one chunk already in cache, as the scan hashes a chunk just read;
+- ``1st-chunk precision``: the fp32 precision statistics of a tensor's first chunk (``_Fp32State.update`` on a
+  fresh state), over one chunk already in cache: what every tensor pays once (later chunks of a genuine fp32
+  tensor skip it; a bf16-rounded one pays the OR-reduction on every chunk);
+- ``scan_tensor``: the whole scan of the file as one tensor (read + hash + precision).
+
+Prints CPU s/GB for each (best of ``--repeat``) and the load average at the start: on a loaded machine CPU time
+still grows with cache and memory-bandwidth contention, so compare figures from the same run. ``--src DIR``
+measures another copy of the package (an earlier commit's ``src``, e.g. from ``git worktree add``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv[:-1] else os.path.join(HERE, "..", "src")
+sys.path.insert(0, _SRC)
+
+import numpy as np  # noqa: E402
+import xxhash  # noqa: E402
+
+from ckptaudit.formats.tensors import DTYPES, FileMaps, Piece, TensorData  # noqa: E402
+from ckptaudit.records import _Fp32State, scan_tensor  # noqa: E402
+
+try:  # absent before the scan reused its buffers: this script also measures earlier commits' src
+    from ckptaudit.formats.tensors import scratch_buffer
+except ImportError:
+    scratch_buffer = None
+
+
+def write(path: str, mib: int, rounded: bool) -> int:
+    rng = np.random.default_rng(0)
+    n = mib * (1 << 20) // 4
+    with open(path, "wb") as fh:
+        step = 1 << 22
+        for lo in range(0, n, step):
+            x = (rng.standard_normal(min(step, n - lo), dtype=np.float32) * np.float32(0.02))
+            if rounded:
+                u = x.view(np.uint32)
+                u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))  # round to nearest even
+                u &= np.uint32(0xFFFF0000)
+            fh.write(x.tobytes())
+    return n * 4
+
+
+def cpu(fn: Callable[[], object], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.process_time()
+        fn()
+        best = min(best, time.process_time() - t0)
+    return best
+
+
+def measure(path: str, nbytes: int, chunk: int, repeat: int, label: str) -> None:
+    gb = nbytes / 1e9
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    buf = np.empty(chunk // 4, dtype=np.float32)
+    raw = buf.data.cast("B")
+    # One chunk already in L2 (the scan hashes and checks each chunk right after reading it into its buffer).
+    held = np.frombuffer(mm, np.float32, chunk // 4, 0).copy()
+    nchunks = nbytes // chunk
+
+    def mmap_read() -> None:
+        for off in range(0, nbytes, chunk):
+            np.bitwise_xor.reduce(np.frombuffer(mm, np.uint64, chunk // 8, off))
+
+    def pread() -> None:
+        for off in range(0, nbytes, chunk):
+            os.preadv(fd, [raw], off)
+
+    def hash_only() -> None:
+        h = xxhash.xxh3_128()
+        for _ in range(nchunks):
+            h.update(held)
+
+    def stats_first() -> None:
+        for _ in range(nchunks):
+            _Fp32State().update(held)
+
+    def scan() -> None:
+        data = TensorData(DTYPES["float32"], (nbytes // 4,), (Piece(path, 0, 0, (nbytes // 4,), (1,), (0,)),))
+        with FileMaps() as maps:
+            if scratch_buffer is None:
+                scan_tensor(data, maps, chunk)
+            else:
+                scan_tensor(data, maps, chunk, scratch_buffer(chunk))
+
+    try:
+        for name, fn in (("mmap read", mmap_read), ("pread", pread), ("xxh3_128", hash_only),
+                         ("1st-chunk precision", stats_first), ("scan_tensor", scan)):
+            secs = cpu(fn, repeat)
+            rate = f"{gb / secs:6.1f} GB/s" if secs else "   (too fast to time)"
+            print(f"  {label:18s} {name:20s} {secs / gb:7.3f} s/GB  ({rate})")
+    finally:
+        mm.close()
+        os.close(fd)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--chunk-kib", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--src", default=_SRC, help="the ckptaudit source tree to measure (default: this checkout's)")
+    args = ap.parse_args()
+    chunk = args.chunk_kib * 1024
+    tmp = tempfile.mkdtemp(prefix="ckptaudit-parts-")
+    print(f"{_SRC}: load average {os.getloadavg()[0]:.2f}; {args.mib} MiB, chunks of {args.chunk_kib} KiB, "
+          f"best of {args.repeat}, CPU s/GB (one thread)")
+    try:
+        for rounded in (False, True):
+            path = os.path.join(tmp, "x.bin")
+            nbytes = write(path, args.mib, rounded)
+            measure(path, nbytes, chunk, args.repeat, "bf16-rounded fp32" if rounded else "genuine fp32")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
