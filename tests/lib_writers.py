@@ -380,7 +380,10 @@ def _deepspeed_rank(ctx: Any, out: str) -> dict[str, Any]:
     The model's sizes are odd on purpose (91, 13 and 4 elements): ZeRO-1/2 pads each group's flat buffer and
     ZeRO-3 pads each parameter's partition, so a reader that ignores padding misplaces every later parameter.
     ``s1-bf16`` is saved at steps 2 and 4 (``latest`` names ``global_step4``). ``s2-bf16-rounded`` rounds the fp32
-    masters to bf16 values in the engine's own optimizer before saving: the true positive.
+    masters to bf16 values in the engine's own optimizer before saving: the true positive. ``s1-bf16-warmup0``
+    keeps DeepSpeed's default ``warmup_min_lr`` 0, so its first two steps apply lr 0: saved after steps 1 and 2
+    (masters still the bf16 initial weights, moments non-zero: done right) and 4, its masters rounded to bf16
+    after the real steps 3 and 4 (the true positive the lr-0 reading must not excuse).
     """
     os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(ctx.rank),
                       LOCAL_WORLD_SIZE=str(ctx.world_size))
@@ -400,7 +403,8 @@ def _deepspeed_rank(ctx: Any, out: str) -> dict[str, Any]:
             return self.body(x)
 
     variants = [("s0-bf16", 0, "bf16"), ("s1-bf16", 1, "bf16"), ("s2-bf16", 2, "bf16"), ("s3-bf16", 3, "bf16"),
-                ("s2-fp16", 2, "fp16"), ("s2-bf16-rounded", 2, "bf16"), ("s0-fp32", 0, "fp32")]
+                ("s2-fp16", 2, "fp16"), ("s2-bf16-rounded", 2, "bf16"), ("s0-fp32", 0, "fp32"),
+                ("s1-bf16-warmup0", 1, "bf16")]
     kinds = {}
     for name, stage, dtype in variants:
         torch.manual_seed(0)
@@ -412,6 +416,8 @@ def _deepspeed_rank(ctx: Any, out: str) -> dict[str, Any]:
             # bf16-cast initial weights after 2 steps (a step-0 checkpoint, not what these tests are about).
             "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
                                                          "warmup_num_steps": 10}},
+            **({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 10}}}
+               if "warmup0" in name else {}),  # DeepSpeed's default warmup_min_lr: 0
             **({dtype: {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})}}
                if dtype != "fp32" else {}),
             "zero_optimization": {"stage": stage}}
@@ -419,14 +425,15 @@ def _deepspeed_rank(ctx: Any, out: str) -> dict[str, Any]:
                                                        config=config)
         gen = torch.Generator().manual_seed(ctx.rank)
         half = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-        for step in range(1, 5 if name == "s1-bf16" else 3):
+        last = 4 if name.startswith("s1-") else 2
+        for step in range(1, last + 1):
             loss = engine(torch.randn(2, 7, generator=gen).to(half)).float().pow(2).mean()
             engine.backward(loss)
             engine.step()
-            if name == "s2-bf16-rounded" and step == 2:
+            if name in ("s2-bf16-rounded", "s1-bf16-warmup0") and step == last:
                 for flat in optimizer.single_partition_of_fp32_groups:
                     flat.data.copy_(flat.data.to(torch.bfloat16).float())
-            if step % 2 == 0:
+            if step % 2 == 0 or (step == 1 and "warmup0" in name):
                 engine.save_checkpoint(os.path.join(out, name), client_state={"batches_seen": 2 * step})
         kinds[name] = type(optimizer).__name__
         if stage > 0 and ctx.rank == 0:

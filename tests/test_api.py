@@ -130,3 +130,21 @@ def test_every_catalogued_code_fits_the_schema() -> None:
 
     pattern = re.compile(load_schema()["$defs"]["finding"]["properties"]["code"]["pattern"])
     assert CATALOGUE and all(pattern.match(code) for code in CATALOGUE), [c for c in CATALOGUE if not pattern.match(c)]
+
+
+def test_schema_1_1_is_additive_a_1_0_report_still_validates(tmp_path: Path) -> None:
+    # 1.1 added only the optional "mode" key (quick audits): a 1.0 report (no mode) still fits the 1.x schema,
+    # and the quick report carries the key under the bumped version.
+    from ckptaudit.model import SCHEMA_VERSION
+
+    assert SCHEMA_VERSION == "1.1"
+    path = trained(tmp_path / "good.pt")
+    quick = ckptaudit.audit(path, quick=True).to_dict()
+    assert quick["schema_version"] == "1.1" and quick["mode"] == "quick"
+    validate(quick)
+    old = ckptaudit.audit(path).to_dict()
+    assert "mode" not in old
+    old["schema_version"] = "1.0"
+    validate(old)
+    docs = (Path(__file__).parents[1] / "docs" / "json-schema.md").read_text()
+    assert f"# JSON report (schema {SCHEMA_VERSION})" in docs and f"| `{SCHEMA_VERSION}` | " in docs

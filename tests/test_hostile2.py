@@ -611,3 +611,53 @@ def test_a_manifest_claiming_2_31_ranks_is_bounded_by_what_is_on_disk(tmp_path: 
     assert time.perf_counter() - start < 30
     lost = [f for f in report.findings if f.code == "component.missing" and "2147483648 ranks" in f.message]
     assert lost and all(len(f.evidence["ranks"]) <= 64 for f in lost), [(f.code, f.message) for f in report.findings]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The live loader (safe_torch_load: the writer's loader, resume, compare's values) refuses what the audit refuses
+
+
+def test_the_live_loader_refuses_the_bounded_work_attacks_before_torch_load(
+        bases: dict[str, Path], tmp_path: Path) -> None:
+    """``safe_torch_load`` reads the archive as the audit does (same scan, same restricted unpickler and limits)
+    before ``torch.load`` sees it: 200k colliding keys in ``data.pkl`` and 4M memo entries are refused in a
+    second or so with an error naming the file and the limit; the ordinary checkpoint (NumPy and Python RNG
+    states included) still loads. Run in a child with a timeout: the unguarded ``torch.load`` of the colliding
+    dict takes minutes."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "collisions").mkdir()
+    (tmp_path / "memo").mkdir()
+    cases = {"collisions": _case_collisions_data_pkl(bases, tmp_path / "collisions"),
+             "memo": _case_memo_amplification(bases, tmp_path / "memo")}
+    script = f"""
+import json, time
+import torch
+from ckptaudit.formats.torchload import safe_torch_load
+out = {{}}
+for name, path in {json.dumps({k: str(v) for k, v in cases.items()})}.items():
+    start = time.process_time()
+    try:
+        safe_torch_load(path)
+        out[name] = ["loaded", "", time.process_time() - start]
+    except Exception as exc:
+        out[name] = [type(exc).__name__, str(exc), time.process_time() - start]
+state = safe_torch_load({str(bases["pt"])!r})
+out["normal"] = [sorted(state), state["step"], type(state["rng"]["numpy"][1]).__name__,
+                 str(state["model"]["0.weight"].dtype)]
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    kind, message, cpu_s = out["collisions"]
+    assert kind == "UnsafeCheckpointError", out
+    assert str(cases["collisions"]) in message and "more than 64 keys of one dict share the hash value" in message
+    assert "refusing to load it" in message and "docs/security.md" in message
+    assert cpu_s < 20, cpu_s  # CPU seconds in the child; the refusal itself is ~1 s on a quiet machine
+    kind, message, cpu_s = out["memo"]
+    assert kind == "UnsafeCheckpointError" and str(cases["memo"]) in message and "amplification" in message, out
+    assert out["normal"][:2] == [["model", "optimizer", "rng", "scheduler", "step"], 2]
+    assert out["normal"][2:] == ["ndarray", "torch.float32"], out["normal"]

@@ -184,6 +184,95 @@ def test_masters_rounded_in_the_engine_are_still_caught(ds: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# WarmupLR from its default warmup_min_lr 0: the first two steps apply lr 0 (moments fill, masters do not move)
+
+
+@pytest.mark.parametrize(("tag_dir", "where"), [("global_step1", "tag"), ("global_step2", "tag"),
+                                                ("global_step1", "root")])
+def test_steps_at_lr_0_by_deepspeeds_own_schedule_are_not_rounded_masters(
+        ds: Path, tmp_path: Path, tag_dir: str, where: str) -> None:
+    step = ds / "s1-bf16-warmup0" / tag_dir
+    # The situation is as claimed: the masters equal the bf16 compute copies bit for bit (nothing moved), while
+    # the moments are not zero (the step-0 rule cannot apply) and the step counters show real steps.
+    scanned = scan_checkpoint(str(step))
+    try:
+        moments = [r for r in scanned.records if r.role in ("exp_avg", "exp_avg_sq")]
+        assert moments and any(r.precision.value == "exact" for r in moments)
+        assert set(scanned.steps.values()) == {float(tag_dir[-1])}
+    finally:
+        scanned.close()
+    # DeepSpeed made the fp32 masters from the bf16 module: unmoved, every value is still bf16-representable.
+    assert all(not (v.astype(np.float32).view(np.uint32) & 0xFFFF).any() for v in values(step).values())
+    path = step
+    if where == "root":  # a root whose latest names the lr-0 tag, as DeepSpeed's load_checkpoint would read it
+        path = tmp_path / "root"
+        shutil.copytree(step, path / tag_dir)
+        (path / "latest").write_text(tag_dir)
+    report = audit(str(path))
+    assert not codes(report, Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
+    early = [f for f in report.findings if f.code == "precision.before-first-update"]
+    assert len(early) >= 3 and all(f.severity is Severity.WARNING and "fp32_masters/" in f.subject for f in early)
+    message = early[0].message
+    assert "applied learning rate 0 by DeepSpeed's WarmupLR as its ds_config sets it: warmup_min_lr 0" in message
+    assert f"last_batch_iteration {int(tag_dir[-1]) - 1}; global_steps {tag_dir[-1]}, skipped_steps 0" in message
+
+
+def test_the_same_run_rounded_after_real_steps_still_errors(ds: Path) -> None:
+    # latest names global_step4: steps 3 and 4 applied lr > 0, then the masters were rounded to bf16.
+    report = audit(str(ds / "s1-bf16-warmup0"))
+    assert report.extra["step"] == 4
+    rounded = [f for f in report.findings if f.code == "precision.bf16-rounded"]
+    assert len(rounded) >= 4 and all(f.severity is Severity.ERROR for f in rounded)
+    assert "precision.before-first-update" not in codes(report)
+
+
+def test_lr_0_is_believed_only_when_the_record_agrees_with_itself(ds: Path) -> None:
+    """The real record of the 1-step lr-0 checkpoint, changed one fact at a time: each change leaves the lrs
+    applied undecided (or not 0), so the evidence is refused and the masters are judged as usual."""
+    from ckptaudit.checks.lr_history import deepspeed_zero_lr_steps
+
+    scanned = scan_checkpoint(str(ds / "s1-bf16-warmup0" / "global_step1"))
+    try:
+        assert scanned.view.optimizer is not None
+        groups = [dict(g) for g in scanned.view.optimizer.groups]
+        (tree,) = [p.tree for p in scanned.ckpt.parts if isinstance(p.tree, dict) and "deepspeed" in p.tree]
+    finally:
+        scanned.close()
+    facts, sched = dict(tree["deepspeed"]), dict(tree["lr_scheduler"])
+    config = json.loads(json.dumps(facts["ds_config"]))
+    assert deepspeed_zero_lr_steps(config, sched, facts, groups) is not None
+
+    def changed(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+        c = json.loads(json.dumps(config))
+        node = c
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        return c
+
+    refused = {
+        "min lr above 0": (changed(("scheduler", "params", "warmup_min_lr"), 1e-3), sched, facts, groups),
+        "client scheduler (none in ds_config)": ({"optimizer": config["optimizer"]}, sched, facts, groups),
+        "a torch scheduler named": (changed(("scheduler", "type"), "LambdaLR"), sched, facts, groups),
+        "optimizer not lr-scaled": (changed(("optimizer", "type"), "Adafactor"), sched, facts, groups),
+        "scheduler stepped more than the engine": (config, {"last_batch_iteration": 1}, facts, groups),
+        "a skipped step the scheduler counted": (config, sched, {**facts, "skipped_steps": 1}, groups),
+        "saved lr not what the schedule sets": (config, sched, facts, [{**g, "lr": 1e-3} for g in groups]),
+        "no saved lr": (config, sched, facts, [{k: v for k, v in g.items() if k != "lr"} for g in groups]),
+        "three steps: the third had lr > 0": (config, {"last_batch_iteration": 2}, {**facts, "global_steps": 3},
+                                              [{**g, "lr": 1e-2 * math.log(3) / math.log(10)} for g in groups]),
+    }
+    for why, args in refused.items():
+        assert deepspeed_zero_lr_steps(*args) is None, why
+    # Two steps, both at lr 0: the saved lr is the one set for the third step (iteration 1 of a log warmup).
+    two = ({"last_batch_iteration": 1}, {**facts, "global_steps": 2},
+           [{**g, "lr": 1e-2 * math.log(2) / math.log(10)} for g in groups])
+    assert deepspeed_zero_lr_steps(config, *two) is not None
+    linear = changed(("scheduler", "params", "warmup_type"), "linear")
+    assert deepspeed_zero_lr_steps(linear, two[0], two[1], [{**g, "lr": 1e-2 / 10} for g in groups]) is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # lost and damaged masters; `latest`
 
 
@@ -243,6 +332,9 @@ def test_latest_skips_a_damaged_newest_tag_the_latest_file_names(ds: Path, tmp_p
     assert report.extra["latest"] == str(root / "global_step2")
     (stale,) = [f for f in report.findings if f.code == "store.pointer-stale"]
     assert "global_step4, which is not resumable" in stale.message and "global_step2" in stale.message
+    # The pointer is DeepSpeed's own tag file, named as such, with the fix (not ckptaudit's pointer).
+    assert stale.message.startswith("DeepSpeed's tag file latest (engine.load_checkpoint resumes from the tag")
+    assert "Write 'global_step2' into latest, or pass tag='global_step2' to load_checkpoint" in stale.message
     rejected = {f.code for f in report.findings if f.evidence.get("candidate") == "global_step4"}
     assert {"integrity.corrupt", "deepspeed.masters-missing"} <= rejected
     rows = {row[0]: row for row in report.extra["sections"][0]["rows"]}

@@ -141,6 +141,8 @@ def test_latest_skips_a_damaged_iteration_the_tracker_names(megatron: dict[str, 
     [stale] = [f for f in report.findings if f.code == "store.pointer-stale"]
     assert stale.subject == "latest_checkpointed_iteration.txt"
     assert "names iter_0000004, which is not resumable" in stale.message
+    assert stale.message.startswith("Megatron's latest_checkpointed_iteration.txt (it holds '4'; Megatron's")
+    assert "Write '2' into latest_checkpointed_iteration.txt to resume from iter_0000002" in stale.message
     rejected = {f.code for f in report.findings if f.evidence.get("candidate") == "iter_0000004"}
     assert "integrity.incomplete" in rejected
     unfinished = {(f.code, f.subject) for f in report.findings if f.evidence.get("candidate") == "iter_0000003"}

@@ -259,6 +259,9 @@ def test_a_crash_after_the_rename_leaves_a_committed_checkpoint_and_a_stale_poin
     result = find_latest(str(tmp_path))
     assert result.latest is not None and result.latest.name == "step-000002"
     assert [f.code for f in result.findings] == ["store.pointer-stale"]
+    assert result.findings[0].message.startswith(
+        "ckptaudit's latest pointer (ckptaudit.store's save_checkpoint advances it) names step-000001, which is "
+        "older than the newest resumable checkpoint; the newest resumable checkpoint is step-000002.")
 
 
 def test_an_uncommitted_directory_is_rejected_then_removed_by_the_next_save(tmp_path: Path) -> None:

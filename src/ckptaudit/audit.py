@@ -18,6 +18,7 @@ from ckptaudit.catalogue import finding
 from ckptaudit.checks.artifact import check_artifact
 from ckptaudit.checks.components import check_components
 from ckptaudit.checks.integrity import check_indexes
+from ckptaudit.checks.lr_history import deepspeed_zero_lr_steps
 from ckptaudit.checks.manifest import check_manifest
 from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_attachment, check_steps, may_all_be_unattached
 from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract
@@ -422,9 +423,15 @@ def before_first_update(s: ScannedCheckpoint) -> str | None:
     Shown by: an optimizer whose state is empty (one that keeps state from its first step: Adam's betas, or a
     momentum), or whose every moment is exactly zero with step counters 0 or 1 (``get_state_dict`` fills a fresh
     optimizer's state by its own zero-lr step: step 1, zero moments); and no train step or scheduler step above 0.
-    Reads the moments that could be zero (one pass, stopping at the first non-zero byte).
+    Reads the moments that could be zero (one pass, stopping at the first non-zero byte). Also shown, after
+    steps, by a record of the learning rates applied that says every one was 0 (DeepSpeed's WarmupLR from its
+    default ``warmup_min_lr`` 0: :mod:`ckptaudit.checks.lr_history`).
     """
     opt = s.view.optimizer
+    if opt is not None and s.view.layout == "deepspeed":
+        zero_lr = _deepspeed_zero_lr(s, opt.groups)
+        if zero_lr is not None:
+            return zero_lr
     if opt is None or (s.view.step is not None and s.view.step != 0):
         return None
     epochs = scheduler_steps(s.ckpt)
@@ -453,6 +460,14 @@ def before_first_update(s: ScannedCheckpoint) -> str | None:
     counters = sorted({f"{v:g}" for v in s.steps.values()})
     return "; ".join([f"all {len(moments)} optimizer moments are exactly zero"
                       + (f", step counters {' and '.join(counters)}" if counters else ""), *said])
+
+
+def _deepspeed_zero_lr(s: ScannedCheckpoint, groups: Any) -> str | None:
+    trees = [p.tree for p in s.ckpt.parts if isinstance(p.tree, dict) and isinstance(p.tree.get("deepspeed"), dict)]
+    if len(trees) != 1:
+        return None
+    facts = trees[0]["deepspeed"]
+    return deepspeed_zero_lr_steps(facts.get("ds_config"), trees[0].get("lr_scheduler"), facts, groups)
 
 
 def _all_zero(data: TensorData, maps: FileMaps) -> bool:

@@ -34,7 +34,8 @@ _RULES: tuple[Rule, ...] = (
          "full-precision masters."),
     Rule("precision.before-first-update", W, "Full-precision masters whose values are all bf16/fp16-representable "
          "in a checkpoint whose own state shows no optimizer update applied yet (no optimizer state, or all-zero "
-         "moments with step counters 0 or 1; train and scheduler step 0): consistent with a start from 16-bit "
+         "moments with step counters 0 or 1; train and scheduler step 0; or a DeepSpeed schedule record showing every "
+         "step so far applied lr 0): consistent with a start from 16-bit "
          "weights; had the initial weights been fp32, their low bits were lost."),
     Rule("precision.not-optimised", INFO, "A model tensor with no optimizer state (a frozen parameter or a buffer) "
          "stored or rounded below the master dtype: no full-precision master is due for what is never updated."),

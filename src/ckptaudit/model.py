@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 """Version of the JSON report. Minor bumps add fields; a major bump renames or removes one."""
 
 HASH_ALGORITHM = "xxh3-128"

@@ -1,7 +1,8 @@
 """Loading checkpoints into real tensors, safely, for the parts of ckptaudit that need values (resuming,
 comparing, exporting).
 
-- :func:`safe_torch_load`: the pickle is scanned against the allowlist first, then loaded with
+- :func:`safe_torch_load`: the archive is read as the audit reads it first (allowlist scan, then the restricted
+  unpickler and its limits), then loaded with
   ``torch.load(weights_only=True, mmap=True)`` and only the NumPy globals RNG states need added.
 - :func:`safe_dcp_load`: :func:`ckptaudit.formats.dcp.check_metadata_safe` first (``.metadata`` and every
   non-tensor item are pickles that ``torch.distributed.checkpoint.load`` unpickles without restriction), then
@@ -41,8 +42,13 @@ def _numpy_globals() -> list[Any]:
 def safe_torch_load(path: str | os.PathLike[str]) -> Any:
     """Load a ``torch.save`` zip archive without executing anything outside the allowlist.
 
-    Raises :class:`UnsafeCheckpointError` naming the offending globals, or ``ValueError`` for files that are not
-    readable ``torch.save`` archives.
+    The archive is first read exactly as the offline audit reads it (:func:`~ckptaudit.formats.torchzip.
+    read_torch_zip`: every opcode scanned against the allowlist, then ``data.pkl`` built by the restricted
+    unpickler under its limits: colliding-hash keys, the built-size budget, tensors addressing more than the
+    archive; docs/security.md), so ``torch.load`` only ever sees a pickle the audit would have accepted.
+
+    Raises :class:`UnsafeCheckpointError` naming the offending globals or the limit the pickle broke, or
+    ``ValueError`` for files that are not readable ``torch.save`` archives.
     """
     import torch
 
@@ -50,10 +56,13 @@ def safe_torch_load(path: str | os.PathLike[str]) -> Any:
     if not is_zip(path):
         raise ValueError(f"{path} is not a torch.save zip archive")
     try:
-        tz = read_torch_zip(path, load=False)
+        tz = read_torch_zip(path)
     except TorchZipError as exc:
+        if exc.limit:
+            raise UnsafeCheckpointError(f"{path}: {exc}; refusing to load it (the limits: docs/security.md)") \
+                from None
         raise ValueError(f"{path}: {exc}") from None
-    if not tz.scan.loadable:
+    if not tz.scan.loadable or not tz.loaded:
         bad = tz.scan.unsafe + tz.scan.harmless
         raise UnsafeCheckpointError(f"{path} references {', '.join(bad)}; refusing to load it")
     with torch.serialization.safe_globals(_numpy_globals()):

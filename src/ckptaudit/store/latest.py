@@ -29,6 +29,7 @@ from typing import Any
 from ckptaudit.catalogue import finding
 from ckptaudit.formats import manifest as mf
 from ckptaudit.formats import quarantine
+from ckptaudit.formats.safeio import open_regular
 from ckptaudit.model import ComponentKind, Finding, Report, Severity
 from ckptaudit.store import layout
 
@@ -286,18 +287,40 @@ def find_latest(root: str, *, verify: str = "hashes", require: Collection[Compon
         why = ("does not exist" if not os.path.exists(os.path.join(root, result.pointer)) else
                "is not resumable" if state is not None and not state.resumable else
                "is older than the newest resumable checkpoint")
+        owner, fix = _pointer_owner(root, pointer_file, result.latest)
         result.findings.append(finding("store.pointer-stale", pointer_file,
-                                       f"the {pointer_file} pointer names {result.pointer}, which {why}; the "
-                                       f"newest resumable checkpoint is {result.latest.name}",
+                                       f"{owner} names {result.pointer}, which {why}; the newest resumable "
+                                       f"checkpoint is {result.latest.name}. {fix}",
                                        pointer=result.pointer, latest=result.latest.name))
     return result
+
+
+def _pointer_owner(root: str, pointer_file: str, latest: Candidate) -> tuple[str, str]:
+    """Whose pointer ``pointer_file`` is, in words (with what it holds where that differs from the folder
+    name), and how to point it at ``latest``: DeepSpeed's tag file, Megatron's tracker, or ckptaudit's own."""
+    if pointer_file == MEGATRON_TRACKER:
+        try:
+            with open_regular(os.path.join(root, pointer_file)) as fh:
+                raw = fh.read(64).decode("utf-8", "replace").strip()
+        except OSError:
+            raw = "?"
+        step = latest.step if latest.step is not None else latest.name
+        return (f"Megatron's {pointer_file} (it holds {raw!r}; Megatron's load_checkpoint resumes from the folder "
+                "it names)", f"Write '{step}' into {pointer_file} to resume from {latest.name}.")
+    if latest.layout == "deepspeed":
+        return (f"DeepSpeed's tag file {pointer_file} (engine.load_checkpoint resumes from the tag it names)",
+                f"Write {latest.name!r} into {pointer_file}, or pass tag={latest.name!r} to load_checkpoint.")
+    if latest.layout.startswith("ckptaudit"):
+        return (f"ckptaudit's {pointer_file} pointer (ckptaudit.store's save_checkpoint advances it)",
+                "Resume from the path `ckptaudit latest` prints; the next committed save moves the pointer.")
+    return f"the {pointer_file} file", f"Resume from {latest.name}, the path `ckptaudit latest` prints."
 
 
 def _megatron_pointer(root: str) -> str | None:
     """The folder Megatron-LM's ``latest_checkpointed_iteration.txt`` names (``iter_0000002`` for ``2``,
     ``release`` for ``release``), or ``None`` (absent, unreadable, or neither)."""
     try:
-        with open(os.path.join(root, MEGATRON_TRACKER), "rb") as fh:
+        with open_regular(os.path.join(root, MEGATRON_TRACKER)) as fh:  # a FIFO must not hang `latest`
             text = fh.read(64).decode("utf-8", "replace").strip()
     except OSError:
         return None
