@@ -164,20 +164,7 @@ def stage(url: str) -> tuple[str, RemoteFiles]:
         base = _safe_name(os.path.basename(root.rstrip("/"))) or "checkpoint"
         if info.get("type") == "directory":
             local_root = os.path.join(tmp, base)
-            os.mkdir(local_root)
-            entries = fs.ls(root, detail=True)
-            if len(entries) > MAX_FILES:
-                raise RemoteError(f"{url}: more than {MAX_FILES} objects under the prefix")
-            names = {os.path.basename(str(e["name"]).rstrip("/")): e for e in entries}
-            if ".metadata" in names or any(n.endswith(".distcp") for n in names):
-                raise RemoteError(f"{url} is a DCP directory: auditing DCP through a URL is not supported yet; "
-                                  "audit it on a filesystem that holds it (or a copy)")
-            for name, entry in sorted(names.items()):
-                safe = _safe_name(name)
-                if safe is None or entry.get("type") != "file":
-                    continue  # sub-prefixes and odd names are not part of a flat checkpoint directory
-                _stage_file(fs, str(entry["name"]), int(entry.get("size") or 0), os.path.join(local_root, safe),
-                            remote, budget)
+            _stage_dir(fs, root, url, local_root, remote, budget, nested=True)
             return local_root, remote
         local = os.path.join(tmp, base)
         _stage_file(fs, root, int(info.get("size") or 0), local, remote, budget)
@@ -185,6 +172,40 @@ def stage(url: str) -> tuple[str, RemoteFiles]:
     except BaseException:
         remote.close()
         raise
+
+
+def _stage_dir(fs: Any, root: str, url: str, local_root: str, remote: RemoteFiles, budget: _Budget, *,
+               nested: bool) -> None:
+    """Stage the prefix ``root`` into the new directory ``local_root``: its files, and when ``nested`` its
+    sub-prefixes one level down (a DCP sub-prefix staged like a DCP directory, any other left empty: in a local
+    directory the readers open nothing else below the top level either)."""
+    os.mkdir(local_root)
+    entries = fs.ls(root, detail=True)
+    if len(entries) > MAX_FILES:
+        raise RemoteError(f"{url}: more than {MAX_FILES} objects under the prefix")
+    names = {os.path.basename(str(e["name"]).rstrip("/")): e for e in entries}
+    dcp = ".metadata" in names or any(n.endswith(".distcp") for n in names)
+    if not nested and not dcp:
+        return  # the readers look one level down for DCP directories only
+    files: dict[str, tuple[str, int, str]] = {}
+    for name, entry in sorted(names.items()):
+        safe = _safe_name(name)
+        if safe is None:
+            continue  # odd names are not part of a checkpoint directory
+        local = os.path.join(local_root, safe)
+        if entry.get("type") == "directory":
+            if nested:
+                _stage_dir(fs, str(entry["name"]), f"{url.rstrip('/')}/{safe}", local, remote, budget, nested=False)
+            continue
+        if entry.get("type") != "file":
+            continue
+        size = int(entry.get("size") or 0)
+        files[safe] = (str(entry["name"]), size, local)
+        _stage_file(fs, str(entry["name"]), size, local, remote, budget)
+    if dcp:
+        from ckptaudit.formats.remote_dcp import stage_dcp
+
+        stage_dcp(files, lambda path, size: _Remote(fs, path, size), budget.take)
 
 
 def _safe_name(name: str) -> str | None:
