@@ -8,10 +8,12 @@ each stand-in file to its remote object, and :class:`~ckptaudit.formats.tensors.
 bytes from there with one ranged read per chunk, so memory stays bounded by the chunk as for local files and
 local disk holds only metadata (plus the span of the rare strided tensor, which is staged before it is viewed).
 
-``file://`` URLs and plain paths keep the local fast path. DCP directories behind URLs are not staged yet:
-:func:`stage` says so. (Each item is a ``torch.save`` archive whose members carry their sizes only in data
-descriptors after the data, so the ``.distcp`` files cannot be walked from the front; staging needs the items'
-byte ranges from ``.metadata``, through the DCP reader.)
+``file://`` URLs and plain paths keep the local fast path. A DCP directory (a prefix holding ``.metadata`` or
+``.distcp`` objects, at the top or one level down) is staged by :mod:`ckptaudit.formats.remote_dcp`:
+``.metadata`` whole, then each item's archive metadata at the byte ranges ``.metadata`` records (the items'
+members carry their sizes only after their data, so the data files cannot be walked from the front), and the
+stand-in is read by the same DCP reader as a local directory. Other sub-prefixes are left empty, as the readers
+open nothing else below a local directory's top level.
 
 Credentials and endpoints come from fsspec's and the storage library's usual configuration (for S3:
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL`` or ``FSSPEC_S3_ENDPOINT_URL``...).

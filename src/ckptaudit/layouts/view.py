@@ -123,7 +123,8 @@ def _is_state_dict(tree: Any) -> bool:
 
 def _leaf_file(ckpt: Checkpoint, part: Part, leaf: Any) -> str:
     if isinstance(leaf, TensorData) and leaf.pieces:
-        return os.path.relpath(leaf.pieces[0].file, ckpt.path) if os.path.isdir(ckpt.path) else os.path.basename(
+        root = ckpt.read_path
+        return os.path.relpath(leaf.pieces[0].file, root) if os.path.isdir(root) else os.path.basename(
             leaf.pieces[0].file
         )
     if isinstance(leaf, Unreadable) and leaf.file:
