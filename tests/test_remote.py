@@ -85,7 +85,7 @@ def _dcp_variants(local: Path, single: Path, fsdp: Path) -> dict[str, Path]:
     shutil.copytree(single, tree / "checkpoint" / "step-2")
     shutil.copytree(fsdp, tree / "checkpoint" / "step-6")
     shutil.copytree(hf_sharded_directory(local / "hf-for-tree"), tree / "checkpoint" / "checkpoint-4")
-    out["tree"] = tree / "checkpoint"
+    out["run/checkpoint"] = tree / "checkpoint"
 
     def damaged(name: str, base: Path) -> tuple[Path, Any]:
         d = local / name
@@ -111,6 +111,27 @@ def _dcp_variants(local: Path, single: Path, fsdp: Path) -> dict[str, Path]:
     raw[info.offset + info.length - 40] ^= 0xFF  # inside the first item's end records
     raw[info.offset + 70] ^= 0xFF  # inside its pickle
     (d / info.relative_path).write_bytes(bytes(raw))
+    # ckptaudit's own writer (DCP + manifest.json with every file's and item's hash), and a copy with one byte
+    # of tensor data altered: only hashing the remote bytes against the manifest can see that one.
+    from ckptaudit.dist.launch import RankContext
+    from ckptaudit.recipes.tinygpt import plain_recipe
+    from ckptaudit.store import save_checkpoint
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        job = plain_recipe.setup(RankContext(rank=0, world_size=1, backend="gloo", shared_dir=""))
+        plain_recipe.step(job)
+        step = Path(save_checkpoint(job, local / "store").path)
+    finally:
+        torch.set_num_threads(threads)
+    assert step.name == "step-000001", step
+    out["store/step-000001"] = step
+    d, md = damaged("store-altered", step)
+    info = max(md.storage_data.values(), key=lambda i: i.length)
+    raw = bytearray((d / info.relative_path).read_bytes())
+    raw[info.offset + info.length // 2] ^= 0x01
+    (d / info.relative_path).write_bytes(bytes(raw))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group": a single-process save is what we want
         big = torch.randn(16 << 20, generator=torch.Generator().manual_seed(1))  # 64 MiB of fp32
@@ -125,7 +146,8 @@ def _audit(path: str) -> tuple[int, dict[str, Any], str]:
     return code, (json.loads(out.getvalue()) if out.getvalue() else {}), err.getvalue()
 
 
-@pytest.mark.parametrize("name", ["ckpt.pt", "model.safetensors", "strided.pt", "hf", "dcp", "fsdp-dcp", "tree"])
+@pytest.mark.parametrize("name", ["ckpt.pt", "model.safetensors", "strided.pt", "hf", "dcp", "fsdp-dcp",
+                                  "run/checkpoint", "store/step-000001"])
 def test_s3_checkpoint_audits_the_same_as_its_local_copy(s3: dict[str, Any], name: str) -> None:
     code_remote, remote, err = _audit(f"s3://ckpts/{name}")
     code_local, local, _ = _audit(str(s3["files"][name]))
@@ -135,12 +157,13 @@ def test_s3_checkpoint_audits_the_same_as_its_local_copy(s3: dict[str, Any], nam
     assert remote["findings"] == local["findings"]
     assert {k: v for k, v in remote.items() if k != "path"} == {k: v for k, v in local.items() if k != "path"}
     assert remote["tensors"] and all(t["hash"] for t in remote["tensors"])
-    if name == "tree":  # both DCP step directories are read, the Hugging Face one beside them is not (as locally)
+    if name == "run/checkpoint":  # both DCP step directories are read, the Hugging Face one beside them is not (as locally)
         assert {t["name"].split("/")[0] for t in remote["tensors"]} >= {"step-2", "step-6"}, remote["tensors"][:3]
 
 
 DAMAGED = {"truncated": "integrity.incomplete", "hostile-metadata": "security.unsafe-pickle",
-           "escape": "integrity.path-escape", "past-end": "integrity.incomplete", "altered-item": "integrity.corrupt"}
+           "escape": "integrity.path-escape", "past-end": "integrity.incomplete", "altered-item": "integrity.corrupt",
+           "store-altered": "integrity.corrupt"}
 
 
 @pytest.mark.parametrize("name", sorted(DAMAGED))

@@ -123,16 +123,18 @@ def _fs(url: str) -> tuple[Any, str]:
     return fs, path
 
 
-def _fill(remote: _Remote, local: str, start: int, length: int) -> bytes:
-    """Copy the remote bytes ``[start, start+length)`` (clipped to the file) into the stand-in; return them."""
+_FILL_PIECE = 8 << 20
+
+
+def _fill(remote: _Remote, local: str, start: int, length: int) -> None:
+    """Copy the remote bytes ``[start, start+length)`` (clipped to the file) into the stand-in, 8 MiB at a time
+    (memory holds one piece, whatever the span: a strided view's, a DCP shard's)."""
     end = min(remote.size, start + length)
-    if end <= start:
-        return b""
-    data: bytes = remote.fs.cat_file(remote.path, start=start, end=end)
     with open(local, "r+b") as fh:
-        fh.seek(start)
-        fh.write(data)
-    return data
+        for pos in range(start, end, _FILL_PIECE):
+            data: bytes = remote.fs.cat_file(remote.path, start=pos, end=min(end, pos + _FILL_PIECE))
+            fh.seek(pos)
+            fh.write(data)
 
 
 class _Budget:

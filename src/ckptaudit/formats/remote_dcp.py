@@ -23,7 +23,6 @@ it from the staged ``.metadata``, exactly as for the local copy.
 from __future__ import annotations
 
 import bisect
-import os
 import struct
 import zipfile
 from collections.abc import Iterable
@@ -282,8 +281,9 @@ def _member_plan(stager: RangeStager, o: int, n: int) -> list[tuple[int, int, in
     return plan
 
 
-def stage_dcp(files: dict[str, tuple[str, int, str]], make: Any, take: Any) -> None:
-    """Stage a DCP directory's ``.metadata`` and its items' archive metadata.
+def stage_dcp(files: dict[str, tuple[str, int, str]], make: Any, take: Any) -> tuple[int, int]:
+    """Stage a DCP directory's ``.metadata`` and its items' archive metadata; return ``(ranged reads, bytes
+    fetched)``.
 
     ``files``: object name -> (remote path, size, stand-in path) of the directory's objects, whose sparse
     stand-ins already exist; ``make(remote_path, size)`` builds the remote handle a :class:`RangeStager` reads;
@@ -291,13 +291,15 @@ def stage_dcp(files: dict[str, tuple[str, int, str]], make: Any, take: Any) -> N
     """
     meta = files.get(METADATA)
     if meta is None:
-        return  # the reader reports the missing .metadata
+        return 0, 0  # the reader reports the missing .metadata
     path, size, local = meta
-    md = _metadata(RangeStager(make(path, size), local, take))
-    if md is None:
-        return
-    sizes = {name: size for name, (_p, size, _l) in files.items() if name != METADATA}
-    for name, items in item_ranges(md, sizes).items():
-        path, size, local = files[name]
-        if os.path.exists(local):
-            stage_items(RangeStager(make(path, size), local, take), items)
+    stager = RangeStager(make(path, size), local, take)
+    md = _metadata(stager)
+    stagers = [stager]
+    if md is not None:
+        sizes = {name: size for name, (_p, size, _l) in files.items() if name != METADATA}
+        for name, items in item_ranges(md, sizes).items():
+            path, size, local = files[name]
+            stagers.append(RangeStager(make(path, size), local, take))
+            stage_items(stagers[-1], items)
+    return sum(s.reads for s in stagers), sum(s.fetched for s in stagers)
