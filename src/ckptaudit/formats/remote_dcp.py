@@ -127,7 +127,7 @@ class RangeStager:
                 if isinstance(data, BaseException):
                     raise data
                 fh.seek(s)
-                fh.write(data[: e - s])
+                fh.write(memoryview(data)[: e - s])  # no copy of the read
                 self._mark(s, e)
         self.reads += len(batch)
         self.fetched += sum(e - s for s, e in batch)
