@@ -212,7 +212,10 @@ def stage_items(stager: RangeStager, items: list[tuple[int, int]]) -> None:
 def _directory_ranges(stager: RangeStager, o: int, n: int) -> list[tuple[int, int]]:
     """The central directory (where the end record says and where zipfile computes it) and the zip64 record
     of the item ``[o, o+n)``, from its staged end records."""
-    tail = stager.read(o + n - min(n, _EOCD_TAIL), o + n)
+    # Where the end record closes the item (no comment, always for torch.save) its last 4 KiB hold everything the
+    # search finds in the last 64 KiB (the last signature is the same one).
+    quick = n >= _EOCD and stager.read(o + n - _EOCD, o + n - _EOCD + 4) == b"PK\x05\x06"
+    tail = stager.read(o + n - min(n, EDGE_BYTES if quick else _EOCD_TAIL), o + n)
     base = o + n - len(tail)
     at = tail.rfind(b"PK\x05\x06")
     if at < 0 or at + _EOCD > len(tail):
