@@ -1,5 +1,9 @@
 """Checkpoints behind URLs: an ``s3://`` checkpoint on a real S3-compatible server (moto's server mode, started
-here on 127.0.0.1 and a free port, stopped at the end) audits the same as its local copy, read with ranged reads."""
+here on 127.0.0.1 and a free port, stopped at the end) audits the same as its local copy, read with ranged reads.
+
+DCP directories: a real 2-rank FSDP2 save (``fsdp_run``), a single-process save, a root holding DCP step
+directories, damaged copies (a truncated data file, a hostile ``.metadata``, an escaping path, an item past its
+file, an altered item) each give the local copy's report; a 64 MiB tensor audits in bounded memory."""
 
 from __future__ import annotations
 
@@ -7,6 +11,9 @@ import io
 import json
 import logging
 import os
+import pickle
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 
+import hostile_files as hf
+import real_checkpoints as rc
 from ckptaudit.cli import main
 from real_checkpoints import hf_sharded_directory
 
@@ -22,9 +31,11 @@ s3fs = pytest.importorskip("s3fs")
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory, scale_checkpoints: dict[str, Path]) -> Iterator[dict[str, Any]]:
+def s3(tmp_path_factory: pytest.TempPathFactory, scale_checkpoints: dict[str, Path],
+       fsdp_run: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """A local S3 server holding a torch.save file, a safetensors file, a strided torch.save file, a sharded HF
-    directory and a DCP directory; the environment points the S3 client at it."""
+    directory, DCP directories (and damaged copies, see :func:`_dcp_variants`) and a DCP with one 64 MiB tensor;
+    the environment points the S3 client at it."""
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -48,8 +59,11 @@ def s3(tmp_path_factory: pytest.TempPathFactory, scale_checkpoints: dict[str, Pa
         for name, path in files.items():
             fs.put(str(path), f"ckpts/{name}")
         fs.put(str(hf), "ckpts/hf", recursive=True)
-        fs.put(str(scale_checkpoints["dcp"]), "ckpts/dcp", recursive=True)
-        yield {"files": {**files, "hf": hf}, "fs": fs}
+        dirs = {"hf": hf, **_dcp_variants(local, scale_checkpoints["dcp"], Path(fsdp_run["dir"]) / "faithful")}
+        for name, path in dirs.items():
+            if name != "hf":
+                fs.put(str(path), f"ckpts/{name}", recursive=True)
+        yield {"files": {**files, **dirs}, "fs": fs}
     finally:
         for k, v in saved.items():
             if v is None:
@@ -59,13 +73,103 @@ def s3(tmp_path_factory: pytest.TempPathFactory, scale_checkpoints: dict[str, Pa
         server.stop()
 
 
+def _dcp_variants(local: Path, single: Path, fsdp: Path) -> dict[str, Path]:
+    """DCP directories written by torch.distributed.checkpoint (one process; 2 FSDP2 ranks), a root holding two
+    of them as step directories next to a Hugging Face one, damaged copies, and one 64 MiB tensor."""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    out = {"dcp": single, "fsdp-dcp": fsdp}
+    tree = local / "tree"
+    shutil.copytree(single, tree / "checkpoint" / "step-2")
+    shutil.copytree(fsdp, tree / "checkpoint" / "step-6")
+    shutil.copytree(hf_sharded_directory(local / "hf-for-tree"), tree / "checkpoint" / "checkpoint-4")
+    out["run/checkpoint"] = tree / "checkpoint"
+
+    def damaged(name: str, base: Path) -> tuple[Path, Any]:
+        d = local / name
+        shutil.copytree(base, d)
+        out[name] = d
+        return d, rc.read_dcp_metadata(d)
+
+    d, _ = damaged("truncated", fsdp)
+    data = d / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    d, md = damaged("hostile-metadata", single)
+    md.version = hf.payload_object("os.system", str(local / "pwned"))
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    d, md = damaged("escape", single)
+    next(iter(md.storage_data.values())).relative_path = "../outside.distcp"
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    d, md = damaged("past-end", single)
+    next(iter(md.storage_data.values())).length = 1 << 40
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    d, md = damaged("altered-item", fsdp)
+    info = min(md.storage_data.values(), key=lambda i: (i.relative_path, i.offset))
+    raw = bytearray((d / info.relative_path).read_bytes())
+    raw[info.offset + info.length - 40] ^= 0xFF  # inside the first item's end records
+    raw[info.offset + 70] ^= 0xFF  # inside its pickle
+    (d / info.relative_path).write_bytes(bytes(raw))
+    # ckptaudit's own writer (DCP + manifest.json with every file's and item's hash), and a copy with one byte
+    # of tensor data altered: only hashing the remote bytes against the manifest can see that one.
+    from ckptaudit.dist.launch import RankContext
+    from ckptaudit.recipes.tinygpt import plain_recipe
+    from ckptaudit.store import save_checkpoint
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        job = plain_recipe.setup(RankContext(rank=0, world_size=1, backend="gloo", shared_dir=""))
+        plain_recipe.step(job)
+        step = Path(save_checkpoint(job, local / "store").path)
+    finally:
+        torch.set_num_threads(threads)
+    assert step.name == "step-000001", step
+    out["store/step-000001"] = step
+    d, md = damaged("store-altered", step)
+    info = max(md.storage_data.values(), key=lambda i: i.length)
+    raw = bytearray((d / info.relative_path).read_bytes())
+    raw[info.offset + info.length // 2] ^= 0x01
+    (d / info.relative_path).write_bytes(bytes(raw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group": a single-process save is what we want
+        big = torch.randn(16 << 20, generator=torch.Generator().manual_seed(1))  # 64 MiB of fp32
+        # With a non-tensor item whose pickle is larger than the first and last 4 KiB of its archive.
+        dcp.save({"model": {"w": big}, "history": {"losses": [float(i) for i in range(4000)]}},
+                 checkpoint_id=str(local / "big-dcp"))
+        dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=str(local / "tiny-dcp"))
+    out["big-dcp"], out["tiny-dcp"] = local / "big-dcp", local / "tiny-dcp"
+    return out
+
+
+_PEAK_CHILD = """
+import json, sys
+from ckptaudit.audit import audit
+
+def status(key):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(key + ":"))
+
+audit(sys.argv[1])
+with open("/proc/self/clear_refs", "w") as fh:
+    fh.write("5")  # reset the peak resident set (VmHWM) to the current one
+before = status("VmRSS")
+report = audit(sys.argv[2])
+print(json.dumps({"before_kib": before, "peak_kib": status("VmHWM"), "codes": sorted({f.code for f in report.findings}),
+                  "hashed": sum(t.hash is not None for t in report.tensors)}))
+"""
+
+
 def _audit(path: str) -> tuple[int, dict[str, Any], str]:
     out, err = io.StringIO(), io.StringIO()
     code = main(["audit", path, "--format", "json", "--no-progress"], stdout=out, stderr=err)
     return code, (json.loads(out.getvalue()) if out.getvalue() else {}), err.getvalue()
 
 
-@pytest.mark.parametrize("name", ["ckpt.pt", "model.safetensors", "strided.pt", "hf"])
+@pytest.mark.parametrize("name", ["ckpt.pt", "model.safetensors", "strided.pt", "hf", "dcp", "fsdp-dcp",
+                                  "run/checkpoint", "store/step-000001"])
 def test_s3_checkpoint_audits_the_same_as_its_local_copy(s3: dict[str, Any], name: str) -> None:
     code_remote, remote, err = _audit(f"s3://ckpts/{name}")
     code_local, local, _ = _audit(str(s3["files"][name]))
@@ -75,13 +179,82 @@ def test_s3_checkpoint_audits_the_same_as_its_local_copy(s3: dict[str, Any], nam
     assert remote["findings"] == local["findings"]
     assert {k: v for k, v in remote.items() if k != "path"} == {k: v for k, v in local.items() if k != "path"}
     assert remote["tensors"] and all(t["hash"] for t in remote["tensors"])
+    if name == "run/checkpoint":  # both DCP step directories are read, the Hugging Face one beside them is not (as locally)
+        assert {t["name"].split("/")[0] for t in remote["tensors"]} >= {"step-2", "step-6"}, remote["tensors"][:3]
 
 
-def test_a_missing_object_and_a_dcp_prefix_are_clear_errors(s3: dict[str, Any]) -> None:
+DAMAGED = {"truncated": "integrity.incomplete", "hostile-metadata": "security.unsafe-pickle",
+           "escape": "integrity.path-escape", "past-end": "integrity.incomplete", "altered-item": "integrity.corrupt",
+           "store-altered": "integrity.corrupt"}
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGED))
+def test_a_damaged_s3_dcp_gives_the_findings_of_its_local_copy(s3: dict[str, Any], name: str) -> None:
+    code_remote, remote, err = _audit(f"s3://ckpts/{name}")
+    code_local, local, _ = _audit(str(s3["files"][name]))
+    assert DAMAGED[name] in {f["code"] for f in local["findings"]}, local["findings"]
+    assert code_remote == code_local == 1, err
+    assert remote["findings"] == local["findings"]
+    assert remote["tensors"] == local["tensors"]
+    assert not os.path.exists(s3["files"]["hostile-metadata"].parent / "pwned")
+
+
+def test_a_remote_dcp_is_audited_in_bounded_memory_with_its_data_never_staged(s3: dict[str, Any]) -> None:
+    from ckptaudit.formats import open_checkpoint
+
+    # In a child: peak resident set growth auditing one 64 MiB tensor over ranged reads, after a warm-up audit of
+    # a tiny remote DCP (imports, the S3 client's session, the same code paths). The kernel's high-water mark is
+    # reset after the warm-up (clear_refs 5), so a transient peak of the imports cannot hide the audit's.
+    child = subprocess.run([sys.executable, "-c", _PEAK_CHILD, "s3://ckpts/tiny-dcp", "s3://ckpts/big-dcp"],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert child.returncode == 0, child.stderr[-3000:]
+    answer = json.loads(child.stdout.strip().splitlines()[-1])
+    assert answer["hashed"] >= 1 and "integrity.corrupt" not in answer["codes"], answer
+    growth = (answer["peak_kib"] - answer["before_kib"]) / 1024
+    assert growth < 24, f"peak RSS grew {growth:.1f} MiB auditing a 64 MiB tensor"
+    # The stand-in holds the items' metadata, not the tensor's bytes (sparse), and the report matches the local one.
+    ckpt = open_checkpoint("s3://ckpts/big-dcp")
+    try:
+        standin = os.path.join(ckpt.maps.remote.root, "big-dcp", "__0_0.distcp")
+        size = (s3["files"]["big-dcp"] / "__0_0.distcp").stat().st_size
+        assert os.path.getsize(standin) == size and os.stat(standin).st_blocks * 512 < 1 << 20
+    finally:
+        ckpt.close()
+    code_remote, remote, err = _audit("s3://ckpts/big-dcp")
+    code_local, local, _ = _audit(str(s3["files"]["big-dcp"]))
+    assert code_remote == code_local, err
+    assert {k: v for k, v in remote.items() if k != "path"} == {k: v for k, v in local.items() if k != "path"}
+
+
+def test_ranged_reads_are_coalesced_bounded_and_never_repeated(s3: dict[str, Any], tmp_path: Path) -> None:
+    from ckptaudit.formats.remote import _Remote
+    from ckptaudit.formats.remote_dcp import COALESCE_GAP, MAX_READ_BYTES, RangeStager
+
+    src = s3["files"]["big-dcp"] / "__0_0.distcp"
+    size = src.stat().st_size
+    local = tmp_path / "standin"
+    with open(local, "wb") as fh:
+        fh.truncate(size)
+    taken: list[int] = []
+    stager = RangeStager(_Remote(s3["fs"], "ckpts/big-dcp/__0_0.distcp", size), str(local), taken.append)
+    assert COALESCE_GAP >= 1000
+    stager.stage([(0, 100), (1100, 1200)])  # neighbours (1000 bytes apart): one read, the gap staged too
+    assert stager.reads == 1 and stager.fetched == 1200
+    stager.stage([(50, 150), (1150, 1200)])  # already staged: no read
+    assert stager.reads == 1
+    n = 2 * MAX_READ_BYTES + 5
+    stager.stage([(1 << 20, (1 << 20) + n), (size - 10, size + 1000)])  # split into bounded reads; clipped
+    assert stager.reads == 1 + 3 + 1 and stager.fetched == 1200 + n + 10 == sum(taken)
+    want = src.read_bytes()
+    got = local.read_bytes()
+    for s, e in [(0, 1200), (1 << 20, (1 << 20) + n), (size - 10, size)]:
+        assert got[s:e] == want[s:e]
+    assert not any(got[1200 : 1 << 20])  # nothing else was fetched
+
+
+def test_a_missing_object_is_a_clear_error(s3: dict[str, Any]) -> None:
     code, _, err = _audit("s3://ckpts/no-such.pt")
     assert code == 2 and "s3://ckpts/no-such.pt" in err and "no such object" in err
-    code, _, err = _audit("s3://ckpts/dcp")
-    assert code == 2 and "DCP directory" in err and "not supported yet" in err, err
 
 
 def test_tensor_data_is_read_with_ranged_reads_not_staged(s3: dict[str, Any]) -> None:
@@ -117,3 +290,10 @@ def test_url_forms() -> None:
     assert is_url("s3://b/k") and is_url("gs://b/k") and is_url("https://h/x.pt")
     assert not is_url("/tmp/x.pt") and not is_url("file:///tmp/x.pt") and not is_url("C://x")
     assert local_path("file:///tmp/x.pt") == "/tmp/x.pt" and local_path("/tmp/x.pt") == "/tmp/x.pt"
+
+
+def test_latest_over_a_url_is_a_clear_usage_error() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["latest", "s3://ckpts/run/checkpoint/", "--no-progress"], stdout=out, stderr=err)
+    assert code == 2 and "s3://ckpts/run/checkpoint/" in err.getvalue()
+    assert "does not list checkpoints behind URLs" in err.getvalue() and "ckptaudit audit" in err.getvalue()

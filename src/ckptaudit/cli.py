@@ -422,8 +422,14 @@ def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
 
 
 def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from ckptaudit.formats.remote import is_url, local_path
     from ckptaudit.store.latest import latest_report
 
+    if is_url(args.root):
+        raise UsageError(f"{args.root}: latest reads a local directory (or a mounted bucket); it does not list "
+                         "checkpoints behind URLs. Audit one of them by its URL instead: ckptaudit audit "
+                         f"{args.root.rstrip('/')}/<step directory>")
+    args.root = local_path(args.root)
     if not os.path.exists(args.root):
         raise UsageError(f"{args.root}: no such file or directory; give the directory your checkpoints are saved in")
     def progress(msg: str) -> None:

@@ -50,7 +50,7 @@ def check_manifest(ckpt: Checkpoint, view: View, records: Sequence[TensorRecord]
     time. Checkpoints without our manifest get no finding here.
     """
     findings: list[Finding] = []
-    temp = uncommitted(ckpt.path) if os.path.isdir(ckpt.path) else None
+    temp = uncommitted(ckpt.read_path) if os.path.isdir(ckpt.read_path) else None
     if temp is not None:
         findings.append(temp)
     m = view.manifest
@@ -61,7 +61,9 @@ def check_manifest(ckpt: Checkpoint, view: View, records: Sequence[TensorRecord]
     if problem:
         findings.append(finding("integrity.corrupt", layout.MANIFEST, f"{layout.MANIFEST}: {problem}"))
         return findings
-    findings += mf.verify_files(ckpt.path, m, hashes=hashes)
+    # Behind a URL the files are read through their stand-ins, whose bytes come from the object store.
+    findings += mf.verify_files(ckpt.read_path, m, hashes=hashes,
+                                read_into=ckpt.maps.read_into if ckpt.local_path else None)
     findings += _inventory(ckpt, view, m)
     findings += _content(records, m)
     return findings

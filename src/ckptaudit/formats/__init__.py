@@ -144,7 +144,7 @@ def _open_remote(url: str) -> Checkpoint:
         remote.close()
         raise
     ckpt.maps.remote = remote
-    ckpt.path = url
+    ckpt.path, ckpt.local_path = url, ckpt.path
     return ckpt
 
 

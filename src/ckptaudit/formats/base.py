@@ -53,6 +53,14 @@ class Checkpoint:
     files: dict[str, int] = field(default_factory=dict)
     """Every file that belongs to the checkpoint (relative path -> size in bytes)."""
     maps: FileMaps = field(default_factory=FileMaps)
+    local_path: str = ""
+    """The local path the files were read from, when ``path`` is a URL (its stand-in, see
+    :mod:`ckptaudit.formats.remote`); ``""`` otherwise. Use :attr:`read_path` for file paths."""
+
+    @property
+    def read_path(self) -> str:
+        """The local path the checkpoint's files are under: ``local_path`` or ``path``."""
+        return self.local_path or self.path
 
     def close(self) -> None:
         self.maps.close()

@@ -21,9 +21,10 @@ Pure: reading and hashing files, no torch.
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import xxhash
@@ -32,6 +33,9 @@ from ckptaudit.catalogue import finding
 from ckptaudit.formats.safeio import LimitExceeded, open_regular
 from ckptaudit.formats.safejson import read_json_limited
 from ckptaudit.model import HASH_ALGORITHM, Finding
+
+ReadInto = Callable[[str, memoryview, int], int]
+"""``read_into(path, buf, offset) -> bytes read``: a positional reader of files by path."""
 
 __all__ = [
     "FORMAT",
@@ -53,7 +57,8 @@ class ManifestError(Exception):
     """A ``manifest.json`` that cannot be read or does not follow the schema; the message says where."""
 
 
-def hash_file(path: str, ranges: Sequence[tuple[int, int]] = ()) -> tuple[int, str, list[str | None]]:
+def hash_file(path: str, ranges: Sequence[tuple[int, int]] = (), read_into: ReadInto | None = None,
+              ) -> tuple[int, str, list[str | None]]:
     """``(size, xxh3-128 of the whole file, xxh3-128 of each (offset, length) range)``.
 
     One sequential pass when the ranges do not overlap (DCP items never do): each 1 MiB block feeds the file's
@@ -62,12 +67,15 @@ def hash_file(path: str, ranges: Sequence[tuple[int, int]] = ()) -> tuple[int, s
     The file is read with positional reads into one reused buffer, never mapped: resident memory stays at one
     block whatever the file's size, and holes of a sparse file (an 8 GiB file of 4 KiB) are fed as zeros
     without being read (``SEEK_DATA``). Regular files only, opened without blocking.
+
+    ``read_into(path, buf, offset)``, when given, reads the bytes instead (every byte, holes included): a URL's
+    stand-in file, whose bytes are in the object store (:meth:`ckptaudit.formats.tensors.FileMaps.read_into`).
     """
     with open_regular(path) as fh:
-        return _hash_fd(fh.fileno(), ranges)
+        return _hash_fd(fh.fileno(), ranges, None if read_into is None else functools.partial(read_into, path))
 
 
-def _hash_fd(fd: int, ranges: Sequence[tuple[int, int]]) -> tuple[int, str, list[str | None]]:
+def _hash_fd(fd: int, ranges: Sequence[tuple[int, int]], read: Any = None) -> tuple[int, str, list[str | None]]:
     size = os.fstat(fd).st_size
     whole = xxhash.xxh3_128()
     parts: list[str | None] = [None] * len(ranges)
@@ -78,7 +86,7 @@ def _hash_fd(fd: int, ranges: Sequence[tuple[int, int]]) -> tuple[int, str, list
         for _, _, i in valid:
             parts[i] = xxhash.xxh3_128().hexdigest()
         return 0, whole.hexdigest(), parts
-    reader = _BlockReader(fd, size)
+    reader = _BlockReader(fd, size, read)
     if disjoint:
         pos = 0
         for off, length, i in valid:
@@ -102,10 +110,10 @@ class _BlockReader:
 
     _ZEROS = bytes(HASH_BLOCK)
 
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd, self.size = fd, size
+    def __init__(self, fd: int, size: int, read: Any = None) -> None:
+        self.fd, self.size, self.read = fd, size, read
         self.buf = bytearray(HASH_BLOCK)
-        self.data_from = -1  # holes: [pos, data_from) is known to read as zeros
+        self.data_from = -1  # holes: [pos, data_from) is known to read as zeros (local files only)
 
     def _next_data(self, pos: int) -> int:
         seek_data = getattr(os, "SEEK_DATA", None)
@@ -121,13 +129,13 @@ class _BlockReader:
         pos = start
         while pos < stop:
             n = min(HASH_BLOCK, stop - pos)
-            if pos >= self.data_from:
+            if pos >= self.data_from and self.read is None:
                 self.data_from = self._next_data(pos)
             if pos < self.data_from:  # inside a hole: zeros, not read
                 n = min(n, self.data_from - pos)
                 chunk: Any = memoryview(self._ZEROS)[:n]
             else:
-                got = os.preadv(self.fd, [view[:n]], pos)
+                got = os.preadv(self.fd, [view[:n]], pos) if self.read is None else self.read(view[:n], pos)
                 if got <= 0:
                     raise OSError(f"read of {n} bytes at {pos} returned {got} (the file shrank)")
                 n = got
@@ -214,12 +222,14 @@ def items_by_file(manifest: Mapping[str, Any]) -> dict[str, list[tuple[str, dict
 
 
 def verify_files(directory: str, manifest: Mapping[str, Any], *, hashes: bool = True,
-                 only: Iterable[str] | None = None, subject_prefix: str = "") -> list[Finding]:
+                 only: Iterable[str] | None = None, subject_prefix: str = "",
+                 read_into: ReadInto | None = None) -> list[Finding]:
     """Check the files ``manifest`` records against ``directory``: present, of their size, of their hash.
 
     A missing or shorter file is ``integrity.incomplete``; a longer one or one whose hash differs is
     ``integrity.corrupt``, naming the stored items whose bytes changed. ``hashes=False`` checks sizes only;
-    ``only`` restricts the check to some files (ranks share the hashing at load time).
+    ``only`` restricts the check to some files (ranks share the hashing at load time). ``read_into``: see
+    :func:`hash_file`.
     """
     findings: list[Finding] = []
     files: dict[str, Any] = dict(manifest["files"])
@@ -253,7 +263,7 @@ def verify_files(directory: str, manifest: Mapping[str, Any], *, hashes: bool = 
         items = by_file.get(name, [])
         ranges = [(_offset(e.get("offset")), _offset(e.get("length"))) for _, e in items]
         try:
-            _, digest, item_digests = hash_file(full, ranges)
+            _, digest, item_digests = hash_file(full, ranges, read_into)
         except (OSError, ValueError) as exc:
             findings.append(finding("integrity.corrupt", subject, f"{name}: cannot read to verify its hash ({exc})",
                                     file=name))

@@ -8,10 +8,12 @@ each stand-in file to its remote object, and :class:`~ckptaudit.formats.tensors.
 bytes from there with one ranged read per chunk, so memory stays bounded by the chunk as for local files and
 local disk holds only metadata (plus the span of the rare strided tensor, which is staged before it is viewed).
 
-``file://`` URLs and plain paths keep the local fast path. DCP directories behind URLs are not staged yet:
-:func:`stage` says so. (Each item is a ``torch.save`` archive whose members carry their sizes only in data
-descriptors after the data, so the ``.distcp`` files cannot be walked from the front; staging needs the items'
-byte ranges from ``.metadata``, through the DCP reader.)
+``file://`` URLs and plain paths keep the local fast path. A DCP directory (a prefix holding ``.metadata`` or
+``.distcp`` objects, at the top or one level down) is staged by :mod:`ckptaudit.formats.remote_dcp`:
+``.metadata`` whole, then each item's archive metadata at the byte ranges ``.metadata`` records (the items'
+members carry their sizes only after their data, so the data files cannot be walked from the front), and the
+stand-in is read by the same DCP reader as a local directory. Other sub-prefixes are left empty, as the readers
+open nothing else below a local directory's top level.
 
 Credentials and endpoints come from fsspec's and the storage library's usual configuration (for S3:
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL`` or ``FSSPEC_S3_ENDPOINT_URL``...).
@@ -120,16 +122,18 @@ def _fs(url: str) -> tuple[Any, str]:
     return fs, path
 
 
-def _fill(remote: _Remote, local: str, start: int, length: int) -> bytes:
-    """Copy the remote bytes ``[start, start+length)`` (clipped to the file) into the stand-in; return them."""
+_FILL_PIECE = 8 << 20
+
+
+def _fill(remote: _Remote, local: str, start: int, length: int) -> None:
+    """Copy the remote bytes ``[start, start+length)`` (clipped to the file) into the stand-in, 8 MiB at a time
+    (memory holds one piece, whatever the span: a strided view's, a DCP shard's)."""
     end = min(remote.size, start + length)
-    if end <= start:
-        return b""
-    data: bytes = remote.fs.cat_file(remote.path, start=start, end=end)
     with open(local, "r+b") as fh:
-        fh.seek(start)
-        fh.write(data)
-    return data
+        for pos in range(start, end, _FILL_PIECE):
+            data: bytes = remote.fs.cat_file(remote.path, start=pos, end=min(end, pos + _FILL_PIECE))
+            fh.seek(pos)
+            fh.write(data)
 
 
 class _Budget:
@@ -165,20 +169,7 @@ def stage(url: str) -> tuple[str, RemoteFiles]:
         base = _safe_name(os.path.basename(root.rstrip("/"))) or "checkpoint"
         if info.get("type") == "directory":
             local_root = os.path.join(tmp, base)
-            os.mkdir(local_root)
-            entries = fs.ls(root, detail=True)
-            if len(entries) > MAX_FILES:
-                raise RemoteError(f"{url}: more than {MAX_FILES} objects under the prefix")
-            names = {os.path.basename(str(e["name"]).rstrip("/")): e for e in entries}
-            if ".metadata" in names or any(n.endswith(".distcp") for n in names):
-                raise RemoteError(f"{url} is a DCP directory: auditing DCP through a URL is not supported yet; "
-                                  "audit it on a filesystem that holds it (or a copy)")
-            for name, entry in sorted(names.items()):
-                safe = _safe_name(name)
-                if safe is None or entry.get("type") != "file":
-                    continue  # sub-prefixes and odd names are not part of a flat checkpoint directory
-                _stage_file(fs, str(entry["name"]), int(entry.get("size") or 0), os.path.join(local_root, safe),
-                            remote, budget)
+            _stage_dir(fs, root, url, local_root, remote, budget, nested=True)
             return local_root, remote
         local = os.path.join(tmp, base)
         _stage_file(fs, root, int(info.get("size") or 0), local, remote, budget)
@@ -186,6 +177,40 @@ def stage(url: str) -> tuple[str, RemoteFiles]:
     except BaseException:
         remote.close()
         raise
+
+
+def _stage_dir(fs: Any, root: str, url: str, local_root: str, remote: RemoteFiles, budget: _Budget, *,
+               nested: bool) -> None:
+    """Stage the prefix ``root`` into the new directory ``local_root``: its files, and when ``nested`` its
+    sub-prefixes one level down (a DCP sub-prefix staged like a DCP directory, any other left empty: in a local
+    directory the readers open nothing else below the top level either)."""
+    os.mkdir(local_root)
+    entries = fs.ls(root, detail=True)
+    if len(entries) > MAX_FILES:
+        raise RemoteError(f"{url}: more than {MAX_FILES} objects under the prefix")
+    names = {os.path.basename(str(e["name"]).rstrip("/")): e for e in entries}
+    dcp = ".metadata" in names or any(n.endswith(".distcp") for n in names)
+    if not nested and not dcp:
+        return  # the readers look one level down for DCP directories only
+    files: dict[str, tuple[str, int, str]] = {}
+    for name, entry in sorted(names.items()):
+        safe = _safe_name(name)
+        if safe is None:
+            continue  # odd names are not part of a checkpoint directory
+        local = os.path.join(local_root, safe)
+        if entry.get("type") == "directory":
+            if nested:
+                _stage_dir(fs, str(entry["name"]), f"{url.rstrip('/')}/{safe}", local, remote, budget, nested=False)
+            continue
+        if entry.get("type") != "file":
+            continue
+        size = int(entry.get("size") or 0)
+        files[safe] = (str(entry["name"]), size, local)
+        _stage_file(fs, str(entry["name"]), size, local, remote, budget)
+    if dcp:
+        from ckptaudit.formats.remote_dcp import stage_dcp
+
+        stage_dcp(files, lambda path, size: _Remote(fs, path, size), budget.take)
 
 
 def _safe_name(name: str) -> str | None:
