@@ -238,9 +238,9 @@ def child_audit(path: str, jobs: int) -> dict[str, Any]:
         _warm_up(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     plan = plan_scan(path)
-    open_secs = time.perf_counter() - t0
+    open_secs, open_cpu = time.perf_counter() - t0, time.process_time() - c0
     items = sum(len(ref.data.pieces) for ref, *_ in plan.items if hasattr(ref.data, "pieces"))
     plan.close()
     base = proc_status("RssAnon")
@@ -248,7 +248,7 @@ def child_audit(path: str, jobs: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         report = audit(path, AuditOptions(jobs=jobs))
         secs = time.perf_counter() - t0
-    return {"seconds": secs, "open_seconds": open_secs, "items": items, "tensors": len(report.tensors),
+    return {"seconds": secs, "open_seconds": open_secs, "open_cpu": open_cpu, "items": items, "tensors": len(report.tensors),
             "findings": len(report.findings), "anon_base": base, "anon_peak": mem.peak,
             "errors": [f.code for f in report.findings if f.severity.name == "ERROR"]}
 
