@@ -136,3 +136,38 @@ def test_scan_of_bytes_equals_the_stream_walk(saved: dict[str, Path], seed: int)
         assert _same(fast, slow), (i, data[:200], fast, slow)
         errors += fast.error is not None
     assert errors > 300  # the mutations reach the error paths
+
+
+def _general_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route every archive through zipfile and every in-memory pickle through the stream walk (the readers' general
+    paths, which the fast ones shortcut), with the memo caches emptied."""
+    import ckptaudit.formats.pickle_scan as pickle_scan
+    import ckptaudit.formats.torchzip as torchzip
+
+    monkeypatch.setattr(torchzip, "lean_directory", lambda region, tail: None)
+    stream_run = pickle_scan._Walker.run
+
+    def run_on_stream(self: Any) -> int:
+        self.buf = None
+        return stream_run(self)
+
+    monkeypatch.setattr(pickle_scan._Walker, "run", run_on_stream)
+    torchzip._SCAN_CACHE.clear()
+    torchzip._LOAD_CACHE.clear()
+
+
+@pytest.mark.parametrize("which", ["single-process DCP", "2-rank FSDP2 DCP"])
+def test_records_and_findings_are_those_of_the_general_paths(
+    which: str, scale_checkpoints: dict[str, Path], fsdp_run: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptaudit.audit import audit
+
+    path = str(scale_checkpoints["dcp"] if which.startswith("single") else fsdp_run["dir"] / "faithful")
+    assert os.path.isfile(os.path.join(path, ".metadata"))
+    fast = audit(path)
+    assert len(fast.tensors) > 10
+    with monkeypatch.context() as m:
+        _general_paths(m)
+        general = audit(path)
+    assert fast.tensors == general.tensors
+    assert fast.findings == general.findings
