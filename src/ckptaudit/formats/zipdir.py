@@ -6,8 +6,8 @@ dozen reads and seeks per archive); :func:`lean_directory` reads the end records
 the canonical layout ``torch.save`` writes (no archive comment, no extra fields, ASCII names, the directory right
 before the end records) from one tail read, and answers ``None`` for anything else, so that the caller falls back
 to :mod:`zipfile` and its exact behaviour. Where it answers, it gives the same members, names, offsets, sizes,
-methods and CRCs as ``zipfile.ZipFile(...).infolist()`` (``tests/test_zipdir.py`` compares them); every check the
-caller makes afterwards (local headers one to one, sizes, overlaps, names) is unchanged.
+methods and CRCs as ``zipfile.ZipFile(...).infolist()`` (``tests/test_lean_readers.py`` compares them); every
+check the caller makes afterwards (local headers one to one, sizes, overlaps, names) is unchanged.
 
 :class:`Region` serves reads inside the archive with ``os.pread`` and keeps the archive's first bytes (local
 headers, ``data.pkl``, ``byteorder``) from one read, so one DCP item costs two reads.
