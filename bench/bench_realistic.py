@@ -248,8 +248,8 @@ def child_audit(path: str, jobs: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         report = audit(path, AuditOptions(jobs=jobs))
         secs = time.perf_counter() - t0
-    return {"seconds": secs, "open_seconds": open_secs, "open_cpu": open_cpu, "items": items, "tensors": len(report.tensors),
-            "findings": len(report.findings), "anon_base": base, "anon_peak": mem.peak,
+    return {"seconds": secs, "open_seconds": open_secs, "open_cpu": open_cpu, "items": items,
+            "tensors": len(report.tensors), "findings": len(report.findings), "anon_base": base, "anon_peak": mem.peak,
             "errors": [f.code for f in report.findings if f.severity.name == "ERROR"]}
 
 
