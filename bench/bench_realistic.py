@@ -4,6 +4,7 @@ memory-mapped read of the same bytes measured in the same run.
     .venv/bin/python bench/bench_realistic.py --scale 0.1            # ~0.43 GB per format (development)
     .venv/bin/python bench/bench_realistic.py                        # full size: 355 M params + AdamW, ~4.26 GB
     .venv/bin/python bench/bench_realistic.py --write-docs docs/performance.md
+    .venv/bin/python bench/bench_realistic.py --scale 0.1 --open-only --dir /tmp --keep --formats dcp-1,dcp-8
 
 The checkpoint: 24 layers, d=1024, vocab 50304 (GPT-2 medium's tensors, HF names, lm_head tied and not saved):
 355 M fp32 parameters and the state of one real ``torch.optim.AdamW`` step (``step``, ``exp_avg``,
@@ -20,6 +21,7 @@ machine's memory holds the files; a ``read`` far below memory speed says it did 
 - ``audit -j N``: :func:`ckptaudit.audit.audit` in-process (imports and first-call set-up excluded), with N
   threads, and its peak anonymous memory (``RssAnon`` sampled every 5 ms) over the child's baseline;
 - ``open``: :func:`ckptaudit.audit.plan_scan` (open, parse metadata, interpret; no tensor data), per DCP item;
+  ``--open-only`` measures only this, as the CPU time of a fresh process, best of ``--repeat``;
 - CLI start-up: ``ckptaudit audit`` of a 4-element file as a whole process (``/usr/bin/time``): wall and max RSS;
 - distributed: ``torchrun --standalone --nproc-per-node R -m``-style ranks (1, 2, 4) auditing the 8-rank DCP
   save through :func:`ckptaudit.distaudit.audit_distributed`, timed on rank 0 from the call (rendezvous
@@ -236,9 +238,9 @@ def child_audit(path: str, jobs: int) -> dict[str, Any]:
         _warm_up(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     plan = plan_scan(path)
-    open_secs = time.perf_counter() - t0
+    open_secs, open_cpu = time.perf_counter() - t0, time.process_time() - c0
     items = sum(len(ref.data.pieces) for ref, *_ in plan.items if hasattr(ref.data, "pieces"))
     plan.close()
     base = proc_status("RssAnon")
@@ -246,9 +248,26 @@ def child_audit(path: str, jobs: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         report = audit(path, AuditOptions(jobs=jobs))
         secs = time.perf_counter() - t0
-    return {"seconds": secs, "open_seconds": open_secs, "items": items, "tensors": len(report.tensors),
-            "findings": len(report.findings), "anon_base": base, "anon_peak": mem.peak,
+    return {"seconds": secs, "open_seconds": open_secs, "open_cpu": open_cpu, "items": items,
+            "tensors": len(report.tensors), "findings": len(report.findings), "anon_base": base, "anon_peak": mem.peak,
             "errors": [f.code for f in report.findings if f.severity.name == "ERROR"]}
+
+
+def child_open(path: str) -> dict[str, Any]:
+    """The open (plan) phase alone, as CPU time of this process (steadier than wall time on a shared machine)."""
+    from ckptaudit.audit import plan_scan
+
+    tmp = tempfile.mkdtemp(prefix="ckptaudit-warm-")
+    try:
+        _warm_up(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    t0, c0 = time.perf_counter(), time.process_time()
+    plan = plan_scan(path)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    items = sum(len(ref.data.pieces) for ref, *_ in plan.items if hasattr(ref.data, "pieces"))
+    plan.close()
+    return {"cpu": cpu, "wall": wall, "items": items}
 
 
 def child_dist(path: str) -> dict[str, Any] | None:
@@ -381,6 +400,32 @@ def write_docs(doc: str, text: str, heading: str) -> None:
         fh.write(new)
 
 
+def open_only(args: argparse.Namespace) -> None:
+    """``--open-only``: per format, the open (plan) phase's CPU time per item (per tensor for single files)."""
+    kept = os.path.join(args.dir, f"scale-{args.scale}") if args.keep else None
+    tmp = kept or tempfile.mkdtemp(prefix="ckptaudit-realistic-", dir=args.dir)
+    os.makedirs(tmp, exist_ok=True)
+    print(f"load average {os.getloadavg()[0]:.1f} at the start, --scale {args.scale}, best of {args.repeat}")
+    try:
+        for fmt in args.formats.split(","):
+            path = os.path.join(tmp, {"torch.save": "ckpt.pt", "safetensors": "model.safetensors"}.get(fmt, fmt))
+            done = path + ".written"
+            if not (kept and os.path.exists(done)):
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else None
+                write(fmt, path, args.scale)
+                open(done, "w").close()
+            runs = [run_child("open", path) for _ in range(args.repeat)]
+            best = min(runs, key=lambda r: r["cpu"])
+            items = max(1, best["items"])
+            print(f"{fmt}: open {best['cpu']:.3f} s CPU ({best['wall']:.3f} s wall) for {best['items']} items: "
+                  f"{best['cpu'] / items * 1e3:.3f} ms CPU per item")
+            if not kept:
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    finally:
+        if not kept:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale", type=float, default=1.0, help="bytes relative to the full 4.26 GB (default 1)")
@@ -390,6 +435,10 @@ def main() -> None:
     ap.add_argument("--ranks", default="1,2,4", help="torchrun rank counts for the distributed audit ('' skips)")
     ap.add_argument("--write-docs", metavar="FILE.md", help="replace the benchmark's section in this file")
     ap.add_argument("--dir", help="scratch directory (default: a new temporary one)")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the checkpoints in --dir/scale-S/ and reuse them in later runs (needs --dir)")
+    ap.add_argument("--open-only", action="store_true",
+                    help="measure only the open (plan) phase: CPU time per item, best of --repeat fresh processes")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -398,10 +447,17 @@ def main() -> None:
             print(json.dumps(child_read(path, int(rest[0]))))
         elif kind == "audit":
             print(json.dumps(child_audit(path, int(rest[0]))))
+        elif kind == "open":
+            print(json.dumps(child_open(path)))
         else:
             res = child_dist(path)
             if res is not None:
                 print(json.dumps(res))
+        return
+    if args.keep and not args.dir:
+        ap.error("--keep needs --dir (where the checkpoints are kept)")
+    if args.open_only:
+        open_only(args)
         return
     jobs = [int(j) for j in args.jobs.split(",")]
     ranks = [int(r) for r in args.ranks.split(",") if r]

@@ -277,6 +277,9 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
     missing_files: dict[str, list[str]] = {}
     short_files: dict[str, tuple[int, int]] = {}
     by_file: dict[str, list[tuple[int, int, IndexKey]]] = {}
+    # Thousands of items share a few data files: each file's path is vetted and stat'ed once.
+    path_problems: dict[str, str | None] = {}
+    stats: dict[str, tuple[str | None, int] | None] = {}
     for index, info in storage.items():
         fqn = index.fqn
         where = _item_range(info)
@@ -286,7 +289,12 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
                                     item=fqn))
             continue
         rel, offset, length = where
-        problem_path = _path_problem(path, rel)
+        if type(rel) is str:
+            if rel not in path_problems:
+                path_problems[rel] = _path_problem(path, rel)
+            problem_path = path_problems[rel]
+        else:
+            problem_path = _path_problem(path, rel)
         if problem_path:
             findings.append(
                 finding("integrity.path-escape", meta_subject, f"{METADATA} {problem_path} (item {fqn}); not read",
@@ -301,10 +309,15 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
                 f"storage transforms {info.transform_descriptors} are not supported", rel_name
             )
             continue
-        try:
-            kind = file_kind(full)
-            size = os.path.getsize(full)
-        except OSError:
+        if full not in stats:
+            try:
+                stats[full] = (file_kind(full), os.path.getsize(full))
+            except OSError:
+                stats[full] = None
+        st = stats[full]
+        if st is not None:
+            kind, size = st
+        else:
             missing_files.setdefault(rel_name, []).append(fqn)
             located[index] = Unreadable(f"data file {rel_name} is missing", rel_name)
             continue

@@ -189,8 +189,10 @@ def _is_const(value: Any) -> bool:
 class _Walker:
     """One pass over one pickle's opcodes with a symbolic stack and memo."""
 
-    def __init__(self, stream: IO[bytes], allowed: frozenset[str], max_opcodes: int) -> None:
+    def __init__(self, stream: IO[bytes], allowed: frozenset[str], max_opcodes: int, buf: bytes | None = None) -> None:
         self.stream = stream
+        self.buf = buf
+        """The stream's bytes when it is an in-memory pickle: walked by index (:meth:`_run_buffer`)."""
         self.max_opcodes = max_opcodes
         self.start = stream.tell()
         stream.seek(0, io.SEEK_END)
@@ -287,8 +289,10 @@ class _Walker:
 
     def run(self) -> int:
         """Walk to ``STOP``; returns the opcode count. Raises :class:`_ScanError`."""
+        if self.buf is not None:
+            return self._run_buffer(self.buf)
         count = 0
-        stream, stack = self.stream, self.stack
+        stream = self.stream
         while True:
             self.op_at = stream.tell()
             code = stream.read(1)
@@ -300,132 +304,229 @@ class _Walker:
             count += 1
             if count > self.max_opcodes:
                 raise _ScanError(f"more than {self.max_opcodes} opcodes", limit=True)
-            generic = _GENERIC[code[0]]
-            if generic is not None:  # the common container and constant opcodes: no names, no calls
-                has_mark, pops, pushes = generic
-                if op.arg is not None:
-                    self._arg(op)
-                if has_mark:
-                    self._pop_mark(op.name)
-                if pops > len(stack) - (self.marks[-1] if self.marks else 0):
-                    raise _ScanError(f"stack underflow at {op.name}" + (" (it would pop a MARK)" if self.marks else ""))
-                if pops:
-                    del stack[-pops:]
-                stack.extend(pushes)
+            if self._step(code[0], op, count):
+                return count
+
+    def _run_buffer(self, buf: bytes) -> int:
+        """:meth:`run` over an in-memory pickle: the opcodes that make up nearly all of real pickles (memo, marks,
+        tuples, short strings, constants, containers, calls) are walked here by index, with the same checks and
+        messages as :meth:`_step`, which walks every other opcode (and any whose argument runs past the end)."""
+        stream, stack, marks, memo = self.stream, self.stack, self.marks, self.memo
+        end, max_opcodes, fixed = self.size, self.max_opcodes, _FAST_GENERIC
+        pos = stream.tell()
+        count = 0
+        try:
+            while True:
+                if pos >= end:
+                    stream.seek(pos)
+                    self.op_at = pos
+                    raise _ScanError("the pickle ends before its STOP opcode (truncated)")
+                c = buf[pos]
+                op = _OPS[c]
+                if op is None:
+                    raise _ScanError(f"unknown opcode {bytes([c])!r}")
+                count += 1
+                if count > max_opcodes:
+                    raise _ScanError(f"more than {max_opcodes} opcodes", limit=True)
+                if c == 0x94:  # MEMOIZE
+                    if not stack or (marks and len(stack) == marks[-1]):
+                        raise _ScanError("MEMOIZE with nothing to remember")
+                    index = self.memo_count
+                    if index >= len(memo):
+                        memo.extend([None] * (index + 1 - len(memo)))
+                    if memo[index] is None:
+                        self.memo_count += 1
+                    memo[index] = stack[-1]
+                    pos += 1
+                    continue
+                if (c == 0x68 or c == 0x6A) and pos + (2 if c == 0x68 else 5) <= end:  # BINGET, LONG_BINGET
+                    if c == 0x68:
+                        at, nxt = buf[pos + 1], pos + 2
+                    else:
+                        (at,), nxt = _U4.unpack_from(buf, pos + 1), pos + 5
+                    if at >= len(memo) or memo[at] is None:
+                        raise _ScanError(f"{op.name} of memo entry {at}, which was never stored")
+                    stack.append(memo[at])
+                    pos = nxt
+                elif c == 0x8C and pos + 2 <= end and pos + 2 + buf[pos + 1] <= end:  # SHORT_BINUNICODE
+                    n = buf[pos + 1]
+                    stack.append(buf[pos + 2:pos + 2 + n].decode("utf-8", "surrogatepass"))
+                    pos += 2 + n
+                elif c == 0x28:  # MARK
+                    marks.append(len(stack))
+                    pos += 1
+                    continue
+                elif c == 0x29:  # EMPTY_TUPLE
+                    stack.append(_EMPTY_TUPLE)
+                    pos += 1
+                elif 0x85 <= c <= 0x87 or c == 0x74:  # TUPLE1..3, TUPLE
+                    if c == 0x74:
+                        items = self._pop_mark(op.name)
+                    else:
+                        items = [self._pop(op.name) for _ in range(c - 0x84)]
+                    stack.append(_Tuple(len(items)) if all(_is_const(v) for v in items) else _UNKNOWN)
+                    pos += 1
+                elif c == 0x52 or c == 0x81:  # REDUCE, NEWOBJ
+                    args = self._pop(op.name)
+                    callee = self._pop(op.name)
+                    self._call(callee, args, "reduce" if c == 0x52 else "newobj")
+                    stack.append(_UNKNOWN)
+                    pos += 1
+                elif fixed[c] is not None and pos + 1 + fixed[c][0] <= end:  # type: ignore[index]
+                    argn, has_mark, pops, pushes = fixed[c]  # type: ignore[misc]
+                    if has_mark:
+                        self._pop_mark(op.name)
+                    if pops > len(stack) - (marks[-1] if marks else 0):
+                        raise _ScanError(f"stack underflow at {op.name}" + (" (it would pop a MARK)" if marks else ""))
+                    if pops:
+                        del stack[-pops:]
+                    pos += 1 + argn
+                    if not pushes:
+                        continue
+                    stack.extend(pushes)
+                else:
+                    self.op_at = pos
+                    stream.seek(pos + 1)
+                    if self._step(c, op, count):
+                        return count
+                    pos = stream.tell()
+                    continue
                 if len(stack) > MAX_STACK:
                     raise _ScanError(f"stack deeper than {MAX_STACK}", limit=True)
-                continue
-            arg = self._arg(op)
-            name = op.name
-            if name == "STOP":
-                self._pop(name)
-                return count
-            if name == "MARK":
-                self.marks.append(len(stack))
-            elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-                if not stack or (self.marks and len(stack) == self.marks[-1]):
-                    raise _ScanError(f"{name} with nothing to remember")
-                index = self.memo_count if name == "MEMOIZE" else int(arg)
-                # Picklers number memo entries 0, 1, 2, ...; a far larger index would make C unpicklers (DCP's
-                # pickle.load of .metadata) allocate a memo array of that size.
-                if not 0 <= index <= count:
-                    raise _ScanError(f"memo index {index} is beyond the {count} opcodes read so far (picklers number "
-                                     "memo entries in order)")
-                if index >= len(self.memo):
-                    self.memo.extend([None] * (index + 1 - len(self.memo)))
-                if self.memo[index] is None:
-                    self.memo_count += 1
-                self.memo[index] = stack[-1]
-            elif name in ("GET", "BINGET", "LONG_BINGET"):
-                at = int(arg)
-                if at >= len(self.memo) or self.memo[at] is None:
-                    raise _ScanError(f"{name} of memo entry {arg}, which was never stored")
-                stack.append(self.memo[at])
-            elif name == "FRAME":
-                if int(arg) > self._remaining():
-                    raise _ScanError(f"FRAME declares {arg} bytes, only {self._remaining()} remain")
-            elif name == "PROTO":
-                if not 0 <= int(arg) <= pickle.HIGHEST_PROTOCOL:
-                    raise _ScanError(f"unsupported pickle protocol {arg}")
-                self.proto = int(arg)
-            elif name in ("GLOBAL", "INST"):
-                module, _, attr = str(arg).partition(" ")
-                full = global_name(module, attr, self.proto)
-                self.found.setdefault(full, None)
-                if name == "INST":
-                    args = self._pop_mark(name)
-                    if args:
-                        self._call(_Global(full), _UNKNOWN, "inst")
-                    stack.append(_UNKNOWN)
-                else:
-                    stack.append(_Global(full))
-            elif name == "STACK_GLOBAL":
-                attr_obj = self._pop(name)
-                module_obj = self._pop(name)
-                if isinstance(module_obj, str) and isinstance(attr_obj, str):
-                    full = global_name(module_obj, attr_obj, self.proto)
-                else:
-                    full = "<unresolvable STACK_GLOBAL>"
-                self.found.setdefault(full, None)
-                stack.append(_Global(full))
-            elif name in ("EXT1", "EXT2", "EXT4"):
-                self.found.setdefault(f"<copyreg extension {arg}>", None)
-                stack.append(_UNKNOWN)
-            elif name == "REDUCE":
-                args = self._pop(name)
-                callee = self._pop(name)
-                self._call(callee, args, "reduce")
-                stack.append(_UNKNOWN)
-            elif name == "NEWOBJ":
-                args = self._pop(name)
-                callee = self._pop(name)
-                self._call(callee, args, "newobj")
-                stack.append(_UNKNOWN)
-            elif name == "NEWOBJ_EX":
-                self._pop(name)
-                args = self._pop(name)
-                callee = self._pop(name)
-                self._call(callee, _UNKNOWN, "newobj_ex")
-                stack.append(_UNKNOWN)
-            elif name == "OBJ":
-                items = self._pop_mark(name)
-                if not items:
-                    raise _ScanError("OBJ without a class")
-                if len(items) > 1:
-                    self._call(items[0], _UNKNOWN, "obj")
-                stack.append(_UNKNOWN)
-            elif name == "EMPTY_TUPLE":
-                stack.append(_Tuple(0))
-            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-                n = int(name[-1])
-                items = [self._pop(name) for _ in range(n)]
-                stack.append(_Tuple(n) if all(_is_const(v) for v in items) else _UNKNOWN)
-            elif name == "TUPLE":
-                items = self._pop_mark(name)
-                stack.append(_Tuple(len(items)) if all(_is_const(v) for v in items) else _UNKNOWN)
-            elif name == "POP" and self.marks and len(stack) == self.marks[-1]:
-                self.marks.pop()  # POP of a MARK is legal (both unpicklers allow it)
-            elif name == "DUP":
-                stack.append(self._pop(name))
-                stack.append(stack[-1])
-            elif name in _STRING_OPS:
-                stack.append(arg if isinstance(arg, str) else _CONST)
-            elif name in _CONST_OPS:
-                stack.append(_CONST)
-            else:
-                # Everything else: pop what the opcode consumes (to the mark, then the fixed items before it) and
-                # push an unknown for what it produces.
-                before = op.stack_before
-                if pickletools.markobject in before:
-                    self._pop_mark(name)
-                    fixed = before.index(pickletools.markobject)
-                else:
-                    fixed = len(before)
-                for _ in range(fixed):
-                    self._pop(name)
-                stack.extend(_UNKNOWN for _ in op.stack_after)
+        except BaseException:
+            self.op_at = pos
+            raise
+
+    def _step(self, code: int, op: pickletools.OpcodeInfo, count: int) -> bool:
+        """One opcode, its byte already read (the stream is at its argument); ``True`` at ``STOP``."""
+        stack = self.stack
+        generic = _GENERIC[code]
+        if generic is not None:  # the common container and constant opcodes: no names, no calls
+            has_mark, pops, pushes = generic
+            if op.arg is not None:
+                self._arg(op)
+            if has_mark:
+                self._pop_mark(op.name)
+            if pops > len(stack) - (self.marks[-1] if self.marks else 0):
+                raise _ScanError(f"stack underflow at {op.name}" + (" (it would pop a MARK)" if self.marks else ""))
+            if pops:
+                del stack[-pops:]
+            stack.extend(pushes)
             if len(stack) > MAX_STACK:
                 raise _ScanError(f"stack deeper than {MAX_STACK}", limit=True)
+            return False
+        arg = self._arg(op)
+        name = op.name
+        if name == "STOP":
+            self._pop(name)
+            return True
+        if name == "MARK":
+            self.marks.append(len(stack))
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            if not stack or (self.marks and len(stack) == self.marks[-1]):
+                raise _ScanError(f"{name} with nothing to remember")
+            index = self.memo_count if name == "MEMOIZE" else int(arg)
+            # Picklers number memo entries 0, 1, 2, ...; a far larger index would make C unpicklers (DCP's
+            # pickle.load of .metadata) allocate a memo array of that size.
+            if not 0 <= index <= count:
+                raise _ScanError(f"memo index {index} is beyond the {count} opcodes read so far (picklers number "
+                                 "memo entries in order)")
+            if index >= len(self.memo):
+                self.memo.extend([None] * (index + 1 - len(self.memo)))
+            if self.memo[index] is None:
+                self.memo_count += 1
+            self.memo[index] = stack[-1]
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            at = int(arg)
+            if at >= len(self.memo) or self.memo[at] is None:
+                raise _ScanError(f"{name} of memo entry {arg}, which was never stored")
+            stack.append(self.memo[at])
+        elif name == "FRAME":
+            if int(arg) > self._remaining():
+                raise _ScanError(f"FRAME declares {arg} bytes, only {self._remaining()} remain")
+        elif name == "PROTO":
+            if not 0 <= int(arg) <= pickle.HIGHEST_PROTOCOL:
+                raise _ScanError(f"unsupported pickle protocol {arg}")
+            self.proto = int(arg)
+        elif name in ("GLOBAL", "INST"):
+            module, _, attr = str(arg).partition(" ")
+            full = global_name(module, attr, self.proto)
+            self.found.setdefault(full, None)
+            if name == "INST":
+                args = self._pop_mark(name)
+                if args:
+                    self._call(_Global(full), _UNKNOWN, "inst")
+                stack.append(_UNKNOWN)
+            else:
+                stack.append(_Global(full))
+        elif name == "STACK_GLOBAL":
+            attr_obj = self._pop(name)
+            module_obj = self._pop(name)
+            if isinstance(module_obj, str) and isinstance(attr_obj, str):
+                full = global_name(module_obj, attr_obj, self.proto)
+            else:
+                full = "<unresolvable STACK_GLOBAL>"
+            self.found.setdefault(full, None)
+            stack.append(_Global(full))
+        elif name in ("EXT1", "EXT2", "EXT4"):
+            self.found.setdefault(f"<copyreg extension {arg}>", None)
+            stack.append(_UNKNOWN)
+        elif name == "REDUCE":
+            args = self._pop(name)
+            callee = self._pop(name)
+            self._call(callee, args, "reduce")
+            stack.append(_UNKNOWN)
+        elif name == "NEWOBJ":
+            args = self._pop(name)
+            callee = self._pop(name)
+            self._call(callee, args, "newobj")
+            stack.append(_UNKNOWN)
+        elif name == "NEWOBJ_EX":
+            self._pop(name)
+            args = self._pop(name)
+            callee = self._pop(name)
+            self._call(callee, _UNKNOWN, "newobj_ex")
+            stack.append(_UNKNOWN)
+        elif name == "OBJ":
+            items = self._pop_mark(name)
+            if not items:
+                raise _ScanError("OBJ without a class")
+            if len(items) > 1:
+                self._call(items[0], _UNKNOWN, "obj")
+            stack.append(_UNKNOWN)
+        elif name == "EMPTY_TUPLE":
+            stack.append(_Tuple(0))
+        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            n = int(name[-1])
+            items = [self._pop(name) for _ in range(n)]
+            stack.append(_Tuple(n) if all(_is_const(v) for v in items) else _UNKNOWN)
+        elif name == "TUPLE":
+            items = self._pop_mark(name)
+            stack.append(_Tuple(len(items)) if all(_is_const(v) for v in items) else _UNKNOWN)
+        elif name == "POP" and self.marks and len(stack) == self.marks[-1]:
+            self.marks.pop()  # POP of a MARK is legal (both unpicklers allow it)
+        elif name == "DUP":
+            stack.append(self._pop(name))
+            stack.append(stack[-1])
+        elif name in _STRING_OPS:
+            stack.append(arg if isinstance(arg, str) else _CONST)
+        elif name in _CONST_OPS:
+            stack.append(_CONST)
+        else:
+            # Everything else: pop what the opcode consumes (to the mark, then the fixed items before it) and
+            # push an unknown for what it produces.
+            before = op.stack_before
+            if pickletools.markobject in before:
+                self._pop_mark(name)
+                fixed = before.index(pickletools.markobject)
+            else:
+                fixed = len(before)
+            for _ in range(fixed):
+                self._pop(name)
+            stack.extend(_UNKNOWN for _ in op.stack_after)
+        if len(stack) > MAX_STACK:
+            raise _ScanError(f"stack deeper than {MAX_STACK}", limit=True)
+        return False
 
 
 _STRING_OPS = frozenset(
@@ -452,6 +553,14 @@ def _generic(op: pickletools.OpcodeInfo) -> tuple[bool, int, tuple[Any, ...]] | 
 _GENERIC: list[tuple[bool, int, tuple[Any, ...]] | None] = [
     None if op is None else _generic(op) for op in _OPS
 ]
+_FAST_GENERIC: list[tuple[int, bool, int, tuple[Any, ...]] | None] = [
+    None if g is None or op is None or (op.arg is not None and op.arg.n <= 0) else
+    (0 if op.arg is None else op.arg.n, *g) for op, g in zip(_OPS, _GENERIC, strict=True)
+]
+"""For :meth:`_Walker._run_buffer`: the generic opcodes whose argument, if any, has a fixed size (its value is
+not needed: they push constants or unknowns)."""
+_U4 = struct.Struct("<I")
+_EMPTY_TUPLE = _Tuple(0)
 
 
 def scan(data: bytes | bytearray | memoryview | IO[bytes], allowed: frozenset[str] = ALL_SAFE, *,
@@ -461,8 +570,13 @@ def scan(data: bytes | bytearray | memoryview | IO[bytes], allowed: frozenset[st
     ``data`` is the pickle's bytes or a seekable stream positioned at its start; a stream is left just past
     ``STOP`` (or where the walk stopped). Offsets in the result are positions in the stream.
     """
-    stream: IO[bytes] = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
-    walker = _Walker(stream, allowed, max_opcodes)
+    buf = None
+    if isinstance(data, bytes | bytearray | memoryview):
+        buf = data if isinstance(data, bytes) else bytes(data)
+        stream: IO[bytes] = io.BytesIO(buf)
+    else:
+        stream = data
+    walker = _Walker(stream, allowed, max_opcodes, buf)
     error: str | None = None
     error_offset: int | None = None
     limit = False

@@ -32,6 +32,7 @@ from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, scan
 from ckptaudit.formats.safeio import open_regular
 from ckptaudit.formats.tensors import DTYPES, DType, Piece, TensorData
 from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
+from ckptaudit.formats.zipdir import TAIL_BYTES, Member, Region, lean_directory
 
 __all__ = ["TorchZip", "TorchZipError", "is_zip", "read_torch_zip"]
 
@@ -120,6 +121,17 @@ def _check_directory_size(fh: Any, offset: int, length: int) -> None:
     tail_len = min(length, 22 + 0xFFFF)
     fh.seek(offset + length - tail_len)
     tail = fh.read(tail_len)
+
+    def read_at(at: int, n: int) -> bytes:
+        fh.seek(offset + at)
+        return bytes(fh.read(n))
+
+    _directory_size_problem(tail, length, offset, read_at)
+
+
+def _directory_size_problem(tail: bytes, length: int, offset: int, read_at: Any) -> None:
+    """:func:`_check_directory_size` on the archive's last bytes ``tail`` (all of them, or at least up to the last
+    end-record signature); ``read_at(relative offset, n)`` reads the zip64 record."""
     at = tail.rfind(b"PK\x05\x06")
     if at < 0 or at + 22 > len(tail):
         return  # no end record: zipfile says what is wrong
@@ -128,8 +140,7 @@ def _check_directory_size(fh: Any, offset: int, length: int) -> None:
     if (entries == 0xFFFF or cd_offset == 0xFFFFFFFF) and locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07":
         (z64_at,) = struct.unpack_from("<8xQ", tail, locator)
         if 0 <= z64_at <= length - 56:
-            fh.seek(offset + z64_at)
-            rec = fh.read(56)
+            rec = read_at(z64_at, 56)
             if rec[:4] == b"PK\x06\x06":
                 entries, _size, cd_offset = struct.unpack_from("<32xQQQ", rec)
     if entries > MAX_ZIP_ENTRIES:
@@ -141,7 +152,7 @@ def _check_directory_size(fh: Any, offset: int, length: int) -> None:
                             "headers", offset)
 
 
-def _check_local_headers(infos: list[zipfile.ZipInfo], offset: int) -> None:
+def _check_local_headers(infos: list[Member], offset: int) -> None:
     """Central entries and local headers agree one to one: each entry's local header, name and data fit before
     the next entry's header."""
     ordered = sorted(infos, key=lambda i: i.header_offset)
@@ -279,44 +290,41 @@ def _scan_cached(data: bytes) -> PickleScan:
     return hit
 
 
-def _local_data_offset(fh: Any, region_start: int, region_len: int, info: zipfile.ZipInfo) -> int:
+def _local_data_offset(region: Region, info: Member) -> int:
     """Absolute offset of a member's data (after its local header), checked to lie inside the region."""
-    if not 0 <= info.header_offset <= region_len - 30:
+    if not 0 <= info.header_offset <= region.length - 30:
         raise TorchZipError(f"{info.filename}: local header offset {info.header_offset} is outside the archive",
-                            region_start)
-    header_at = region_start + info.header_offset
-    fh.seek(header_at)
-    header = fh.read(30)
+                            region.start)
+    header_at = region.start + info.header_offset
+    header = region.read_at(header_at, 30)
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
         raise TorchZipError(f"bad local header for {info.filename}", header_at)
     name_len, extra_len = struct.unpack("<HH", header[26:30])
     return header_at + 30 + name_len + extra_len
 
 
-def _read_member(fh: Any, region_start: int, region_len: int, info: zipfile.ZipInfo, limit: int) -> bytes:
+def _read_member(region: Region, info: Member, limit: int) -> bytes:
     """A small member's bytes, read by us rather than by ``zipfile``: sizes are checked against the region
     and ``limit`` before anything is read or inflated, inflation stops at the declared size, and the CRC-32
     must match."""
     if info.file_size > limit:
         raise TorchZipError(f"{info.filename} declares {info.file_size} bytes, more than the reader's safety "
-                            f"limit of {limit}", region_start, limit=True)
-    start = _local_data_offset(fh, region_start, region_len, info)
-    if start + info.compress_size > region_start + region_len:
+                            f"limit of {limit}", region.start, limit=True)
+    start = _local_data_offset(region, info)
+    if start + info.compress_size > region.start + region.length:
         raise TorchZipError(f"{info.filename} declares {info.compress_size} bytes at offset {start}, past the end "
                             f"of the archive", start)
     if info.compress_type == zipfile.ZIP_STORED:
         if info.compress_size != info.file_size:
             raise TorchZipError(f"{info.filename}: stored member with two different sizes", start)
-        fh.seek(start)
-        data = fh.read(info.file_size)
+        data = region.read_at(start, info.file_size)
     elif info.compress_type == zipfile.ZIP_DEFLATED:
         if info.compress_size > limit:
             raise TorchZipError(f"{info.filename} is {info.compress_size} bytes compressed, over the limit",
                                 start, limit=True)
-        fh.seek(start)
         inflater = zlib.decompressobj(-15)
         try:
-            data = inflater.decompress(fh.read(info.compress_size), info.file_size + 1)
+            data = inflater.decompress(region.read_at(start, info.compress_size), info.file_size + 1)
         except zlib.error as exc:
             raise TorchZipError(f"{info.filename}: cannot inflate ({exc})", start) from None
         if len(data) > info.file_size or inflater.unconsumed_tail:
@@ -355,111 +363,119 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
             raise TorchZipError(
                 f"archive at offset {offset} with length {length} exceeds the file ({file_size} bytes)", offset
             )
-        fh = raw
-        _check_directory_size(fh, offset, length)  # before zipfile builds one object per central entry
-        try:
-            zf = zipfile.ZipFile(_Region(fh, offset, length))  # type: ignore[arg-type]
-        except _ZIP_ERRORS as exc:
-            raise TorchZipError(f"not a readable zip archive ({exc})", offset) from None
-        with zf:
-            infos = zf.infolist()
-            _check_local_headers(infos, offset)
-            names = [i.filename for i in infos]
-            if len(set(names)) != len(names):
-                raise TorchZipError("zip archive names a member twice (readers could disagree on which one "
-                                    "counts)", offset)
-            # torch.save puts every member under one top-level folder and the pickle at <folder>/data.pkl.
-            pkl = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") <= 1]
-            if len(pkl) != 1:
-                raise TorchZipError(
-                    "zip archive without data.pkl: not a torch.save file" if not pkl
-                    else f"zip archive with {len(pkl)} data.pkl members", offset)
-            prefix = pkl[0].filename[: -len("data.pkl")]
-            if prefix and any(not n.startswith(prefix) for n in names):
-                raise TorchZipError(f"zip archive members outside the {prefix!r} folder of its data.pkl", offset)
-            by_name = {i.filename: i for i in infos}
-            bo = by_name.get(prefix + "byteorder")
-            if bo is not None:
-                order = _read_member(fh, offset, length, bo, 16).decode("ascii", "replace").strip()
-                if order != "little":
-                    raise TorchZipError(f"byte order {order!r} is not supported (only little-endian)", offset)
-            data = _read_member(fh, offset, length, pkl[0], MAX_PICKLE_BYTES)
-            result = _scan_cached(data)
-            outside = bool(result.unsafe or result.harmless)
-            if outside and (not inert or not load or result.error is not None):
-                return TorchZip(result, None, False)
-            if result.error is not None:
-                raise TorchZipError(f"data.pkl: {result.error} (pickle byte {result.error_offset})", offset,
-                                    limit=result.limit)
-            if not load:
-                return TorchZip(result, None, False)
-            budget = _ViewBudget(length)
-
-            def locate(key: str, dtype: DType, numel: int) -> int:
-                """The absolute offset of storage ``key``, checked against the archive."""
-                info = by_name.get(f"{prefix}data/{key}")
-                if info is None:
-                    raise pickle.UnpicklingError(f"storage {key!r} is missing from the archive")
-                if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-                    raise pickle.UnpicklingError(f"storage {key!r} is compressed; torch.save never does that")
-                nbytes = numel * dtype.itemsize
-                if nbytes > info.file_size:
-                    raise pickle.UnpicklingError(
-                        f"storage {key!r} declares {numel} {dtype.name} elements, "
-                        f"the archive holds {info.file_size} bytes"
-                    )
-                start = _local_data_offset(fh, offset, length, info)
-                if start + nbytes > offset + length:
-                    raise pickle.UnpicklingError(f"storage {key!r} runs past the end of the archive")
-                return start
-
-            storages: dict[str, tuple[DType, int, int]] = {}
-
-            def persistent_load(pid: Any) -> Any:
-                if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-                    raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-                _, stype, key, _location, numel = pid
-                if not isinstance(stype, _StorageType) or type(numel) is not int or numel < 0 or \
-                        not isinstance(key, str):
-                    raise pickle.UnpicklingError(f"bad storage reference {pid!r}")
-                start = locate(key, stype.dtype, numel)
-                storages[key] = (stype.dtype, numel, start)
-                return _StorageRef(stype.dtype, start, numel)
-
-            cached = None if outside else _LOAD_CACHE.get(data)
-            if cached is not None:
-                # The same small pickle seen in an earlier archive (every DCP item of one shape): reuse its tree,
-                # with each storage located, and checked, in this archive.
-                template, used = cached
-                try:
-                    moved = {old: locate(key, dtype, numel) for key, (dtype, numel, old) in used.items()}
-                except pickle.UnpicklingError as exc:
-                    raise TorchZipError(f"data.pkl: {exc}", offset) from None
-                if _tensor_bytes(template) > VIEW_BUDGET_FACTOR * length + (64 << 20):
-                    raise TorchZipError("data.pkl: the archive's tensors address more than "
-                                        f"{VIEW_BUDGET_FACTOR}x its bytes", offset, limit=True)
-                return TorchZip(result, _bind_file(template, os.path.abspath(path), moved=moved), True)
-
+        region = Region(raw.fileno(), offset, length)
+        tail = region.read_at(offset + length - min(length, TAIL_BYTES), TAIL_BYTES)
+        # Before anything builds one object per central entry (an exact tail holds the last end record; where it
+        # holds none, the fallback below checks the longer tail zipfile searches).
+        _directory_size_problem(tail, length, offset, lambda at, n: region.read_at(offset + at, n))
+        lean = lean_directory(region, tail)
+        if lean is not None:
+            infos = lean
+        else:  # not the canonical layout: zipfile reads it, with its own errors
+            _check_directory_size(raw, offset, length)
             try:
-                obj = RestrictedUnpickler(io.BytesIO(data), _torch_table(budget), persistent_load,
-                                          inert=outside).load()
-                problem = check_tree(obj)
-                if problem is not None:
-                    raise PickleLimitError(problem)
-                if _tensor_bytes(obj) > VIEW_BUDGET_FACTOR * length + (64 << 20):
-                    raise PickleLimitError(
-                        f"the archive's tensors address more than {VIEW_BUDGET_FACTOR}x its bytes (the same tensor "
-                        "referenced over and over)")
-            except MemoryError:
-                raise
-            except Exception as exc:  # anything the pickle does wrong is a corrupt archive
-                if outside:  # an inert load that does not work out: report the pickle, load nothing
-                    return TorchZip(result, None, False)
-                if isinstance(exc, TorchZipError):
-                    raise
-                if isinstance(exc, PickleLimitError):
-                    raise TorchZipError(f"data.pkl: {exc}", offset, limit=True) from None
+                with zipfile.ZipFile(_Region(raw, offset, length)) as zf:  # type: ignore[arg-type]
+                    infos = [Member(i.filename, i.header_offset, i.compress_size, i.file_size, i.compress_type,
+                                    i.CRC) for i in zf.infolist()]
+            except _ZIP_ERRORS as exc:
+                raise TorchZipError(f"not a readable zip archive ({exc})", offset) from None
+        _check_local_headers(infos, offset)
+        names = [i.filename for i in infos]
+        if len(set(names)) != len(names):
+            raise TorchZipError("zip archive names a member twice (readers could disagree on which one "
+                                "counts)", offset)
+        # torch.save puts every member under one top-level folder and the pickle at <folder>/data.pkl.
+        pkl = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") <= 1]
+        if len(pkl) != 1:
+            raise TorchZipError(
+                "zip archive without data.pkl: not a torch.save file" if not pkl
+                else f"zip archive with {len(pkl)} data.pkl members", offset)
+        prefix = pkl[0].filename[: -len("data.pkl")]
+        if prefix and any(not n.startswith(prefix) for n in names):
+            raise TorchZipError(f"zip archive members outside the {prefix!r} folder of its data.pkl", offset)
+        by_name = {i.filename: i for i in infos}
+        bo = by_name.get(prefix + "byteorder")
+        if bo is not None:
+            order = _read_member(region, bo, 16).decode("ascii", "replace").strip()
+            if order != "little":
+                raise TorchZipError(f"byte order {order!r} is not supported (only little-endian)", offset)
+        data = _read_member(region, pkl[0], MAX_PICKLE_BYTES)
+        result = _scan_cached(data)
+        outside = bool(result.unsafe or result.harmless)
+        if outside and (not inert or not load or result.error is not None):
+            return TorchZip(result, None, False)
+        if result.error is not None:
+            raise TorchZipError(f"data.pkl: {result.error} (pickle byte {result.error_offset})", offset,
+                                limit=result.limit)
+        if not load:
+            return TorchZip(result, None, False)
+        budget = _ViewBudget(length)
+
+        def locate(key: str, dtype: DType, numel: int) -> int:
+            """The absolute offset of storage ``key``, checked against the archive."""
+            info = by_name.get(f"{prefix}data/{key}")
+            if info is None:
+                raise pickle.UnpicklingError(f"storage {key!r} is missing from the archive")
+            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+                raise pickle.UnpicklingError(f"storage {key!r} is compressed; torch.save never does that")
+            nbytes = numel * dtype.itemsize
+            if nbytes > info.file_size:
+                raise pickle.UnpicklingError(
+                    f"storage {key!r} declares {numel} {dtype.name} elements, "
+                    f"the archive holds {info.file_size} bytes"
+                )
+            start = _local_data_offset(region, info)
+            if start + nbytes > offset + length:
+                raise pickle.UnpicklingError(f"storage {key!r} runs past the end of the archive")
+            return start
+
+        storages: dict[str, tuple[DType, int, int]] = {}
+
+        def persistent_load(pid: Any) -> Any:
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+                raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+            _, stype, key, _location, numel = pid
+            if not isinstance(stype, _StorageType) or type(numel) is not int or numel < 0 or \
+                    not isinstance(key, str):
+                raise pickle.UnpicklingError(f"bad storage reference {pid!r}")
+            start = locate(key, stype.dtype, numel)
+            storages[key] = (stype.dtype, numel, start)
+            return _StorageRef(stype.dtype, start, numel)
+
+        cached = None if outside else _LOAD_CACHE.get(data)
+        if cached is not None:
+            # The same small pickle seen in an earlier archive (every DCP item of one shape): reuse its tree,
+            # with each storage located, and checked, in this archive.
+            template, used = cached
+            try:
+                moved = {old: locate(key, dtype, numel) for key, (dtype, numel, old) in used.items()}
+            except pickle.UnpicklingError as exc:
                 raise TorchZipError(f"data.pkl: {exc}", offset) from None
+            if _tensor_bytes(template) > VIEW_BUDGET_FACTOR * length + (64 << 20):
+                raise TorchZipError("data.pkl: the archive's tensors address more than "
+                                    f"{VIEW_BUDGET_FACTOR}x its bytes", offset, limit=True)
+            return TorchZip(result, _bind_file(template, os.path.abspath(path), moved=moved), True)
+
+        try:
+            obj = RestrictedUnpickler(io.BytesIO(data), _torch_table(budget), persistent_load,
+                                      inert=outside).load()
+            problem = check_tree(obj)
+            if problem is not None:
+                raise PickleLimitError(problem)
+            if _tensor_bytes(obj) > VIEW_BUDGET_FACTOR * length + (64 << 20):
+                raise PickleLimitError(
+                    f"the archive's tensors address more than {VIEW_BUDGET_FACTOR}x its bytes (the same tensor "
+                    "referenced over and over)")
+        except MemoryError:
+            raise
+        except Exception as exc:  # anything the pickle does wrong is a corrupt archive
+            if outside:  # an inert load that does not work out: report the pickle, load nothing
+                return TorchZip(result, None, False)
+            if isinstance(exc, TorchZipError):
+                raise
+            if isinstance(exc, PickleLimitError):
+                raise TorchZipError(f"data.pkl: {exc}", offset, limit=True) from None
+            raise TorchZipError(f"data.pkl: {exc}", offset) from None
     if not outside and len(data) <= _LOAD_CACHE_MAX_PICKLE and _is_plain_tree(obj):
         if len(_LOAD_CACHE) >= _LOAD_CACHE_ENTRIES:
             _LOAD_CACHE.clear()
