@@ -22,7 +22,8 @@ machine's memory holds the files; a ``read`` far below memory speed says it did 
   threads, and its peak anonymous memory (``RssAnon`` sampled every 5 ms) over the child's baseline;
 - ``open``: :func:`ckptaudit.audit.plan_scan` (open, parse metadata, interpret; no tensor data), per DCP item;
   ``--open-only`` measures only this, as the CPU time of a fresh process, best of ``--repeat``;
-- CLI start-up: ``ckptaudit audit`` of a 4-element file as a whole process (``/usr/bin/time``): wall and max RSS;
+- CLI start-up: ``ckptaudit audit`` of a 4-element file (torch.save, safetensors, DCP) as a whole process
+  (``/usr/bin/time``), bytecode compiled: wall, CPU and max RSS;
 - distributed: ``torchrun --standalone --nproc-per-node R -m``-style ranks (1, 2, 4) auditing the 8-rank DCP
   save through :func:`ckptaudit.distaudit.audit_distributed`, timed on rank 0 from the call (rendezvous
   included) to the report.
@@ -305,31 +306,42 @@ def run_child(*argv: str, torchrun: int = 0) -> dict[str, Any]:
 
 
 def cli_startup(tmp: str, repeat: int) -> dict[str, dict[str, float]]:
-    """``ckptaudit audit`` of a 4-element file as a whole process: median wall and max RSS of ``repeat`` runs."""
+    """``ckptaudit audit`` of a 4-element file as a whole process: median wall, CPU and max RSS of ``repeat`` runs.
+
+    The package's bytecode is compiled first, as ``pip install`` leaves it (with ``PYTHONDONTWRITEBYTECODE`` set,
+    an editable checkout would otherwise recompile every module on every run).
+    """
+    import compileall
+
     import torch
+    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
+    compileall.compile_dir(os.path.join(HERE, "..", "src", "ckptaudit"), quiet=1)
     small_pt = os.path.join(tmp, "small.pt")
     small_st = os.path.join(tmp, "small.safetensors")
+    small_dcp = os.path.join(tmp, "small_dcp")
     torch.save({"w": torch.arange(4.0)}, small_pt)
     save_file({"w": torch.arange(4.0)}, small_st)
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=small_dcp)
     out = {}
     env = {**os.environ, "PYTHONPATH": os.path.join(HERE, "..", "src")}
-    for label, argv in (("torch.save", ["audit", small_pt]), ("safetensors", ["audit", small_st]),
-                        ("--help", ["--help"])):
-        walls, rss = [], []
+    for label, argv in (("torch.save", ["audit", small_pt, "--no-progress"]),
+                        ("safetensors", ["audit", small_st, "--no-progress"]),
+                        ("DCP directory", ["audit", small_dcp, "--no-progress"]), ("--help", ["--help"])):
+        walls, cpus, rss = [], [], []
         for i in range(repeat + 1):
-            run = subprocess.run(["/usr/bin/time", "-f", "TIME %e %M", sys.executable, "-m", "ckptaudit", *argv,
-                                  "--no-progress"] if argv[0] == "audit" else
-                                 ["/usr/bin/time", "-f", "TIME %e %M", sys.executable, "-m", "ckptaudit", *argv],
+            run = subprocess.run(["/usr/bin/time", "-f", "TIME %e %U %S %M", sys.executable, "-m", "ckptaudit", *argv],
                                  capture_output=True, text=True, env=env, check=False)
-            m = re.search(r"TIME ([\d.]+) (\d+)", run.stderr)
+            m = re.search(r"TIME ([\d.]+) ([\d.]+) ([\d.]+) (\d+)", run.stderr)
             if m is None:
                 raise RuntimeError(f"/usr/bin/time gave no figures: {run.stderr[-500:]}")
             if i:  # the first run warms the page cache of the interpreter and libraries
                 walls.append(float(m.group(1)))
-                rss.append(int(m.group(2)) * 1024)
-        out[label] = {"wall": statistics.median(walls), "rss": statistics.median(rss)}
+                cpus.append(float(m.group(2)) + float(m.group(3)))
+                rss.append(int(m.group(4)) * 1024)
+        out[label] = {"wall": statistics.median(walls), "cpu": statistics.median(cpus),
+                      "rss": statistics.median(rss)}
     return out
 
 
@@ -373,10 +385,11 @@ def render(rows: list[dict[str, Any]], jobs: list[int], startup: dict[str, dict[
         cells.append(f"{last['open_seconds'] / max(1, last['items']) * 1e3:.3f} ms x {last['items']}")
         cells.append(f"+{(last['anon_peak'] - last['anon_base']) / 2**20:.1f} MiB")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "CLI start-up, `ckptaudit audit` of a 4-element file as a whole process (median, "
-              "`/usr/bin/time`):", "", "| file | wall | max RSS |", "|---|---|---|"]
+    lines += ["", "CLI start-up, `ckptaudit audit` of a 4-element file as a whole process, bytecode compiled "
+              "(median, `/usr/bin/time`; CPU is user + system):", "", "| file | wall | CPU | max RSS |",
+              "|---|---|---|---|"]
     for label, s in startup.items():
-        lines.append(f"| {label} | {s['wall']:.2f} s | {s['rss'] / 2**20:.0f} MiB |")
+        lines.append(f"| {label} | {s['wall']:.2f} s | {s.get('cpu', 0.0):.2f} s | {s['rss'] / 2**20:.0f} MiB |")
     if dist:
         lines += ["", "Distributed audit of the 8-rank DCP save (`torchrun --standalone --nproc-per-node R`, on "
                   "this one machine; rank 0's time from the call to the report, rendezvous included, imports and first-call "
