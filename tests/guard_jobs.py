@@ -37,6 +37,24 @@ def _dataset(n: int = 64, seq: int = 8) -> Any:
 
 
 def hf(out: str) -> None:
+    _result(out, **_hf_story(out))
+
+
+def hf_ddp(ctx: Any, out: str) -> dict[str, Any]:
+    """(2 ranks, ckptaudit.dist.launch) The Trainer story with DDP through accelerate on CPU (gloo): the group
+    launch made is the one accelerate uses. Every rank returns what it saw."""
+    _rank_env(ctx)
+    return {"rank": ctx.rank, **_hf_story(out)}
+
+
+def _rank_env(ctx: Any) -> None:
+    """The torchrun-style variables the libraries read to find their rank (the process group already exists)."""
+    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(ctx.rank),
+                      LOCAL_WORLD_SIZE=str(ctx.world_size), NODE_RANK="0", GROUP_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+
+
+def _hf_story(out: str) -> dict[str, Any]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_utils import get_last_checkpoint
@@ -83,16 +101,29 @@ def hf(out: str) -> None:
     trainer.train()
     stopped_at = trainer.state.global_step
     listing = sorted(os.listdir(out))
+    files = {n: sorted(os.listdir(os.path.join(out, n))) for n in listing if os.path.isdir(os.path.join(out, n))}
     last = get_last_checkpoint(out)
     # The library's own resume path, in a new Trainer (no guard: what the user runs after the crash).
     resumed = Trainer(model=model(), args=args(stopped_at + 2), train_dataset=_dataset(), callbacks=[Seen()])
     resumed.train(resume_from_checkpoint=True)
-    _result(out, stopped_at=stopped_at, listing=listing, get_last_checkpoint=os.path.basename(last or ""),
-            resumed_from_step=Seen.begin_step, resumed_to_step=resumed.state.global_step,
-            verdicts=[_verdict(v) for v in guard.verdicts])
+    guard.guard.close(120)  # the worker process is reaped here, not left to the interpreter's exit
+    return dict(stopped_at=stopped_at, listing=listing, files=files, get_last_checkpoint=os.path.basename(last or ""),
+                resumed_from_step=Seen.begin_step, resumed_to_step=resumed.state.global_step,
+                verdicts=[_verdict(v) for v in guard.verdicts])
 
 
 def lightning(out: str) -> None:
+    _result(out, **_lightning_story(out))
+
+
+def lightning_ddp(ctx: Any, out: str) -> dict[str, Any]:
+    """(2 ranks, ckptaudit.dist.launch) The Lightning story with ``strategy="ddp"`` on CPU (gloo): Lightning
+    finds the ranks in the environment and the process group launch made. Every rank returns what it saw."""
+    _rank_env(ctx)
+    return {"rank": ctx.rank, **_lightning_story(out, ddp=True)}
+
+
+def _lightning_story(out: str, ddp: bool = False) -> dict[str, Any]:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -136,7 +167,8 @@ def lightning(out: str) -> None:
     def trainer(max_steps: int, *callbacks: Any) -> Any:
         ckpt = ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), every_n_train_steps=2, save_top_k=-1,
                                save_last=True)
-        return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=2 if ddp else 1,
+                         strategy="ddp" if ddp else "auto", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out, callbacks=[*callbacks, ckpt])
 
     torch.manual_seed(0)
@@ -148,9 +180,10 @@ def lightning(out: str) -> None:
     last_state = torch.load(last, map_location="cpu", weights_only=True)
     second = trainer(stopped_at + 2, Seen())
     second.fit(LitGPT(), loader(), ckpt_path="last")
-    _result(out, stopped_at=stopped_at, listing=listing, last_is_link=os.path.islink(last),
-            last_global_step=last_state["global_step"], resumed_from_step=Seen.start_step,
-            resumed_to_step=second.global_step, verdicts=[_verdict(v) for v in guard.verdicts])
+    guard.guard.close(120)
+    return dict(stopped_at=stopped_at, listing=listing, last_is_link=os.path.islink(last),
+                last_global_step=last_state["global_step"], resumed_from_step=Seen.start_step,
+                resumed_to_step=second.global_step, verdicts=[_verdict(v) for v in guard.verdicts])
 
 
 def store(ctx: Any, root: str) -> dict[str, Any] | None:
@@ -336,6 +369,22 @@ def _result(out: str, **facts: Any) -> None:
         json.dump(facts, fh, indent=1)
 
 
+JOB_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true", "DS_ACCELERATOR": "cpu"}
+"""The environment of every job: offline, one thread per process, DeepSpeed on the CPU."""
+
+
+def launch_job(fn: Any, out: str, *args: Any, timeout_s: float = 600) -> list[dict[str, Any]]:
+    """(test process) Run ``fn(ctx, out, *args)`` on 2 real gloo ranks (ckptaudit.dist.launch: a timeout on
+    the group and on every child, every child reaped); what each rank returned, in rank order."""
+    from ckptaudit.dist.launch import launch
+
+    os.makedirs(out, exist_ok=True)
+    results: list[dict[str, Any]] = launch(fn, 2, (out, *args), timeout_s=timeout_s, pg_timeout_s=240,
+                                           backend="gloo", env=dict(JOB_ENV))
+    return results
+
+
 def run_job(what: str, out: str, timeout_s: float = 600) -> dict[str, Any]:
     """(test process) Run job ``what`` in a fresh interpreter, offline; its ``result.json``, or raise with its
     output."""
@@ -343,9 +392,7 @@ def run_job(what: str, out: str, timeout_s: float = 600) -> dict[str, Any]:
     from pathlib import Path
 
     src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, **JOB_ENV, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), what, out], env=env, cwd=out,
                           capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode != 0:

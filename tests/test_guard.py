@@ -15,7 +15,7 @@ import pytest
 from ckptaudit.cli import main
 from ckptaudit.integrations.guard import Guard, report_path
 from ckptaudit.schema import validate
-from guard_jobs import run_job
+from guard_jobs import launch_job, run_job
 from test_api import trained
 
 
@@ -123,6 +123,28 @@ def test_trainer_stops_after_the_lossy_save_and_resumes_from_the_good_one(hf_sto
     assert hf_story["resumed_from_step"] == 2 and hf_story["resumed_to_step"] == 7
 
 
+@pytest.mark.libs
+@pytest.mark.dist
+def test_trainer_on_two_ranks_stops_on_both_after_the_lossy_save(tmp_path: Path) -> None:
+    import guard_jobs
+
+    ranks = launch_job(guard_jobs.hf_ddp, str(tmp_path / "out"))
+    zero, one = ranks
+    assert [(v["checkpoint"], v["ok"]) for v in zero["verdicts"]] == [("checkpoint-2", True), ("checkpoint-4", False)]
+    assert set(zero["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
+    assert one["verdicts"] == []  # only rank 0 audits
+    # Both ranks left train() at the same step boundary, the first step end after the failing audit.
+    assert [r["stopped_at"] for r in ranks] == [5, 5]
+    for r in ranks:
+        # Every rank's files (rng_state_<rank>.pth) were written before the move: no half checkpoint-4 is left.
+        assert r["listing"] == ["checkpoint-2", "checkpoint-2.ckptaudit.json", "quarantined-checkpoint-4",
+                                "quarantined-checkpoint-4.ckptaudit.json"]
+        assert r["get_last_checkpoint"] == "checkpoint-2"
+        assert (r["resumed_from_step"], r["resumed_to_step"]) == (2, 7)
+        assert r["files"]["quarantined-checkpoint-4"] == r["files"]["checkpoint-2"]
+        assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(r["files"]["checkpoint-2"])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The real Lightning Trainer on CPU (ModelCheckpoint every 2 steps, save_last=True)
 
@@ -147,6 +169,28 @@ def test_lightning_stops_after_the_lossy_save_and_last_resumes_the_good_one(ligh
     # Lightning's own ckpt_path="last" resumed from it.
     assert lightning_story["last_global_step"] == 2 and not lightning_story["last_is_link"]
     assert lightning_story["resumed_from_step"] == 2 and lightning_story["resumed_to_step"] == 7
+
+
+@pytest.mark.libs
+@pytest.mark.dist
+def test_lightning_ddp_on_two_ranks_stops_on_both_after_the_lossy_save(tmp_path: Path) -> None:
+    import guard_jobs
+
+    ranks = launch_job(guard_jobs.lightning_ddp, str(tmp_path / "out"))
+    zero, one = ranks
+    assert [(v["checkpoint"], v["step"], v["ok"]) for v in zero["verdicts"]] == [
+        ("epoch=0-step=2.ckpt", 2, True), ("last.ckpt", 2, True),
+        ("epoch=0-step=4.ckpt", 4, False), ("last.ckpt", 4, False)]
+    assert one["verdicts"] == []  # only the global-zero process audits
+    assert [r["stopped_at"] for r in ranks] == [5, 5]
+    for r in ranks:
+        assert r["listing"] == [
+            "epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.ckptaudit.json",
+            "epoch=0-step=4.ckpt.quarantined", "epoch=0-step=4.ckpt.quarantined.ckptaudit.json",
+            "last.ckpt", "last.ckpt.quarantined", "last.ckpt.quarantined.ckptaudit.json"]
+        # ckpt_path="last" (a copy of step 2 now) resumed both ranks at step 2.
+        assert r["last_global_step"] == 2 and not r["last_is_link"]
+        assert (r["resumed_from_step"], r["resumed_to_step"]) == (2, 7)
 
 
 # ---------------------------------------------------------------------------------------------------------------
