@@ -287,6 +287,90 @@ def deepspeed(out: str) -> None:
             verdicts=[_verdict(v) for v in guard.verdicts])
 
 
+def deepspeed_zero(ctx: Any, out: str) -> dict[int, dict[str, Any]]:
+    """(2 ranks, ckptaudit.dist.launch) DeepSpeed ZeRO-2 then ZeRO-3, bf16 engine, CPU, gloo: the masters are
+    rounded to bf16 values in the optimizer's own fp32 partitions (ZeRO-1/2 ``single_partition_of_fp32_groups``,
+    ZeRO-3 ``fp32_partitioned_groups_flat``) just before the second save (step 4), and put back right after it:
+    the checkpoint holds masters the run never had. Every rank returns, per stage, what it saw."""
+    _rank_env(ctx)
+    import deepspeed as ds
+    import torch
+
+    from ckptaudit.integrations.deepspeed import save_checkpoint
+    from ckptaudit.integrations.guard import Guard, stop_requested
+
+    ds.init_distributed(dist_backend="gloo")  # joins the group ckptaudit.dist.launch made
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # Odd sizes: ZeRO pads the flat partitions, so a reader that ignores padding misplaces parameters.
+            self.body = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Linear(13, 4))
+
+        def forward(self, x: Any) -> Any:
+            return self.body(x)
+
+    def engine(stage: int) -> Any:
+        torch.manual_seed(0)
+        model = Tiny()
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+               "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                            "warmup_num_steps": 10}}}
+        return ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+    def masters(e: Any) -> list[Any]:
+        opt = e.optimizer
+        return list(opt.fp32_partitioned_groups_flat if e.zero_optimization_stage() == 3
+                    else opt.single_partition_of_fp32_groups)
+
+    results: dict[int, dict[str, Any]] = {}
+    for stage in (2, 3):
+        ckpts = os.path.join(out, f"zero{stage}")
+        guard = Guard(on_failure="stop")
+        e = engine(stage)
+        gen = torch.Generator().manual_seed(ctx.rank)
+        stopped_at, at_step_2 = None, None
+        latest_after_each_audit = []
+        for step in range(1, 21):
+            e.backward(e(torch.randn(2, 7, generator=gen).bfloat16()).float().pow(2).mean())
+            e.step()
+            if step % 2 == 0:
+                exact = [m.detach().clone() for m in masters(e)]
+                if step == 2:
+                    at_step_2 = exact
+                if step == 4:
+                    with torch.no_grad():
+                        for m in masters(e):
+                            m.copy_(m.bfloat16().float())
+                save_checkpoint(e, ckpts, guard=guard)
+                with torch.no_grad():
+                    for m, x in zip(masters(e), exact, strict=True):
+                        m.copy_(x)
+                if ctx.rank == 0:
+                    assert guard.wait(120)  # SlowSteps: a step longer than the audit
+                    latest = os.path.join(ckpts, "latest")
+                    latest_after_each_audit.append(open(latest).read() if os.path.exists(latest) else None)
+            if stop_requested(guard):  # all ranks, the same answer
+                stopped_at = step
+                break
+        guard.close(120)
+        listing = sorted(os.listdir(ckpts))
+        resumed = engine(stage)
+        path, _ = resumed.load_checkpoint(ckpts)  # DeepSpeed's own resume path: reads `latest`
+        assert at_step_2 is not None
+        same = all(torch.equal(m, x) for m, x in zip(masters(resumed), at_step_2, strict=True))
+        results[stage] = {
+            "rank": ctx.rank, "optimizer": type(e.optimizer).__name__, "stopped_at": stopped_at, "listing": listing,
+            "latest_after_each_audit": latest_after_each_audit,
+            "loaded": os.path.basename(os.path.dirname(path)) if path else None,
+            "resumed_step": resumed.global_steps, "loaded_step_2_masters": same,
+            "verdicts": [_verdict(v) for v in guard.verdicts]}
+        torch.distributed.barrier()
+    return results
+
+
 def torchtitan(out: str) -> None:
     """torchtitan's real CheckpointManager (DCP, synchronous) on one gloo rank: the second save (step 4) writes
     the weights rounded to bf16 values (the live masters are put back right after)."""

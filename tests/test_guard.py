@@ -243,6 +243,38 @@ def test_deepspeed_latest_moves_only_to_a_tag_that_passed(deepspeed_story: dict[
     assert deepspeed_story["loaded"] == "global_step2" and deepspeed_story["resumed_step"] == 2
 
 
+@pytest.fixture(scope="session")
+def deepspeed_zero_story(tmp_path_factory: pytest.TempPathFactory) -> list[dict[int, dict[str, Any]]]:
+    import guard_jobs
+
+    return launch_job(guard_jobs.deepspeed_zero, str(tmp_path_factory.mktemp("guard-deepspeed-zero")))
+
+
+@pytest.mark.libs
+@pytest.mark.dist
+@pytest.mark.timeout(600)  # the session fixture (2 ranks, 2 stages, DeepSpeed's start-up) runs under the first one
+@pytest.mark.parametrize(("stage", "optimizer"), [(2, "DeepSpeedZeroOptimizer"), (3, "DeepSpeedZeroOptimizer_Stage3")])
+def test_deepspeed_zero_on_two_ranks_latest_moves_only_to_a_tag_that_passed(
+        deepspeed_zero_story: list[dict[int, dict[str, Any]]], stage: int, optimizer: str) -> None:
+    zero, one = (r[stage] for r in deepspeed_zero_story)
+    assert zero["optimizer"] == optimizer
+    verdicts = [(v["checkpoint"], v["step"], v["ok"]) for v in zero["verdicts"]]
+    assert verdicts == [("global_step2", 2, True), ("global_step4", 4, False)]
+    assert one["verdicts"] == []  # only global rank 0 audits
+    # The masters rounded in the optimizer's own fp32 partitions (every rank's) are what the audit names.
+    bad = zero["verdicts"][1]
+    assert set(bad["codes"]) == {"precision.bf16-rounded"}
+    assert zero["latest_after_each_audit"] == ["global_step2", "global_step2"]
+    assert [r["stopped_at"] for r in (zero, one)] == [4, 4]
+    for r in (zero, one):
+        # (zero_to_fp32.py and zero_to_torch.py: DeepSpeed's own consolidation scripts, written with every ZeRO save.)
+        assert r["listing"] == ["global_step2", "global_step2.ckptaudit.json", "latest",
+                                "quarantined-global_step4", "quarantined-global_step4.ckptaudit.json",
+                                "zero_to_fp32.py", "zero_to_torch.py"]
+        # engine.load_checkpoint(dir) with no tag read `latest` and restored step 2's masters on every rank.
+        assert (r["loaded"], r["resumed_step"], r["loaded_step_2_masters"]) == ("global_step2", 2, True)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # torchtitan's real CheckpointManager (DCP) on one gloo rank
 
