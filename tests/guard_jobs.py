@@ -293,6 +293,8 @@ def deepspeed_zero(ctx: Any, out: str) -> dict[int, dict[str, Any]]:
     ZeRO-3 ``fp32_partitioned_groups_flat``) just before the second save (step 4), and put back right after it:
     the checkpoint holds masters the run never had. Every rank returns, per stage, what it saw."""
     _rank_env(ctx)
+    import gc
+
     import deepspeed as ds
     import torch
 
@@ -357,12 +359,17 @@ def deepspeed_zero(ctx: Any, out: str) -> dict[int, dict[str, Any]]:
                 break
         guard.close(120)
         listing = sorted(os.listdir(ckpts))
+        optimizer = type(e.optimizer).__name__
+        del e  # one engine at a time: ZeRO-3 keeps process-wide state about the parameters it partitions
+        gc.collect()
         resumed = engine(stage)
         path, _ = resumed.load_checkpoint(ckpts)  # DeepSpeed's own resume path: reads `latest`
         assert at_step_2 is not None
         same = all(torch.equal(m, x) for m, x in zip(masters(resumed), at_step_2, strict=True))
+        diff = max(float((m.float() - x.float()).abs().max()) if m.numel() else 0.0
+                   for m, x in zip(masters(resumed), at_step_2, strict=True))
         results[stage] = {
-            "rank": ctx.rank, "optimizer": type(e.optimizer).__name__, "stopped_at": stopped_at, "listing": listing,
+            "rank": ctx.rank, "optimizer": optimizer, "masters_max_diff": diff, "stopped_at": stopped_at, "listing": listing,
             "latest_after_each_audit": latest_after_each_audit,
             "loaded": os.path.basename(os.path.dirname(path)) if path else None,
             "resumed_step": resumed.global_steps, "loaded_step_2_masters": same,

@@ -272,7 +272,7 @@ def test_deepspeed_zero_on_two_ranks_latest_moves_only_to_a_tag_that_passed(
                                 "quarantined-global_step4", "quarantined-global_step4.ckptaudit.json",
                                 "zero_to_fp32.py", "zero_to_torch.py"]
         # engine.load_checkpoint(dir) with no tag read `latest` and restored step 2's masters on every rank.
-        assert (r["loaded"], r["resumed_step"], r["loaded_step_2_masters"]) == ("global_step2", 2, True)
+        assert (r["loaded"], r["resumed_step"], r["loaded_step_2_masters"]) == ("global_step2", 2, True), r
 
 
 # ---------------------------------------------------------------------------------------------------------------
