@@ -387,6 +387,22 @@ def torchtitan(out: str) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    facts = _torchtitan_story(out, "disabled")
+    dist.destroy_process_group()
+    _result(out, **facts)
+
+
+def torchtitan_async(ctx: Any, out: str) -> dict[str, Any]:
+    """(2 ranks, ckptaudit.dist.launch) The torchtitan story with ``async_mode="async"``: ``save`` returns while
+    DCP still writes; the guard audits when the save's future completes. Every rank returns what it saw."""
+    _rank_env(ctx)
+    return {"rank": ctx.rank, **_torchtitan_story(out, "async")}
+
+
+def _torchtitan_story(out: str, async_mode: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torchtitan.components.checkpoint import CheckpointManager
@@ -396,8 +412,6 @@ def torchtitan(out: str) -> None:
     from ckptaudit.integrations.guard import Guard, stop_requested
     from ckptaudit.integrations.torchtitan import guard_checkpoint_manager
 
-    dist.init_process_group("gloo")
-
     def build() -> tuple[Any, Any, Any, Any]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
@@ -406,17 +420,19 @@ def torchtitan(out: str) -> None:
             model_parts=[model])
         sched = LRSchedulersContainer.Config().build(optimizers=opt, training_steps=20)
         mgr = CheckpointManager(CheckpointManager.Config(enable=True, folder="ckpt", interval=2, keep_latest_k=0,
-                                                         last_save_model_only=False),
+                                                         last_save_model_only=False, async_mode=async_mode),
                                 dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched,
                                 states={}, sd_adapter=None, base_folder=out)
         return model, opt, sched, mgr
 
+    rank = dist.get_rank()
     guard = Guard(on_failure="stop")
     model, opt, sched, mgr = build()
     mgr = guard_checkpoint_manager(mgr, guard)
-    stopped_at, at_step_2 = None, None
+    stopped_at, at_step_2, pending_saves = None, None, 0
     for step in range(1, 21):
-        model(torch.randn(4, 32)).square().mean().backward()
+        # The same data on every rank: the replicas stay equal without DDP.
+        model(torch.randn(4, 32, generator=torch.Generator().manual_seed(step))).square().mean().backward()
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -427,11 +443,13 @@ def torchtitan(out: str) -> None:
             with torch.no_grad():
                 for p in model.parameters():
                     p.copy_(p.bfloat16().float())
-        mgr.save(step, last_step=step == 20)
+        written = mgr.save(step, last_step=step == 20)  # async: returns once the state is staged, DCP writing
+        pending_saves += bool(written) and mgr.save_future is not None
         with torch.no_grad():
             for p, x in zip(model.parameters(), exact, strict=True):
                 p.copy_(x)
-        assert guard.wait(120)  # SlowSteps: a step longer than the audit
+        if rank == 0:
+            assert guard.wait(120)  # SlowSteps: a step longer than the save and its audit
         if stop_requested(guard):
             stopped_at = step
             break
@@ -443,9 +461,8 @@ def torchtitan(out: str) -> None:
     assert at_step_2 is not None
     same = all(torch.equal(p, x) for p, x in zip(fresh.parameters(), at_step_2, strict=True))
     mgr2.close()
-    dist.destroy_process_group()
-    _result(out, stopped_at=stopped_at, listing=listing, loaded=loaded, loaded_step_2_weights=same,
-            verdicts=[_verdict(v) for v in guard.verdicts])
+    return dict(stopped_at=stopped_at, listing=listing, loaded=loaded, loaded_step_2_weights=same,
+                saves_still_writing_when_save_returned=pending_saves, verdicts=[_verdict(v) for v in guard.verdicts])
 
 
 def _verdict(v: Any) -> dict[str, Any]:

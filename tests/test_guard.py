@@ -296,3 +296,22 @@ def test_torchtitan_newest_step_is_never_one_that_failed(torchtitan_story: dict[
                                            "step_4.ckptaudit.json"]
     # CheckpointManager.load() (the newest valid step) restored step 2's weights.
     assert torchtitan_story["loaded"] is True and torchtitan_story["loaded_step_2_weights"] is True
+
+
+@pytest.mark.libs
+@pytest.mark.dist
+def test_torchtitan_async_save_is_audited_when_its_future_completes(tmp_path: Path) -> None:
+    import guard_jobs
+
+    ranks = launch_job(guard_jobs.torchtitan_async, str(tmp_path / "out"))
+    zero, one = ranks
+    verdicts = [(v["checkpoint"], v["step"], v["ok"], v["report"]) for v in zero["verdicts"]]
+    assert verdicts == [("step-2", 2, True, "step_2.ckptaudit.json"), ("step-4", 4, False, "step_4.ckptaudit.json")]
+    assert set(zero["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
+    assert one["verdicts"] == []  # only rank 0 audits
+    assert [r["stopped_at"] for r in ranks] == [4, 4]
+    # Both saves returned with their future still held by the manager (really asynchronous).
+    assert [r["saves_still_writing_when_save_returned"] for r in ranks] == [2, 2]
+    for r in ranks:
+        assert r["listing"] == ["quarantined-step_4", "step-2", "step_2.ckptaudit.json", "step_4.ckptaudit.json"]
+        assert r["loaded"] is True and r["loaded_step_2_weights"] is True

@@ -33,7 +33,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptaudit.formats.quarantine import REPORT_SUFFIX, is_quarantined, quarantine_name
@@ -86,6 +87,8 @@ class _Job:
     signature: tuple[int, int, int] | None
     """(inode, mtime_ns, size) at submit: a checkpoint replaced since (Lightning rewrites ``last.ckpt``) is not
     the one audited, and is never quarantined for it."""
+    ready: Future[Any] | None = None
+    """An asynchronous save's future: the worker waits for it (never the training loop) before the audit."""
 
 
 def _signature(path: str) -> tuple[int, int, int] | None:
@@ -130,8 +133,12 @@ class Guard:
 
     def submit(self, checkpoint: str, *, step: int | None = None,
                quarantine: Callable[[str], str | None] | None = None,
-               on_pass: Callable[[str], None] | None = None, report: str | None = None) -> None:
+               on_pass: Callable[[str], None] | None = None, report: str | None = None,
+               ready: Future[Any] | None = None) -> None:
         """Queue ``checkpoint`` (just saved, complete) for an audit; returns at once.
+
+        ``ready``: the future of an asynchronous save still writing ``checkpoint``; the worker waits for it
+        before the audit (a save that fails gives a *not judged* verdict), and the queue keeps its place.
 
         ``report``: where to write the JSON report instead of ``<checkpoint>.ckptaudit.json`` (it then stays
         there when the checkpoint is quarantined).
@@ -149,7 +156,7 @@ class Guard:
             self._thread = threading.Thread(target=self._work, name="ckptaudit-guard", daemon=True)
             self._thread.start()
         self._jobs.put(_Job(checkpoint, step, quarantine, on_pass, time.monotonic(),
-                            report or report_path(checkpoint), _signature(checkpoint)))
+                            report or report_path(checkpoint), None if ready else _signature(checkpoint), ready))
 
     def should_stop(self) -> bool:
         """True once a checkpoint failed and ``on_failure="stop"``: stop at this step boundary."""
@@ -210,6 +217,15 @@ class Guard:
             self._stop_child()
 
     def _judge(self, job: _Job) -> Verdict:
+        if job.ready is not None:
+            try:
+                job.ready.result()
+            except Exception as exc:  # noqa: BLE001 - a failed save is reported, never kills the worker
+                log.warning("ckptaudit guard: the asynchronous save of %s failed (%s: %s); not judged",
+                            job.checkpoint, type(exc).__name__, exc)
+                return Verdict(job.checkpoint, job.step, None, "not judged", (), None, None, 0.0,
+                               time.monotonic() - job.submitted, f"the save failed: {type(exc).__name__}: {exc}")
+            job = replace(job, signature=_signature(job.checkpoint), ready=None)
         start = time.monotonic()
         queued = start - job.submitted
         where = job.report
