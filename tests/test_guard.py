@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,34 @@ def test_an_audit_that_cannot_run_is_not_judged(tmp_path: Path, caplog: pytest.L
     assert v.ok is None and v.quarantined_to is None and "does not exist" in v.error
     assert not guard.should_stop()
     assert "was not judged" in caplog.text
+
+
+def test_an_asynchronous_save_is_audited_once_its_future_completes(tmp_path: Path) -> None:
+    target = tmp_path / "step=4.ckpt"
+    writing: Future[None] = Future()
+    guard = Guard(on_failure="stop", background="thread")
+    guard.submit(str(target), step=4, ready=writing)  # the file does not exist yet: the save is still writing
+    assert not guard.wait(0.5) and guard.pending == 1  # the worker waits for the future, not for a timeout
+    trained(target, rounded=True)
+    writing.set_result(None)
+    assert guard.close(60)
+    (v,) = guard.verdicts
+    assert v.ok is False and set(v.codes) == {"precision.bf16-rounded"} and v.quarantined_to == str(target) + ".quarantined"
+    assert guard.should_stop()
+
+
+def test_an_asynchronous_save_that_failed_is_not_judged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    target = trained(tmp_path / "step=2.ckpt", rounded=True)
+    failed: Future[None] = Future()
+    failed.set_exception(OSError("No space left on device"))
+    guard = Guard(on_failure="stop", background="thread")
+    with caplog.at_level(logging.WARNING, logger="ckptaudit.guard"):
+        guard.submit(str(target), step=2, ready=failed)
+        assert guard.close(60)
+    (v,) = guard.verdicts
+    assert v.ok is None and v.quarantined_to is None and "No space left on device" in v.error
+    assert target.exists() and not guard.should_stop()
+    assert "the asynchronous save of" in caplog.text and "not judged" in caplog.text
 
 
 def test_saves_during_an_audit_queue_in_order_and_are_logged(tmp_path: Path,
