@@ -327,6 +327,19 @@ def deepspeed_zero(ctx: Any, out: str) -> dict[int, dict[str, Any]]:
         return list(opt.fp32_partitioned_groups_flat if e.zero_optimization_stage() == 3
                     else opt.single_partition_of_fp32_groups)
 
+    def real(e: Any) -> list[Any]:
+        """This rank's master elements without the padding (left uninitialized: NaN or anything)."""
+        opt, out = e.optimizer, []
+        if e.zero_optimization_stage() < 3:  # one flat partition per group; the padding at its end
+            return [flat[:flat.numel() - pad] for flat, pad in zip(masters(e), opt.groups_padding, strict=True)]
+        for flat, params in zip(masters(e), opt.fp16_groups, strict=True):  # each parameter's padded partition
+            offset = 0
+            for p in params:
+                part = p.partition_numel()
+                out.append(flat[offset:offset + max(0, min(p.ds_numel - ctx.rank * part, part))])
+                offset += part
+        return out
+
     results: dict[int, dict[str, Any]] = {}
     for stage in (2, 3):
         ckpts = os.path.join(out, f"zero{stage}")
@@ -341,7 +354,7 @@ def deepspeed_zero(ctx: Any, out: str) -> dict[int, dict[str, Any]]:
             if step % 2 == 0:
                 exact = [m.detach().clone() for m in masters(e)]
                 if step == 2:
-                    at_step_2 = exact
+                    at_step_2 = [m.detach().clone() for m in real(e)]
                 if step == 4:
                     with torch.no_grad():
                         for m in masters(e):
@@ -365,9 +378,9 @@ def deepspeed_zero(ctx: Any, out: str) -> dict[int, dict[str, Any]]:
         resumed = engine(stage)
         path, _ = resumed.load_checkpoint(ckpts)  # DeepSpeed's own resume path: reads `latest`
         assert at_step_2 is not None
-        same = all(torch.equal(m, x) for m, x in zip(masters(resumed), at_step_2, strict=True))
+        same = all(torch.equal(m, x) for m, x in zip(real(resumed), at_step_2, strict=True))
         diff = max(float((m.float() - x.float()).abs().max()) if m.numel() else 0.0
-                   for m, x in zip(masters(resumed), at_step_2, strict=True))
+                   for m, x in zip(real(resumed), at_step_2, strict=True))
         results[stage] = {
             "rank": ctx.rank, "optimizer": optimizer, "masters_max_diff": diff, "stopped_at": stopped_at, "listing": listing,
             "latest_after_each_audit": latest_after_each_audit,
