@@ -37,6 +37,24 @@ def _dataset(n: int = 64, seq: int = 8) -> Any:
 
 
 def hf(out: str) -> None:
+    _result(out, **_hf_story(out))
+
+
+def hf_ddp(ctx: Any, out: str) -> dict[str, Any]:
+    """(2 ranks, ckptaudit.dist.launch) The Trainer story with DDP through accelerate on CPU (gloo): the group
+    launch made is the one accelerate uses. Every rank returns what it saw."""
+    _rank_env(ctx)
+    return {"rank": ctx.rank, **_hf_story(out)}
+
+
+def _rank_env(ctx: Any) -> None:
+    """The torchrun-style variables the libraries read to find their rank (the process group already exists)."""
+    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(ctx.rank),
+                      LOCAL_WORLD_SIZE=str(ctx.world_size), NODE_RANK="0", GROUP_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+
+
+def _hf_story(out: str) -> dict[str, Any]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
     from transformers.trainer_utils import get_last_checkpoint
@@ -83,16 +101,29 @@ def hf(out: str) -> None:
     trainer.train()
     stopped_at = trainer.state.global_step
     listing = sorted(os.listdir(out))
+    files = {n: sorted(os.listdir(os.path.join(out, n))) for n in listing if os.path.isdir(os.path.join(out, n))}
     last = get_last_checkpoint(out)
     # The library's own resume path, in a new Trainer (no guard: what the user runs after the crash).
     resumed = Trainer(model=model(), args=args(stopped_at + 2), train_dataset=_dataset(), callbacks=[Seen()])
     resumed.train(resume_from_checkpoint=True)
-    _result(out, stopped_at=stopped_at, listing=listing, get_last_checkpoint=os.path.basename(last or ""),
-            resumed_from_step=Seen.begin_step, resumed_to_step=resumed.state.global_step,
-            verdicts=[_verdict(v) for v in guard.verdicts])
+    guard.guard.close(120)  # the worker process is reaped here, not left to the interpreter's exit
+    return dict(stopped_at=stopped_at, listing=listing, files=files, get_last_checkpoint=os.path.basename(last or ""),
+                resumed_from_step=Seen.begin_step, resumed_to_step=resumed.state.global_step,
+                verdicts=[_verdict(v) for v in guard.verdicts])
 
 
 def lightning(out: str) -> None:
+    _result(out, **_lightning_story(out))
+
+
+def lightning_ddp(ctx: Any, out: str) -> dict[str, Any]:
+    """(2 ranks, ckptaudit.dist.launch) The Lightning story with ``strategy="ddp"`` on CPU (gloo): Lightning
+    finds the ranks in the environment and the process group launch made. Every rank returns what it saw."""
+    _rank_env(ctx)
+    return {"rank": ctx.rank, **_lightning_story(out, ddp=True)}
+
+
+def _lightning_story(out: str, ddp: bool = False) -> dict[str, Any]:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -136,7 +167,8 @@ def lightning(out: str) -> None:
     def trainer(max_steps: int, *callbacks: Any) -> Any:
         ckpt = ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), every_n_train_steps=2, save_top_k=-1,
                                save_last=True)
-        return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=2 if ddp else 1,
+                         strategy="ddp" if ddp else "auto", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=out, callbacks=[*callbacks, ckpt])
 
     torch.manual_seed(0)
@@ -148,9 +180,10 @@ def lightning(out: str) -> None:
     last_state = torch.load(last, map_location="cpu", weights_only=True)
     second = trainer(stopped_at + 2, Seen())
     second.fit(LitGPT(), loader(), ckpt_path="last")
-    _result(out, stopped_at=stopped_at, listing=listing, last_is_link=os.path.islink(last),
-            last_global_step=last_state["global_step"], resumed_from_step=Seen.start_step,
-            resumed_to_step=second.global_step, verdicts=[_verdict(v) for v in guard.verdicts])
+    guard.guard.close(120)
+    return dict(stopped_at=stopped_at, listing=listing, last_is_link=os.path.islink(last),
+                last_global_step=last_state["global_step"], resumed_from_step=Seen.start_step,
+                resumed_to_step=second.global_step, verdicts=[_verdict(v) for v in guard.verdicts])
 
 
 def store(ctx: Any, root: str) -> dict[str, Any] | None:
@@ -254,6 +287,110 @@ def deepspeed(out: str) -> None:
             verdicts=[_verdict(v) for v in guard.verdicts])
 
 
+def deepspeed_zero(ctx: Any, out: str) -> dict[int, dict[str, Any]]:
+    """(2 ranks, ckptaudit.dist.launch) DeepSpeed ZeRO-2 then ZeRO-3, bf16 engine, CPU, gloo: the masters are
+    rounded to bf16 values in the optimizer's own fp32 partitions (ZeRO-1/2 ``single_partition_of_fp32_groups``,
+    ZeRO-3 ``fp32_partitioned_groups_flat``) just before the second save (step 4), and put back right after it:
+    the checkpoint holds masters the run never had. Every rank returns, per stage, what it saw."""
+    _rank_env(ctx)
+    import gc
+
+    import deepspeed as ds
+    import torch
+
+    from ckptaudit.integrations.deepspeed import save_checkpoint
+    from ckptaudit.integrations.guard import Guard, stop_requested
+
+    ds.init_distributed(dist_backend="gloo")  # joins the group ckptaudit.dist.launch made
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # Odd sizes: ZeRO pads the flat partitions, so a reader that ignores padding misplaces parameters.
+            self.body = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Linear(13, 4))
+
+        def forward(self, x: Any) -> Any:
+            return self.body(x)
+
+    def engine(stage: int) -> Any:
+        torch.manual_seed(0)
+        model = Tiny()
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+               "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                            "warmup_num_steps": 10}}}
+        return ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+    def masters(e: Any) -> list[Any]:
+        opt = e.optimizer
+        return list(opt.fp32_partitioned_groups_flat if e.zero_optimization_stage() == 3
+                    else opt.single_partition_of_fp32_groups)
+
+    def real(e: Any) -> list[Any]:
+        """This rank's master elements without the padding (left uninitialized: NaN or anything)."""
+        opt, out = e.optimizer, []
+        if e.zero_optimization_stage() < 3:  # one flat partition per group; the padding at its end
+            return [flat[:flat.numel() - pad] for flat, pad in zip(masters(e), opt.groups_padding, strict=True)]
+        for flat, params in zip(masters(e), opt.fp16_groups, strict=True):  # each parameter's padded partition
+            offset = 0
+            for p in params:
+                part = p.partition_numel()
+                out.append(flat[offset:offset + max(0, min(p.ds_numel - ctx.rank * part, part))])
+                offset += part
+        return out
+
+    results: dict[int, dict[str, Any]] = {}
+    for stage in (2, 3):
+        ckpts = os.path.join(out, f"zero{stage}")
+        guard = Guard(on_failure="stop")
+        e = engine(stage)
+        gen = torch.Generator().manual_seed(ctx.rank)
+        stopped_at, at_step_2 = None, None
+        latest_after_each_audit = []
+        for step in range(1, 21):
+            e.backward(e(torch.randn(2, 7, generator=gen).bfloat16()).float().pow(2).mean())
+            e.step()
+            if step % 2 == 0:
+                exact = [m.detach().clone() for m in masters(e)]
+                if step == 2:
+                    at_step_2 = [m.detach().clone() for m in real(e)]
+                if step == 4:
+                    with torch.no_grad():
+                        for m in masters(e):
+                            m.copy_(m.bfloat16().float())
+                save_checkpoint(e, ckpts, guard=guard)
+                with torch.no_grad():
+                    for m, x in zip(masters(e), exact, strict=True):
+                        m.copy_(x)
+                if ctx.rank == 0:
+                    assert guard.wait(120)  # SlowSteps: a step longer than the audit
+                    latest = os.path.join(ckpts, "latest")
+                    latest_after_each_audit.append(open(latest).read() if os.path.exists(latest) else None)
+            if stop_requested(guard):  # all ranks, the same answer
+                stopped_at = step
+                break
+        guard.close(120)
+        listing = sorted(os.listdir(ckpts))
+        optimizer = type(e.optimizer).__name__
+        del e  # one engine at a time: ZeRO-3 keeps process-wide state about the parameters it partitions
+        gc.collect()
+        resumed = engine(stage)
+        path, _ = resumed.load_checkpoint(ckpts)  # DeepSpeed's own resume path: reads `latest`
+        assert at_step_2 is not None
+        same = all(torch.equal(m, x) for m, x in zip(real(resumed), at_step_2, strict=True))
+        diff = max(float((m.float() - x.float()).abs().max()) if m.numel() else 0.0
+                   for m, x in zip(real(resumed), at_step_2, strict=True))
+        results[stage] = {
+            "rank": ctx.rank, "optimizer": optimizer, "masters_max_diff": diff, "stopped_at": stopped_at, "listing": listing,
+            "latest_after_each_audit": latest_after_each_audit,
+            "loaded": os.path.basename(os.path.dirname(path)) if path else None,
+            "resumed_step": resumed.global_steps, "loaded_step_2_masters": same,
+            "verdicts": [_verdict(v) for v in guard.verdicts]}
+        torch.distributed.barrier()
+    return results
+
+
 def torchtitan(out: str) -> None:
     """torchtitan's real CheckpointManager (DCP, synchronous) on one gloo rank: the second save (step 4) writes
     the weights rounded to bf16 values (the live masters are put back right after)."""
@@ -263,6 +400,22 @@ def torchtitan(out: str) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    facts = _torchtitan_story(out, "disabled")
+    dist.destroy_process_group()
+    _result(out, **facts)
+
+
+def torchtitan_async(ctx: Any, out: str) -> dict[str, Any]:
+    """(2 ranks, ckptaudit.dist.launch) The torchtitan story with ``async_mode="async"``: ``save`` returns while
+    DCP still writes; the guard audits when the save's future completes. Every rank returns what it saw."""
+    _rank_env(ctx)
+    return {"rank": ctx.rank, **_torchtitan_story(out, "async")}
+
+
+def _torchtitan_story(out: str, async_mode: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torchtitan.components.checkpoint import CheckpointManager
@@ -272,8 +425,6 @@ def torchtitan(out: str) -> None:
     from ckptaudit.integrations.guard import Guard, stop_requested
     from ckptaudit.integrations.torchtitan import guard_checkpoint_manager
 
-    dist.init_process_group("gloo")
-
     def build() -> tuple[Any, Any, Any, Any]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
@@ -282,17 +433,19 @@ def torchtitan(out: str) -> None:
             model_parts=[model])
         sched = LRSchedulersContainer.Config().build(optimizers=opt, training_steps=20)
         mgr = CheckpointManager(CheckpointManager.Config(enable=True, folder="ckpt", interval=2, keep_latest_k=0,
-                                                         last_save_model_only=False),
+                                                         last_save_model_only=False, async_mode=async_mode),
                                 dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched,
                                 states={}, sd_adapter=None, base_folder=out)
         return model, opt, sched, mgr
 
+    rank = dist.get_rank()
     guard = Guard(on_failure="stop")
     model, opt, sched, mgr = build()
     mgr = guard_checkpoint_manager(mgr, guard)
-    stopped_at, at_step_2 = None, None
+    stopped_at, at_step_2, pending_saves = None, None, 0
     for step in range(1, 21):
-        model(torch.randn(4, 32)).square().mean().backward()
+        # The same data on every rank: the replicas stay equal without DDP.
+        model(torch.randn(4, 32, generator=torch.Generator().manual_seed(step))).square().mean().backward()
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -303,11 +456,13 @@ def torchtitan(out: str) -> None:
             with torch.no_grad():
                 for p in model.parameters():
                     p.copy_(p.bfloat16().float())
-        mgr.save(step, last_step=step == 20)
+        written = mgr.save(step, last_step=step == 20)  # async: returns once the state is staged, DCP writing
+        pending_saves += bool(written) and mgr.save_future is not None
         with torch.no_grad():
             for p, x in zip(model.parameters(), exact, strict=True):
                 p.copy_(x)
-        assert guard.wait(120)  # SlowSteps: a step longer than the audit
+        if rank == 0:
+            assert guard.wait(120)  # SlowSteps: a step longer than the save and its audit
         if stop_requested(guard):
             stopped_at = step
             break
@@ -319,9 +474,8 @@ def torchtitan(out: str) -> None:
     assert at_step_2 is not None
     same = all(torch.equal(p, x) for p, x in zip(fresh.parameters(), at_step_2, strict=True))
     mgr2.close()
-    dist.destroy_process_group()
-    _result(out, stopped_at=stopped_at, listing=listing, loaded=loaded, loaded_step_2_weights=same,
-            verdicts=[_verdict(v) for v in guard.verdicts])
+    return dict(stopped_at=stopped_at, listing=listing, loaded=loaded, loaded_step_2_weights=same,
+                saves_still_writing_when_save_returned=pending_saves, verdicts=[_verdict(v) for v in guard.verdicts])
 
 
 def _verdict(v: Any) -> dict[str, Any]:
@@ -336,6 +490,22 @@ def _result(out: str, **facts: Any) -> None:
         json.dump(facts, fh, indent=1)
 
 
+JOB_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true", "DS_ACCELERATOR": "cpu"}
+"""The environment of every job: offline, one thread per process, DeepSpeed on the CPU."""
+
+
+def launch_job(fn: Any, out: str, *args: Any, timeout_s: float = 600) -> list[dict[str, Any]]:
+    """(test process) Run ``fn(ctx, out, *args)`` on 2 real gloo ranks (ckptaudit.dist.launch: a timeout on
+    the group and on every child, every child reaped); what each rank returned, in rank order."""
+    from ckptaudit.dist.launch import launch
+
+    os.makedirs(out, exist_ok=True)
+    results: list[dict[str, Any]] = launch(fn, 2, (out, *args), timeout_s=timeout_s, pg_timeout_s=240,
+                                           backend="gloo", env=dict(JOB_ENV))
+    return results
+
+
 def run_job(what: str, out: str, timeout_s: float = 600) -> dict[str, Any]:
     """(test process) Run job ``what`` in a fresh interpreter, offline; its ``result.json``, or raise with its
     output."""
@@ -343,9 +513,7 @@ def run_job(what: str, out: str, timeout_s: float = 600) -> dict[str, Any]:
     from pathlib import Path
 
     src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, **JOB_ENV, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), what, out], env=env, cwd=out,
                           capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode != 0:

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 from ckptaudit.cli import main
 from ckptaudit.integrations.guard import Guard, report_path
 from ckptaudit.schema import validate
-from guard_jobs import run_job
+from guard_jobs import launch_job, run_job
 from test_api import trained
 
 
@@ -59,6 +60,34 @@ def test_an_audit_that_cannot_run_is_not_judged(tmp_path: Path, caplog: pytest.L
     assert v.ok is None and v.quarantined_to is None and "does not exist" in v.error
     assert not guard.should_stop()
     assert "was not judged" in caplog.text
+
+
+def test_an_asynchronous_save_is_audited_once_its_future_completes(tmp_path: Path) -> None:
+    target = tmp_path / "step=4.ckpt"
+    writing: Future[None] = Future()
+    guard = Guard(on_failure="stop", background="thread")
+    guard.submit(str(target), step=4, ready=writing)  # the file does not exist yet: the save is still writing
+    assert not guard.wait(0.5) and guard.pending == 1  # the worker waits for the future, not for a timeout
+    trained(target, rounded=True)
+    writing.set_result(None)
+    assert guard.close(60)
+    (v,) = guard.verdicts
+    assert v.ok is False and set(v.codes) == {"precision.bf16-rounded"} and v.quarantined_to == str(target) + ".quarantined"
+    assert guard.should_stop()
+
+
+def test_an_asynchronous_save_that_failed_is_not_judged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    target = trained(tmp_path / "step=2.ckpt", rounded=True)
+    failed: Future[None] = Future()
+    failed.set_exception(OSError("No space left on device"))
+    guard = Guard(on_failure="stop", background="thread")
+    with caplog.at_level(logging.WARNING, logger="ckptaudit.guard"):
+        guard.submit(str(target), step=2, ready=failed)
+        assert guard.close(60)
+    (v,) = guard.verdicts
+    assert v.ok is None and v.quarantined_to is None and "No space left on device" in v.error
+    assert target.exists() and not guard.should_stop()
+    assert "the asynchronous save of" in caplog.text and "not judged" in caplog.text
 
 
 def test_saves_during_an_audit_queue_in_order_and_are_logged(tmp_path: Path,
@@ -123,6 +152,28 @@ def test_trainer_stops_after_the_lossy_save_and_resumes_from_the_good_one(hf_sto
     assert hf_story["resumed_from_step"] == 2 and hf_story["resumed_to_step"] == 7
 
 
+@pytest.mark.libs
+@pytest.mark.dist
+def test_trainer_on_two_ranks_stops_on_both_after_the_lossy_save(tmp_path: Path) -> None:
+    import guard_jobs
+
+    ranks = launch_job(guard_jobs.hf_ddp, str(tmp_path / "out"))
+    zero, one = ranks
+    assert [(v["checkpoint"], v["ok"]) for v in zero["verdicts"]] == [("checkpoint-2", True), ("checkpoint-4", False)]
+    assert set(zero["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
+    assert one["verdicts"] == []  # only rank 0 audits
+    # Both ranks left train() at the same step boundary, the first step end after the failing audit.
+    assert [r["stopped_at"] for r in ranks] == [5, 5]
+    for r in ranks:
+        # Every rank's files (rng_state_<rank>.pth) were written before the move: no half checkpoint-4 is left.
+        assert r["listing"] == ["checkpoint-2", "checkpoint-2.ckptaudit.json", "quarantined-checkpoint-4",
+                                "quarantined-checkpoint-4.ckptaudit.json"]
+        assert r["get_last_checkpoint"] == "checkpoint-2"
+        assert (r["resumed_from_step"], r["resumed_to_step"]) == (2, 7)
+        assert r["files"]["quarantined-checkpoint-4"] == r["files"]["checkpoint-2"]
+        assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(r["files"]["checkpoint-2"])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The real Lightning Trainer on CPU (ModelCheckpoint every 2 steps, save_last=True)
 
@@ -147,6 +198,28 @@ def test_lightning_stops_after_the_lossy_save_and_last_resumes_the_good_one(ligh
     # Lightning's own ckpt_path="last" resumed from it.
     assert lightning_story["last_global_step"] == 2 and not lightning_story["last_is_link"]
     assert lightning_story["resumed_from_step"] == 2 and lightning_story["resumed_to_step"] == 7
+
+
+@pytest.mark.libs
+@pytest.mark.dist
+def test_lightning_ddp_on_two_ranks_stops_on_both_after_the_lossy_save(tmp_path: Path) -> None:
+    import guard_jobs
+
+    ranks = launch_job(guard_jobs.lightning_ddp, str(tmp_path / "out"))
+    zero, one = ranks
+    assert [(v["checkpoint"], v["step"], v["ok"]) for v in zero["verdicts"]] == [
+        ("epoch=0-step=2.ckpt", 2, True), ("last.ckpt", 2, True),
+        ("epoch=0-step=4.ckpt", 4, False), ("last.ckpt", 4, False)]
+    assert one["verdicts"] == []  # only the global-zero process audits
+    assert [r["stopped_at"] for r in ranks] == [5, 5]
+    for r in ranks:
+        assert r["listing"] == [
+            "epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.ckptaudit.json",
+            "epoch=0-step=4.ckpt.quarantined", "epoch=0-step=4.ckpt.quarantined.ckptaudit.json",
+            "last.ckpt", "last.ckpt.quarantined", "last.ckpt.quarantined.ckptaudit.json"]
+        # ckpt_path="last" (a copy of step 2 now) resumed both ranks at step 2.
+        assert r["last_global_step"] == 2 and not r["last_is_link"]
+        assert (r["resumed_from_step"], r["resumed_to_step"]) == (2, 7)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -199,6 +272,38 @@ def test_deepspeed_latest_moves_only_to_a_tag_that_passed(deepspeed_story: dict[
     assert deepspeed_story["loaded"] == "global_step2" and deepspeed_story["resumed_step"] == 2
 
 
+@pytest.fixture(scope="session")
+def deepspeed_zero_story(tmp_path_factory: pytest.TempPathFactory) -> list[dict[int, dict[str, Any]]]:
+    import guard_jobs
+
+    return launch_job(guard_jobs.deepspeed_zero, str(tmp_path_factory.mktemp("guard-deepspeed-zero")))
+
+
+@pytest.mark.libs
+@pytest.mark.dist
+@pytest.mark.timeout(600)  # the session fixture (2 ranks, 2 stages, DeepSpeed's start-up) runs under the first one
+@pytest.mark.parametrize(("stage", "optimizer"), [(2, "DeepSpeedZeroOptimizer"), (3, "DeepSpeedZeroOptimizer_Stage3")])
+def test_deepspeed_zero_on_two_ranks_latest_moves_only_to_a_tag_that_passed(
+        deepspeed_zero_story: list[dict[int, dict[str, Any]]], stage: int, optimizer: str) -> None:
+    zero, one = (r[stage] for r in deepspeed_zero_story)
+    assert zero["optimizer"] == optimizer
+    verdicts = [(v["checkpoint"], v["step"], v["ok"]) for v in zero["verdicts"]]
+    assert verdicts == [("global_step2", 2, True), ("global_step4", 4, False)]
+    assert one["verdicts"] == []  # only global rank 0 audits
+    # The masters rounded in the optimizer's own fp32 partitions (every rank's) are what the audit names.
+    bad = zero["verdicts"][1]
+    assert set(bad["codes"]) == {"precision.bf16-rounded"}
+    assert zero["latest_after_each_audit"] == ["global_step2", "global_step2"]
+    assert [r["stopped_at"] for r in (zero, one)] == [4, 4]
+    for r in (zero, one):
+        # (zero_to_fp32.py and zero_to_torch.py: DeepSpeed's own consolidation scripts, written with every ZeRO save.)
+        assert r["listing"] == ["global_step2", "global_step2.ckptaudit.json", "latest",
+                                "quarantined-global_step4", "quarantined-global_step4.ckptaudit.json",
+                                "zero_to_fp32.py", "zero_to_torch.py"]
+        # engine.load_checkpoint(dir) with no tag read `latest` and restored step 2's masters on every rank.
+        assert (r["loaded"], r["resumed_step"], r["loaded_step_2_masters"]) == ("global_step2", 2, True), r
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # torchtitan's real CheckpointManager (DCP) on one gloo rank
 
@@ -220,3 +325,22 @@ def test_torchtitan_newest_step_is_never_one_that_failed(torchtitan_story: dict[
                                            "step_4.ckptaudit.json"]
     # CheckpointManager.load() (the newest valid step) restored step 2's weights.
     assert torchtitan_story["loaded"] is True and torchtitan_story["loaded_step_2_weights"] is True
+
+
+@pytest.mark.libs
+@pytest.mark.dist
+def test_torchtitan_async_save_is_audited_when_its_future_completes(tmp_path: Path) -> None:
+    import guard_jobs
+
+    ranks = launch_job(guard_jobs.torchtitan_async, str(tmp_path / "out"))
+    zero, one = ranks
+    verdicts = [(v["checkpoint"], v["step"], v["ok"], v["report"]) for v in zero["verdicts"]]
+    assert verdicts == [("step-2", 2, True, "step_2.ckptaudit.json"), ("step-4", 4, False, "step_4.ckptaudit.json")]
+    assert set(zero["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
+    assert one["verdicts"] == []  # only rank 0 audits
+    assert [r["stopped_at"] for r in ranks] == [4, 4]
+    # Both saves returned with their future still held by the manager (really asynchronous).
+    assert [r["saves_still_writing_when_save_returned"] for r in ranks] == [2, 2]
+    for r in ranks:
+        assert r["listing"] == ["quarantined-step_4", "step-2", "step_2.ckptaudit.json", "step_4.ckptaudit.json"]
+        assert r["loaded"] is True and r["loaded_step_2_weights"] is True

@@ -10,7 +10,10 @@ See ``docs/integrations/lightning.md``.
 
 Which process runs what: every process gets the callback; the global-zero process audits each file after
 ``trainer.save_checkpoint`` returns (all ranks have passed its barrier, the file is complete), in the background.
-Weights-only saves (``save_weights_only=True``) are not training checkpoints and are not audited.
+Weights-only saves (``save_weights_only=True``) are not training checkpoints and are not audited. With several
+processes (``strategy="ddp"``) and ``on_failure="stop"``, at each batch end every rank takes the global-zero
+process's decision through ``trainer.strategy.reduce_boolean_decision`` (one one-element all-reduce per batch, as
+``EarlyStopping`` does per check) and sets ``trainer.should_stop``, so all ranks stop at the same step.
 
 A failed ``*.ckpt`` becomes ``*.ckpt.quarantined``: ``ckpt_path="last"`` takes the newest ``last*.ckpt`` and
 nothing else, and ``ckptaudit latest`` only ``*.ckpt``. Every ``last*.ckpt`` that then holds the failed state (a
@@ -64,11 +67,6 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._wrapped is trainer:
             return
-        if self.guard.on_failure == "stop" and trainer.world_size > 1:
-            raise ValueError(
-                f"ckptaudit AuditCallback(on_failure='stop') with {trainer.world_size} processes: the stop decision "
-                "is made on the global-zero process only and is not shared with the others yet; use "
-                "on_failure='warn' (the failed checkpoint is still quarantined)")
         original = trainer.save_checkpoint
 
         def save_checkpoint(filepath: Any, weights_only: bool | None = None, storage_options: Any = None) -> None:
@@ -85,7 +83,11 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
             self._wrapped = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        if self.guard.should_stop():
+        stop = self.guard.should_stop()  # only the global-zero process audits: False on the others
+        if trainer.world_size > 1:
+            # Every rank agrees, as EarlyStopping does: True on all when the global-zero process says so.
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop:
             trainer.should_stop = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -36,15 +36,11 @@ log = logging.getLogger("ckptaudit.guard")
 
 def guard_checkpoint_manager(manager: Any, guard: Guard) -> Any:
     """(all ranks) Wrap ``manager.save`` (an instance attribute over the method) so that every checkpoint it
-    writes is audited; returns ``manager``. Raises ``ValueError`` for an asynchronous ``async_mode``, whose files
-    are not complete when ``save`` returns."""
+    writes is audited; returns ``manager``. With ``async_mode="async"`` (or ``"async_with_pinned_mem"``) the
+    files are still being written when ``save`` returns: rank 0 queues the audit with the save's future
+    (``manager.save_future``), and the guard's worker waits for it, never the training loop."""
     if not getattr(manager, "enable", False):
         return manager
-    mode = getattr(getattr(manager, "async_mode", None), "value", "disabled")
-    if mode != "disabled":
-        raise ValueError(f"ckptaudit torchtitan guard: checkpoint async_mode={mode!r}: the files are not complete "
-                         "when CheckpointManager.save returns, so they cannot be audited then; use "
-                         "async_mode='disabled'")
     original = manager.save
 
     def save(curr_step: int, last_step: bool = False) -> bool:
@@ -55,9 +51,12 @@ def guard_checkpoint_manager(manager: Any, guard: Guard) -> Any:
                 log.info("ckptaudit guard: the last save of step %d is model-only (last_save_model_only / "
                          "last_save_in_hf), not a training checkpoint; not audited", curr_step)
             else:
+                # Asynchronous modes: rank 0's future completes once every rank has written and rank 0 (the
+                # coordinator) has written .metadata; synchronous: None, the files are complete.
                 guard.submit(os.path.join(manager.folder, f"step-{curr_step}"), step=curr_step,
                              quarantine=quarantine,
-                             report=os.path.join(manager.folder, f"step_{curr_step}{REPORT_SUFFIX}"))
+                             report=os.path.join(manager.folder, f"step_{curr_step}{REPORT_SUFFIX}"),
+                             ready=getattr(manager, "save_future", None))
         return written
 
     manager.save = save

@@ -11,6 +11,12 @@ the one that writes ``checkpoint-N``'s model, trainer state and rotation) audits
 ``checkpoint-N`` is renamed ``quarantined-checkpoint-N``: ``get_last_checkpoint`` (used by
 ``resume_from_checkpoint=True``) only matches ``checkpoint-<digits>``, and Trainer's rotation
 (``save_total_limit``) only globs ``checkpoint-*``, so it is neither resumed from nor counted or deleted.
+
+With several processes (DDP through accelerate, ``torchrun``): at each save every rank waits at a barrier in
+``on_save`` (all ranks have written their files, ``rng_state_<rank>.pth`` included, before rank 0 audits or
+moves them); with ``on_failure="stop"``, at each step end every rank takes rank 0's decision from
+:func:`~ckptaudit.integrations.guard.stop_requested` (one 4-byte all-reduce per step) and sets
+``control.should_training_stop``, so all ranks leave the loop at the same step.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ckptaudit.integrations.guard import Guard, Verdict
+from ckptaudit.integrations.guard import Guard, Verdict, stop_requested
 
 __all__ = ["AuditCallback"]
 
@@ -46,16 +52,10 @@ class AuditCallback(TrainerCallback):  # type: ignore[misc]
     def verdicts(self) -> tuple[Verdict, ...]:
         return self.guard.verdicts
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
-        if self.guard.on_failure == "stop" and args.world_size > 1:
-            raise ValueError(
-                f"ckptaudit AuditCallback(on_failure='stop') with {args.world_size} processes: the stop decision "
-                "is made on the main process only and is not shared with the others yet, which would hang them; "
-                "use on_failure='warn' (the failed checkpoint is still quarantined)")
-
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
+        if args.world_size > 1:
+            _barrier()  # every rank has written its files (rng_state_<rank>.pth) before rank 0 audits or moves them
         if not state.is_world_process_zero:
             return
         path = os.path.join(args.output_dir or ".", f"checkpoint-{state.global_step}")
@@ -67,9 +67,23 @@ class AuditCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        if self.guard.should_stop():
+        stop = stop_requested(self.guard) if args.world_size > 1 else self.guard.should_stop()
+        if stop:
             control.should_training_stop = True
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         self.guard.wait(self.wait_at_end)
+
+
+def _barrier() -> None:
+    """(all ranks) Wait until every rank is here (Trainer's own process group, set up by accelerate)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            import torch
+
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
