@@ -119,7 +119,8 @@ class _Fp32State:
         for lo in range(0, u.size, _INFO_SLICE):
             us = u[lo : lo + _INFO_SLICE]
             x = us.view(np.float32)
-            non_integer = np.isfinite(x) & (np.floor(x) != x)
+            with np.errstate(invalid="ignore"):  # a signalling-NaN bit pattern is data here, not an error
+                non_integer = np.isfinite(x) & (np.floor(x) != x)
             if self.bf16 and self.info_bf16 < INFORMATIVE_CAP:
                 self.info_bf16 += int(np.count_nonzero(non_integer & ((us & np.uint32(0x000F0000)) != 0)))
             if self.fp16 and self.info_fp16 < INFORMATIVE_CAP:
