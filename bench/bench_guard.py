@@ -101,6 +101,8 @@ class Scenario:
     blocks_cpu: list[tuple[float, float, float, float]] = field(default_factory=list)
     blocks_run: list[tuple[float, float, float, float]] = field(default_factory=list)
     """Wall time less the wait for the audit at the segment's end: the interference while training ran."""
+    blocks_steps: list[tuple[float, float, float, float]] = field(default_factory=list)
+    """The training steps alone (the save and the audit wait left out): the step time the issue asks about."""
     order: list[str] = field(default_factory=list)
     critical: float = 0.0
     critical_cpu: float = 0.0
@@ -112,6 +114,7 @@ class Scenario:
     wall: Interval | None = None
     cpu: Interval | None = None
     run: Interval | None = None
+    steps: Interval | None = None
     seconds: float = 0.0
     """Wall time of the measured blocks (for the hint: how long more rounds would take)."""
 
@@ -137,9 +140,9 @@ class Loop:
         self.guard = Guard(on_failure="warn", background=args.background, quick=args.quick)
         self.saved = 0
 
-    def segment(self, guarded: bool, sc: Scenario) -> tuple[float, float, float]:
+    def segment(self, guarded: bool, sc: Scenario) -> tuple[float, float, float, float]:
         """(training thread) One segment: save, ``--steps`` steps, [wait for the audit]. Wall seconds, the same
-        less the wait, and this process's CPU seconds."""
+        less the wait, this process's CPU seconds, and the wall seconds of the steps alone."""
         torch, guard, clock = self.torch, self.guard, time.perf_counter
         self.saved += 1
         path = os.path.join(self.work, f"step-{self.saved}.pt")
@@ -153,6 +156,7 @@ class Loop:
                 t0, c0 = clock(), tcpu()
                 guard.submit(path, step=self.saved)
                 critical, critical_cpu = critical + clock() - t0, critical_cpu + tcpu() - c0
+            steps0 = clock()
             for _ in range(self.args.steps):
                 self.model(self.x).square().mean().backward()
                 self.opt.step()
@@ -161,6 +165,7 @@ class Loop:
                     t0, c0 = clock(), tcpu()
                     guard.should_stop()
                     critical, critical_cpu = critical + clock() - t0, critical_cpu + tcpu() - c0
+            steps = clock() - steps0
             if guarded:
                 t0 = clock()
                 guard.wait()
@@ -177,7 +182,7 @@ class Loop:
         sc.peaks[key] = max(sc.peaks[key], rss.peak)
         for n in os.listdir(self.work):  # keep the disk use flat (untimed)
             os.remove(os.path.join(self.work, n))
-        return wall, wall - waited, cpu
+        return wall, wall - waited, cpu, steps
 
     def run(self, sc: Scenario, rounds: int, budget_s: float) -> None:
         """(training thread) Warm up, then ``rounds`` blocks, or fewer (3 at least) once ``budget_s`` is spent."""
@@ -190,20 +195,23 @@ class Loop:
             if r >= 3 and time.perf_counter() - start > budget_s:
                 break
             kind = "ABBA" if r % 2 == 0 else "BAAB"
-            walls, runs, cpus = [], [], []
+            walls, runs, cpus, stepss = [], [], [], []
             for k in kind:
-                wall, run, cpu = self.segment(k == "B", sc)
+                wall, run, cpu, steps = self.segment(k == "B", sc)
                 walls.append(wall)
                 runs.append(run)
                 cpus.append(cpu)
+                stepss.append(steps)
             sc.blocks_wall.append((walls[0], walls[1], walls[2], walls[3]))
             sc.blocks_run.append((runs[0], runs[1], runs[2], runs[3]))
             sc.blocks_cpu.append((cpus[0], cpus[1], cpus[2], cpus[3]))
+            sc.blocks_steps.append((stepss[0], stepss[1], stepss[2], stepss[3]))
             sc.order.append(kind)
         sc.seconds = time.perf_counter() - start
         sc.wall = mean_ci(abba_overheads(sc.blocks_wall, sc.order))
         sc.cpu = mean_ci(abba_overheads(sc.blocks_cpu, sc.order))
         sc.run = mean_ci(abba_overheads(sc.blocks_run, sc.order))
+        sc.steps = mean_ci(abba_overheads(sc.blocks_steps, sc.order))
 
     def close(self) -> None:
         self.guard.close()
@@ -230,12 +238,14 @@ def report(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target: 
            f"{'quick' if args.quick else 'full'} audit; {meta['cores']} cores; load average {meta['load0']} at "
            f"the start, {meta['load1']} at the end"]
     for sc in scenarios:
-        assert sc.wall is not None and sc.cpu is not None and sc.run is not None
+        assert sc.wall is not None and sc.cpu is not None and sc.run is not None and sc.steps is not None
         seg = statistics.median(a_segments(sc))
         out += [f"scenario {sc.name} (torch threads {sc.threads}):",
                 f"  critical path on the training thread: {100 * sc.critical / sc.guarded_wall:.4f}% of wall time "
                 f"({1e6 * sc.critical / sc.submits:.0f} us per save: submit + {args.steps} should_stop polls; "
                 f"{1e6 * sc.critical_cpu / sc.submits:.0f} us of it on the CPU)",
+                f"  step time (the steps alone, the save and the audit wait left out): "
+                f"{said(sc, sc.steps, target, len(scenarios))}",
                 f"  wall time, the wait for each audit counted (an upper bound): {said(sc, sc.wall, target, len(scenarios))}",
                 f"  wall time, that wait left out: {said(sc, sc.run, target, len(scenarios))}",
                 f"  training process CPU time: {said(sc, sc.cpu, target, len(scenarios))}",
@@ -256,13 +266,15 @@ def pct(ci: Interval) -> str:
 def markdown(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target: float,
              command: str) -> dict[str, str]:
     """The docs' figure section and README's sentence, from this run."""
-    rows = ["| scenario | critical path: training thread wall (CPU) per save | wall time (upper bound) | verdict "
-            "| wall time, audit wait left out | training process CPU time | extra RSS, training process |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| scenario | critical path: training thread wall (CPU) per save | step time | verdict "
+            "| wall time (upper bound) | verdict | wall time, audit wait left out | training process CPU time "
+            "| extra RSS, training process |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for sc in scenarios:
-        assert sc.wall is not None and sc.cpu is not None and sc.run is not None
+        assert sc.wall is not None and sc.cpu is not None and sc.run is not None and sc.steps is not None
         rows.append(f"| {sc.name} (torch threads {sc.threads}) | {100 * sc.critical / sc.guarded_wall:.3f}% of wall: "
                     f"{1e6 * sc.critical / sc.submits:.0f} us ({1e6 * sc.critical_cpu / sc.submits:.0f} us) | "
+                    f"{pct(sc.steps)} | {verdict(sc.steps, target).split(' (')[0]} | "
                     f"{pct(sc.wall)} | {verdict(sc.wall, target).split(' (')[0]} | {pct(sc.run)} | {pct(sc.cpu)} "
                     f"| {(sc.peaks['B'] - sc.peaks['A']) / 2**20:+.1f} MiB |")
     figures = "\n".join([
@@ -277,12 +289,13 @@ def markdown(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target
         "paired differences with their 95% intervals; the verdict is on the upper bound (each guarded segment "
         "waits, timed, for its audit):", "", *rows, ""])
     free = next((s for s in scenarios if s.name == "free-core"), scenarios[0])
-    assert free.wall is not None
+    assert free.wall is not None and free.steps is not None
     sentence = (f"Its cost, measured by `{command}` on a {meta['cores']}-core machine (load average "
-                f"{meta['load0']}): {1e6 * free.critical_cpu / free.submits:.0f} us of CPU per save on the training "
-                f"thread ({100 * free.critical / free.guarded_wall:.2f}% of wall time); wall time, counting each audit as if the loop waited for it: with a free core "
-                f"{verdict(free.wall, target).split(', mean')[0]})"
-                + "".join(f", with every core busy {verdict(s.wall, target).split(', mean')[0]})"
+                f"{meta['load0']}), a checkpoint every {loop.args.steps} steps: "
+                f"{1e6 * free.critical_cpu / free.submits:.0f} us of CPU per save on the training "
+                f"thread ({100 * free.critical / free.guarded_wall:.2f}% of wall time); step time with a core free "
+                f"for the audit (a GPU job's host): {verdict(free.steps, target).split(', mean')[0]})"
+                + "".join(f", with every core busy training: {verdict(s.steps, target).split(', mean')[0]})"
                           for s in scenarios if s.name == "saturated")
                 + (f"; the worker holds {meta['worker_rss'] / 2**20:.0f} MiB." if meta["worker_rss"] else "."))
     return {"figures": figures, "sentence": sentence}
