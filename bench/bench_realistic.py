@@ -232,24 +232,16 @@ def _warm_up(tmp: str) -> None:
 
 
 def child_audit(path: str, jobs: int) -> dict[str, Any]:
-    from ckptaudit.audit import AuditOptions, audit, plan_scan
+    """The open (plan) phase alone (:func:`child_open`), then the whole audit with ``jobs`` threads."""
+    from ckptaudit.audit import AuditOptions, audit
 
-    tmp = tempfile.mkdtemp(prefix="ckptaudit-warm-")
-    try:
-        _warm_up(tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    t0, c0 = time.perf_counter(), time.process_time()
-    plan = plan_scan(path)
-    open_secs, open_cpu = time.perf_counter() - t0, time.process_time() - c0
-    items = sum(len(ref.data.pieces) for ref, *_ in plan.items if hasattr(ref.data, "pieces"))
-    plan.close()
+    opened = child_open(path)
     base = proc_status("RssAnon")
     with AnonPeak() as mem:
         t0 = time.perf_counter()
         report = audit(path, AuditOptions(jobs=jobs))
         secs = time.perf_counter() - t0
-    return {"seconds": secs, "open_seconds": open_secs, "open_cpu": open_cpu, "items": items,
+    return {"seconds": secs, "open_seconds": opened["wall"], "open_cpu": opened["cpu"], "items": opened["items"],
             "tensors": len(report.tensors), "findings": len(report.findings), "anon_base": base, "anon_peak": mem.peak,
             "errors": [f.code for f in report.findings if f.severity.name == "ERROR"]}
 
