@@ -336,7 +336,11 @@ def stop_requested(guard: Guard) -> bool:
     """(all ranks, collective when distributed) Whether rank 0's guard asks training to stop; every rank gets
     the same answer (a one-element all-reduce of the default group), so all of them leave the loop at the same
     step. Call it at the same point of every step on every rank. Its cost: one 4-byte all-reduce per call (a
-    latency, no bandwidth), on the current CUDA device under NCCL, on the CPU under gloo."""
+    latency, no bandwidth), on the current CUDA device under NCCL, on the CPU under gloo; none at all with
+    ``on_failure="warn"``, which never stops (every rank builds its guard with the same ``on_failure``, so no
+    rank enters the collective alone)."""
+    if guard.on_failure != "stop":
+        return False
     import torch
     import torch.distributed as dist
 

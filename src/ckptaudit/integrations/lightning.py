@@ -83,6 +83,8 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
             self._wrapped = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self.guard.on_failure != "stop":
+            return  # "warn" never stops: no per-batch collective (every rank has the same on_failure)
         stop = self.guard.should_stop()  # only the global-zero process audits: False on the others
         if trainer.world_size > 1:
             # Every rank agrees, as EarlyStopping does: True on all when the global-zero process says so.
