@@ -54,9 +54,11 @@ class Region:
 
     __slots__ = ("_fd", "_head", "length", "start")
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
+    def __init__(self, fd: int, start: int, length: int, head: bytes | None = None) -> None:
+        """``head``, where given, is the region's first bytes already read (at least :data:`HEAD_BYTES`, or the
+        whole region)."""
         self._fd, self.start, self.length = fd, start, length
-        self._head: bytes | None = None
+        self._head = head
 
     def read_at(self, at: int, n: int) -> bytes:
         """Up to ``n`` bytes at absolute offset ``at`` (fewer at the region's end; none outside it)."""
@@ -65,10 +67,11 @@ class Region:
         if n == 0 or at < self.start:
             return b""
         rel = at - self.start
-        if rel + n <= HEAD_BYTES:
-            if self._head is None:
-                self._head = os.pread(self._fd, min(HEAD_BYTES, self.length), self.start)
-            return self._head[rel:rel + n]
+        head = self._head
+        if head is None and rel + n <= HEAD_BYTES:
+            head = self._head = os.pread(self._fd, min(HEAD_BYTES, self.length), self.start)
+        if head is not None and rel + n <= len(head):
+            return head[rel:rel + n]
         return os.pread(self._fd, n, at)
 
 
