@@ -34,6 +34,9 @@ class StorageType:
     def __init__(self, dtype: DType) -> None:
         self.dtype = dtype
 
+    def __repr__(self) -> str:  # error messages quote storage references: no memory addresses in them
+        return f"<{self.dtype.name} storage type>"
+
 
 @dataclass(frozen=True, slots=True)
 class StorageRef:
