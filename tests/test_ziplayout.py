@@ -177,15 +177,18 @@ def test_damaged_items_are_judged_exactly_as_by_the_full_read(family: list[bytes
             for o, n in places[:len(family)]:
                 f.read(o, n)  # learn the layout from the pristine items
             del matched[:]
-            fast = [_outcome(lambda o=o, n=n: f.read(o, n)) for o, n in places[len(family):]]
+            # Each item three times (the later reads find its pickle's scan, and load, memoised), loaded or not.
+            fast = [tuple(_outcome(lambda o=o, n=n, load=load: f.read(o, n, load=load)) for load in (True, False, True))
+                    for o, n in places[len(family):]]
     finally:
         ziplayout.match = real_match
     with _layouts_off():
-        full = [_outcome(lambda o=o, n=n: read_torch_zip(str(path), o, n)) for o, n in places[len(family):]]
+        full = [tuple(_outcome(lambda o=o, n=n, load=load: read_torch_zip(str(path), o, n, load=load))
+                      for load in (True, False, True)) for o, n in places[len(family):]]
     for i, (a, b) in enumerate(zip(fast, full, strict=True)):
         assert a == b, (i, a, b)
-    refused = sum(o[0] == "refused" for o in full)
-    unsafe = sum(o[0] == "read" and not o[1] for o in full)
+    refused = sum(o[0][0] == "refused" for o in full)
+    unsafe = sum(o[0][0] == "read" and not o[0][1] for o in full)
     # Every outcome is exercised: matched and read through the shortcut, refused, not loaded, read in full.
     assert sum(matched) > 50 and refused > 100 and unsafe > 0 and matched.count(False) > 100, \
         (sum(matched), refused, unsafe)
@@ -302,3 +305,46 @@ def test_one_open_per_data_file_and_closed_after(family: list[bytes], tmp_path: 
     assert handle._fh.closed and not files._open
     with pytest.raises(TorchZipError, match="exceeds the file"):
         TorchZipFile(str(path)).read(places[-1][0], places[-1][1] + 1)
+
+
+@pytest.mark.parametrize("crc", ["fixed", "kept"])
+def test_a_memoised_pickle_whose_storage_does_not_fit_the_layout_is_refused(family: list[bytes], tmp_path: Path,
+                                                                            crc: str) -> None:
+    """The pickle of a tensor of another size, loaded (and memoised) from a real torch.save file, then put into an
+    item of the learnt layout: its scan and load are memoised, so the CRC check (a smaller tensor, CRC kept) or the
+    storage check against the layout's sizes (a larger tensor, CRC fixed: the layout matches) is all that stands
+    between it and a wrong read."""
+    import torch
+
+    data = family[0]
+    path, places = _file_of(tmp_path, [data])
+    ziplayout.clear()
+    with TorchZipFile(str(path)) as f:
+        item = f.read(*places[0]).obj
+    assert isinstance(item, TensorData)
+    _h, start, size = _member(data, "data.pkl")
+    pkl = data[start:start + size]
+
+    def saved(shape: tuple[int, ...], where: Path) -> bytes:
+        torch.save(torch.zeros(shape, dtype=getattr(torch, item.dtype.name)), where)
+        with zipfile.ZipFile(where) as zf:
+            return zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+
+    assert saved(item.shape, tmp_path / "same.pt") == pkl  # DCP's item pickle is torch.save's of the tensor
+    rows = item.shape[0]
+    candidates = [n for n in ((rows * 2, rows + 1) if crc == "fixed" else (rows // 2, rows - 1)) if n > 0]
+    pickles = {n: saved((n, *item.shape[1:]), tmp_path / f"{n}.pt") for n in candidates}
+    n = next(n for n in candidates if len(pickles[n]) == len(pkl))  # the same length keeps the layout
+    assert read_torch_zip(str(tmp_path / f"{n}.pt")).loaded  # scanned and loaded: memoised
+    other = pickles[n]
+    crafted = _with_member(data, "data.pkl", other, fix_crc=crc == "fixed")
+    path, places = _file_of(tmp_path, [data, crafted])
+    with TorchZipFile(str(path)) as f:
+        f.read(*places[0])
+        matched = ziplayout.match(len(crafted), crafted, crafted[-4096:]) is not None
+        assert matched == (crc == "fixed")  # a CRC that does not match the pickle: no layout match
+        fast = _outcome(lambda: f.read(*places[1]))
+    with _layouts_off():
+        full = _outcome(lambda: read_torch_zip(str(path), *places[1]))
+    assert fast == full
+    assert fast[0] == "refused" and ("the archive holds" if crc == "fixed" else "CRC-32 mismatch") in fast[1], fast
