@@ -520,7 +520,10 @@ def _bind_file(obj: Any, path: str, memo: dict[int, Any] | None = None, *,
     """Fill in the file of every tensor piece (the unpickler does not know it), and with ``moved`` (old storage
     offset -> new) relocate the pieces of a cached tree into another archive. Objects the pickle shares (tied
     weights, memo references) stay shared, so each is scanned once."""
-    memo = {} if memo is None else memo
+    if memo is None:
+        if type(obj) is TensorData:  # the whole tree of a DCP tensor item
+            return TensorData(obj.dtype, obj.shape, tuple(_with_file(p, path, moved) for p in obj.pieces))
+        memo = {}
     done = memo.get(id(obj))
     if done is not None:
         return done
