@@ -10,7 +10,8 @@ methods and CRCs as ``zipfile.ZipFile(...).infolist()`` (``tests/test_lean_reade
 check the caller makes afterwards (local headers one to one, sizes, overlaps, names) is unchanged.
 
 :class:`Region` serves reads inside the archive with ``os.pread`` and keeps the archive's first bytes (local
-headers, ``data.pkl``, ``byteorder``) from one read, so one DCP item costs two reads.
+headers, ``data.pkl``, ``byteorder``) from one read, or takes them (the whole of a small archive) from its caller,
+so one DCP item costs one or two reads.
 """
 
 from __future__ import annotations
