@@ -132,9 +132,9 @@ def learn(length: int, head: bytes, tail: bytes, members: list[Member], prefix: 
     """Record the layout of an archive the full read just accepted (``members`` from
     :func:`~ckptaudit.formats.zipdir.lean_directory`, ``prefix`` the folder of its ``data.pkl``), if it is the
     canonical one :func:`match` can compare; otherwise do nothing."""
-    if not 22 <= len(tail) <= length:
-        return
     at = len(tail) - 22
+    if at < 76 or len(tail) > length:
+        return  # no room for a zip64 record and locator before the end record: not what torch.save writes
     entries, offset_cd = struct.unpack_from("<10xH4xL", tail, at)
     if entries == 0xFFFF or offset_cd == 0xFFFFFFFF:
         return  # the size check would look the counts up in a zip64 record
