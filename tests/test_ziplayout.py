@@ -10,6 +10,7 @@ full read refuses (or reads) it.
 from __future__ import annotations
 
 import io
+import os
 import random
 import shutil
 import struct
@@ -294,6 +295,7 @@ def test_a_damaged_item_among_items_of_its_shape_is_a_finding_of_read_dcp(
 
 def test_one_open_per_data_file_and_closed_after(family: list[bytes], tmp_path: Path) -> None:
     path, places = _file_of(tmp_path, family)
+    fds = len(os.listdir("/proc/self/fd"))
     files = TorchZipFiles()
     try:
         first = [files.read(str(path), o, n) for o, n in places]
@@ -302,7 +304,7 @@ def test_one_open_per_data_file_and_closed_after(family: list[bytes], tmp_path: 
         assert [files.read(str(path), o, n) for o, n in places] == first and files._open[str(path)] is handle
     finally:
         files.close()
-    assert handle._fh.closed and not files._open
+    assert not files._open and len(os.listdir("/proc/self/fd")) == fds  # the descriptor is closed
     with pytest.raises(TorchZipError, match="exceeds the file"):
         TorchZipFile(str(path)).read(places[-1][0], places[-1][1] + 1)
 

@@ -23,13 +23,14 @@ import pickle
 import struct
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ckptaudit.formats import ziplayout
 from ckptaudit.formats.object_tree import check_tree
 from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, scan
-from ckptaudit.formats.safeio import open_regular
+from ckptaudit.formats.safeio import open_regular, open_regular_fd
 from ckptaudit.formats.tensor_rebuild import VIEW_BUDGET_FACTOR, StorageRef, StorageType, ViewBudget, torch_table
 from ckptaudit.formats.tensors import DType, Piece, TensorData
 from ckptaudit.formats.unpickler import RestrictedUnpickler
@@ -270,13 +271,22 @@ class TorchZipFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._fh = open_regular(path)
-        self._fd = self._fh.fileno()
-        self.size = os.fstat(self._fd).st_size
+        self._fd, self.size = open_regular_fd(path)
+        self._fh: Any = None  # a file object over the descriptor, for zipfile, made only where it is needed
         self._abspath = os.path.abspath(path)
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fd < 0:
+            return
+        if self._fh is not None:
+            self._fh.close()  # closefd=False: the descriptor is closed below
+        os.close(self._fd)
+        self._fd = -1
+
+    def _file(self) -> Any:
+        if self._fh is None:
+            self._fh = os.fdopen(self._fd, "rb", closefd=False)
+        return self._fh
 
     def __enter__(self) -> TorchZipFile:
         return self
@@ -312,7 +322,7 @@ class TorchZipFile:
         else:  # the file shrank under us: the full read says what is missing
             head = None  # type: ignore[assignment]
             tail = Region(fd, offset, length).read_at(offset + length - min(length, TAIL_BYTES), TAIL_BYTES)
-        return _read_full(self._fh, self._abspath, offset, length, head, tail, load, inert)
+        return _read_full(fd, self._file, self._abspath, offset, length, head, tail, load, inert)
 
 
 class TorchZipFiles:
@@ -367,12 +377,12 @@ def _from_layout(hit: ziplayout.Matched, path: str, offset: int, length: int, lo
     return TorchZip(result, _bind_file(tree, path, moved={old: offset + start for old, start in where}), True)
 
 
-def _read_full(raw: Any, path: str, offset: int, length: int, head: bytes | None, tail: bytes, load: bool,
-               inert: bool) -> TorchZip:
-    """Every check on the archive at ``[offset, offset+length)`` of the open file ``raw`` (``head``: its first
-    bytes where already read; ``tail``: its last ``min(length, TAIL_BYTES)`` bytes); learns its layout when it is
-    the canonical one."""
-    region = Region(raw.fileno(), offset, length, head)
+def _read_full(fd: int, file: Callable[[], Any], path: str, offset: int, length: int, head: bytes | None,
+               tail: bytes, load: bool, inert: bool) -> TorchZip:
+    """Every check on the archive at ``[offset, offset+length)`` of the open descriptor ``fd`` (``file()``: a file
+    object over it, for zipfile; ``head``: the archive's first bytes where already read; ``tail``: its last
+    ``min(length, TAIL_BYTES)`` bytes); learns its layout when it is the canonical one."""
+    region = Region(fd, offset, length, head)
     # Before anything builds one object per central entry (an exact tail holds the last end record; where it
     # holds none, the fallback below checks the longer tail zipfile searches).
     _directory_size_problem(tail, length, offset, lambda at, n: region.read_at(offset + at, n))
@@ -380,6 +390,7 @@ def _read_full(raw: Any, path: str, offset: int, length: int, head: bytes | None
     if lean is not None:
         infos = lean
     else:  # not the canonical layout: zipfile reads it, with its own errors
+        raw = file()
         _check_directory_size(raw, offset, length)
         try:
             with zipfile.ZipFile(_Region(raw, offset, length)) as zf:  # type: ignore[arg-type]
