@@ -12,6 +12,11 @@ described, so a hostile header cannot make us allocate or read past the file: ``
 most :data:`MAX_PICKLE_BYTES` (checked before it is inflated, and inflation stops at the declared size), every
 storage must be stored uncompressed inside the archive, and the tensors of one archive may together address
 at most a few times the archive's bytes (overlapping views cannot turn a small file into an endless scan).
+
+:class:`TorchZipFile` opens a file once for many archives (the items of a ``.distcp`` file; the restricted
+unpickler's tensor table is :mod:`ckptaudit.formats.tensor_rebuild`). An archive whose structure equals one
+read in full before, CRCs and data aside (:mod:`ckptaudit.formats.ziplayout`), is compared with it instead of
+being parsed again; its pickle is scanned and loaded once per distinct pickle (memoised by its bytes).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ __all__ = ["TorchZip", "TorchZipError", "TorchZipFile", "TorchZipFiles", "is_zip
 
 MAX_PICKLE_BYTES = 256 << 20
 """A ``data.pkl`` larger than this is refused: object trees of real checkpoints are far smaller."""
+
+
 class TorchZipError(Exception):
     """The archive is not a readable ``torch.save`` zip; ``offset`` is the absolute byte offset if known;
     ``limit`` says the archive exceeds a safety limit rather than being malformed."""
