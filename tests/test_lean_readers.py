@@ -143,8 +143,10 @@ def _general_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     paths, which the fast ones shortcut), with the memo caches emptied."""
     import ckptaudit.formats.pickle_scan as pickle_scan
     import ckptaudit.formats.torchzip as torchzip
+    import ckptaudit.formats.ziplayout as ziplayout
 
     monkeypatch.setattr(torchzip, "lean_directory", lambda region, tail: None)
+    monkeypatch.setattr(ziplayout, "match", lambda length, head, tail: None)
     stream_run = pickle_scan._Walker.run
 
     def run_on_stream(self: Any) -> int:

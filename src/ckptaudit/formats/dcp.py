@@ -9,7 +9,8 @@ reads exactly what was checked, never the pickle again).
 
 Every item named in the metadata is located (file inside the directory, offset + length inside the file)
 before it is read; each item is itself a ``torch.save`` archive, read with
-:func:`ckptaudit.formats.torchzip.read_torch_zip`.
+:func:`ckptaudit.formats.torchzip.read_torch_zip`'s checks (through
+:class:`~ckptaudit.formats.torchzip.TorchZipFiles`, which opens each data file once for all its items).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ckptaudit.formats.dcp_metadata import (
 from ckptaudit.formats.pickle_scan import MAX_METADATA_OPCODES, PickleLimitError, PickleScan, UnsafeBuildError, scan
 from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, file_kind, read_limited
 from ckptaudit.formats.tensors import DTYPES, Piece, TensorData
-from ckptaudit.formats.torchzip import TorchZipError, read_torch_zip
+from ckptaudit.formats.torchzip import TorchZipError, TorchZipFiles, read_torch_zip
 from ckptaudit.model import Finding
 
 __all__ = ["DcpRead", "UnsafeCheckpointError", "check_metadata_safe", "is_dcp_dir", "read_dcp"]
@@ -379,25 +380,27 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
     flat: dict[Any, Any] = {}
     corrupt: list[tuple[str, str, str, int | None]] = []
     where_of: dict[int, str] = {}  # corrupt entry -> file of the item
-    for fqn, item in sd_meta.items():
-        first = len(corrupt)
-        try:
-            if isinstance(item, TensorMeta):
-                flat[fqn] = _tensor_item(fqn, item, located, corrupt)
-            elif isinstance(item, BytesMeta):
-                flat[fqn] = _bytes_item(fqn, located, corrupt)
-            else:
-                corrupt.append(("integrity.corrupt", fqn, f"its metadata entry is malformed ({item.reason})", None))
+    with TorchZipFiles() as archives:  # each data file opened once for all its items
+        for fqn, item in sd_meta.items():
+            first = len(corrupt)
+            try:
+                if isinstance(item, TensorMeta):
+                    flat[fqn] = _tensor_item(fqn, item, located, corrupt, archives)
+                elif isinstance(item, BytesMeta):
+                    flat[fqn] = _bytes_item(fqn, located, corrupt, archives)
+                else:
+                    corrupt.append(("integrity.corrupt", fqn, f"its metadata entry is malformed ({item.reason})",
+                                    None))
+                    flat[fqn] = Unreadable("malformed metadata entry")
+            except (AttributeError, TypeError, ValueError, KeyError, OverflowError) as exc:
+                corrupt.append(("integrity.corrupt", str(fqn),
+                                f"its metadata entry is malformed ({type(exc).__name__}: {exc})", None))
                 flat[fqn] = Unreadable("malformed metadata entry")
-        except (AttributeError, TypeError, ValueError, KeyError, OverflowError) as exc:
-            corrupt.append(("integrity.corrupt", str(fqn),
-                            f"its metadata entry is malformed ({type(exc).__name__}: {exc})", None))
-            flat[fqn] = Unreadable("malformed metadata entry")
-        leaf = flat[fqn]
-        if isinstance(leaf, Unreadable) and leaf.file:
-            rel_file = os.path.relpath(leaf.file, path) if os.path.isabs(leaf.file) else leaf.file
-            for i in range(first, len(corrupt)):
-                where_of[i] = os.path.join(name, rel_file) if name else rel_file
+            leaf = flat[fqn]
+            if isinstance(leaf, Unreadable) and leaf.file:
+                rel_file = os.path.relpath(leaf.file, path) if os.path.isabs(leaf.file) else leaf.file
+                for i in range(first, len(corrupt)):
+                    where_of[i] = os.path.join(name, rel_file) if name else rel_file
     for i, (code, fqn, reason, at) in enumerate(corrupt):
         item_evidence: dict[str, Any] = {"offset": at}
         if i in where_of:
@@ -412,6 +415,7 @@ def _tensor_item(
     item: TensorMeta,
     located: dict[IndexKey, tuple[str, int, int] | Unreadable],
     corrupt: list[tuple[str, str, str, int | None]],
+    archives: TorchZipFiles,
 ) -> TensorData | Unreadable:
     dtype_name = item.properties.dtype
     dtype = DTYPES.get(dtype_name)
@@ -431,7 +435,7 @@ def _tensor_item(
             return where
         file, offset, length = where
         try:
-            tz = read_torch_zip(file, offset, length)
+            tz = archives.read(file, offset, length)
         except TorchZipError as exc:
             corrupt.append(("integrity.corrupt", fqn, f"shard at offsets {list(offsets)}: {exc}", exc.offset))
             return Unreadable(str(exc), file)
@@ -464,6 +468,7 @@ def _bytes_item(
     fqn: str,
     located: dict[IndexKey, tuple[str, int, int] | Unreadable],
     corrupt: list[tuple[str, str, str, int | None]],
+    archives: TorchZipFiles,
 ) -> Any:
     where = located.get(IndexKey(fqn, None))
     if where is None:
@@ -475,7 +480,7 @@ def _bytes_item(
     if length > MAX_BYTES_ITEM:
         return Unreadable(f"non-tensor item of {length} bytes not loaded", file)
     try:
-        tz = read_torch_zip(file, offset, length)
+        tz = archives.read(file, offset, length)
     except TorchZipError as exc:
         corrupt.append(("integrity.corrupt", fqn, str(exc), exc.offset))
         return Unreadable(str(exc), file)

@@ -15,7 +15,8 @@ import os
 import stat
 from typing import BinaryIO
 
-__all__ = ["LimitExceeded", "NotRegularFile", "describe_kind", "file_kind", "open_regular", "read_limited"]
+__all__ = ["LimitExceeded", "NotRegularFile", "describe_kind", "file_kind", "open_regular", "open_regular_fd",
+           "read_limited"]
 
 
 class NotRegularFile(OSError):
@@ -57,20 +58,31 @@ def open_regular(path: str) -> BinaryIO:
 
     Raises :class:`NotRegularFile` for pipes, devices, sockets and directories, ``OSError`` otherwise.
     """
+    fd, _size = open_regular_fd(path)
+    try:
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_regular_fd(path: str) -> tuple[int, int]:
+    """:func:`open_regular` as a raw descriptor (for ``os.pread``; the caller closes it) and the file's size, from
+    the same ``fstat`` that found it a regular file."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
     try:
         fd = os.open(path, flags)
     except IsADirectoryError:
         raise NotRegularFile(errno.EISDIR, f"{path} is a directory, not a file", path) from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegularFile(errno.EINVAL, f"{path} is {describe_kind(mode)}, not a regular file; not opened",
-                                 path)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EINVAL,
+                                 f"{path} is {describe_kind(st.st_mode)}, not a regular file; not opened", path)
         # Regular files ignore O_NONBLOCK, but clear it so nothing downstream is surprised.
         fl = fcntl.fcntl(fd, fcntl.F_GETFL)
         fcntl.fcntl(fd, fcntl.F_SETFL, fl & ~getattr(os, "O_NONBLOCK", 0))
-        return os.fdopen(fd, "rb")
+        return fd, st.st_size
     except BaseException:
         os.close(fd)
         raise

@@ -12,35 +12,39 @@ described, so a hostile header cannot make us allocate or read past the file: ``
 most :data:`MAX_PICKLE_BYTES` (checked before it is inflated, and inflation stops at the declared size), every
 storage must be stored uncompressed inside the archive, and the tensors of one archive may together address
 at most a few times the archive's bytes (overlapping views cannot turn a small file into an endless scan).
+
+:class:`TorchZipFile` opens a file once for many archives (the items of a ``.distcp`` file; the restricted
+unpickler's tensor table is :mod:`ckptaudit.formats.tensor_rebuild`). An archive whose structure equals one
+read in full before, CRCs and data aside (:mod:`ckptaudit.formats.ziplayout`), is compared with it instead of
+being parsed again; its pickle is scanned and loaded once per distinct pickle (memoised by its bytes).
 """
 
 from __future__ import annotations
 
 import io
 import itertools
-import math
 import os
 import pickle
 import struct
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ckptaudit.formats import ziplayout
 from ckptaudit.formats.object_tree import check_tree
 from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, scan
-from ckptaudit.formats.safeio import open_regular
-from ckptaudit.formats.tensors import DTYPES, DType, Piece, TensorData
-from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
-from ckptaudit.formats.zipdir import TAIL_BYTES, Member, Region, lean_directory
+from ckptaudit.formats.safeio import open_regular, open_regular_fd
+from ckptaudit.formats.tensor_rebuild import VIEW_BUDGET_FACTOR, StorageRef, StorageType, ViewBudget, torch_table
+from ckptaudit.formats.tensors import DType, Piece, TensorData
+from ckptaudit.formats.unpickler import RestrictedUnpickler
+from ckptaudit.formats.zipdir import HEAD_BYTES, TAIL_BYTES, Member, Region, lean_directory
 
-__all__ = ["TorchZip", "TorchZipError", "is_zip", "read_torch_zip"]
+__all__ = ["TorchZip", "TorchZipError", "TorchZipFile", "TorchZipFiles", "is_zip", "read_torch_zip"]
 
 MAX_PICKLE_BYTES = 256 << 20
 """A ``data.pkl`` larger than this is refused: object trees of real checkpoints are far smaller."""
-VIEW_BUDGET_FACTOR = 4
-"""The tensors of one archive may address at most this many times the archive's bytes (plus 64 MiB): tied
-weights share a storage, but no real checkpoint views the same bytes more than a few times."""
 
 
 class TorchZipError(Exception):
@@ -170,110 +174,6 @@ def is_zip(path: str, offset: int = 0) -> bool:
         return fh.read(4) == b"PK\x03\x04"
 
 
-class _StorageType:
-    __slots__ = ("dtype",)
-
-    def __init__(self, dtype: DType) -> None:
-        self.dtype = dtype
-
-
-@dataclass(frozen=True, slots=True)
-class _StorageRef:
-    dtype: DType
-    data_offset: int
-    numel: int
-
-
-_STORAGE_DTYPES = {
-    "DoubleStorage": "float64",
-    "FloatStorage": "float32",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128",
-}
-
-
-class _ViewBudget:
-    """Bytes the tensors of one archive may address in total (see :data:`VIEW_BUDGET_FACTOR`)."""
-
-    def __init__(self, archive_bytes: int) -> None:
-        self.left = VIEW_BUDGET_FACTOR * archive_bytes + (64 << 20)
-
-    def rebuild_tensor(self, storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> TensorData:
-        if not isinstance(storage, _StorageRef):
-            raise pickle.UnpicklingError("tensor rebuilt from something that is not a storage")
-        if not isinstance(size, tuple | list) or not isinstance(stride, tuple | list) or len(size) > 64:
-            raise pickle.UnpicklingError(f"bad tensor view: size={size!r} stride={stride!r}")
-        ints = [storage_offset, *size, *stride]
-        if not all(type(v) is int and v >= 0 for v in ints) or len(size) != len(stride):
-            raise pickle.UnpicklingError(f"bad tensor view: offset={storage_offset} size={size} stride={stride}")
-        size_t, stride_t = tuple(size), tuple(stride)
-        numel = math.prod(size_t)
-        if numel:
-            last = storage_offset + sum((s - 1) * st for s, st in zip(size_t, stride_t, strict=True))
-            if last >= storage.numel:
-                raise pickle.UnpicklingError(
-                    f"tensor view of shape {list(size_t)} reaches element {last}, its storage has {storage.numel}"
-                )
-        self.left -= numel * storage.dtype.itemsize
-        if self.left < 0:
-            raise PickleLimitError(
-                f"the archive's tensors address more than {VIEW_BUDGET_FACTOR}x its bytes (overlapping views of "
-                f"the same storage, e.g. a tensor of shape {list(size_t)} with strides {list(stride_t)})"
-            )
-        piece = Piece(
-            file="",
-            data_offset=storage.data_offset,
-            storage_offset=int(storage_offset),
-            sizes=size_t,
-            stride=stride_t,
-            offsets=(0,) * len(size_t),
-        )
-        return TensorData(storage.dtype, size_t, (piece,))
-
-
-def _rebuild_parameter(data: Any, requires_grad: Any = False, hooks: Any = None, state: Any = None) -> Any:
-    return data
-
-
-class _TensorType:
-    __slots__ = ()
-
-
-def _rebuild_from_type(budget: _ViewBudget) -> Any:
-    def rebuild(func: Any, new_type: Any, args: Any, state: Any) -> Any:
-        if new_type is not _TensorType or func != budget.rebuild_tensor or not isinstance(args, tuple):
-            raise pickle.UnpicklingError("only plain tensors and parameters may be rebuilt")
-        return func(*args)
-
-    return rebuild
-
-
-def _torch_table(budget: _ViewBudget) -> dict[str, Any]:
-    table = base_table()
-    for name in ("_rebuild_tensor", "_rebuild_tensor_v2"):
-        table[f"torch._utils.{name}"] = budget.rebuild_tensor
-    table["torch._utils._rebuild_parameter"] = _rebuild_parameter
-    table["torch._utils._rebuild_parameter_with_state"] = _rebuild_parameter
-    table["torch._utils._rebuild_from_type_v2"] = table["torch._tensor._rebuild_from_type_v2"] = (
-        _rebuild_from_type(budget)
-    )
-    table["torch.Tensor"] = _TensorType
-    table["torch.nn.parameter.Parameter"] = _TensorType
-    for storage_name, dtype_name in _STORAGE_DTYPES.items():
-        table[f"torch.{storage_name}"] = _StorageType(DTYPES[dtype_name])
-    table["torch.storage.UntypedStorage"] = _StorageType(DTYPES["uint8"])
-    table["torch.storage.TypedStorage"] = _StorageType(DTYPES["uint8"])
-    return table
-
-
 _SCAN_CACHE: dict[bytes, PickleScan] = {}
 
 
@@ -353,139 +253,268 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
     unloaded (``loaded=False``), even when it is also truncated (``scan.error``) -- unless ``inert``: then its
     outside globals become :class:`~ckptaudit.formats.unpickler.Opaque` records (nothing is imported or run) and the
     rest of the tree, tensors included, is returned (``loaded=True``; ``scan.unsafe`` still names them). An inert
-    load that fails for any reason falls back to unloaded.
+    load that fails for any reason falls back to unloaded. Many archives of one file (the items of a ``.distcp``
+    file): :class:`TorchZipFile`, which opens the file once.
     """
-    with open_regular(path) as raw:
-        file_size = os.fstat(raw.fileno()).st_size
+    with TorchZipFile(path) as archives:
+        return archives.read(offset, length, load=load, inert=inert)
+
+
+WHOLE_BYTES = HEAD_BYTES + TAIL_BYTES
+"""An archive of at most this many bytes (most DCP items) is read with one ``pread``; a longer one, its first
+:data:`~ckptaudit.formats.zipdir.HEAD_BYTES` and last :data:`~ckptaudit.formats.zipdir.TAIL_BYTES` (then what
+its directory says)."""
+
+
+class TorchZipFile:
+    """One regular file holding ``torch.save`` archives (a ``torch.save`` file, or a ``.distcp`` file holding one
+    per DCP item), opened, checked to be a regular file and sized once; :meth:`read` reads one archive, as
+    :func:`read_torch_zip` does. Runs in the caller's thread; one instance is not shared between threads.
+
+    An archive whose structure matches one already read in full (:mod:`ckptaudit.formats.ziplayout`: DCP items of
+    one shape differ only in CRCs and data) and whose pickle was scanned and loaded before is checked against that
+    layout and rebound to its own bytes; anything else, and anything that does not match, is read in full.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd, self.size = open_regular_fd(path)
+        self._fh: Any = None  # a file object over the descriptor, for zipfile, made only where it is needed
+        self._abspath = os.path.abspath(path)
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        if self._fh is not None:
+            self._fh.close()  # closefd=False: the descriptor is closed below
+        os.close(self._fd)
+        self._fd = -1
+
+    def _file(self) -> Any:
+        if self._fh is None:
+            self._fh = os.fdopen(self._fd, "rb", closefd=False)
+        return self._fh
+
+    def __enter__(self) -> TorchZipFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read(self, offset: int = 0, length: int | None = None, *, load: bool = True,
+             inert: bool = False) -> TorchZip:
+        """The archive at ``[offset, offset+length)`` (to the file's end without ``length``); see
+        :func:`read_torch_zip`."""
         if length is None:
-            length = file_size - offset
-        if offset < 0 or length < 0 or offset + length > file_size:
+            length = self.size - offset
+        if offset < 0 or length < 0 or offset + length > self.size:
             raise TorchZipError(
-                f"archive at offset {offset} with length {length} exceeds the file ({file_size} bytes)", offset
+                f"archive at offset {offset} with length {length} exceeds the file ({self.size} bytes)", offset
             )
-        region = Region(raw.fileno(), offset, length)
-        tail = region.read_at(offset + length - min(length, TAIL_BYTES), TAIL_BYTES)
-        # Before anything builds one object per central entry (an exact tail holds the last end record; where it
-        # holds none, the fallback below checks the longer tail zipfile searches).
-        _directory_size_problem(tail, length, offset, lambda at, n: region.read_at(offset + at, n))
-        lean = lean_directory(region, tail)
-        if lean is not None:
-            infos = lean
-        else:  # not the canonical layout: zipfile reads it, with its own errors
-            _check_directory_size(raw, offset, length)
-            try:
-                with zipfile.ZipFile(_Region(raw, offset, length)) as zf:  # type: ignore[arg-type]
-                    infos = [Member(i.filename, i.header_offset, i.compress_size, i.file_size, i.compress_type,
-                                    i.CRC) for i in zf.infolist()]
-            except _ZIP_ERRORS as exc:
-                raise TorchZipError(f"not a readable zip archive ({exc})", offset) from None
-        _check_local_headers(infos, offset)
-        names = [i.filename for i in infos]
-        if len(set(names)) != len(names):
-            raise TorchZipError("zip archive names a member twice (readers could disagree on which one "
-                                "counts)", offset)
-        # torch.save puts every member under one top-level folder and the pickle at <folder>/data.pkl.
-        pkl = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") <= 1]
-        if len(pkl) != 1:
-            raise TorchZipError(
-                "zip archive without data.pkl: not a torch.save file" if not pkl
-                else f"zip archive with {len(pkl)} data.pkl members", offset)
-        prefix = pkl[0].filename[: -len("data.pkl")]
-        if prefix and any(not n.startswith(prefix) for n in names):
-            raise TorchZipError(f"zip archive members outside the {prefix!r} folder of its data.pkl", offset)
-        by_name = {i.filename: i for i in infos}
-        bo = by_name.get(prefix + "byteorder")
-        if bo is not None:
-            order = _read_member(region, bo, 16).decode("ascii", "replace").strip()
-            if order != "little":
-                raise TorchZipError(f"byte order {order!r} is not supported (only little-endian)", offset)
-        data = _read_member(region, pkl[0], MAX_PICKLE_BYTES)
-        result = _scan_cached(data)
-        outside = bool(result.unsafe or result.harmless)
-        if outside and (not inert or not load or result.error is not None):
-            return TorchZip(result, None, False)
-        if result.error is not None:
-            raise TorchZipError(f"data.pkl: {result.error} (pickle byte {result.error_offset})", offset,
-                                limit=result.limit)
-        if not load:
-            return TorchZip(result, None, False)
-        budget = _ViewBudget(length)
+        fd = self._fd
+        if length <= WHOLE_BYTES:
+            head = os.pread(fd, length, offset)
+            complete = len(head) == length
+            tail = head if length <= TAIL_BYTES else head[length - TAIL_BYTES:]
+        else:
+            head = os.pread(fd, HEAD_BYTES, offset)
+            tail = os.pread(fd, TAIL_BYTES, offset + length - TAIL_BYTES)
+            complete = len(head) == HEAD_BYTES and len(tail) == TAIL_BYTES
+        if complete:
+            hit = ziplayout.match(length, head, tail)
+            if hit is not None:
+                known = _from_layout(hit, self._abspath, offset, length, load)
+                if known is not None:
+                    return known
+        else:  # the file shrank under us: the full read says what is missing
+            head = None  # type: ignore[assignment]
+            tail = Region(fd, offset, length).read_at(offset + length - min(length, TAIL_BYTES), TAIL_BYTES)
+        return _read_full(fd, self._file, self._abspath, offset, length, head, tail, load, inert)
 
-        def locate(key: str, dtype: DType, numel: int) -> int:
-            """The absolute offset of storage ``key``, checked against the archive."""
-            info = by_name.get(f"{prefix}data/{key}")
-            if info is None:
-                raise pickle.UnpicklingError(f"storage {key!r} is missing from the archive")
-            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-                raise pickle.UnpicklingError(f"storage {key!r} is compressed; torch.save never does that")
-            nbytes = numel * dtype.itemsize
-            if nbytes > info.file_size:
-                raise pickle.UnpicklingError(
-                    f"storage {key!r} declares {numel} {dtype.name} elements, "
-                    f"the archive holds {info.file_size} bytes"
-                )
-            start = _local_data_offset(region, info)
-            if start + nbytes > offset + length:
-                raise pickle.UnpicklingError(f"storage {key!r} runs past the end of the archive")
-            return start
 
-        storages: dict[str, tuple[DType, int, int]] = {}
+class TorchZipFiles:
+    """The data files of one DCP read, each opened once as a :class:`TorchZipFile` (at most :data:`MAX_OPEN` at
+    a time: the least recently opened is closed first). Runs in the caller's thread."""
 
-        def persistent_load(pid: Any) -> Any:
-            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-                raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-            _, stype, key, _location, numel = pid
-            if not isinstance(stype, _StorageType) or type(numel) is not int or numel < 0 or \
-                    not isinstance(key, str):
-                raise pickle.UnpicklingError(f"bad storage reference {pid!r}")
-            start = locate(key, stype.dtype, numel)
-            storages[key] = (stype.dtype, numel, start)
-            return _StorageRef(stype.dtype, start, numel)
+    MAX_OPEN = 64
 
-        cached = None if outside else _LOAD_CACHE.get(data)
-        if cached is not None:
-            # The same small pickle seen in an earlier archive (every DCP item of one shape): reuse its tree,
-            # with each storage located, and checked, in this archive.
-            template, used = cached
-            try:
-                moved = {old: locate(key, dtype, numel) for key, (dtype, numel, old) in used.items()}
-            except pickle.UnpicklingError as exc:
-                raise TorchZipError(f"data.pkl: {exc}", offset) from None
-            if _tensor_bytes(template) > VIEW_BUDGET_FACTOR * length + (64 << 20):
-                raise TorchZipError("data.pkl: the archive's tensors address more than "
-                                    f"{VIEW_BUDGET_FACTOR}x its bytes", offset, limit=True)
-            return TorchZip(result, _bind_file(template, os.path.abspath(path), moved=moved), True)
+    def __init__(self) -> None:
+        self._open: dict[str, TorchZipFile] = {}
 
+    def read(self, path: str, offset: int, length: int, *, load: bool = True) -> TorchZip:
+        """:meth:`TorchZipFile.read` of the archive at ``[offset, offset+length)`` of ``path``; raises what
+        :func:`read_torch_zip` raises (``OSError`` where the file cannot be opened)."""
+        archives = self._open.get(path)
+        if archives is None:
+            if len(self._open) >= self.MAX_OPEN:
+                self._open.pop(next(iter(self._open))).close()
+            archives = self._open[path] = TorchZipFile(path)
+        return archives.read(offset, length, load=load)
+
+    def close(self) -> None:
+        for archives in self._open.values():
+            archives.close()
+        self._open.clear()
+
+    def __enter__(self) -> TorchZipFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _from_layout(hit: ziplayout.Matched, path: str, offset: int, length: int, load: bool) -> TorchZip | None:
+    """The archive that matched a learnt layout, from the memoised scan and load of its (CRC-checked) pickle;
+    ``None`` where either is not memoised, the pickle is not loadable, or its storages or views do not fit this
+    archive (then the full read decides)."""
+    result = _SCAN_CACHE.get(hit.pkl)
+    if result is None or not result.loadable:
+        return None
+    if not load:
+        return TorchZip(result, None, False)
+    cached = _LOAD_CACHE.get(hit.pkl)
+    if cached is None:
+        return None
+    tree, used, nbytes = cached
+    if nbytes > VIEW_BUDGET_FACTOR * length + (64 << 20):
+        return None
+    where = hit.layout.relocate(hit.pkl, used)
+    if where is None:
+        return None
+    return TorchZip(result, _bind_file(tree, path, moved={old: offset + start for old, start in where}), True)
+
+
+def _read_full(fd: int, file: Callable[[], Any], path: str, offset: int, length: int, head: bytes | None,
+               tail: bytes, load: bool, inert: bool) -> TorchZip:
+    """Every check on the archive at ``[offset, offset+length)`` of the open descriptor ``fd`` (``file()``: a file
+    object over it, for zipfile; ``head``: the archive's first bytes where already read; ``tail``: its last
+    ``min(length, TAIL_BYTES)`` bytes); learns its layout when it is the canonical one."""
+    region = Region(fd, offset, length, head)
+    # Before anything builds one object per central entry (an exact tail holds the last end record; where it
+    # holds none, the fallback below checks the longer tail zipfile searches).
+    _directory_size_problem(tail, length, offset, lambda at, n: region.read_at(offset + at, n))
+    lean = lean_directory(region, tail)
+    if lean is not None:
+        infos = lean
+    else:  # not the canonical layout: zipfile reads it, with its own errors
+        raw = file()
+        _check_directory_size(raw, offset, length)
         try:
-            obj = RestrictedUnpickler(io.BytesIO(data), _torch_table(budget), persistent_load,
-                                      inert=outside).load()
-            problem = check_tree(obj)
-            if problem is not None:
-                raise PickleLimitError(problem)
-            if _tensor_bytes(obj) > VIEW_BUDGET_FACTOR * length + (64 << 20):
-                raise PickleLimitError(
-                    f"the archive's tensors address more than {VIEW_BUDGET_FACTOR}x its bytes (the same tensor "
-                    "referenced over and over)")
-        except MemoryError:
-            raise
-        except Exception as exc:  # anything the pickle does wrong is a corrupt archive
-            if outside:  # an inert load that does not work out: report the pickle, load nothing
-                return TorchZip(result, None, False)
-            if isinstance(exc, TorchZipError):
-                raise
-            if isinstance(exc, PickleLimitError):
-                raise TorchZipError(f"data.pkl: {exc}", offset, limit=True) from None
+            with zipfile.ZipFile(_Region(raw, offset, length)) as zf:  # type: ignore[arg-type]
+                infos = [Member(i.filename, i.header_offset, i.compress_size, i.file_size, i.compress_type,
+                                i.CRC) for i in zf.infolist()]
+        except _ZIP_ERRORS as exc:
+            raise TorchZipError(f"not a readable zip archive ({exc})", offset) from None
+    _check_local_headers(infos, offset)
+    names = [i.filename for i in infos]
+    if len(set(names)) != len(names):
+        raise TorchZipError("zip archive names a member twice (readers could disagree on which one "
+                            "counts)", offset)
+    # torch.save puts every member under one top-level folder and the pickle at <folder>/data.pkl.
+    pkl = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") <= 1]
+    if len(pkl) != 1:
+        raise TorchZipError(
+            "zip archive without data.pkl: not a torch.save file" if not pkl
+            else f"zip archive with {len(pkl)} data.pkl members", offset)
+    prefix = pkl[0].filename[: -len("data.pkl")]
+    if prefix and any(not n.startswith(prefix) for n in names):
+        raise TorchZipError(f"zip archive members outside the {prefix!r} folder of its data.pkl", offset)
+    by_name = {i.filename: i for i in infos}
+    bo = by_name.get(prefix + "byteorder")
+    if bo is not None:
+        order = _read_member(region, bo, 16).decode("ascii", "replace").strip()
+        if order != "little":
+            raise TorchZipError(f"byte order {order!r} is not supported (only little-endian)", offset)
+    data = _read_member(region, pkl[0], MAX_PICKLE_BYTES)
+    result = _scan_cached(data)
+    outside = bool(result.unsafe or result.harmless)
+    if outside and (not inert or not load or result.error is not None):
+        return TorchZip(result, None, False)
+    if result.error is not None:
+        raise TorchZipError(f"data.pkl: {result.error} (pickle byte {result.error_offset})", offset,
+                            limit=result.limit)
+    if lean is not None and not outside and head is not None:
+        # Every structural check passed: archives of this layout need only be compared with it.
+        ziplayout.learn(length, head, tail, lean, prefix)
+    if not load:
+        return TorchZip(result, None, False)
+    budget = ViewBudget(length)
+
+    def locate(key: str, dtype: DType, numel: int) -> int:
+        """The absolute offset of storage ``key``, checked against the archive."""
+        info = by_name.get(f"{prefix}data/{key}")
+        if info is None:
+            raise pickle.UnpicklingError(f"storage {key!r} is missing from the archive")
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise pickle.UnpicklingError(f"storage {key!r} is compressed; torch.save never does that")
+        nbytes = numel * dtype.itemsize
+        if nbytes > info.file_size:
+            raise pickle.UnpicklingError(
+                f"storage {key!r} declares {numel} {dtype.name} elements, "
+                f"the archive holds {info.file_size} bytes"
+            )
+        start = _local_data_offset(region, info)
+        if start + nbytes > offset + length:
+            raise pickle.UnpicklingError(f"storage {key!r} runs past the end of the archive")
+        return start
+
+    storages: dict[str, tuple[DType, int, int]] = {}
+
+    def persistent_load(pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        _, stype, key, _location, numel = pid
+        if not isinstance(stype, StorageType) or type(numel) is not int or numel < 0 or \
+                not isinstance(key, str):
+            raise pickle.UnpicklingError(f"bad storage reference {pid!r}")
+        start = locate(key, stype.dtype, numel)
+        storages[key] = (stype.dtype, numel, start)
+        return StorageRef(stype.dtype, start, numel)
+
+    cached = None if outside else _LOAD_CACHE.get(data)
+    if cached is not None:
+        # The same small pickle seen in an earlier archive (every DCP item of one shape): reuse its tree,
+        # with each storage located, and checked, in this archive.
+        template, used, nbytes = cached
+        try:
+            moved = {old: locate(key, dtype, numel) for key, (dtype, numel, old) in used.items()}
+        except pickle.UnpicklingError as exc:
             raise TorchZipError(f"data.pkl: {exc}", offset) from None
+        if nbytes > VIEW_BUDGET_FACTOR * length + (64 << 20):
+            raise TorchZipError("data.pkl: the archive's tensors address more than "
+                                f"{VIEW_BUDGET_FACTOR}x its bytes", offset, limit=True)
+        return TorchZip(result, _bind_file(template, path, moved=moved), True)
+
+    try:
+        obj = RestrictedUnpickler(io.BytesIO(data), torch_table(budget), persistent_load,
+                                  inert=outside).load()
+        problem = check_tree(obj)
+        if problem is not None:
+            raise PickleLimitError(problem)
+        if _tensor_bytes(obj) > VIEW_BUDGET_FACTOR * length + (64 << 20):
+            raise PickleLimitError(
+                f"the archive's tensors address more than {VIEW_BUDGET_FACTOR}x its bytes (the same tensor "
+                "referenced over and over)")
+    except MemoryError:
+        raise
+    except Exception as exc:  # anything the pickle does wrong is a corrupt archive
+        if outside:  # an inert load that does not work out: report the pickle, load nothing
+            return TorchZip(result, None, False)
+        if isinstance(exc, TorchZipError):
+            raise
+        if isinstance(exc, PickleLimitError):
+            raise TorchZipError(f"data.pkl: {exc}", offset, limit=True) from None
+        raise TorchZipError(f"data.pkl: {exc}", offset) from None
     if not outside and len(data) <= _LOAD_CACHE_MAX_PICKLE and _is_plain_tree(obj):
         if len(_LOAD_CACHE) >= _LOAD_CACHE_ENTRIES:
             _LOAD_CACHE.clear()
-        _LOAD_CACHE[data] = (obj, dict(storages))
-    return TorchZip(result, _bind_file(obj, os.path.abspath(path)), True)
+        _LOAD_CACHE[data] = (obj, dict(storages), _tensor_bytes(obj))
+    return TorchZip(result, _bind_file(obj, path), True)
 
 
-_LOAD_CACHE: dict[bytes, tuple[Any, dict[str, tuple[DType, int, int]]]] = {}
-"""Small ``data.pkl`` -> (its loaded tree, the storages it used): DCP writes one small archive per item, and
-items of one shape and dtype carry byte-identical pickles."""
+_LOAD_CACHE: dict[bytes, tuple[Any, dict[str, tuple[DType, int, int]], int]] = {}
+"""Small ``data.pkl`` -> (its loaded tree, the storages it used, its tensors' bytes): DCP writes one small archive
+per item, and items of one shape and dtype carry byte-identical pickles."""
 _LOAD_CACHE_MAX_PICKLE = 4096
 _LOAD_CACHE_ENTRIES = 4096
 
@@ -509,7 +538,10 @@ def _bind_file(obj: Any, path: str, memo: dict[int, Any] | None = None, *,
     """Fill in the file of every tensor piece (the unpickler does not know it), and with ``moved`` (old storage
     offset -> new) relocate the pieces of a cached tree into another archive. Objects the pickle shares (tied
     weights, memo references) stay shared, so each is scanned once."""
-    memo = {} if memo is None else memo
+    if memo is None:
+        if type(obj) is TensorData:  # the whole tree of a DCP tensor item
+            return TensorData(obj.dtype, obj.shape, tuple(_with_file(p, path, moved) for p in obj.pieces))
+        memo = {}
     done = memo.get(id(obj))
     if done is not None:
         return done

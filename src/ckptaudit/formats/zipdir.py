@@ -10,7 +10,8 @@ methods and CRCs as ``zipfile.ZipFile(...).infolist()`` (``tests/test_lean_reade
 check the caller makes afterwards (local headers one to one, sizes, overlaps, names) is unchanged.
 
 :class:`Region` serves reads inside the archive with ``os.pread`` and keeps the archive's first bytes (local
-headers, ``data.pkl``, ``byteorder``) from one read, so one DCP item costs two reads.
+headers, ``data.pkl``, ``byteorder``) from one read, or takes them (the whole of a small archive) from its caller,
+so one DCP item costs one or two reads.
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ class Region:
 
     __slots__ = ("_fd", "_head", "length", "start")
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
+    def __init__(self, fd: int, start: int, length: int, head: bytes | None = None) -> None:
+        """``head``, where given, is the region's first bytes already read (at least :data:`HEAD_BYTES`, or the
+        whole region)."""
         self._fd, self.start, self.length = fd, start, length
-        self._head: bytes | None = None
+        self._head = head
 
     def read_at(self, at: int, n: int) -> bytes:
         """Up to ``n`` bytes at absolute offset ``at`` (fewer at the region's end; none outside it)."""
@@ -65,10 +68,11 @@ class Region:
         if n == 0 or at < self.start:
             return b""
         rel = at - self.start
-        if rel + n <= HEAD_BYTES:
-            if self._head is None:
-                self._head = os.pread(self._fd, min(HEAD_BYTES, self.length), self.start)
-            return self._head[rel:rel + n]
+        head = self._head
+        if head is None and rel + n <= HEAD_BYTES:
+            head = self._head = os.pread(self._fd, min(HEAD_BYTES, self.length), self.start)
+        if head is not None and rel + n <= len(head):
+            return head[rel:rel + n]
         return os.pread(self._fd, n, at)
 
 
