@@ -95,6 +95,14 @@ class PickleScan:
     """The error is a safety limit of the scanner (the pickle may be well-formed but too large to vet)."""
     misused: tuple[str, ...] = field(default=())
     """Harmless globals called in a way their own pickling never does (they are also in ``unsafe``)."""
+    plain: bool = False
+    """The walk proved the pickle *plain* (see :data:`PLAIN_OPCODES`): an in-memory pickle of protocol 3 or
+    later that uses only the opcodes of containers, short constants, memo, globals, ``REDUCE`` and ``NEWOBJ`` of
+    a global, and ``BUILD`` once on each object ``NEWOBJ`` made; whose dict keys are all strings or objects
+    ``NEWOBJ`` made (so no key hash can be steered into collisions); and whose objects, estimated at CPython's
+    sizes, stay within the build budget. Such a pickle may be loaded by the C unpickler with a restricted
+    ``find_class`` (:func:`ckptaudit.formats.dcp_metadata.load_dcp_metadata`): every other defence of the
+    restricted unpickler is then already guaranteed by the walk."""
 
     @property
     def loadable(self) -> bool:
@@ -156,6 +164,15 @@ class _Tuple:
     n: int
 
 
+class _New:
+    """An object ``NEWOBJ`` made (a record class's empty instance): ``built`` once ``BUILD`` gave it state."""
+
+    __slots__ = ("built",)
+
+    def __init__(self) -> None:
+        self.built = False
+
+
 _MARK, _CONST, _UNKNOWN = _Mark(), _Const(), _Unknown()
 _OPS: list[pickletools.OpcodeInfo | None] = [None] * 256
 for _op in pickletools.opcodes:
@@ -209,6 +226,10 @@ class _Walker:
         self.memo_count = 0
         self.op_at = self.start
         self.proto = 0
+        self.plain = buf is not None
+        """Still plain (:attr:`PickleScan.plain`); decided in :meth:`_run_buffer` and :meth:`_step`."""
+        self.cost = 0
+        """What a plain pickle's opcodes build, estimated (bytes)."""
 
     # -- argument decoding, bounded by what the stream still holds ------------------------------------------
     def _remaining(self) -> int:
@@ -310,11 +331,13 @@ class _Walker:
     def _run_buffer(self, buf: bytes) -> int:
         """:meth:`run` over an in-memory pickle: the opcodes that make up nearly all of real pickles (memo, marks,
         tuples, short strings, constants, containers, calls) are walked here by index, with the same checks and
-        messages as :meth:`_step`, which walks every other opcode (and any whose argument runs past the end)."""
+        messages as :meth:`_step`, which walks every other opcode (and any whose argument runs past the end).
+        Also decides whether the pickle is plain (:attr:`PickleScan.plain`), charging what each opcode would
+        build to ``self.cost``."""
         stream, stack, marks, memo = self.stream, self.stack, self.marks, self.memo
-        end, max_opcodes, fixed = self.size, self.max_opcodes, _FAST_GENERIC
+        end, max_opcodes, fixed, ops = self.size, self.max_opcodes, _FAST_GENERIC, _OPS
         pos = stream.tell()
-        count = 0
+        count = cost = 0
         try:
             while True:
                 if pos >= end:
@@ -322,9 +345,6 @@ class _Walker:
                     self.op_at = pos
                     raise _ScanError("the pickle ends before its STOP opcode (truncated)")
                 c = buf[pos]
-                op = _OPS[c]
-                if op is None:
-                    raise _ScanError(f"unknown opcode {bytes([c])!r}")
                 count += 1
                 if count > max_opcodes:
                     raise _ScanError(f"more than {max_opcodes} opcodes", limit=True)
@@ -337,6 +357,7 @@ class _Walker:
                     if memo[index] is None:
                         self.memo_count += 1
                     memo[index] = stack[-1]
+                    cost += 16
                     pos += 1
                     continue
                 if (c == 0x68 or c == 0x6A) and pos + (2 if c == 0x68 else 5) <= end:  # BINGET, LONG_BINGET
@@ -345,12 +366,14 @@ class _Walker:
                     else:
                         (at,), nxt = _U4.unpack_from(buf, pos + 1), pos + 5
                     if at >= len(memo) or memo[at] is None:
-                        raise _ScanError(f"{op.name} of memo entry {at}, which was never stored")
+                        raise _ScanError(f"{ops[c].name} of memo entry {at}, which was never stored")  # type: ignore[union-attr]
                     stack.append(memo[at])
+                    cost += 8
                     pos = nxt
                 elif c == 0x8C and pos + 2 <= end and pos + 2 + buf[pos + 1] <= end:  # SHORT_BINUNICODE
                     n = buf[pos + 1]
                     stack.append(buf[pos + 2:pos + 2 + n].decode("utf-8", "surrogatepass"))
+                    cost += 64 + n
                     pos += 2 + n
                 elif c == 0x28:  # MARK
                     marks.append(len(stack))
@@ -358,33 +381,68 @@ class _Walker:
                     continue
                 elif c == 0x29:  # EMPTY_TUPLE
                     stack.append(_EMPTY_TUPLE)
+                    cost += 8
                     pos += 1
                 elif 0x85 <= c <= 0x87 or c == 0x74:  # TUPLE1..3, TUPLE
                     if c == 0x74:
-                        items = self._pop_mark(op.name)
+                        items = self._pop_mark("TUPLE")
                     else:
-                        items = [self._pop(op.name) for _ in range(c - 0x84)]
+                        items = [self._pop(ops[c].name) for _ in range(c - 0x84)]  # type: ignore[union-attr]
                     stack.append(_Tuple(len(items)) if all(_is_const(v) for v in items) else _UNKNOWN)
+                    cost += 56 + 8 * len(items)
                     pos += 1
                 elif c == 0x52 or c == 0x81:  # REDUCE, NEWOBJ
-                    args = self._pop(op.name)
-                    callee = self._pop(op.name)
+                    name = "REDUCE" if c == 0x52 else "NEWOBJ"
+                    args = self._pop(name)
+                    callee = self._pop(name)
                     self._call(callee, args, "reduce" if c == 0x52 else "newobj")
+                    if type(callee) is not _Global:
+                        self.plain = False
+                    stack.append(_UNKNOWN if c == 0x52 else _New())
+                    cost += 96
+                    pos += 1
+                elif c == 0x62:  # BUILD: the instance stays on the stack
+                    self._pop("BUILD")
+                    inst = self._pop("BUILD")
+                    if type(inst) is _New and not inst.built:
+                        inst.built = True
+                    else:
+                        self.plain = False
+                    stack.append(inst if type(inst) is _New else _UNKNOWN)
+                    pos += 1
+                elif c == 0x75 or c == 0x73:  # SETITEMS, SETITEM
+                    if c == 0x75:
+                        items = self._pop_mark("SETITEMS")
+                    else:
+                        items = [self._pop("SETITEM"), self._pop("SETITEM")][::-1]
+                    self._pop("SETITEMS" if c == 0x75 else "SETITEM")
+                    for key in items[0::2]:
+                        if type(key) is not str and type(key) is not _New:
+                            self.plain = False
+                            break
                     stack.append(_UNKNOWN)
+                    cost += 40 * len(items)
                     pos += 1
                 elif fixed[c] is not None and pos + 1 + fixed[c][0] <= end:  # type: ignore[index]
-                    argn, has_mark, pops, pushes = fixed[c]  # type: ignore[misc]
+                    argn, has_mark, pops, pushes, charge = fixed[c]  # type: ignore[misc]
                     if has_mark:
-                        self._pop_mark(op.name)
+                        self._pop_mark(ops[c].name)  # type: ignore[union-attr]
                     if pops > len(stack) - (marks[-1] if marks else 0):
-                        raise _ScanError(f"stack underflow at {op.name}" + (" (it would pop a MARK)" if marks else ""))
+                        raise _ScanError(f"stack underflow at {ops[c].name}"  # type: ignore[union-attr]
+                                         + (" (it would pop a MARK)" if marks else ""))
                     if pops:
                         del stack[-pops:]
                     pos += 1 + argn
+                    if charge < 0:
+                        self.plain = False
+                    cost += charge
                     if not pushes:
                         continue
                     stack.extend(pushes)
                 else:
+                    op = ops[c]
+                    if op is None:
+                        raise _ScanError(f"unknown opcode {bytes([c])!r}")
                     self.op_at = pos
                     stream.seek(pos + 1)
                     if self._step(c, op, count):
@@ -396,10 +454,16 @@ class _Walker:
         except BaseException:
             self.op_at = pos
             raise
+        finally:
+            self.cost += cost
 
     def _step(self, code: int, op: pickletools.OpcodeInfo, count: int) -> bool:
         """One opcode, its byte already read (the stream is at its argument); ``True`` at ``STOP``."""
         stack = self.stack
+        if self.plain:
+            if code not in _PLAIN_STEP:
+                self.plain = False
+            self.cost += 64
         generic = _GENERIC[code]
         if generic is not None:  # the common container and constant opcodes: no names, no calls
             has_mark, pops, pushes = generic
@@ -417,6 +481,8 @@ class _Walker:
             return False
         arg = self._arg(op)
         name = op.name
+        if type(arg) is str:
+            self.cost += len(arg)
         if name == "STOP":
             self._pop(name)
             return True
@@ -448,7 +514,11 @@ class _Walker:
             if not 0 <= int(arg) <= pickle.HIGHEST_PROTOCOL:
                 raise _ScanError(f"unsupported pickle protocol {arg}")
             self.proto = int(arg)
+            if self.proto < 3:
+                self.plain = False  # below 3 the unpicklers rename Python 2 globals (see global_name)
         elif name in ("GLOBAL", "INST"):
+            if self.proto < 3:
+                self.plain = False
             module, _, attr = str(arg).partition(" ")
             full = global_name(module, attr, self.proto)
             self.found.setdefault(full, None)
@@ -460,12 +530,15 @@ class _Walker:
             else:
                 stack.append(_Global(full))
         elif name == "STACK_GLOBAL":
+            if self.proto < 3:
+                self.plain = False
             attr_obj = self._pop(name)
             module_obj = self._pop(name)
             if isinstance(module_obj, str) and isinstance(attr_obj, str):
                 full = global_name(module_obj, attr_obj, self.proto)
             else:
                 full = "<unresolvable STACK_GLOBAL>"
+                self.plain = False
             self.found.setdefault(full, None)
             stack.append(_Global(full))
         elif name in ("EXT1", "EXT2", "EXT4"):
@@ -553,12 +626,24 @@ def _generic(op: pickletools.OpcodeInfo) -> tuple[bool, int, tuple[Any, ...]] | 
 _GENERIC: list[tuple[bool, int, tuple[Any, ...]] | None] = [
     None if op is None else _generic(op) for op in _OPS
 ]
-_FAST_GENERIC: list[tuple[int, bool, int, tuple[Any, ...]] | None] = [
+_PLAIN_CHARGE = {"EMPTY_DICT": 64, "EMPTY_LIST": 56, "APPEND": 8, "APPENDS": 0, "BININT": 32, "BININT1": 8,
+                 "BININT2": 32, "BINFLOAT": 24, "NONE": 8, "NEWTRUE": 8, "NEWFALSE": 8}
+"""The generic opcodes a plain pickle may use, with what each may build (bytes, CPython's sizes, a dict or list
+slot included); the others are charged -1, which marks the pickle not plain."""
+_FAST_GENERIC: list[tuple[int, bool, int, tuple[Any, ...], int] | None] = [
     None if g is None or op is None or (op.arg is not None and op.arg.n <= 0) else
-    (0 if op.arg is None else op.arg.n, *g) for op, g in zip(_OPS, _GENERIC, strict=True)
+    (0 if op.arg is None else op.arg.n, *g, _PLAIN_CHARGE.get(op.name, -1))
+    for op, g in zip(_OPS, _GENERIC, strict=True)
 ]
 """For :meth:`_Walker._run_buffer`: the generic opcodes whose argument, if any, has a fixed size (its value is
-not needed: they push constants or unknowns)."""
+not needed: they push constants or unknowns), with their :data:`_PLAIN_CHARGE`."""
+PLAIN_OPCODES = frozenset(
+    "PROTO FRAME STOP MARK MEMOIZE BINPUT LONG_BINPUT BINGET LONG_BINGET SHORT_BINUNICODE BINUNICODE GLOBAL "
+    "STACK_GLOBAL EMPTY_TUPLE TUPLE1 TUPLE2 TUPLE3 TUPLE REDUCE NEWOBJ BUILD SETITEM SETITEMS LONG1".split()
+) | frozenset(_PLAIN_CHARGE)
+"""The opcodes of a plain pickle (:attr:`PickleScan.plain`): what ``pickle.dump`` writes for dicts, lists,
+tuples, strings, small numbers and dataclass-like records (DCP ``.metadata``)."""
+_PLAIN_STEP = frozenset(ord(op.code) for op in pickletools.opcodes if op.name in PLAIN_OPCODES)
 _U4 = struct.Struct("<I")
 _EMPTY_TUPLE = _Tuple(0)
 
@@ -601,6 +686,8 @@ def scan(data: bytes | bytearray | memoryview | IO[bytes], allowed: frozenset[st
             harmless.append(n)
         else:
             unsafe.append(n)
-    return PickleScan(names, tuple(unsafe), tuple(harmless), error, error_offset, end, limit, misused)
+    plain = (error is None and walker.plain
+             and walker.cost <= BUILD_BUDGET_FACTOR * (end - walker.start) + BUILD_BUDGET_BASE)
+    return PickleScan(names, tuple(unsafe), tuple(harmless), error, error_offset, end, limit, misused, plain)
 
 
