@@ -325,91 +325,128 @@ class _Walker:
             count += 1
             if count > self.max_opcodes:
                 raise _ScanError(f"more than {self.max_opcodes} opcodes", limit=True)
-            if self._step(code[0], op, count):
+            if self._step(code[0], op, self.op_at - self.start + 1):
                 return count
 
     def _run_buffer(self, buf: bytes) -> int:
         """:meth:`run` over an in-memory pickle: the opcodes that make up nearly all of real pickles (memo, marks,
-        tuples, short strings, constants, containers, calls) are walked here by index, with the same checks and
-        messages as :meth:`_step`, which walks every other opcode (and any whose argument runs past the end).
-        Also decides whether the pickle is plain (:attr:`PickleScan.plain`), charging what each opcode would
-        build to ``self.cost``."""
+        tuples, short strings, constants, containers, calls) are walked here by index, with the same checks as
+        :meth:`_step`, which walks every other opcode (and any whose argument runs past the end). Also decides
+        whether the pickle is plain (:attr:`PickleScan.plain`), charging what each opcode would build.
+
+        Tuned, as it walks every opcode of every pickle (a DCP ``.metadata`` has ~100 per item): opcodes are
+        counted only where the pickle has more bytes than the opcode limit (each opcode takes at least one byte),
+        an index past the end is the truncation check (``IndexError``), and the memo, dense in every pickle
+        ``pickle.dump`` writes, grows by ``append``."""
         stream, stack, marks, memo = self.stream, self.stack, self.marks, self.memo
-        end, max_opcodes, fixed, ops = self.size, self.max_opcodes, _FAST_GENERIC, _OPS
-        pos = stream.tell()
+        push, fixed, ops = stack.append, _FAST_GENERIC, _OPS
+        end, max_opcodes = self.size, self.max_opcodes
+        pos = start = stream.tell()
+        counting = end - start > max_opcodes
         count = cost = 0
+        mc = self.memo_count
         try:
             while True:
-                if pos >= end:
-                    stream.seek(pos)
-                    self.op_at = pos
-                    raise _ScanError("the pickle ends before its STOP opcode (truncated)")
                 c = buf[pos]
-                count += 1
-                if count > max_opcodes:
-                    raise _ScanError(f"more than {max_opcodes} opcodes", limit=True)
+                if counting:
+                    count += 1
+                    if count > max_opcodes:
+                        raise _ScanError(f"more than {max_opcodes} opcodes", limit=True)
                 if c == 0x94:  # MEMOIZE
                     if not stack or (marks and len(stack) == marks[-1]):
                         raise _ScanError("MEMOIZE with nothing to remember")
-                    index = self.memo_count
-                    if index >= len(memo):
-                        memo.extend([None] * (index + 1 - len(memo)))
-                    if memo[index] is None:
-                        self.memo_count += 1
-                    memo[index] = stack[-1]
+                    if mc == len(memo):
+                        memo.append(stack[-1])
+                        mc += 1
+                    else:  # PUT opcodes left gaps or ran ahead: as _step does it
+                        if mc > len(memo):
+                            memo.extend([None] * (mc - len(memo)))
+                        if mc == len(memo):
+                            memo.append(None)
+                        if memo[mc] is None:
+                            memo[mc] = stack[-1]
+                            mc += 1
+                        else:
+                            memo[mc] = stack[-1]
                     cost += 16
                     pos += 1
                     continue
-                if (c == 0x68 or c == 0x6A) and pos + (2 if c == 0x68 else 5) <= end:  # BINGET, LONG_BINGET
-                    if c == 0x68:
-                        at, nxt = buf[pos + 1], pos + 2
-                    else:
-                        (at,), nxt = _U4.unpack_from(buf, pos + 1), pos + 5
+                if c == 0x68:  # BINGET
+                    at = buf[pos + 1]
                     if at >= len(memo) or memo[at] is None:
-                        raise _ScanError(f"{ops[c].name} of memo entry {at}, which was never stored")  # type: ignore[union-attr]
-                    stack.append(memo[at])
+                        raise _ScanError(f"BINGET of memo entry {at}, which was never stored")
+                    push(memo[at])
                     cost += 8
-                    pos = nxt
-                elif c == 0x8C and pos + 2 <= end and pos + 2 + buf[pos + 1] <= end:  # SHORT_BINUNICODE
-                    n = buf[pos + 1]
-                    stack.append(buf[pos + 2:pos + 2 + n].decode("utf-8", "surrogatepass"))
-                    cost += 64 + n
-                    pos += 2 + n
+                    pos += 2
+                    continue
+                if c == 0x6A:  # LONG_BINGET
+                    (at,) = _U4.unpack_from(buf, pos + 1)
+                    if at >= len(memo) or memo[at] is None:
+                        raise _ScanError(f"LONG_BINGET of memo entry {at}, which was never stored")
+                    push(memo[at])
+                    cost += 8
+                    pos += 5
                 elif c == 0x28:  # MARK
                     marks.append(len(stack))
                     pos += 1
                     continue
                 elif c == 0x29:  # EMPTY_TUPLE
-                    stack.append(_EMPTY_TUPLE)
+                    push(_EMPTY_TUPLE)
                     cost += 8
                     pos += 1
-                elif 0x85 <= c <= 0x87 or c == 0x74:  # TUPLE1..3, TUPLE
-                    if c == 0x74:
-                        items = self._pop_mark("TUPLE")
+                elif c == 0x81 or c == 0x52:  # NEWOBJ, REDUCE
+                    floor = marks[-1] if marks else 0
+                    if len(stack) - floor < 2:
+                        raise _ScanError(f"stack underflow at {'NEWOBJ' if c == 0x81 else 'REDUCE'}"
+                                         + (" (it would pop a MARK)" if marks else ""))
+                    args = stack.pop()
+                    callee = stack.pop()
+                    if type(callee) is _Global:
+                        if callee.name in HARMLESS_GLOBALS:
+                            self._call(callee, args, "newobj" if c == 0x81 else "reduce")
                     else:
-                        items = [self._pop(ops[c].name) for _ in range(c - 0x84)]  # type: ignore[union-attr]
-                    stack.append(_Tuple(len(items)) if all(_is_const(v) for v in items) else _UNKNOWN)
-                    cost += 56 + 8 * len(items)
-                    pos += 1
-                elif c == 0x52 or c == 0x81:  # REDUCE, NEWOBJ
-                    name = "REDUCE" if c == 0x52 else "NEWOBJ"
-                    args = self._pop(name)
-                    callee = self._pop(name)
-                    self._call(callee, args, "reduce" if c == 0x52 else "newobj")
-                    if type(callee) is not _Global:
                         self.plain = False
-                    stack.append(_UNKNOWN if c == 0x52 else _New())
+                    push(_New() if c == 0x81 else _UNKNOWN)
                     cost += 96
                     pos += 1
+                    if buf[pos] == 0x94 and mc == len(memo):  # and MEMOIZE, as nearly every object is
+                        memo.append(stack[-1])
+                        mc += 1
+                        cost += 16
+                        pos += 1
+                        if counting:
+                            count += 1
                 elif c == 0x62:  # BUILD: the instance stays on the stack
-                    self._pop("BUILD")
-                    inst = self._pop("BUILD")
+                    if len(stack) - (marks[-1] if marks else 0) < 2:
+                        raise _ScanError("stack underflow at BUILD" + (" (it would pop a MARK)" if marks else ""))
+                    del stack[-1]
+                    inst = stack[-1]
                     if type(inst) is _New and not inst.built:
                         inst.built = True
                     else:
                         self.plain = False
-                    stack.append(inst if type(inst) is _New else _UNKNOWN)
+                        stack[-1] = _UNKNOWN
                     pos += 1
+                elif 0x85 <= c <= 0x87:  # TUPLE1..3
+                    n = c - 0x84
+                    if len(stack) - (marks[-1] if marks else 0) < n:
+                        raise _ScanError(f"stack underflow at {ops[c].name}"  # type: ignore[union-attr]
+                                         + (" (it would pop a MARK)" if marks else ""))
+                    const = type(stack[-1]) in _CONST_TYPES
+                    if n > 1:
+                        const = const and type(stack[-2]) in _CONST_TYPES and (
+                            n == 2 or type(stack[-3]) in _CONST_TYPES)
+                        del stack[1 - n:]
+                    stack[-1] = _TUPLES[n] if const else _UNKNOWN
+                    cost += 56 + 8 * n
+                    pos += 1
+                    if buf[pos] == 0x94 and mc == len(memo):  # and MEMOIZE, as nearly every object is
+                        memo.append(stack[-1])
+                        mc += 1
+                        cost += 16
+                        pos += 1
+                        if counting:
+                            count += 1
                 elif c == 0x75 or c == 0x73:  # SETITEMS, SETITEM
                     if c == 0x75:
                         items = self._pop_mark("SETITEMS")
@@ -420,9 +457,45 @@ class _Walker:
                         if type(key) is not str and type(key) is not _New:
                             self.plain = False
                             break
-                    stack.append(_UNKNOWN)
+                    push(_UNKNOWN)
                     cost += 40 * len(items)
                     pos += 1
+                elif c == 0x74:  # TUPLE
+                    items = self._pop_mark("TUPLE")
+                    push(_tuple_of(items))
+                    cost += 56 + 8 * len(items)
+                    pos += 1
+                elif c == 0x4B and pos + 2 <= end:  # BININT1
+                    push(_CONST)
+                    cost += 8
+                    pos += 2
+                elif c == 0x7D:  # EMPTY_DICT
+                    push(_UNKNOWN)
+                    cost += 64
+                    pos += 1
+                    if buf[pos] == 0x94 and mc == len(memo):  # and MEMOIZE, as nearly every object is
+                        memo.append(stack[-1])
+                        mc += 1
+                        cost += 16
+                        pos += 1
+                        if counting:
+                            count += 1
+                elif c == 0x4D and pos + 3 <= end:  # BININT2
+                    push(_CONST)
+                    cost += 32
+                    pos += 3
+                elif c == 0x8C and pos + 2 + buf[pos + 1] <= end:  # SHORT_BINUNICODE
+                    n = buf[pos + 1]
+                    push(buf[pos + 2:pos + 2 + n].decode("utf-8", "surrogatepass"))
+                    cost += 64 + n
+                    pos += 2 + n
+                    if buf[pos] == 0x94 and mc == len(memo):  # and MEMOIZE, as nearly every object is
+                        memo.append(stack[-1])
+                        mc += 1
+                        cost += 16
+                        pos += 1
+                        if counting:
+                            count += 1
                 elif fixed[c] is not None and pos + 1 + fixed[c][0] <= end:  # type: ignore[index]
                     argn, has_mark, pops, pushes, charge = fixed[c]  # type: ignore[misc]
                     if has_mark:
@@ -439,26 +512,48 @@ class _Walker:
                     if not pushes:
                         continue
                     stack.extend(pushes)
+                    if buf[pos] == 0x94 and mc == len(memo):  # and MEMOIZE, as nearly every object is
+                        memo.append(stack[-1])
+                        mc += 1
+                        cost += 16
+                        pos += 1
+                        if counting:
+                            count += 1
                 else:
                     op = ops[c]
                     if op is None:
                         raise _ScanError(f"unknown opcode {bytes([c])!r}")
                     self.op_at = pos
                     stream.seek(pos + 1)
-                    if self._step(c, op, count):
+                    self.memo_count = mc
+                    if self._step(c, op, pos - start + 1):
                         return count
+                    mc = self.memo_count
                     pos = stream.tell()
                     continue
                 if len(stack) > MAX_STACK:
                     raise _ScanError(f"stack deeper than {MAX_STACK}", limit=True)
+        except (IndexError, struct.error):
+            # The next opcode, or an argument, past the end: _step walks that opcode again and says what it says.
+            self.op_at = pos
+            if pos >= end:
+                stream.seek(pos)
+                raise _ScanError("the pickle ends before its STOP opcode (truncated)") from None
+            stream.seek(pos + 1)
+            self.memo_count = mc
+            self._step(buf[pos], ops[buf[pos]], pos - start + 1)  # type: ignore[arg-type]
+            raise _ScanError(f"opcode at byte {pos}: its argument runs past the end") from None
         except BaseException:
             self.op_at = pos
             raise
         finally:
             self.cost += cost
+            self.memo_count = mc
 
     def _step(self, code: int, op: pickletools.OpcodeInfo, count: int) -> bool:
-        """One opcode, its byte already read (the stream is at its argument); ``True`` at ``STOP``."""
+        """One opcode, its byte already read (the stream is at its argument); ``True`` at ``STOP``. ``count``
+        bounds the memo indices: the bytes read so far, this opcode's included (each object a pickle memoizes
+        took at least one byte, so a C unpickler's memo array stays within the pickle's size)."""
         stack = self.stack
         if self.plain:
             if code not in _PLAIN_STEP:
@@ -495,8 +590,8 @@ class _Walker:
             # Picklers number memo entries 0, 1, 2, ...; a far larger index would make C unpicklers (DCP's
             # pickle.load of .metadata) allocate a memo array of that size.
             if not 0 <= index <= count:
-                raise _ScanError(f"memo index {index} is beyond the {count} opcodes read so far (picklers number "
-                                 "memo entries in order)")
+                raise _ScanError(f"memo index {index} is beyond the {count} bytes read so far (picklers number "
+                                 "memo entries in order, one per object)")
             if index >= len(self.memo):
                 self.memo.extend([None] * (index + 1 - len(self.memo)))
             if self.memo[index] is None:
@@ -646,6 +741,18 @@ tuples, strings, small numbers and dataclass-like records (DCP ``.metadata``).""
 _PLAIN_STEP = frozenset(ord(op.code) for op in pickletools.opcodes if op.name in PLAIN_OPCODES)
 _U4 = struct.Struct("<I")
 _EMPTY_TUPLE = _Tuple(0)
+_TUPLES = [_Tuple(n) for n in range(64)]
+"""Shared symbolic tuples of the usual lengths (immutable; making one costs more than the opcode's walk)."""
+_CONST_TYPES = frozenset({str, _Const, _Tuple})
+"""The symbolic values :func:`_is_const` accepts, by exact type."""
+
+
+def _tuple_of(items: list[Any]) -> Any:
+    for v in items:
+        if type(v) not in _CONST_TYPES:
+            return _UNKNOWN
+    n = len(items)
+    return _TUPLES[n] if n < len(_TUPLES) else _Tuple(n)
 
 
 def scan(data: bytes | bytearray | memoryview | IO[bytes], allowed: frozenset[str] = ALL_SAFE, *,
