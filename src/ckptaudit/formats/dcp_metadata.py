@@ -156,8 +156,9 @@ def _write_item_type(value: Any) -> _WriteItemType:
 def _size(values: Any = ()) -> tuple[int, ...]:
     if type(values) not in (list, tuple) or len(values) > MAX_RANK:
         raise pickle.UnpicklingError(f"torch.Size of {type(values).__name__}, not a short list of sizes")
-    if not all(type(v) is int and v >= 0 for v in values):
-        raise pickle.UnpicklingError("torch.Size with entries that are not non-negative integers")
+    for v in values:
+        if type(v) is not int or v < 0:
+            raise pickle.UnpicklingError("torch.Size with entries that are not non-negative integers")
     return tuple(values)
 
 
@@ -317,8 +318,9 @@ def _short(value: Any) -> str:
 def _sizes(value: Any, what: str) -> tuple[int, ...]:
     if type(value) not in (tuple, list) or len(value) > MAX_RANK:
         raise MetadataShapeError(f"{what} is {_short(value)}, not a tuple of sizes")
-    if not all(type(v) is int and v >= 0 for v in value):
-        raise MetadataShapeError(f"{what} holds entries that are not non-negative integers")
+    for v in value:
+        if type(v) is not int or v < 0:
+            raise MetadataShapeError(f"{what} holds entries that are not non-negative integers")
     return tuple(value)
 
 
@@ -358,7 +360,8 @@ def _chunks(chunks_raw: list[Any], seen: _Expansion) -> tuple[ChunkMeta, ...]:
     for c in chunks_raw:
         if type(c) is not _ChunkStorageMetadata:
             raise MetadataShapeError(f"a chunk is {_short(c)}, not ChunkStorageMetadata")
-        chunks.append(ChunkMeta(_sizes(c.get("offsets"), "chunk offsets"), _sizes(c.get("sizes"), "chunk sizes")))
+        chunks.append(ChunkMeta(_sizes(getattr(c, "offsets", None), "chunk offsets"),
+                                _sizes(getattr(c, "sizes", None), "chunk sizes")))
     out = tuple(chunks)
     seen.chunks[id(chunks_raw)] = (chunks_raw, out)  # the list is kept: its id stays its own
     return out
@@ -366,13 +369,14 @@ def _chunks(chunks_raw: list[Any], seen: _Expansion) -> tuple[ChunkMeta, ...]:
 
 def _tensor(fqn: str, raw: _TensorStorageMetadata, seen: _Expansion) -> TensorMeta | MalformedMeta:
     try:
-        props = raw.get("properties")
+        props = getattr(raw, "properties", None)
         if type(props) is not _TensorProperties:
             raise MetadataShapeError(f"properties is {_short(props)}, not TensorProperties")
-        dtype, layout, fmt = props.get("dtype"), props.get("layout"), props.get("memory_format")
+        dtype, layout = getattr(props, "dtype", None), getattr(props, "layout", None)
+        fmt = getattr(props, "memory_format", None)
         if type(dtype) is not _TorchName or type(layout) is not _TorchName or type(fmt) is not _MemFormat:
             raise MetadataShapeError("properties do not hold a torch dtype, layout and memory format")
-        flags = props.get("requires_grad"), props.get("pin_memory")
+        flags = getattr(props, "requires_grad", None), getattr(props, "pin_memory", None)
         if not all(type(f) is bool for f in flags):
             raise MetadataShapeError("requires_grad / pin_memory are not booleans")
         key = (dtype.name, layout.name, flags[0], fmt.value, flags[1])
@@ -380,8 +384,8 @@ def _tensor(fqn: str, raw: _TensorStorageMetadata, seen: _Expansion) -> TensorMe
         if tp is None:
             tp = seen.props[key] = TensorProps(dtype.name, layout.name, flags[0], MEMORY_FORMATS[fmt.value],
                                                flags[1])
-        size = _sizes(raw.get("size"), "size")
-        chunks_raw = raw.get("chunks")
+        size = _sizes(getattr(raw, "size", None), "size")
+        chunks_raw = getattr(raw, "chunks", None)
         if type(chunks_raw) is not list:
             raise MetadataShapeError(f"chunks is {_short(chunks_raw)}, not a list")
         return TensorMeta(tp, size, _chunks(chunks_raw, seen))
@@ -392,12 +396,13 @@ def _tensor(fqn: str, raw: _TensorStorageMetadata, seen: _Expansion) -> TensorMe
 def _storage(raw: Any, seen: _Expansion) -> StorageInfo:
     if type(raw) is not _StorageInfo:
         return StorageInfo("", 0, 0, problem=f"storage entry is {_short(raw)}, not _StorageInfo")
-    rel, offset, length = raw.get("relative_path"), raw.get("offset"), raw.get("length")
+    rel, offset = getattr(raw, "relative_path", None), getattr(raw, "offset", None)
+    length = getattr(raw, "length", None)
     if type(rel) is not str:
         return StorageInfo("", 0, 0, problem=f"data file {_short(rel)} is not a path")
     if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
         return StorageInfo("", 0, 0, problem=f"bad offset/length {_short(offset)}/{_short(length)}")
-    transforms = raw.get("transform_descriptors")
+    transforms = getattr(raw, "transform_descriptors", None)
     if transforms is not None:
         seen.charge(len(transforms) if type(transforms) in (list, tuple) else 1)
         if type(transforms) not in (list, tuple) or not all(type(t) is str for t in transforms):
@@ -453,10 +458,10 @@ def rebuild(raw: Any) -> DcpMetadata:
             sd[fqn] = MalformedMeta(f"entry {fqn} is {_short(item)}, neither tensor nor bytes metadata")
     storage: dict[IndexKey, StorageInfo] = {}
     for index, info in dict.items(st_raw):
-        if type(index) is not _MetadataIndex or type(index.get("fqn")) is not str:
+        if type(index) is not _MetadataIndex or type(getattr(index, "fqn", None)) is not str:
             raise MetadataShapeError(f"storage_data has a key {_short(index)} that is not a MetadataIndex")
-        offset = index.get("offset")
-        key = IndexKey(index.get("fqn"), None if offset is None else _sizes(offset, "MetadataIndex.offset"))
+        offset = getattr(index, "offset", None)
+        key = IndexKey(index.fqn, None if offset is None else _sizes(offset, "MetadataIndex.offset"))
         if key in storage:
             raise MetadataShapeError(f"storage_data lists item {key.fqn} at offsets {key.offset} twice")
         storage[key] = _storage(info, seen)
@@ -465,6 +470,9 @@ def rebuild(raw: Any) -> DcpMetadata:
     save_plans = (sum(1 for p in plans if type(p) is _SavePlan) if type(plans) is list else 0)
     return DcpMetadata(sd, storage, _planner(raw.get("planner_data")), _storage_meta(raw.get("storage_meta")),
                        _opt_str(version, "version"), save_plans)
+
+
+_SIZED = frozenset({str, bytes, tuple, list, dict})
 
 
 class _Charged:
@@ -478,9 +486,9 @@ class _Charged:
         self._fn, self._left = fn, left
 
     def __call__(self, *args: Any) -> Any:
-        cost = 0
+        cost = len(args)
         for a in args:
-            cost += (len(a) if type(a) in (str, bytes, tuple, list, dict) else 1) + 1
+            cost += len(a) if type(a) in _SIZED else 1
         self._left[0] -= cost
         if self._left[0] < 0:
             raise PickleLimitError("the pickle's calls build more than the budget allows (a copy amplification)")
