@@ -376,14 +376,13 @@ def _tensor(fqn: str, raw: _TensorStorageMetadata, seen: _Expansion) -> TensorMe
         fmt = getattr(props, "memory_format", None)
         if type(dtype) is not _TorchName or type(layout) is not _TorchName or type(fmt) is not _MemFormat:
             raise MetadataShapeError("properties do not hold a torch dtype, layout and memory format")
-        flags = getattr(props, "requires_grad", None), getattr(props, "pin_memory", None)
-        if not all(type(f) is bool for f in flags):
+        grad, pin = getattr(props, "requires_grad", None), getattr(props, "pin_memory", None)
+        if type(grad) is not bool or type(pin) is not bool:
             raise MetadataShapeError("requires_grad / pin_memory are not booleans")
-        key = (dtype.name, layout.name, flags[0], fmt.value, flags[1])
+        key = (dtype.name, layout.name, grad, fmt.value, pin)
         tp = seen.props.get(key)
         if tp is None:
-            tp = seen.props[key] = TensorProps(dtype.name, layout.name, flags[0], MEMORY_FORMATS[fmt.value],
-                                               flags[1])
+            tp = seen.props[key] = TensorProps(dtype.name, layout.name, grad, MEMORY_FORMATS[fmt.value], pin)
         size = _sizes(getattr(raw, "size", None), "size")
         chunks_raw = getattr(raw, "chunks", None)
         if type(chunks_raw) is not list:
@@ -458,10 +457,11 @@ def rebuild(raw: Any) -> DcpMetadata:
             sd[fqn] = MalformedMeta(f"entry {fqn} is {_short(item)}, neither tensor nor bytes metadata")
     storage: dict[IndexKey, StorageInfo] = {}
     for index, info in dict.items(st_raw):
-        if type(index) is not _MetadataIndex or type(getattr(index, "fqn", None)) is not str:
+        fqn = getattr(index, "fqn", None) if type(index) is _MetadataIndex else None
+        if type(fqn) is not str:
             raise MetadataShapeError(f"storage_data has a key {_short(index)} that is not a MetadataIndex")
         offset = getattr(index, "offset", None)
-        key = IndexKey(index.fqn, None if offset is None else _sizes(offset, "MetadataIndex.offset"))
+        key = IndexKey(fqn, None if offset is None else _sizes(offset, "MetadataIndex.offset"))
         if key in storage:
             raise MetadataShapeError(f"storage_data lists item {key.fqn} at offsets {key.offset} twice")
         storage[key] = _storage(info, seen)
