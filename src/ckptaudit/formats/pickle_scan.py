@@ -733,11 +733,13 @@ _FAST_GENERIC: list[tuple[int, bool, int, tuple[Any, ...], int] | None] = [
 """For :meth:`_Walker._run_buffer`: the generic opcodes whose argument, if any, has a fixed size (its value is
 not needed: they push constants or unknowns), with their :data:`_PLAIN_CHARGE`."""
 PLAIN_OPCODES = frozenset(
-    "PROTO FRAME STOP MARK MEMOIZE BINPUT LONG_BINPUT BINGET LONG_BINGET SHORT_BINUNICODE BINUNICODE GLOBAL "
+    "PROTO FRAME STOP MARK MEMOIZE BINGET LONG_BINGET SHORT_BINUNICODE BINUNICODE GLOBAL "
     "STACK_GLOBAL EMPTY_TUPLE TUPLE1 TUPLE2 TUPLE3 TUPLE REDUCE NEWOBJ BUILD SETITEM SETITEMS LONG1".split()
 ) | frozenset(_PLAIN_CHARGE)
-"""The opcodes of a plain pickle (:attr:`PickleScan.plain`): what ``pickle.dump`` writes for dicts, lists,
-tuples, strings, small numbers and dataclass-like records (DCP ``.metadata``)."""
+"""The opcodes of a plain pickle (:attr:`PickleScan.plain`): what ``pickle.dump`` (protocol 4 and later) writes
+for dicts, lists, tuples, strings, small numbers and dataclass-like records (DCP ``.metadata``). Not ``PUT``: a
+``BINPUT`` may name any memo slot up to the bytes read, and the C unpickler's memo is an array of that size;
+``MEMOIZE`` fills it densely."""
 _PLAIN_STEP = frozenset(ord(op.code) for op in pickletools.opcodes if op.name in PLAIN_OPCODES)
 _U4 = struct.Struct("<I")
 _EMPTY_TUPLE = _Tuple(0)
