@@ -529,7 +529,9 @@ def load_dcp_metadata(data: bytes, scanned: PickleScan | None = None) -> DcpMeta
     ``scanned``: when the scan proved the pickle plain (:attr:`~ckptaudit.formats.pickle_scan.PickleScan.plain`,
     true of what ``torch.distributed.checkpoint`` writes), the C unpickler loads it with the same table, about
     ten times faster than the pure-Python restricted unpickler; whatever that fast load refuses, the restricted
-    unpickler loads again and decides, so both paths give the same result and the same errors.
+    unpickler loads again and decides, so both paths give the same result and the same errors (but for values
+    nested past ``MAX_DEPTH`` or cyclic in fields the rebuild never reads: only the restricted path's tree
+    check refuses those; see docs/security.md).
 
     Raises :class:`~ckptaudit.formats.pickle_scan.UnsafeGlobalError` for anything outside the allowlist,
     :class:`PickleLimitError` past a limit, :class:`MetadataShapeError` for metadata of the wrong shape, and
