@@ -484,6 +484,30 @@ class _Walker:
                     push(_CONST)
                     cost += 32
                     pos += 3
+                elif (c == 0x72 and pos + 5 <= end) or (c == 0x71 and pos + 2 <= end):  # LONG_BINPUT, BINPUT
+                    if not stack or (marks and len(stack) == marks[-1]):
+                        raise _ScanError(f"{ops[c].name} with nothing to remember")  # type: ignore[union-attr]
+                    if c == 0x72:
+                        (index,) = _U4.unpack_from(buf, pos + 1)
+                    else:
+                        index = buf[pos + 1]
+                    if index > pos - start + 1:
+                        raise _ScanError(f"memo index {index} is beyond the {pos - start + 1} bytes read so far "
+                                         "(picklers number memo entries in order, one per object)")
+                    if index >= len(memo):
+                        memo.extend([None] * (index + 1 - len(memo)))
+                    if memo[index] is None:
+                        mc += 1
+                    memo[index] = stack[-1]
+                    self.plain = False  # (see PLAIN_OPCODES)
+                    pos += 5 if c == 0x72 else 2
+                    continue
+                elif c == 0x58 and pos + 5 <= end and _U4.unpack_from(buf, pos + 1)[0] <= min(
+                        MAX_INLINE, end - pos - 5):  # BINUNICODE, a short one
+                    (n,) = _U4.unpack_from(buf, pos + 1)
+                    push(buf[pos + 5:pos + 5 + n].decode("utf-8", "surrogatepass"))
+                    cost += 64 + n
+                    pos += 5 + n
                 elif c == 0x8C and pos + 2 + buf[pos + 1] <= end:  # SHORT_BINUNICODE
                     n = buf[pos + 1]
                     push(buf[pos + 2:pos + 2 + n].decode("utf-8", "surrogatepass"))
