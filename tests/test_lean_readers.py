@@ -141,19 +141,19 @@ def test_scan_of_bytes_equals_the_stream_walk(saved: dict[str, Path], seed: int)
 def _general_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     """Route every archive through zipfile and every in-memory pickle through the stream walk (the readers' general
     paths, which the fast ones shortcut), with the memo caches emptied."""
-    import ckptaudit.formats.pickle_scan as pickle_scan
+    import ckptaudit.formats.pickle_walk as pickle_walk
     import ckptaudit.formats.torchzip as torchzip
     import ckptaudit.formats.ziplayout as ziplayout
 
     monkeypatch.setattr(torchzip, "lean_directory", lambda region, tail: None)
     monkeypatch.setattr(ziplayout, "match", lambda length, head, tail: None)
-    stream_run = pickle_scan._Walker.run
+    stream_run = pickle_walk.Walker.run
 
     def run_on_stream(self: Any) -> int:
         self.buf = None
         return stream_run(self)
 
-    monkeypatch.setattr(pickle_scan._Walker, "run", run_on_stream)
+    monkeypatch.setattr(pickle_walk.Walker, "run", run_on_stream)
     torchzip._SCAN_CACHE.clear()
     torchzip._LOAD_CACHE.clear()
 

@@ -21,6 +21,7 @@ import pytest
 from ckptaudit.audit import audit
 from ckptaudit.dist.launch import launch
 from ckptaudit.formats.dcp import check_metadata_safe
+from ckptaudit.formats.dcp_metadata import load_dcp_metadata
 from ckptaudit.formats.pickles import DCP_METADATA_GLOBALS, dcp_metadata_loads, scan
 from ckptaudit.model import ComponentKind, Precision, Severity
 from ckptaudit.store.latest import find_latest, latest_report
@@ -53,6 +54,8 @@ def test_metadata_holds_the_save_plans_and_passes_the_allowlist(megatron: dict[s
     assert result.loadable, result.unsafe
     md = dcp_metadata_loads(data)  # the plans are vetted and rebuilt like the rest of the metadata
     assert md.save_plans == 2
+    # What Megatron writes takes the fast load (the C unpickler), and it gives the same record.
+    assert result.plain and load_dcp_metadata(data, result) == md
     check_metadata_safe(path)  # what callers run before torch.distributed.checkpoint.load: no exception
 
 

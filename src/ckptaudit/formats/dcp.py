@@ -103,11 +103,11 @@ def _scan_problem(result: PickleScan) -> tuple[str, str] | None:
     return None
 
 
-def _load_metadata(data: bytes) -> tuple[DcpMetadata | None, str, str]:
+def _load_metadata(data: bytes, scanned: PickleScan) -> tuple[DcpMetadata | None, str, str]:
     """Unpickle (restricted) and rebuild the metadata as plain data: ``(md, "", "")`` or
-    ``(None, finding code, why)``."""
+    ``(None, finding code, why)``. ``scanned`` is the scan of ``data``."""
     try:
-        return load_dcp_metadata(data), "", ""
+        return load_dcp_metadata(data, scanned), "", ""
     except MemoryError:
         raise
     except UnsafeBuildError as exc:
@@ -147,10 +147,11 @@ def check_metadata_safe(path: str) -> DcpMetadata:
     _code, message, data = _metadata_problem(path)
     if data is None:
         raise UnsafeCheckpointError(f"{meta_path}: {message}")
-    problem = _scan_problem(scan(data, DCP_METADATA_GLOBALS, max_opcodes=MAX_METADATA_OPCODES))
+    scanned = scan(data, DCP_METADATA_GLOBALS, max_opcodes=MAX_METADATA_OPCODES)
+    problem = _scan_problem(scanned)
     if problem is not None:
         raise UnsafeCheckpointError(f"{meta_path}: {problem[1]}; refusing to load it")
-    md, _code, why = _load_metadata(data)
+    md, _code, why = _load_metadata(data, scanned)
     if md is None:
         raise UnsafeCheckpointError(f"{meta_path}: {why}")
     for item_md in md.state_dict_metadata.values():
@@ -266,7 +267,7 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
             "security") else {"offset": result.error_offset}
         findings.append(finding(problem[0], meta_subject, problem[1], file=meta_subject, **evidence))
         return DcpRead(None, findings, files)
-    md, code, why = _load_metadata(data)
+    md, code, why = _load_metadata(data, result)
     if md is None:
         findings.append(finding(code, meta_subject, why, file=meta_subject))
         return DcpRead(None, findings, files)

@@ -5,19 +5,38 @@ global the pickle references, also through ``STACK_GLOBAL`` and memo indirection
 allowlist (:mod:`ckptaudit.formats.allowlist`). Declared lengths are checked against the bytes that remain before
 anything is read (a ``BINBYTES8`` claiming terabytes is an error, not an allocation), long byte strings are
 skipped rather than read, memo indices may not run ahead of the opcodes, and opcode count and stack depth have
-hard limits. The limits below are shared with the restricted unpickler (:mod:`ckptaudit.formats.unpickler`).
+hard limits (:mod:`ckptaudit.formats.pickle_limits`, shared with the restricted unpickler,
+:mod:`ckptaudit.formats.unpickler`, and re-exported here). The walk itself is :mod:`ckptaudit.formats.pickle_walk`,
+its opcode tables :mod:`ckptaudit.formats.pickle_ops`.
 """
 
 from __future__ import annotations
 
 import io
-import pickle
-import pickletools
 import struct
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO
 
-from ckptaudit.formats.allowlist import ALL_SAFE, HARMLESS_GLOBALS, global_name
+from ckptaudit.formats.allowlist import ALL_SAFE, HARMLESS_GLOBALS
+from ckptaudit.formats.pickle_limits import (
+    BUILD_BUDGET_BASE,
+    BUILD_BUDGET_FACTOR,
+    CALL_BUDGET_FACTOR,
+    MAX_DEPTH,
+    MAX_HASH_COLLISIONS,
+    MAX_INLINE,
+    MAX_KEY_NODES,
+    MAX_LINE,
+    MAX_METADATA_OPCODES,
+    MAX_NODES,
+    MAX_OPCODES,
+    MAX_STACK,
+    PickleLimitError,
+    UnsafeBuildError,
+    UnsafeGlobalError,
+)
+from ckptaudit.formats.pickle_ops import PLAIN_OPCODES
+from ckptaudit.formats.pickle_walk import ScanError, Walker
 
 __all__ = [
     "BUILD_BUDGET_BASE",
@@ -32,6 +51,7 @@ __all__ = [
     "MAX_NODES",
     "MAX_OPCODES",
     "MAX_STACK",
+    "PLAIN_OPCODES",
     "PickleLimitError",
     "PickleScan",
     "UnsafeBuildError",
@@ -39,40 +59,6 @@ __all__ = [
     "scan",
 ]
 
-# --------------------------------------------------------------------------------------------------------------
-# Limits. Real checkpoints stay far below them; a hostile pickle meets them long before it can exhaust memory or
-# time. Hitting one is reported as a finding naming the limit, never a crash.
-
-MAX_OPCODES = 5_000_000
-"""Opcodes walked per pickle (``torch.save`` needs about 25 per tensor: 200k tensors). Walking costs about 1 µs
-per opcode and loading about 2 µs; each opcode makes at most one object (at most ~70 bytes), which bounds the
-memory of what a pickle can build to a few hundred MiB."""
-MAX_METADATA_OPCODES = 20_000_000
-"""The same for DCP ``.metadata`` (about 25 opcodes per shard of a tensor: 800k shards, e.g. a 70B model's
-parameters and Adam moments over 300 ranks)."""
-MAX_STACK = 1 << 22
-"""Deepest symbolic stack accepted."""
-MAX_LINE = 1 << 16
-"""Longest line argument (``GLOBAL``, ``INT``, ``UNICODE`` of protocol 0)."""
-MAX_INLINE = 1 << 16
-"""String arguments longer than this are skipped by the scanner (it only needs short ones: names)."""
-MAX_DEPTH = 100
-"""Deepest nesting of a loaded object tree (real checkpoints: under 15)."""
-MAX_NODES = 10_000_000
-"""Most nodes of a loaded tree, shared sub-trees counted every time they are reachable."""
-CALL_BUDGET_FACTOR = 4
-"""Constructors called while unpickling may copy at most this many times the pickle's size (plus 16 Mi)."""
-BUILD_BUDGET_FACTOR = 16
-"""What the opcodes of a pickle build (containers, strings, memo entries, estimated at CPython's object sizes)
-may take at most this many times the pickle's size, plus :data:`BUILD_BUDGET_BASE`. Real pickles take 9-12 times
-their size; 1-byte opcodes that each make a 216-byte empty set take 216 times."""
-BUILD_BUDGET_BASE = 32 << 20
-"""Fixed part of the build budget (bytes)."""
-MAX_HASH_COLLISIONS = 64
-"""Keys of one dict (or items of one set) that may share one hash value, past the first 32 entries: real
-checkpoints have none; 200k integer keys that all hash alike would make building the dict quadratic."""
-MAX_KEY_NODES = 256
-"""Most nodes of one dict key or set item (a tuple of tuples): hashing a tuple walks it every time."""
 
 @dataclass(frozen=True, slots=True)
 class PickleScan:
@@ -95,472 +81,19 @@ class PickleScan:
     """The error is a safety limit of the scanner (the pickle may be well-formed but too large to vet)."""
     misused: tuple[str, ...] = field(default=())
     """Harmless globals called in a way their own pickling never does (they are also in ``unsafe``)."""
+    plain: bool = False
+    """The walk proved the pickle *plain* (see :data:`PLAIN_OPCODES`): an in-memory pickle of protocol 3 or
+    later that uses only the opcodes of containers, short constants, memo, globals, ``REDUCE`` and ``NEWOBJ`` of
+    a global, and ``BUILD`` once on each object ``NEWOBJ`` made; whose dict keys are all strings or objects
+    ``NEWOBJ`` made (so no key hash can be steered into collisions); and whose objects, estimated at CPython's
+    sizes, stay within the build budget. Such a pickle may be loaded by the C unpickler with a restricted
+    ``find_class`` (:func:`ckptaudit.formats.dcp_metadata.load_dcp_metadata`): every other defence of the
+    restricted unpickler is then already guaranteed by the walk."""
 
     @property
     def loadable(self) -> bool:
         return self.error is None and not self.unsafe and not self.harmless
 
-
-class UnsafeGlobalError(pickle.UnpicklingError):
-    """A restricted unpickler met a global outside its allowlist."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"global {name!r} is not in the allowlist; refusing to load it")
-        self.name = name
-
-
-class UnsafeBuildError(pickle.UnpicklingError):
-    """A pickle tried to give an object an attribute its class does not declare (it could shadow a method a
-    check reads the object through: ``items``, ``values``, ``get``) or to rebuild an object already in use."""
-
-
-class PickleLimitError(pickle.UnpicklingError):
-    """A pickle, or what it builds, exceeds one of the safety limits of this module."""
-
-
-class _ScanError(Exception):
-    def __init__(self, message: str, limit: bool = False) -> None:
-        super().__init__(message)
-        self.limit = limit
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The scanner
-
-
-class _Mark:
-    __slots__ = ()
-
-
-class _Const:
-    """A constant (number, bool, None, bytes, or a string too long to keep)."""
-
-    __slots__ = ()
-
-
-class _Unknown:
-    """Any value the scanner does not model (the result of a call, a container)."""
-
-    __slots__ = ()
-
-
-@dataclass(frozen=True, slots=True)
-class _Global:
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Tuple:
-    """A tuple whose items are all constants or strings, of length ``n``."""
-
-    n: int
-
-
-_MARK, _CONST, _UNKNOWN = _Mark(), _Const(), _Unknown()
-_OPS: list[pickletools.OpcodeInfo | None] = [None] * 256
-for _op in pickletools.opcodes:
-    _OPS[ord(_op.code)] = _op
-
-# Length-prefixed arguments: (struct format of the length, kind of value).
-_PREFIXED = {
-    "string1": ("<B", "str1"),
-    "string4": ("<i", "str1"),
-    "bytes1": ("<B", "bytes"),
-    "bytes4": ("<I", "bytes"),
-    "bytes8": ("<Q", "bytes"),
-    "bytearray8": ("<Q", "bytes"),
-    "unicodestring1": ("<B", "str"),
-    "unicodestring4": ("<I", "str"),
-    "unicodestring8": ("<Q", "str"),
-    "long1": ("<B", "long"),
-    "long4": ("<i", "long"),
-}
-_FIXED = {name: struct.Struct(fmt) for name, fmt in
-          {"uint1": "<B", "uint2": "<H", "int4": "<i", "uint4": "<I", "uint8": "<Q", "float8": ">d"}.items()}
-_CONST_OPS = frozenset(
-    "NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT BINFLOAT BINBYTES SHORT_BINBYTES "
-    "BINBYTES8 BYTEARRAY8".split()
-)
-
-def _is_const(value: Any) -> bool:
-    return isinstance(value, str | _Const | _Tuple)
-
-
-class _Walker:
-    """One pass over one pickle's opcodes with a symbolic stack and memo."""
-
-    def __init__(self, stream: IO[bytes], allowed: frozenset[str], max_opcodes: int, buf: bytes | None = None) -> None:
-        self.stream = stream
-        self.buf = buf
-        """The stream's bytes when it is an in-memory pickle: walked by index (:meth:`_run_buffer`)."""
-        self.max_opcodes = max_opcodes
-        self.start = stream.tell()
-        stream.seek(0, io.SEEK_END)
-        self.size = stream.tell()
-        stream.seek(self.start)
-        self.allowed = allowed
-        self.found: dict[str, None] = {}
-        self.misused: dict[str, None] = {}
-        self.stack: list[Any] = []
-        self.marks: list[int] = []
-        # A list indexed by memo slot (8 bytes a slot, slots bounded by the opcodes read), not a dict (~100 bytes
-        # an entry): millions of 1-byte MEMOIZE opcodes must not cost the scanner hundreds of MiB.
-        self.memo: list[Any] = []
-        self.memo_count = 0
-        self.op_at = self.start
-        self.proto = 0
-
-    # -- argument decoding, bounded by what the stream still holds ------------------------------------------
-    def _remaining(self) -> int:
-        return self.size - self.stream.tell()
-
-    def _exact(self, n: int, what: str) -> bytes:
-        if n > self._remaining():
-            raise _ScanError(f"{what} declares {n} bytes, only {self._remaining()} remain (truncated or corrupt)")
-        data = self.stream.read(n)
-        if len(data) != n:
-            raise _ScanError(f"{what}: needs {n} bytes, read {len(data)}")
-        return data
-
-    def _line(self) -> bytes:
-        line = self.stream.readline(MAX_LINE + 1)
-        if not line.endswith(b"\n"):
-            if len(line) > MAX_LINE:
-                raise _ScanError(f"a line argument is longer than {MAX_LINE} bytes", limit=True)
-            raise _ScanError("line argument without newline (truncated)")
-        return line
-
-    def _arg(self, op: pickletools.OpcodeInfo) -> Any:
-        desc = op.arg
-        if desc is None:
-            return None
-        if desc.n > 0:  # a few bytes: read them, no allocation to check
-            data = self.stream.read(desc.n)
-            if len(data) != desc.n:
-                raise _ScanError(f"{op.name}: its {desc.n}-byte argument is truncated")
-            return _FIXED[desc.name].unpack(data)[0]
-        if desc.n == pickletools.UP_TO_NEWLINE:
-            lines = self._line()
-            if desc.name == "stringnl_noescape_pair":
-                lines += self._line()
-            return desc.reader(io.BytesIO(lines))
-        fmt, kind = _PREFIXED[desc.name]
-        (n,) = struct.unpack(fmt, self._exact(struct.calcsize(fmt), op.name))
-        if n < 0:
-            raise _ScanError(f"{op.name} declares a negative length {n}")
-        if n > self._remaining():
-            raise _ScanError(f"{op.name} declares {n} bytes, only {self._remaining()} remain (truncated or corrupt)")
-        if n > MAX_INLINE:
-            self.stream.seek(n, io.SEEK_CUR)  # never read: the scanner needs only short strings (names)
-            return _CONST
-        data = self._exact(n, op.name)
-        if kind == "str":
-            return data.decode("utf-8", "surrogatepass")
-        if kind == "str1":
-            return data.decode("latin-1")
-        return _CONST
-
-    # -- the walk --------------------------------------------------------------------------------------------
-    def _pop(self, name: str) -> Any:
-        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
-            raise _ScanError(f"stack underflow at {name}" + (" (it would pop a MARK)" if self.marks else ""))
-        return self.stack.pop()
-
-    def _pop_mark(self, name: str) -> list[Any]:
-        if not self.marks:
-            raise _ScanError(f"{name} without a MARK")
-        at = self.marks.pop()
-        items = self.stack[at:]
-        del self.stack[at:]
-        return items
-
-    def _call(self, callee: Any, args: Any, how: str) -> None:
-        """``callee(*args)`` (REDUCE) or ``callee.__new__(callee, *args)`` (NEWOBJ): check harmless usage."""
-        if not isinstance(callee, _Global):
-            return
-        kind = HARMLESS_GLOBALS.get(callee.name)
-        if kind is None:
-            return
-        if how == "newobj" and isinstance(args, _Tuple) and args.n == 0:
-            return
-        if how == "reduce" and kind == "enum" and isinstance(args, _Tuple) and args.n == 1:
-            return
-        self.misused.setdefault(callee.name, None)
-
-    def run(self) -> int:
-        """Walk to ``STOP``; returns the opcode count. Raises :class:`_ScanError`."""
-        if self.buf is not None:
-            return self._run_buffer(self.buf)
-        count = 0
-        stream = self.stream
-        while True:
-            self.op_at = stream.tell()
-            code = stream.read(1)
-            if not code:
-                raise _ScanError("the pickle ends before its STOP opcode (truncated)")
-            op = _OPS[code[0]]
-            if op is None:
-                raise _ScanError(f"unknown opcode {code!r}")
-            count += 1
-            if count > self.max_opcodes:
-                raise _ScanError(f"more than {self.max_opcodes} opcodes", limit=True)
-            if self._step(code[0], op, count):
-                return count
-
-    def _run_buffer(self, buf: bytes) -> int:
-        """:meth:`run` over an in-memory pickle: the opcodes that make up nearly all of real pickles (memo, marks,
-        tuples, short strings, constants, containers, calls) are walked here by index, with the same checks and
-        messages as :meth:`_step`, which walks every other opcode (and any whose argument runs past the end)."""
-        stream, stack, marks, memo = self.stream, self.stack, self.marks, self.memo
-        end, max_opcodes, fixed = self.size, self.max_opcodes, _FAST_GENERIC
-        pos = stream.tell()
-        count = 0
-        try:
-            while True:
-                if pos >= end:
-                    stream.seek(pos)
-                    self.op_at = pos
-                    raise _ScanError("the pickle ends before its STOP opcode (truncated)")
-                c = buf[pos]
-                op = _OPS[c]
-                if op is None:
-                    raise _ScanError(f"unknown opcode {bytes([c])!r}")
-                count += 1
-                if count > max_opcodes:
-                    raise _ScanError(f"more than {max_opcodes} opcodes", limit=True)
-                if c == 0x94:  # MEMOIZE
-                    if not stack or (marks and len(stack) == marks[-1]):
-                        raise _ScanError("MEMOIZE with nothing to remember")
-                    index = self.memo_count
-                    if index >= len(memo):
-                        memo.extend([None] * (index + 1 - len(memo)))
-                    if memo[index] is None:
-                        self.memo_count += 1
-                    memo[index] = stack[-1]
-                    pos += 1
-                    continue
-                if (c == 0x68 or c == 0x6A) and pos + (2 if c == 0x68 else 5) <= end:  # BINGET, LONG_BINGET
-                    if c == 0x68:
-                        at, nxt = buf[pos + 1], pos + 2
-                    else:
-                        (at,), nxt = _U4.unpack_from(buf, pos + 1), pos + 5
-                    if at >= len(memo) or memo[at] is None:
-                        raise _ScanError(f"{op.name} of memo entry {at}, which was never stored")
-                    stack.append(memo[at])
-                    pos = nxt
-                elif c == 0x8C and pos + 2 <= end and pos + 2 + buf[pos + 1] <= end:  # SHORT_BINUNICODE
-                    n = buf[pos + 1]
-                    stack.append(buf[pos + 2:pos + 2 + n].decode("utf-8", "surrogatepass"))
-                    pos += 2 + n
-                elif c == 0x28:  # MARK
-                    marks.append(len(stack))
-                    pos += 1
-                    continue
-                elif c == 0x29:  # EMPTY_TUPLE
-                    stack.append(_EMPTY_TUPLE)
-                    pos += 1
-                elif 0x85 <= c <= 0x87 or c == 0x74:  # TUPLE1..3, TUPLE
-                    if c == 0x74:
-                        items = self._pop_mark(op.name)
-                    else:
-                        items = [self._pop(op.name) for _ in range(c - 0x84)]
-                    stack.append(_Tuple(len(items)) if all(_is_const(v) for v in items) else _UNKNOWN)
-                    pos += 1
-                elif c == 0x52 or c == 0x81:  # REDUCE, NEWOBJ
-                    args = self._pop(op.name)
-                    callee = self._pop(op.name)
-                    self._call(callee, args, "reduce" if c == 0x52 else "newobj")
-                    stack.append(_UNKNOWN)
-                    pos += 1
-                elif fixed[c] is not None and pos + 1 + fixed[c][0] <= end:  # type: ignore[index]
-                    argn, has_mark, pops, pushes = fixed[c]  # type: ignore[misc]
-                    if has_mark:
-                        self._pop_mark(op.name)
-                    if pops > len(stack) - (marks[-1] if marks else 0):
-                        raise _ScanError(f"stack underflow at {op.name}" + (" (it would pop a MARK)" if marks else ""))
-                    if pops:
-                        del stack[-pops:]
-                    pos += 1 + argn
-                    if not pushes:
-                        continue
-                    stack.extend(pushes)
-                else:
-                    self.op_at = pos
-                    stream.seek(pos + 1)
-                    if self._step(c, op, count):
-                        return count
-                    pos = stream.tell()
-                    continue
-                if len(stack) > MAX_STACK:
-                    raise _ScanError(f"stack deeper than {MAX_STACK}", limit=True)
-        except BaseException:
-            self.op_at = pos
-            raise
-
-    def _step(self, code: int, op: pickletools.OpcodeInfo, count: int) -> bool:
-        """One opcode, its byte already read (the stream is at its argument); ``True`` at ``STOP``."""
-        stack = self.stack
-        generic = _GENERIC[code]
-        if generic is not None:  # the common container and constant opcodes: no names, no calls
-            has_mark, pops, pushes = generic
-            if op.arg is not None:
-                self._arg(op)
-            if has_mark:
-                self._pop_mark(op.name)
-            if pops > len(stack) - (self.marks[-1] if self.marks else 0):
-                raise _ScanError(f"stack underflow at {op.name}" + (" (it would pop a MARK)" if self.marks else ""))
-            if pops:
-                del stack[-pops:]
-            stack.extend(pushes)
-            if len(stack) > MAX_STACK:
-                raise _ScanError(f"stack deeper than {MAX_STACK}", limit=True)
-            return False
-        arg = self._arg(op)
-        name = op.name
-        if name == "STOP":
-            self._pop(name)
-            return True
-        if name == "MARK":
-            self.marks.append(len(stack))
-        elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-            if not stack or (self.marks and len(stack) == self.marks[-1]):
-                raise _ScanError(f"{name} with nothing to remember")
-            index = self.memo_count if name == "MEMOIZE" else int(arg)
-            # Picklers number memo entries 0, 1, 2, ...; a far larger index would make C unpicklers (DCP's
-            # pickle.load of .metadata) allocate a memo array of that size.
-            if not 0 <= index <= count:
-                raise _ScanError(f"memo index {index} is beyond the {count} opcodes read so far (picklers number "
-                                 "memo entries in order)")
-            if index >= len(self.memo):
-                self.memo.extend([None] * (index + 1 - len(self.memo)))
-            if self.memo[index] is None:
-                self.memo_count += 1
-            self.memo[index] = stack[-1]
-        elif name in ("GET", "BINGET", "LONG_BINGET"):
-            at = int(arg)
-            if at >= len(self.memo) or self.memo[at] is None:
-                raise _ScanError(f"{name} of memo entry {arg}, which was never stored")
-            stack.append(self.memo[at])
-        elif name == "FRAME":
-            if int(arg) > self._remaining():
-                raise _ScanError(f"FRAME declares {arg} bytes, only {self._remaining()} remain")
-        elif name == "PROTO":
-            if not 0 <= int(arg) <= pickle.HIGHEST_PROTOCOL:
-                raise _ScanError(f"unsupported pickle protocol {arg}")
-            self.proto = int(arg)
-        elif name in ("GLOBAL", "INST"):
-            module, _, attr = str(arg).partition(" ")
-            full = global_name(module, attr, self.proto)
-            self.found.setdefault(full, None)
-            if name == "INST":
-                args = self._pop_mark(name)
-                if args:
-                    self._call(_Global(full), _UNKNOWN, "inst")
-                stack.append(_UNKNOWN)
-            else:
-                stack.append(_Global(full))
-        elif name == "STACK_GLOBAL":
-            attr_obj = self._pop(name)
-            module_obj = self._pop(name)
-            if isinstance(module_obj, str) and isinstance(attr_obj, str):
-                full = global_name(module_obj, attr_obj, self.proto)
-            else:
-                full = "<unresolvable STACK_GLOBAL>"
-            self.found.setdefault(full, None)
-            stack.append(_Global(full))
-        elif name in ("EXT1", "EXT2", "EXT4"):
-            self.found.setdefault(f"<copyreg extension {arg}>", None)
-            stack.append(_UNKNOWN)
-        elif name == "REDUCE":
-            args = self._pop(name)
-            callee = self._pop(name)
-            self._call(callee, args, "reduce")
-            stack.append(_UNKNOWN)
-        elif name == "NEWOBJ":
-            args = self._pop(name)
-            callee = self._pop(name)
-            self._call(callee, args, "newobj")
-            stack.append(_UNKNOWN)
-        elif name == "NEWOBJ_EX":
-            self._pop(name)
-            args = self._pop(name)
-            callee = self._pop(name)
-            self._call(callee, _UNKNOWN, "newobj_ex")
-            stack.append(_UNKNOWN)
-        elif name == "OBJ":
-            items = self._pop_mark(name)
-            if not items:
-                raise _ScanError("OBJ without a class")
-            if len(items) > 1:
-                self._call(items[0], _UNKNOWN, "obj")
-            stack.append(_UNKNOWN)
-        elif name == "EMPTY_TUPLE":
-            stack.append(_Tuple(0))
-        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-            n = int(name[-1])
-            items = [self._pop(name) for _ in range(n)]
-            stack.append(_Tuple(n) if all(_is_const(v) for v in items) else _UNKNOWN)
-        elif name == "TUPLE":
-            items = self._pop_mark(name)
-            stack.append(_Tuple(len(items)) if all(_is_const(v) for v in items) else _UNKNOWN)
-        elif name == "POP" and self.marks and len(stack) == self.marks[-1]:
-            self.marks.pop()  # POP of a MARK is legal (both unpicklers allow it)
-        elif name == "DUP":
-            stack.append(self._pop(name))
-            stack.append(stack[-1])
-        elif name in _STRING_OPS:
-            stack.append(arg if isinstance(arg, str) else _CONST)
-        elif name in _CONST_OPS:
-            stack.append(_CONST)
-        else:
-            # Everything else: pop what the opcode consumes (to the mark, then the fixed items before it) and
-            # push an unknown for what it produces.
-            before = op.stack_before
-            if pickletools.markobject in before:
-                self._pop_mark(name)
-                fixed = before.index(pickletools.markobject)
-            else:
-                fixed = len(before)
-            for _ in range(fixed):
-                self._pop(name)
-            stack.extend(_UNKNOWN for _ in op.stack_after)
-        if len(stack) > MAX_STACK:
-            raise _ScanError(f"stack deeper than {MAX_STACK}", limit=True)
-        return False
-
-
-_STRING_OPS = frozenset(
-    "STRING BINSTRING SHORT_BINSTRING UNICODE BINUNICODE SHORT_BINUNICODE BINUNICODE8".split()
-)
-_SPECIAL_OPS = frozenset(
-    "STOP MARK PUT BINPUT LONG_BINPUT MEMOIZE GET BINGET LONG_BINGET FRAME PROTO GLOBAL INST STACK_GLOBAL EXT1 "
-    "EXT2 EXT4 REDUCE NEWOBJ NEWOBJ_EX OBJ EMPTY_TUPLE TUPLE1 TUPLE2 TUPLE3 TUPLE POP DUP".split()
-) | _STRING_OPS
-
-
-def _generic(op: pickletools.OpcodeInfo) -> tuple[bool, int, tuple[Any, ...]] | None:
-    """(pops to a MARK first, fixed items popped, items pushed) for opcodes whose effect needs no modelling."""
-    if op.name in _SPECIAL_OPS:
-        return None
-    if op.name in _CONST_OPS:
-        return False, 0, (_CONST,)
-    before = op.stack_before
-    has_mark = pickletools.markobject in before
-    fixed = before.index(pickletools.markobject) if has_mark else len(before)
-    return has_mark, fixed, tuple(_UNKNOWN for _ in op.stack_after)
-
-
-_GENERIC: list[tuple[bool, int, tuple[Any, ...]] | None] = [
-    None if op is None else _generic(op) for op in _OPS
-]
-_FAST_GENERIC: list[tuple[int, bool, int, tuple[Any, ...]] | None] = [
-    None if g is None or op is None or (op.arg is not None and op.arg.n <= 0) else
-    (0 if op.arg is None else op.arg.n, *g) for op, g in zip(_OPS, _GENERIC, strict=True)
-]
-"""For :meth:`_Walker._run_buffer`: the generic opcodes whose argument, if any, has a fixed size (its value is
-not needed: they push constants or unknowns)."""
-_U4 = struct.Struct("<I")
-_EMPTY_TUPLE = _Tuple(0)
 
 
 def scan(data: bytes | bytearray | memoryview | IO[bytes], allowed: frozenset[str] = ALL_SAFE, *,
@@ -576,13 +109,13 @@ def scan(data: bytes | bytearray | memoryview | IO[bytes], allowed: frozenset[st
         stream: IO[bytes] = io.BytesIO(buf)
     else:
         stream = data
-    walker = _Walker(stream, allowed, max_opcodes, buf)
+    walker = Walker(stream, allowed, max_opcodes, buf)
     error: str | None = None
     error_offset: int | None = None
     limit = False
     try:
         walker.run()
-    except _ScanError as exc:
+    except ScanError as exc:
         error, limit = str(exc), exc.limit
     except (ValueError, struct.error, UnicodeDecodeError, OverflowError) as exc:
         # pickletools' line readers reject malformed numbers and quotes with ValueError.
@@ -601,6 +134,8 @@ def scan(data: bytes | bytearray | memoryview | IO[bytes], allowed: frozenset[st
             harmless.append(n)
         else:
             unsafe.append(n)
-    return PickleScan(names, tuple(unsafe), tuple(harmless), error, error_offset, end, limit, misused)
+    plain = (error is None and walker.plain
+             and walker.cost <= BUILD_BUDGET_FACTOR * (end - walker.start) + BUILD_BUDGET_BASE)
+    return PickleScan(names, tuple(unsafe), tuple(harmless), error, error_offset, end, limit, misused, plain)
 
 

@@ -154,7 +154,7 @@ def _metadata(stager: RangeStager) -> DcpMetadata | None:
     if result.unsafe or result.harmless or result.error is not None:
         return None
     try:
-        return load_dcp_metadata(data)
+        return load_dcp_metadata(data, result)
     except MemoryError:
         raise
     except Exception:  # noqa: BLE001 - whatever the reader makes of it, it says so from the staged bytes

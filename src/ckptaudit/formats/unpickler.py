@@ -173,7 +173,16 @@ class PickledRecord:
         raise pickle.UnpicklingError(f"{type(self).__name__} is only rebuilt from pickled state, never called")
 
     def __setstate__(self, state: Any) -> None:
-        set_declared(self, state, self.FIELDS)
+        if type(state) is dict:  # what picklers write: the fields by name, each set through its slot
+            fields = self.FIELDS
+            for k in state:
+                if type(k) is not str or k not in fields:
+                    break
+            else:
+                for k, v in dict.items(state):
+                    object.__setattr__(self, k, v)
+                return
+        set_declared(self, state, self.FIELDS)  # anything else, with its checks and messages
 
     def get(self, name: str) -> Any:
         """The value of field ``name``, ``None`` where the pickle left it unset."""

@@ -1,0 +1,76 @@
+"""The limits a pickle is read within, shared by the opcode scan (:mod:`ckptaudit.formats.pickle_scan`) and the
+restricted unpickler (:mod:`ckptaudit.formats.unpickler`), and the errors that name them."""
+
+from __future__ import annotations
+
+import pickle
+
+__all__ = [
+    "BUILD_BUDGET_BASE",
+    "BUILD_BUDGET_FACTOR",
+    "CALL_BUDGET_FACTOR",
+    "MAX_DEPTH",
+    "MAX_HASH_COLLISIONS",
+    "MAX_INLINE",
+    "MAX_KEY_NODES",
+    "MAX_LINE",
+    "MAX_METADATA_OPCODES",
+    "MAX_NODES",
+    "MAX_OPCODES",
+    "MAX_STACK",
+    "PickleLimitError",
+    "UnsafeBuildError",
+    "UnsafeGlobalError",
+]
+
+# --------------------------------------------------------------------------------------------------------------
+# Limits. Real checkpoints stay far below them; a hostile pickle meets them long before it can exhaust memory or
+# time. Hitting one is reported as a finding naming the limit, never a crash.
+
+MAX_OPCODES = 5_000_000
+"""Opcodes walked per pickle (``torch.save`` needs about 25 per tensor: 200k tensors). Walking costs about 1 µs
+per opcode and loading about 2 µs; each opcode makes at most one object (at most ~70 bytes), which bounds the
+memory of what a pickle can build to a few hundred MiB."""
+MAX_METADATA_OPCODES = 20_000_000
+"""The same for DCP ``.metadata`` (about 25 opcodes per shard of a tensor: 800k shards, e.g. a 70B model's
+parameters and Adam moments over 300 ranks)."""
+MAX_STACK = 1 << 22
+"""Deepest symbolic stack accepted."""
+MAX_LINE = 1 << 16
+"""Longest line argument (``GLOBAL``, ``INT``, ``UNICODE`` of protocol 0)."""
+MAX_INLINE = 1 << 16
+"""String arguments longer than this are skipped by the scanner (it only needs short ones: names)."""
+MAX_DEPTH = 100
+"""Deepest nesting of a loaded object tree (real checkpoints: under 15)."""
+MAX_NODES = 10_000_000
+"""Most nodes of a loaded tree, shared sub-trees counted every time they are reachable."""
+CALL_BUDGET_FACTOR = 4
+"""Constructors called while unpickling may copy at most this many times the pickle's size (plus 16 Mi)."""
+BUILD_BUDGET_FACTOR = 16
+"""What the opcodes of a pickle build (containers, strings, memo entries, estimated at CPython's object sizes)
+may take at most this many times the pickle's size, plus :data:`BUILD_BUDGET_BASE`. Real pickles take 9-12 times
+their size; 1-byte opcodes that each make a 216-byte empty set take 216 times."""
+BUILD_BUDGET_BASE = 32 << 20
+"""Fixed part of the build budget (bytes)."""
+MAX_HASH_COLLISIONS = 64
+"""Keys of one dict (or items of one set) that may share one hash value, past the first 32 entries: real
+checkpoints have none; 200k integer keys that all hash alike would make building the dict quadratic."""
+MAX_KEY_NODES = 256
+"""Most nodes of one dict key or set item (a tuple of tuples): hashing a tuple walks it every time."""
+
+class UnsafeGlobalError(pickle.UnpicklingError):
+    """A restricted unpickler met a global outside its allowlist."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"global {name!r} is not in the allowlist; refusing to load it")
+        self.name = name
+
+
+class UnsafeBuildError(pickle.UnpicklingError):
+    """A pickle tried to give an object an attribute its class does not declare (it could shadow a method a
+    check reads the object through: ``items``, ``values``, ``get``) or to rebuild an object already in use."""
+
+
+class PickleLimitError(pickle.UnpicklingError):
+    """A pickle, or what it builds, exceeds one of the safety limits of this module."""
+
