@@ -184,6 +184,9 @@ class Walker:
         end, max_opcodes = self.size, self.max_opcodes
         pos = start = stream.tell()
         counting = end - start > max_opcodes
+        # Each opcode walked here takes a byte and leaves at most one more item on the stack: a pickle of no more
+        # bytes than MAX_STACK cannot grow it past the limit.
+        checking = end - start > MAX_STACK
         count = cost = 0
         mc = self.memo_count
         try:
@@ -288,18 +291,27 @@ class Walker:
                         pos += 1
                         if counting:
                             count += 1
-                elif c == 0x75 or c == 0x73:  # SETITEMS, SETITEM
-                    if c == 0x75:
-                        items = self._pop_mark("SETITEMS")
-                    else:
-                        items = [self._pop("SETITEM"), self._pop("SETITEM")][::-1]
-                    self._pop("SETITEMS" if c == 0x75 else "SETITEM")
-                    for key in items[0::2]:
+                elif c == 0x75:  # SETITEMS: the keys must be strings or records for a plain pickle
+                    if not marks:
+                        raise ScanError("SETITEMS without a MARK")
+                    at = marks.pop()
+                    for key in stack[at::2]:
                         if type(key) is not str and type(key) is not _New:
                             self.plain = False
                             break
+                    cost += 40 * (len(stack) - at)
+                    del stack[at:]
+                    if len(stack) <= (marks[-1] if marks else 0):
+                        raise ScanError("stack underflow at SETITEMS" + (" (it would pop a MARK)" if marks else ""))
+                    stack[-1] = _UNKNOWN
+                    pos += 1
+                elif c == 0x73:  # SETITEM
+                    items = [self._pop("SETITEM"), self._pop("SETITEM")]
+                    self._pop("SETITEM")
+                    if type(items[1]) is not str and type(items[1]) is not _New:
+                        self.plain = False
                     push(_UNKNOWN)
-                    cost += 40 * len(items)
+                    cost += 80
                     pos += 1
                 elif c == 0x74:  # TUPLE
                     items = self._pop_mark("TUPLE")
@@ -396,7 +408,7 @@ class Walker:
                     mc = self.memo_count
                     pos = stream.tell()
                     continue
-                if len(stack) > MAX_STACK:
+                if checking and len(stack) > MAX_STACK:
                     raise ScanError(f"stack deeper than {MAX_STACK}", limit=True)
         except (IndexError, struct.error):
             # The next opcode, or an argument, past the end: _step walks that opcode again and says what it says.
