@@ -101,7 +101,7 @@ def parts(path: str, lo: int, hi: int, chunk: int, mm: mmap.mmap, fd: int) -> di
     def hash_only() -> None:
         h = xxhash.xxh3_128()
         for _ in range(nchunks):
-            h.update(memoryview(held))
+            h.update(held.data)
 
     def pread_hash() -> None:
         h = xxhash.xxh3_128()
