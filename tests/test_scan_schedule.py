@@ -148,3 +148,22 @@ def test_an_error_in_the_progress_callback_stops_every_thread_and_is_raised(mixe
         _scan(mixed, 3, progress=progress)
     assert 1 <= len(calls) <= 3  # each thread stops after the unit it was on: not one more
     assert not [t for t in threading.enumerate() if t.name.startswith("ckptaudit-scan")]
+
+
+def test_progress_rises_to_the_total_one_call_at_a_time(mixed: Path) -> None:
+    calls: list[tuple[int, int]] = []
+    inside = threading.Lock()
+
+    def progress(done: int, total: int) -> None:
+        assert inside.acquire(blocking=False), "two progress calls at once"
+        try:
+            calls.append((done, total))
+        finally:
+            inside.release()
+
+    _, items = _scan(mixed, 4, progress=progress)
+    total = sum(n for _, n in items.values())
+    done = [d for d, _ in calls]
+    assert done == sorted(done) and len(set(done)) == len(done)
+    assert done[-1] == total and {t for _, t in calls} == {total}
+    assert len(calls) == 6 + -(-1400 // BATCH_COUNT)  # one call per large tensor, one per batch
