@@ -60,7 +60,8 @@ def only_small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _scan(path: Path, jobs: int, progress: Any = None) -> tuple[dict[int, ScanOutcome], dict[int, tuple[str, int]]]:
+def _scan(path: Path, jobs: int, progress: Any = None, *,
+          quick: bool = False) -> tuple[dict[int, ScanOutcome], dict[int, tuple[str, int]]]:
     """Outcomes, and each scannable item's (name, bytes)."""
     plan = plan_scan(str(path))
     try:
@@ -68,7 +69,7 @@ def _scan(path: Path, jobs: int, progress: Any = None) -> tuple[dict[int, ScanOu
         items = {i: (plan.items[i][0].name, plan.nbytes(i)) for i in indices}
         _DATA.clear()
         _DATA.update({id(plan.items[i][0].data): i for i in indices})
-        return scan_items(plan, indices, jobs=jobs, chunk_bytes=CHUNK, progress=progress), items
+        return scan_items(plan, indices, jobs=jobs, chunk_bytes=CHUNK, progress=progress, quick=quick), items
     finally:
         plan.close()
 
@@ -117,6 +118,9 @@ def test_any_number_of_threads_gives_the_outcomes_of_one(mixed: Path) -> None:
     for jobs in (2, 3, 8):
         many, _ = _scan(mixed, jobs)
         assert many == one, jobs
+    quick, _ = _scan(mixed, 1, quick=True)  # the in-loop mode: first chunk only, no hash
+    assert all(o.scan is not None and o.scan.hash is None for o in quick.values())
+    assert _scan(mixed, 3, quick=True)[0] == quick
 
 
 def test_small_tensors_are_shared_between_threads(only_small: Path) -> None:
