@@ -180,13 +180,11 @@ SERIAL_BYTES = 1 << 20
 """Checkpoints up to this many tensor bytes are scanned by one thread whatever ``jobs``: that takes about a
 millisecond, less than starting a pool."""
 BATCH_BYTES = SMALL_TENSOR_BYTES
-"""Tensors up to this size are scanned in batches (:func:`scan_items`): their scan is mostly Python (tens of
-microseconds a tensor, against a few for their bytes), which holds the GIL, so two threads on them only take
-turns; one thread on a batch while the others stream large tensors (which hold the GIL a few microseconds a
-chunk) keeps every core busy."""
+"""Tensors up to this size are scanned in batches (:func:`scan_items`): their scan is mostly Python, holding the
+GIL, so two threads on them only take turns; one thread on them beside threads streaming large tensors (a few
+microseconds of GIL a chunk) keeps every core busy."""
 BATCH_COUNT = 256
-"""Small tensors in one batch: enough to make the hand-out cost nothing, few enough that a checkpoint of only
-small tensors still spreads over every thread."""
+"""Small tensors in a batch: the hand-out costs nothing, and a checkpoint of small tensors still spreads."""
 
 
 def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -194,15 +192,13 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
     """Scan the tensors ``plan.items[i]`` for ``i`` in ``indices`` on ``jobs`` threads.
 
     Each tensor is streamed in order by one thread (its hash is the sequential xxh3-128 of its bytes, whatever
-    ``jobs``). One thread reads in the checkpoint's order (sequential on disk). Several threads share two queues
-    (see docs/performance.md, "Where the scan's time goes"): the large tensors, largest first, so that no thread
-    is left alone with a big one at the end (a tensor is the unit of work), and batches of small ones
-    (:data:`BATCH_BYTES`), in the checkpoint's order. The first thread takes the batches first, the others the
-    large tensors first; each turns to the other queue when its own is empty. Memory: one chunk buffer per
-    thread, reused across its tensors. xxhash, NumPy's reductions and ``os.preadv`` release the GIL, so the
-    threads run on as many cores. ``progress`` is called from the scanning threads, one call at a time; an
-    exception it raises (or any other than the ``ValueError``/``OSError`` of an unreadable tensor, which becomes
-    that tensor's outcome) stops every thread after its current tensor and is raised here.
+    ``jobs``); one thread reads in the checkpoint's order. Several share two queues (docs/performance.md, "Two
+    threads"): the large tensors, largest first (no thread left alone with a big one at the end), and batches of
+    small ones (:data:`BATCH_BYTES`); the first thread takes batches first, the others large tensors first, each
+    turning to the other queue when its own is empty. Memory: one chunk buffer per thread. ``progress`` is
+    called from the scanning threads, one call at a time; an exception it raises (or any but the
+    ``ValueError``/``OSError`` of an unreadable tensor, which is that tensor's outcome) stops every thread after
+    its current tensor and is raised here.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
@@ -242,7 +238,6 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
 def _scan_on_threads(sizes: dict[int, int], one: Callable[[int], ScanOutcome], jobs: int,
                      progress: Progress | None, out: dict[int, ScanOutcome]) -> dict[int, ScanOutcome]:
     """(main thread) Start the scanning threads of :func:`scan_items`, wait for them, raise what stopped them."""
-
     large = deque([[i] for i in sorted((i for i in sizes if sizes[i] > BATCH_BYTES), key=lambda i: (-sizes[i], i))])
     small = sorted(i for i in sizes if sizes[i] <= BATCH_BYTES)
     batches = deque([small[lo : lo + BATCH_COUNT] for lo in range(0, len(small), BATCH_COUNT)])
@@ -261,6 +256,8 @@ def _scan_on_threads(sizes: dict[int, int], one: Callable[[int], ScanOutcome], j
                     except IndexError:
                         break
                     for i in unit:
+                        if failed:
+                            return
                         out[i] = one(i)  # each index is written by one thread only
                     if progress is not None:
                         with lock:
