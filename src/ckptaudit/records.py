@@ -272,7 +272,7 @@ def _scan_span(span: tuple[str, int], data: TensorData, maps: FileMaps, chunk_by
     itemsize = data.dtype.itemsize
     step = max(1, chunk_bytes // itemsize) * itemsize
     remaining = data.nbytes
-    if buffer is not None and buffer.nbytes < step:  # iter_chunks' condition and message
+    if remaining and buffer is not None and buffer.nbytes < step:  # iter_chunks' condition and message
         raise ValueError(f"scratch buffer of {buffer.nbytes} bytes is smaller than a chunk ({step} bytes): "
                          "make it with scratch_buffer(chunk_bytes)")
     buf = np.empty(min(step, remaining), dtype=np.uint8) if buffer is None else buffer
