@@ -122,3 +122,30 @@ def test_wrapper_segments_are_stripped_as_whole_components() -> None:
     assert normalize_fqn("blocks.0._checkpoint_wrapped_module.mlp.weight") == "blocks.0.mlp.weight"
     # A submodule the user named "module" is not a wrapper.
     assert normalize_fqn("encoder.module.weight") == "encoder.module.weight"
+
+
+def test_a_file_cut_short_after_it_was_opened_gives_the_short_read_message(tmp_path: Path) -> None:
+    """A ``torch.save`` file truncated between the open and the scan: each tensor past the end is an error with
+    the message of :func:`~ckptaudit.formats.tensors.iter_chunks` (one whole contiguous tensor is read by the
+    scan's own loop, which must say the same), never bytes hashed from beyond the end."""
+    import os
+
+    from ckptaudit.audit import plan_scan, scan_items
+    from ckptaudit.formats.tensors import iter_chunks
+
+    path = tmp_path / "cut.pt"
+    torch.save({"a": torch.randn(64, 1024), "b": torch.randn(64, 1024), "c": torch.randn(64, 1024)}, path)
+    plan = plan_scan(str(path))
+    try:
+        os.truncate(path, os.path.getsize(path) // 2)
+        outcomes = scan_items(plan, plan.scannable(), jobs=1, chunk_bytes=16 << 10)
+        errors = {i: o.error for i, o in outcomes.items() if o.scan is None}
+        assert errors and len(errors) < len(outcomes)  # the first tensor still reads whole
+        for i, error in errors.items():
+            assert "the file ends early (truncated, or changed while being read)" in error
+            with pytest.raises(ValueError) as exc:
+                for _ in iter_chunks(plan.items[i][0].data, plan.ckpt.maps, 16 << 10):
+                    pass
+            assert error == str(exc.value)
+    finally:
+        plan.close()

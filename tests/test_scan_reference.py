@@ -185,14 +185,15 @@ def test_threads_each_read_into_their_own_buffer(tmp_path: Path) -> None:
     from ckptaudit.audit import plan_scan, scan_items
 
     rng = np.random.default_rng(3)
-    tensors = {f"layer{i}.weight": (rng.standard_normal((64, 256)) * 0.02).astype(np.float32) for i in range(24)}
+    # 128 KiB each: over audit.BATCH_BYTES, so each tensor is its own unit of work, shared between the threads.
+    tensors = {f"layer{i}.weight": (rng.standard_normal((64, 512)) * 0.02).astype(np.float32) for i in range(24)}
     path = tmp_path / "model.safetensors"
     save_file(tensors, str(path))
     want = {name: xxhash.xxh3_128(arr.tobytes()).hexdigest() for name, arr in tensors.items()}
     plan = plan_scan(str(path))
     try:
         for _ in range(3):
-            outcomes = scan_items(plan, plan.scannable(), jobs=4, chunk_bytes=4096)  # 16 chunks per tensor
+            outcomes = scan_items(plan, plan.scannable(), jobs=4, chunk_bytes=4096)  # 32 chunks per tensor
             got = {plan.items[i][0].name.split("/")[-1]: o.scan.hash for i, o in outcomes.items() if o.scan}
             assert got == want
     finally:

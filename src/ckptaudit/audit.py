@@ -10,6 +10,7 @@ import os
 import struct
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,6 +179,12 @@ def plan_scan(path: str) -> ScanPlan:
 SERIAL_BYTES = 1 << 20
 """Checkpoints up to this many tensor bytes are scanned by one thread whatever ``jobs``: that takes about a
 millisecond, less than starting a pool."""
+BATCH_BYTES = SMALL_TENSOR_BYTES
+"""Tensors up to this size are scanned in batches (:func:`scan_items`): their scan is mostly Python, holding the
+GIL, so two threads on them only take turns; one thread on them beside threads streaming large tensors (a few
+microseconds of GIL a chunk) keeps every core busy."""
+BATCH_COUNT = 256
+"""Small tensors in a batch: the hand-out costs nothing, and a checkpoint of small tensors still spreads."""
 
 
 def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -185,20 +192,19 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
     """Scan the tensors ``plan.items[i]`` for ``i`` in ``indices`` on ``jobs`` threads.
 
     Each tensor is streamed in order by one thread (its hash is the sequential xxh3-128 of its bytes, whatever
-    ``jobs``). One thread reads in the checkpoint's order (sequential on disk); several take the largest tensors
-    first, so that no thread is left alone with a big one at the end (a tensor is the unit of work: see
-    docs/performance.md, "Where the scan's time goes"). Memory: one chunk buffer per thread, reused across its
-    tensors.
-    xxhash, NumPy's reductions and ``os.preadv`` release the GIL, so the threads run on as many cores.
+    ``jobs``); one thread reads in the checkpoint's order. Several share two queues (docs/performance.md, "Two
+    threads"): the large tensors, largest first (no thread left alone with a big one at the end), and batches of
+    small ones (:data:`BATCH_BYTES`); the first thread takes batches first, the others large tensors first, each
+    turning to the other queue when its own is empty. Memory: one chunk buffer per thread. ``progress`` is
+    called from the scanning threads, one call at a time; an exception it raises (or any but the
+    ``ValueError``/``OSError`` of an unreadable tensor, which is that tensor's outcome) stops every thread after
+    its current tensor and is raised here.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
     sizes = {i: plan.nbytes(i) for i in indices}
-    order = sorted(indices) if jobs == 1 else sorted(indices, key=lambda i: (-sizes[i], i))
-    total = sum(sizes[i] for i in order)
-    done = 0
+    total = sum(sizes.values())
     out: dict[int, ScanOutcome] = {}
-
     local = threading.local()  # one read buffer per scanning thread, reused across its tensors
 
     def one(index: int) -> ScanOutcome:
@@ -218,28 +224,63 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
         step = scalar_value(data, plan.ckpt.maps) if index in plan.step_items else None
         return ScanOutcome(scanned, step=step)
 
-    if jobs == 1 or len(order) <= 1 or total <= SERIAL_BYTES:
-        for i in order:
+    if jobs == 1 or len(sizes) <= 1 or total <= SERIAL_BYTES:
+        done = 0
+        for i in sorted(sizes):
             out[i] = one(i)
             done += sizes[i]
             if progress is not None:
                 progress(done, total)
         return out
-    from concurrent.futures import ThreadPoolExecutor, as_completed  # (and logging): only for a pool
+    return _scan_on_threads(sizes, one, jobs, progress, out)
 
-    with ThreadPoolExecutor(max_workers=min(jobs, len(order)), thread_name_prefix="ckptaudit-scan") as pool:
-        futures = {pool.submit(one, i): i for i in order}
+
+def _scan_on_threads(sizes: dict[int, int], one: Callable[[int], ScanOutcome], jobs: int,
+                     progress: Progress | None, out: dict[int, ScanOutcome]) -> dict[int, ScanOutcome]:
+    """(main thread) Start the scanning threads of :func:`scan_items`, wait for them, raise what stopped them."""
+    large = deque([[i] for i in sorted((i for i in sizes if sizes[i] > BATCH_BYTES), key=lambda i: (-sizes[i], i))])
+    small = sorted(i for i in sizes if sizes[i] <= BATCH_BYTES)
+    batches = deque([small[lo : lo + BATCH_COUNT] for lo in range(0, len(small), BATCH_COUNT)])
+    total = sum(sizes.values())
+    failed: list[BaseException] = []
+    lock = threading.Lock()
+    done = 0
+
+    def work(queues: tuple[deque[list[int]], ...]) -> None:
+        nonlocal done
         try:
-            for fut in as_completed(futures):
-                i = futures[fut]
-                out[i] = fut.result()
-                done += sizes[i]
-                if progress is not None:
-                    progress(done, total)
-        except BaseException:
-            for fut in futures:
-                fut.cancel()
-            raise
+            for queue in queues:
+                while not failed:
+                    try:
+                        unit = queue.popleft()  # atomic: no lock needed to hand out work
+                    except IndexError:
+                        break
+                    for i in unit:
+                        if failed:
+                            return
+                        out[i] = one(i)  # each index is written by one thread only
+                    if progress is not None:
+                        with lock:
+                            done += sum(sizes[i] for i in unit)
+                            progress(done, total)
+        except BaseException as exc:  # noqa: BLE001 - raised again by the main thread, after the others stop
+            failed.append(exc)
+
+    n = min(jobs, len(large) + len(batches))
+    threads = [threading.Thread(target=work, args=((batches, large) if k == 0 else (large, batches),),
+                                name=f"ckptaudit-scan-{k}", daemon=True) for k in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException as exc:  # KeyboardInterrupt in the main thread: stop the others after their tensor
+        failed.append(exc)
+        for t in threads:
+            t.join()
+        raise
+    if failed:
+        raise failed[0]
     return out
 
 

@@ -221,11 +221,15 @@ def scan_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHU
     h = xxhash.xxh3_128()
     dtype = data.dtype
     state = _Fp32State() if dtype.name == "float32" else None
-    for chunk in iter_chunks(data, maps, chunk_bytes, buffer):
-        # Chunks are C-contiguous (iter_chunks' promise): the hash reads them in place, as bytes.
-        h.update((chunk if chunk.flags.c_contiguous else np.ascontiguousarray(chunk)).data)
-        if state is not None and state.undecided:
-            state.update(chunk)
+    span = _one_span(data)
+    if span is not None:
+        _scan_span(span, data, maps, chunk_bytes, buffer, h, state)
+    else:
+        for chunk in iter_chunks(data, maps, chunk_bytes, buffer):
+            # Chunks are C-contiguous (iter_chunks' promise): the hash reads them in place, as bytes.
+            h.update((chunk if chunk.flags.c_contiguous else np.ascontiguousarray(chunk)).data)
+            if state is not None and state.undecided:
+                state.update(chunk)
     if state is not None:
         pending = state.recheck_fp16_chunks
         if pending:
@@ -241,6 +245,49 @@ def scan_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHU
     if dtype.itemsize <= 2:
         return TensorScan(h.hexdigest(), Precision.NATIVE_16, None)
     return TensorScan(h.hexdigest(), Precision.EXACT, None)
+
+
+def _one_span(data: TensorData) -> tuple[str, int] | None:
+    """``(file, offset of the first byte)`` of a tensor stored as one contiguous run of bytes covering it whole (one
+    piece, no offsets, row-major strides: nearly every tensor of a ``torch.save`` file or a safetensors file);
+    ``None`` for anything else, or on a big-endian host (the chunks are read as little-endian words)."""
+    if len(data.pieces) != 1 or sys.byteorder != "little":
+        return None
+    p = data.pieces[0]
+    if (p.sizes != data.shape or len(p.offsets) != len(data.shape) or any(p.offsets)
+            or min(p.sizes, default=0) < 0 or not p.is_contiguous()):
+        return None
+    return p.file, p.data_offset + p.storage_offset * data.dtype.itemsize
+
+
+def _scan_span(span: tuple[str, int], data: TensorData, maps: FileMaps, chunk_bytes: int,
+               buffer: np.ndarray | None, h: xxhash.xxh3_128, state: _Fp32State | None) -> None:
+    """:func:`scan_tensor`'s pass over a tensor that is one run of bytes (:func:`_one_span`): the chunks
+    :func:`~ckptaudit.formats.tensors.iter_chunks` yields (``chunk_bytes // itemsize`` elements each, read with
+    one positional read each into ``buffer``, the same short-read error), without its per-tensor and per-chunk
+    set-up: a checkpoint of a thousand small tensors spends more on that than on their bytes."""
+    import numpy as np
+
+    path, pos = span
+    itemsize = data.dtype.itemsize
+    step = max(1, chunk_bytes // itemsize) * itemsize
+    remaining = data.nbytes
+    if remaining and buffer is not None and buffer.nbytes < step:  # iter_chunks' condition and message
+        raise ValueError(f"scratch buffer of {buffer.nbytes} bytes is smaller than a chunk ({step} bytes): "
+                         "make it with scratch_buffer(chunk_bytes)")
+    buf = np.empty(min(step, remaining), dtype=np.uint8) if buffer is None else buffer
+    raw = buf.data.cast("B")
+    while remaining:
+        n = min(step, remaining)
+        got = maps.read_into(path, raw[:n], pos)
+        if got != n:  # iter_chunks' message
+            raise ValueError(f"{path}: {got} of {n} bytes at offset {pos}: the file ends early "
+                             "(truncated, or changed while being read)")
+        h.update(raw[:n])
+        if state is not None and state.undecided:
+            state.update(buf[:n].view(np.uint32))
+        pos += n
+        remaining -= n
 
 
 def scan_first_chunk(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TensorScan:
