@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import real_checkpoints as rc
+from ckptaudit.formats import dcp_metadata as dm
 from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.dcp_metadata import load_dcp_metadata
 from ckptaudit.formats.pickle_scan import (
@@ -63,6 +64,8 @@ def test_real_saves_are_plain_and_load_the_same_both_ways(dcp_dir: Path, fsdp_ru
         fast, slow = _outcome(data, True), _outcome(data, False)
         assert fast == slow and not isinstance(fast, tuple), (fast, slow)
         assert len(fast.storage_data) >= 4
+        # The fast load itself succeeds (a failure would fall back to the restricted load silently: equal, slow).
+        assert dm.rebuild(dm._PlainLoader(data, dm._fast_table(len(data))).load()) == slow
 
 
 def test_colliding_integer_keys_are_not_plain(dcp_dir: Path) -> None:
