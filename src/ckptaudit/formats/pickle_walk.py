@@ -253,13 +253,6 @@ class Walker:
                     push(_New() if c == 0x81 else _UNKNOWN)
                     cost += 96
                     pos += 1
-                    if buf[pos] == 0x94 and mc == len(memo):  # and MEMOIZE, as nearly every object is
-                        memo.append(stack[-1])
-                        mc += 1
-                        cost += 16
-                        pos += 1
-                        if counting:
-                            count += 1
                 elif c == 0x62:  # BUILD: the instance stays on the stack
                     if len(stack) - (marks[-1] if marks else 0) < 2:
                         raise ScanError("stack underflow at BUILD" + (" (it would pop a MARK)" if marks else ""))
@@ -284,13 +277,6 @@ class Walker:
                     stack[-1] = _TUPLES[n] if const else _UNKNOWN
                     cost += 56 + 8 * n
                     pos += 1
-                    if buf[pos] == 0x94 and mc == len(memo):  # and MEMOIZE, as nearly every object is
-                        memo.append(stack[-1])
-                        mc += 1
-                        cost += 16
-                        pos += 1
-                        if counting:
-                            count += 1
                 elif c == 0x75:  # SETITEMS: the keys must be strings or records for a plain pickle
                     if not marks:
                         raise ScanError("SETITEMS without a MARK")
@@ -326,13 +312,6 @@ class Walker:
                     push(_UNKNOWN)
                     cost += 64
                     pos += 1
-                    if buf[pos] == 0x94 and mc == len(memo):  # and MEMOIZE, as nearly every object is
-                        memo.append(stack[-1])
-                        mc += 1
-                        cost += 16
-                        pos += 1
-                        if counting:
-                            count += 1
                 elif c == 0x4D and pos + 3 <= end:  # BININT2
                     push(_CONST)
                     cost += 32
@@ -366,13 +345,6 @@ class Walker:
                     push(buf[pos + 2:pos + 2 + n].decode("utf-8", "surrogatepass"))
                     cost += 64 + n
                     pos += 2 + n
-                    if buf[pos] == 0x94 and mc == len(memo):  # and MEMOIZE, as nearly every object is
-                        memo.append(stack[-1])
-                        mc += 1
-                        cost += 16
-                        pos += 1
-                        if counting:
-                            count += 1
                 elif fixed[c] is not None and pos + 1 + fixed[c][0] <= end:  # type: ignore[index]
                     argn, has_mark, pops, pushes, charge = fixed[c]  # type: ignore[misc]
                     if has_mark:
@@ -389,13 +361,6 @@ class Walker:
                     if not pushes:
                         continue
                     stack.extend(pushes)
-                    if buf[pos] == 0x94 and mc == len(memo):  # and MEMOIZE, as nearly every object is
-                        memo.append(stack[-1])
-                        mc += 1
-                        cost += 16
-                        pos += 1
-                        if counting:
-                            count += 1
                 else:
                     op = ops[c]
                     if op is None:
@@ -408,6 +373,15 @@ class Walker:
                     mc = self.memo_count
                     pos = stream.tell()
                     continue
+                # Every branch that gets here left an object on top, above any mark: a MEMOIZE right after it
+                # (pickle.dump memoizes nearly every object) is taken here, as its own branch would take it.
+                if buf[pos] == 0x94 and mc == len(memo):
+                    memo.append(stack[-1])
+                    mc += 1
+                    cost += 16
+                    pos += 1
+                    if counting:
+                        count += 1
                 if checking and len(stack) > MAX_STACK:
                     raise ScanError(f"stack deeper than {MAX_STACK}", limit=True)
         except (IndexError, struct.error):
