@@ -77,10 +77,6 @@ _CONST_OPS = frozenset(
     "BINBYTES8 BYTEARRAY8".split()
 )
 
-def _is_const(value: Any) -> bool:
-    return isinstance(value, str | _Const | _Tuple)
-
-
 
 _STRING_OPS = frozenset(
     "STRING BINSTRING SHORT_BINSTRING UNICODE BINUNICODE SHORT_BINUNICODE BINUNICODE8".split()
@@ -131,10 +127,11 @@ _EMPTY_TUPLE = _Tuple(0)
 _TUPLES = [_Tuple(n) for n in range(64)]
 """Shared symbolic tuples of the usual lengths (immutable; making one costs more than the opcode's walk)."""
 _CONST_TYPES = frozenset({str, _Const, _Tuple})
-"""The symbolic values :func:`_is_const` accepts, by exact type."""
+"""The symbolic values a constant tuple may hold (strings, constants, constant tuples), by exact type."""
 
 
 def _tuple_of(items: list[Any]) -> Any:
+    """The symbolic tuple of ``items``: a constant tuple of their length, or unknown."""
     for v in items:
         if type(v) not in _CONST_TYPES:
             return _UNKNOWN

@@ -27,7 +27,6 @@ from ckptaudit.formats.pickle_ops import (
     _U4,
     _UNKNOWN,
     _Global,
-    _is_const,
     _New,
     _Tuple,
     _tuple_of,
@@ -514,14 +513,14 @@ class Walker:
                 self._call(items[0], _UNKNOWN, "obj")
             stack.append(_UNKNOWN)
         elif name == "EMPTY_TUPLE":
-            stack.append(_Tuple(0))
+            stack.append(_EMPTY_TUPLE)
         elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
             n = int(name[-1])
             items = [self._pop(name) for _ in range(n)]
-            stack.append(_Tuple(n) if all(_is_const(v) for v in items) else _UNKNOWN)
+            stack.append(_tuple_of(items))
         elif name == "TUPLE":
             items = self._pop_mark(name)
-            stack.append(_Tuple(len(items)) if all(_is_const(v) for v in items) else _UNKNOWN)
+            stack.append(_tuple_of(items))
         elif name == "POP" and self.marks and len(stack) == self.marks[-1]:
             self.marks.pop()  # POP of a MARK is legal (both unpicklers allow it)
         elif name == "DUP":
