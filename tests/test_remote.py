@@ -139,7 +139,8 @@ def _dcp_variants(local: Path, single: Path, fsdp: Path) -> dict[str, Path]:
         # With a non-tensor item whose pickle is larger than the first and last 4 KiB of its archive.
         dcp.save({"model": {"w": big}, "history": {"losses": [float(i) for i in range(4000)]}},
                  checkpoint_id=str(local / "big-dcp"))
-        dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=str(local / "tiny-dcp"))
+        # The warm-up: one tensor above records.SMALL_TENSOR_BYTES, so it is scanned by the NumPy path too.
+        dcp.save({"model": {"w": torch.ones(1 << 17)}}, checkpoint_id=str(local / "tiny-dcp"))
     out["big-dcp"], out["tiny-dcp"] = local / "big-dcp", local / "tiny-dcp"
     return out
 
@@ -153,6 +154,7 @@ def status(key):
         return next(int(line.split()[1]) for line in fh if line.startswith(key + ":"))
 
 audit(sys.argv[1])
+assert "numpy" in sys.modules, "the warm-up did not take the NumPy path: the peak would count NumPy's import"
 with open("/proc/self/clear_refs", "w") as fh:
     fh.write("5")  # reset the peak resident set (VmHWM) to the current one
 before = status("VmRSS")
@@ -211,7 +213,9 @@ def test_a_remote_dcp_is_audited_in_bounded_memory_with_its_data_never_staged(s3
     answer = json.loads(child.stdout.strip().splitlines()[-1])
     assert answer["hashed"] >= 1 and "integrity.corrupt" not in answer["codes"], answer
     growth = (answer["peak_kib"] - answer["before_kib"]) / 1024
-    assert growth < 24, f"peak RSS grew {growth:.1f} MiB auditing a 64 MiB tensor"
+    # Measured ~1.3 MiB: one 1 MiB chunk buffer and the S3 client's response; 8 MiB leaves room for the client's
+    # buffers under load and is still an eighth of the tensor (holding it, or staging it mapped, is 64 MiB).
+    assert growth < 8, f"peak RSS grew {growth:.1f} MiB auditing a 64 MiB tensor"
     # The stand-in holds the items' metadata, not the tensor's bytes (sparse), and the report matches the local one.
     ckpt = open_checkpoint("s3://ckpts/big-dcp")
     try:
