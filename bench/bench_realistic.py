@@ -14,7 +14,9 @@ holds one of them): ``torch.save``, a single-process DCP directory, an 8-rank DC
 rank saving its row shards as DTensors, one ``.distcp`` file per rank) and safetensors (the model).
 
 Measured, each in a fresh child process, right after the format was written (so from the page cache when the
-machine's memory holds the files; a ``read`` far below memory speed says it did not), best of ``--repeat``:
+machine's memory holds the files; a ``read`` far below memory speed says it did not), in ``--repeat`` rounds of
+a read then the audits (throughput: the best round; audit / read: the median of the rounds' own ratios, which
+the host's drifting CPU speed mostly cancels out of):
 
 - ``read``: every 8-byte word xor-reduced by NumPy over read-only memory maps, the bytes split between 2
   threads: what reading the bytes costs at best;
@@ -341,13 +343,25 @@ def cli_startup(tmp: str, repeat: int) -> dict[str, dict[str, float]]:
 
 
 def measure(fmt: str, path: str, repeat: int, jobs: list[int]) -> dict[str, Any]:
+    """``repeat`` rounds, each a 2-thread read then an audit per thread count, one child process each.
+
+    The throughput columns are the best of the rounds; the ratio (audit with the most threads / read) is the
+    median of the rounds' own ratios: the read and the audit of a round run seconds apart, so the host's CPU
+    speed, which drifts by up to 2x over minutes here, mostly cancels out of it (all reads first and all
+    audits after, as before, let the drift land in the ratio)."""
     size = size_of(path)
-    reads = [run_child("read", path, "2") for _ in range(repeat)]
-    row: dict[str, Any] = {"format": fmt, "bytes": size, "read": min(r["seconds"] for r in reads)}
+    reads: list[float] = []
+    audits: dict[int, list[dict[str, Any]]] = {j: [] for j in jobs}
+    ratios: list[float] = []
+    for _ in range(repeat):
+        reads.append(run_child("read", path, "2")["seconds"])
+        for j in jobs:
+            audits[j].append(run_child("audit", path, str(j)))
+        ratios.append(reads[-1] / audits[jobs[-1]][-1]["seconds"])
+    row: dict[str, Any] = {"format": fmt, "bytes": size, "read": min(reads), "ratio": statistics.median(ratios),
+                           "ratios": ratios}
     for j in jobs:
-        audits = [run_child("audit", path, str(j)) for _ in range(repeat)]
-        best = min(audits, key=lambda a: a["seconds"])
-        row[f"audit{j}"] = best
+        row[f"audit{j}"] = min(audits[j], key=lambda a: a["seconds"])
     return row
 
 
@@ -357,8 +371,10 @@ def render(rows: list[dict[str, Any]], jobs: list[int], startup: dict[str, dict[
     lines = [SECTION + meta["title"], "",
              f"Measured {meta['when']} on this project's development machine ({meta['cores']} cores, "
              f"load average {meta['load']} at the start: shared with other jobs), `--scale {meta['scale']}` "
-             f"({meta['tensors']} tensors), best of {meta['repeat']}, each format measured right after it was "
-             "written (page cache as the machine's memory left it):", "",
+             f"({meta['tensors']} tensors), {meta['repeat']} rounds per format (a 2-thread read, then the audits; "
+             "throughput: the best round; audit / read: the median of the rounds' own ratios, their range in "
+             "brackets), each format measured right after it was written (page cache as the machine's memory "
+             "left it):", "",
              "    .venv/bin/python bench/bench_realistic.py --scale " + str(meta["scale"]) +
              " --write-docs docs/performance.md", ""]
     head = "| format | size | 2-thread read | " + " | ".join(f"audit -j {j}" for j in jobs) + \
@@ -371,8 +387,9 @@ def render(rows: list[dict[str, Any]], jobs: list[int], startup: dict[str, dict[
             a = r[f"audit{j}"]
             cells.append(f"{r['bytes'] / a['seconds'] / gb:.1f} GB/s ({a['seconds']:.2f} s)")
         last = r[f"audit{jobs[-1]}"]
-        ratio = read_gbps and (r["bytes"] / last["seconds"] / gb) / read_gbps
-        cells.append(f"**{ratio:.2f}x**" if ratio >= 0.5 else f"{ratio:.2f}x")
+        ratio = r["ratio"]
+        spread = f" ({min(r['ratios']):.2f}-{max(r['ratios']):.2f})"
+        cells.append((f"**{ratio:.2f}x**" if ratio >= 0.5 else f"{ratio:.2f}x") + spread)
         cells.append(f"{last['open_seconds']:.3f} s")
         cells.append(f"{per_item_ms(r, jobs):.3f} ms x {last['items']}")
         cells.append(f"+{(last['anon_peak'] - last['anon_base']) / 2**20:.1f} MiB")
@@ -408,6 +425,7 @@ def render_readme(rows: list[dict[str, Any]], jobs: list[int], startup: dict[str
     j = jobs[-1]
     lines = [f"Measured {meta['when']} ({meta['cores']} cores, load average {meta['load']}), on a GPT-2-medium-shaped "
              f"checkpoint with AdamW state ({meta['tensors']} tensors, `--scale {meta['scale']}`), page cache warm; "
+             "audit / read is the median of paired rounds (a read, then the audit); "
              "details and the other figures in [docs/performance.md](docs/performance.md):", "",
              f"| format | size | 2-thread read | audit -j {j} | audit / read | open, CPU per item | peak anon. memory |",
              "|---|---|---|---|---|---|---|"]
@@ -415,7 +433,7 @@ def render_readme(rows: list[dict[str, Any]], jobs: list[int], startup: dict[str
         a = r[f"audit{j}"]
         read, audit = r["bytes"] / r["read"] / gb, r["bytes"] / a["seconds"] / gb
         lines.append(f"| {r['format']} | {r['bytes'] / gb:.2f} GB | {read:.1f} GB/s | {audit:.1f} GB/s | "
-                     f"{audit / read:.2f}x | {per_item_ms(r, jobs):.3f} ms | "
+                     f"{r['ratio']:.2f}x | {per_item_ms(r, jobs):.3f} ms | "
                      f"+{(a['anon_peak'] - a['anon_base']) / 2**20:.1f} MiB |")
     if startup:
         lines += ["", "Small-file CLI audit (whole process, median wall): " + ", ".join(
@@ -455,7 +473,7 @@ def open_only(args: argparse.Namespace) -> None:
     kept = os.path.join(args.dir, f"scale-{args.scale}") if args.keep else None
     tmp = kept or tempfile.mkdtemp(prefix="ckptaudit-realistic-", dir=args.dir)
     os.makedirs(tmp, exist_ok=True)
-    print(f"load average {os.getloadavg()[0]:.1f} at the start, --scale {args.scale}, best of {args.repeat}")
+    print(f"load average {os.getloadavg()[0]:.1f} at the start, --scale {args.scale}, {args.repeat} rounds")
     try:
         for fmt in args.formats.split(","):
             path = os.path.join(tmp, {"torch.save": "ckpt.pt", "safetensors": "model.safetensors"}.get(fmt, fmt))
@@ -479,7 +497,8 @@ def open_only(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale", type=float, default=1.0, help="bytes relative to the full 4.26 GB (default 1)")
-    ap.add_argument("--repeat", type=int, default=3, help="best of this many runs per measurement")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds per format (a read, then the audits); best of this many "
+                    "fresh processes with --open-only")
     ap.add_argument("--formats", default="torch.save,dcp-1,dcp-8,safetensors")
     ap.add_argument("--jobs", default="1,2", help="thread counts to audit with (comma-separated)")
     ap.add_argument("--ranks", default="1,2,4", help="torchrun rank counts for the distributed audit ('' skips)")
@@ -513,6 +532,8 @@ def main() -> None:
         return
     jobs = [int(j) for j in args.jobs.split(",")]
     ranks = [int(r) for r in args.ranks.split(",") if r]
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="ckptaudit-realistic-", dir=args.dir)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": len(os.sched_getaffinity(0)),
             "load": f"{os.getloadavg()[0]:.1f}", "scale": args.scale, "repeat": args.repeat,
