@@ -22,7 +22,7 @@ the host's drifting CPU speed mostly cancels out of):
   threads: what reading the bytes costs at best;
 - ``audit -j N``: :func:`ckptaudit.audit.audit` in-process (imports and first-call set-up excluded), with N
   threads, and its peak anonymous memory (``RssAnon`` sampled every 5 ms) over the child's baseline;
-- ``open``: :func:`ckptaudit.audit.plan_scan` (open, parse metadata, interpret; no tensor data), per DCP item;
+- ``open``: :func:`ckptaudit.scanning.plan_scan` (open, parse metadata, interpret; no tensor data), per DCP item;
   ``--open-only`` measures only this, as the CPU time of a fresh process, best of ``--repeat``;
 - CLI start-up: ``ckptaudit audit`` of a 4-element file (torch.save, safetensors, DCP) as a whole process
   (``/usr/bin/time``), bytecode compiled: wall, CPU and max RSS;
@@ -250,7 +250,7 @@ def child_audit(path: str, jobs: int) -> dict[str, Any]:
 
 def child_open(path: str) -> dict[str, Any]:
     """The open (plan) phase alone, as CPU time of this process (steadier than wall time on a shared machine)."""
-    from ckptaudit.audit import plan_scan
+    from ckptaudit.scanning import plan_scan
 
     tmp = tempfile.mkdtemp(prefix="ckptaudit-warm-")
     try:
@@ -269,8 +269,9 @@ def child_dist(path: str) -> dict[str, Any] | None:
     """(each rank, under torchrun) The distributed audit, timed on rank 0."""
     import torch.distributed  # noqa: F401 - imported before the clock starts, as the readers' first calls are
 
-    from ckptaudit.audit import AuditOptions, default_jobs
+    from ckptaudit.audit import AuditOptions
     from ckptaudit.distaudit import audit_distributed, torchrun_rank
+    from ckptaudit.scanning import default_jobs
 
     place = torchrun_rank()
     assert place is not None

@@ -30,8 +30,10 @@ LAYERS: dict[str, int] = {
     # pure checks over records, and the renderers: neither imports the other
     "checks": 4,
     "report": 4,
-    "audit": 5,
-    "distaudit": 6,
+    # the scan phase (plan, threads, records), then the audit that judges it
+    "scanning": 5,
+    "audit": 6,
+    "distaudit": 7,
     "compare": 6,
     "probe": 6,
     "store": 7,
@@ -114,7 +116,8 @@ def test_the_stated_directions_hold() -> None:
     assert {"checks", "report", "cli", "store", "audit"}.isdisjoint(below)
     for low, high in (("formats", "checks"), ("formats", "report"), ("formats", "store"), ("formats", "audit"),
                       ("checks", "store"), ("checks", "cli"), ("report", "cli"), ("layouts", "checks"),
-                      ("audit", "store"), ("audit", "cli")):
+                      ("audit", "store"), ("audit", "cli"), ("checks", "scanning"), ("scanning", "audit"),
+                      ("scanning", "distaudit")):
         assert LAYERS[low] < LAYERS[high], (low, high)
     assert LAYERS["checks"] == LAYERS["report"]  # neither imports the other
 

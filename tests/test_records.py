@@ -130,8 +130,8 @@ def test_a_file_cut_short_after_it_was_opened_gives_the_short_read_message(tmp_p
     scan's own loop, which must say the same), never bytes hashed from beyond the end."""
     import os
 
-    from ckptaudit.audit import plan_scan, scan_items
     from ckptaudit.formats.tensors import iter_chunks
+    from ckptaudit.scanning import plan_scan, scan_items
 
     path = tmp_path / "cut.pt"
     torch.save({"a": torch.randn(64, 1024), "b": torch.randn(64, 1024), "c": torch.randn(64, 1024)}, path)

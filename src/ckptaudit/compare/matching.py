@@ -65,7 +65,7 @@ class Side:
 
 
 def open_side(path: str) -> Side:
-    """Open and interpret ``path``, as :func:`ckptaudit.audit.scan_checkpoint` does, without scanning.
+    """Open and interpret ``path``, as :func:`ckptaudit.scanning.scan_checkpoint` does, without scanning.
     Raises ``FileNotFoundError``."""
     ckpt = open_checkpoint(path)
     view = interpret(ckpt)

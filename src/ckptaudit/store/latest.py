@@ -233,7 +233,8 @@ def validate(c: Candidate, *, verify: str = "hashes",
 
 def _read_and_check(c: Candidate, verify: str, require: Collection[ComponentKind]) -> list[Finding]:
     if verify == "full":
-        from ckptaudit.audit import AuditOptions, audit, default_jobs
+        from ckptaudit.audit import AuditOptions, audit
+        from ckptaudit.scanning import default_jobs
 
         return list(audit(c.path, AuditOptions(require=frozenset(require), jobs=default_jobs())).findings)
     from ckptaudit.checks.components import check_components

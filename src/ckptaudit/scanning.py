@@ -1,0 +1,331 @@
+"""The scan phase of an audit: a checkpoint opened and interpreted into a plan, its tensors scanned on threads,
+the records assembled in the plan's order.
+
+files -> readers (:mod:`ckptaudit.formats`) -> interpretation (:mod:`ckptaudit.layouts`) -> :func:`plan_scan`
+(each tensor's component, role and parameter; the optimizer's attachment) -> :func:`scan_items` (one streaming
+pass per tensor, :mod:`ckptaudit.records`, on ``jobs`` threads of this process) -> :func:`assemble` (the
+records, in the plan's order). :func:`ckptaudit.audit.judge` runs the checks on the result;
+:mod:`ckptaudit.distaudit` runs the same three steps with the scan shared between ranks; ``compare`` and the
+serving export start from :func:`scan_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ckptaudit.catalogue import finding
+from ckptaudit.checks.optimizer import check_attachment
+from ckptaudit.formats import open_checkpoint
+from ckptaudit.formats.base import Checkpoint, Unreadable
+from ckptaudit.formats.tensors import (
+    DEFAULT_CHUNK_BYTES,
+    FileMaps,
+    TensorData,
+    iter_chunks,
+    read_exact,
+    scratch_buffer,
+    small_read_plan,
+)
+from ckptaudit.layouts import TensorRef, View, interpret
+from ckptaudit.model import ComponentKind, Finding, Precision, TensorRecord
+from ckptaudit.records import SMALL_TENSOR_BYTES, TensorScan, scan_first_chunk, scan_tensor
+
+__all__ = ["BATCH_BYTES", "BATCH_COUNT", "SERIAL_BYTES", "Progress", "ScanOutcome", "ScanPlan", "ScannedCheckpoint",
+           "assemble", "default_jobs", "plan_scan", "scalar_value", "scan_checkpoint", "scan_items"]
+
+Progress = Callable[[int, int], None]
+"""Called with (bytes scanned so far, total bytes) as the scan proceeds."""
+
+
+@dataclass
+class ScannedCheckpoint:
+    """A checkpoint read, interpreted and scanned: what ``audit`` and ``compare`` both start from."""
+
+    ckpt: Checkpoint
+    view: View
+    records: list[TensorRecord]
+    refs: list[TensorRef]
+    """``refs[i]`` is the lazy tensor behind ``records[i]``."""
+    findings: list[Finding]
+    attachment: Any
+    steps: dict[Any, float]
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def default_jobs() -> int:
+    """The cores this process may run on (``os.sched_getaffinity``), or ``os.cpu_count()`` where that is missing."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True, slots=True)
+class ScanOutcome:
+    """What scanning one tensor gave: its :class:`TensorScan`, or why its data could not be read."""
+
+    scan: TensorScan | None
+    error: str = ""
+    """Why the data could not be read (``scan`` is then ``None``)."""
+    step: float | None = None
+    """The value of a one-element ``step`` state tensor."""
+
+
+@dataclass
+class ScanPlan:
+    """A checkpoint opened and interpreted, with every tensor's place in the report: the work to scan.
+
+    ``items[i]`` is ``(ref, component, role, param)``; the records come out in this order whatever order the
+    tensors are scanned in, and on whichever rank (see :mod:`ckptaudit.distaudit`).
+    """
+
+    ckpt: Checkpoint
+    view: View
+    items: list[tuple[TensorRef, str, str, str | None]]
+    findings: list[Finding]
+    attachment: Any
+    step_items: frozenset[int]
+    """Indices of one-element ``step`` state tensors, whose value the scan also reads."""
+    step_keys: dict[int, Any]
+
+    def scannable(self) -> list[int]:
+        """Indices of the items with data to scan (not :class:`Unreadable`)."""
+        return [i for i, (ref, *_) in enumerate(self.items) if isinstance(ref.data, TensorData)]
+
+    def nbytes(self, index: int) -> int:
+        data = self.items[index][0].data
+        return data.nbytes if isinstance(data, TensorData) else 0
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def plan_scan(path: str) -> ScanPlan:
+    """Open and interpret ``path`` and work out each tensor's role, reading no tensor data.
+    Raises ``FileNotFoundError``."""
+    ckpt = open_checkpoint(path)
+    view = interpret(ckpt)
+    attachment = check_attachment(view)
+    opt_meta: dict[int, tuple[Any, str]] = {}
+    if view.optimizer is not None:
+        for key, entry in view.optimizer.state.items():
+            for sname, value in entry.items():
+                if isinstance(value, TensorRef):
+                    opt_meta[id(value)] = (key, sname)
+    known_params = set(attachment.params)
+    if view.optimizer is not None and view.optimizer.keyed == "fqn":
+        known_params |= {p for g in view.optimizer.groups for p in g["params"] if isinstance(p, str)}
+    fqn_of = {id(r): f for f, r in view.model.params.items()} if view.model is not None else {}
+    items: list[tuple[TensorRef, str, str, str | None]] = []
+    step_keys: dict[int, Any] = {}
+    for ref, comp in view.tensors:
+        role, param = "", None
+        if comp == ComponentKind.MODEL.value and view.model is not None:
+            fqn = fqn_of.get(id(ref))
+            param = fqn
+            role = "parameter" if (not known_params or fqn in known_params) else "buffer"
+            if fqn in view.model.aliases:  # a tied weight's second name: same bytes as its first
+                role, param = "tied", view.model.aliases[fqn]
+        elif id(ref) in opt_meta:
+            key, sname = opt_meta[id(ref)]
+            role = sname
+            param = attachment.mapping.get(key)
+            if sname == "step" and isinstance(ref.data, TensorData) and ref.data.numel == 1:
+                step_keys[len(items)] = key
+        role, param = view.roles.get(id(ref.data), (role, param))
+        items.append((ref, comp, role, param))
+    return ScanPlan(ckpt, view, items, list(ckpt.findings), attachment, frozenset(step_keys), step_keys)
+
+
+SERIAL_BYTES = 1 << 20
+"""Checkpoints up to this many tensor bytes are scanned by one thread whatever ``jobs``: that takes about a
+millisecond, less than starting a pool."""
+BATCH_BYTES = SMALL_TENSOR_BYTES
+"""Tensors up to this size are scanned in batches (:func:`scan_items`): their scan is mostly Python, holding the
+GIL, so two threads on them only take turns; one thread on them beside threads streaming large tensors (a few
+microseconds of GIL a chunk) keeps every core busy."""
+BATCH_COUNT = 256
+"""Small tensors in a batch: the hand-out costs nothing, and a checkpoint of small tensors still spreads."""
+
+
+def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               progress: Progress | None = None, quick: bool = False) -> dict[int, ScanOutcome]:
+    """Scan the tensors ``plan.items[i]`` for ``i`` in ``indices`` on ``jobs`` threads.
+
+    Each tensor is streamed in order by one thread (its hash is the sequential xxh3-128 of its bytes, whatever
+    ``jobs``); one thread reads in the checkpoint's order. Several share two queues (docs/performance.md, "Two
+    threads"): the large tensors, largest first (no thread left alone with a big one at the end), and batches of
+    small ones (:data:`BATCH_BYTES`); the first thread takes batches first, the others large tensors first, each
+    turning to the other queue when its own is empty. Memory: one chunk buffer per thread. ``progress`` is
+    called from the scanning threads, one call at a time; an exception it raises (or any but the
+    ``ValueError``/``OSError`` of an unreadable tensor, which is that tensor's outcome) stops every thread after
+    its current tensor and is raised here.
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+    sizes = {i: plan.nbytes(i) for i in indices}
+    total = sum(sizes.values())
+    out: dict[int, ScanOutcome] = {}
+    local = threading.local()  # one read buffer per scanning thread, reused across its tensors
+
+    def one(index: int) -> ScanOutcome:
+        data = plan.items[index][0].data
+        assert isinstance(data, TensorData)
+        try:
+            if quick:
+                scanned = scan_first_chunk(data, plan.ckpt.maps, chunk_bytes)
+            else:
+                buffer = getattr(local, "buffer", None)
+                if buffer is None and (sizes[index] > SMALL_TENSOR_BYTES or "numpy" in sys.modules):
+                    # Not for a small tensor while NumPy is not loaded: scan_tensor may judge it without NumPy.
+                    buffer = local.buffer = scratch_buffer(chunk_bytes)
+                scanned = scan_tensor(data, plan.ckpt.maps, chunk_bytes, buffer)
+        except (ValueError, OSError) as exc:
+            return ScanOutcome(None, str(exc))
+        step = scalar_value(data, plan.ckpt.maps) if index in plan.step_items else None
+        return ScanOutcome(scanned, step=step)
+
+    if jobs == 1 or len(sizes) <= 1 or total <= SERIAL_BYTES:
+        done = 0
+        for i in sorted(sizes):
+            out[i] = one(i)
+            done += sizes[i]
+            if progress is not None:
+                progress(done, total)
+        return out
+    return _scan_on_threads(sizes, one, jobs, progress, out)
+
+
+def _scan_on_threads(sizes: dict[int, int], one: Callable[[int], ScanOutcome], jobs: int,
+                     progress: Progress | None, out: dict[int, ScanOutcome]) -> dict[int, ScanOutcome]:
+    """(main thread) Start the scanning threads of :func:`scan_items`, wait for them, raise what stopped them."""
+    large = deque([[i] for i in sorted((i for i in sizes if sizes[i] > BATCH_BYTES), key=lambda i: (-sizes[i], i))])
+    small = sorted(i for i in sizes if sizes[i] <= BATCH_BYTES)
+    batches = deque([small[lo : lo + BATCH_COUNT] for lo in range(0, len(small), BATCH_COUNT)])
+    total = sum(sizes.values())
+    failed: list[BaseException] = []
+    lock = threading.Lock()
+    done = 0
+
+    def work(queues: tuple[deque[list[int]], ...]) -> None:
+        nonlocal done
+        try:
+            for queue in queues:
+                while not failed:
+                    try:
+                        unit = queue.popleft()  # atomic: no lock needed to hand out work
+                    except IndexError:
+                        break
+                    for i in unit:
+                        if failed:
+                            return
+                        out[i] = one(i)  # each index is written by one thread only
+                    if progress is not None:
+                        with lock:
+                            done += sum(sizes[i] for i in unit)
+                            progress(done, total)
+        except BaseException as exc:  # noqa: BLE001 - raised again by the main thread, after the others stop
+            failed.append(exc)
+
+    n = min(jobs, len(large) + len(batches))
+    threads = [threading.Thread(target=work, args=((batches, large) if k == 0 else (large, batches),),
+                                name=f"ckptaudit-scan-{k}", daemon=True) for k in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException as exc:  # KeyboardInterrupt in the main thread: stop the others after their tensor
+        failed.append(exc)
+        for t in threads:
+            t.join()
+        raise
+    if failed:
+        raise failed[0]
+    return out
+
+
+def assemble(plan: ScanPlan, outcomes: dict[int, ScanOutcome]) -> ScannedCheckpoint:
+    """The records of ``plan`` in its order, from the scans of every scannable item (``outcomes``)."""
+    findings = list(plan.findings)
+    records: list[TensorRecord] = []
+    refs: list[TensorRef] = []
+    steps: dict[Any, float] = {}
+    for index, (ref, comp, role, param) in enumerate(plan.items):
+        data = ref.data
+        refs.append(ref)
+        if isinstance(data, Unreadable):
+            records.append(TensorRecord(ref.name, comp, role, param, ref.file, "?", (), 0, None, Precision.UNREAD))
+            continue
+        outcome = outcomes[index]
+        if outcome.scan is None:
+            findings.append(finding("integrity.corrupt", ref.name, f"{ref.name}: cannot read its data ({outcome.error})",
+                                    file=ref.file))
+            records.append(TensorRecord(ref.name, comp, role, param, ref.file, data.dtype.name, data.shape,
+                                        data.numel, None, Precision.UNREAD))
+            continue
+        scanned = outcome.scan
+        records.append(TensorRecord(ref.name, comp, role, param, ref.file, data.dtype.name, data.shape, data.numel,
+                                    scanned.hash, scanned.precision, scanned.stats))
+        if outcome.step is not None:
+            steps[plan.step_keys[index]] = outcome.step
+    view = plan.view
+    # Plain-number step counters (optimizers built with capturable=False may store Python floats).
+    if view.optimizer is not None:
+        for key, entry in view.optimizer.state.items():
+            v = entry.get("step")
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                steps[key] = float(v)
+    return ScannedCheckpoint(plan.ckpt, view, records, refs, findings, plan.attachment, steps)
+
+
+def scan_checkpoint(path: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Progress | None = None,
+                    jobs: int = 1, quick: bool = False) -> ScannedCheckpoint:
+    """Read ``path`` and scan every tensor once (hash + effective precision; with ``quick``, the precision of
+    the first chunk and no hash) on ``jobs`` threads. Raises ``FileNotFoundError``."""
+    plan = plan_scan(path)
+    try:
+        outcomes = scan_items(plan, plan.scannable(), jobs=jobs, chunk_bytes=chunk_bytes, progress=progress,
+                              quick=quick)
+    except BaseException:
+        plan.close()
+        raise
+    return assemble(plan, outcomes)
+
+
+def scalar_value(data: TensorData, maps: FileMaps) -> float | None:
+    """The value of a one-element tensor (a step counter), or ``None`` if it cannot be read."""
+    code = _SCALAR_CODES.get(data.dtype.numpy)
+    try:
+        plan = small_read_plan(data, 16) if code is not None else None
+        if code is not None and plan is not None:  # without NumPy: a small audit need not import it for this
+            if len(plan) != 1 or data.numel != 1:
+                return None
+            piece, pos = plan[0]
+            value = struct.unpack(code, read_exact(maps, piece, pos, data.dtype.itemsize))[0]
+        else:
+            chunk = next(iter(iter_chunks(data, maps)), None)
+            if chunk is None or chunk.size != 1:
+                return None
+            value = chunk[0]
+    except (ValueError, OSError):
+        return None
+    if data.dtype.name == "bfloat16":
+        return float(struct.unpack("<f", struct.pack("<I", int(value) << 16))[0])
+    if data.dtype.numpy.startswith("u") and data.dtype.is_float:
+        return None
+    return float(value)
+
+
+_SCALAR_CODES = {"<f8": "<d", "<f4": "<f", "<f2": "<e", "<i8": "<q", "<i4": "<i", "<i2": "<h", "i1": "<b",
+                 "u1": "<B", "<u2": "<H", "<u4": "<I", "<u8": "<Q", "?": "<?"}
+"""``struct`` codes of the NumPy types :func:`scalar_value` reads without NumPy (complex ones go through it)."""
