@@ -11,7 +11,9 @@ The checkpoint: 24 layers, d=1024, vocab 50304 (GPT-2 medium's tensors, HF names
 ``exp_avg_sq``): 1168 tensors, 4.26 GB. ``--scale s`` multiplies the bytes by about ``s`` (d and vocab by
 ``sqrt(s)``) and keeps the tensor count. Written, measured and deleted one format at a time (so the page cache
 holds one of them): ``torch.save``, a single-process DCP directory, an 8-rank DCP save (a real gloo job, each
-rank saving its row shards as DTensors, one ``.distcp`` file per rank) and safetensors (the model).
+rank saving its row shards as DTensors, one ``.distcp`` file per rank), safetensors (the model) and ``flat``: a
+``torch.save`` of the same parameters and each moment concatenated into one fp32 tensor each (three tensors of
+1.42 GB, as DeepSpeed's flat partitions hold them), where the scan's threads must share single tensors.
 
 Measured, each in a fresh child process, right after the format was written (so from the page cache when the
 machine's memory holds the files; a ``read`` far below memory speed says it did not), in ``--repeat`` rounds of
@@ -98,6 +100,10 @@ def training_state(scale: float) -> tuple[dict[str, Any], dict[str, Any]]:
     return {k: v.detach() for k, v in params.items()}, optim
 
 
+FILE_NAMES = {"torch.save": "ckpt.pt", "safetensors": "model.safetensors", "flat": "flat.pt"}
+"""Each format's file or directory name in the scratch directory (the DCP ones are named by the format)."""
+
+
 def write(fmt: str, path: str, scale: float) -> None:
     import torch
 
@@ -114,6 +120,13 @@ def write(fmt: str, path: str, scale: float) -> None:
         from safetensors.torch import save_file
 
         save_file(model, path, metadata={"format": "pt"})
+    elif fmt == "flat":  # DeepSpeed-style flat partitions: the parameters, and each moment, as one fp32 buffer
+        def flat(ts: Any) -> Any:
+            return torch.cat([t.reshape(-1) for t in ts])
+
+        names = list(model)
+        torch.save({"fp32_flat": flat(model.values()),
+                    **{k: flat(optim["state"][n][k] for n in names) for k in ("exp_avg", "exp_avg_sq")}}, path)
     elif fmt == "dcp-1":
         import warnings
 
@@ -479,7 +492,7 @@ def open_only(args: argparse.Namespace) -> None:
     print(f"load average {os.getloadavg()[0]:.1f} at the start, --scale {args.scale}, {args.repeat} rounds")
     try:
         for fmt in args.formats.split(","):
-            path = os.path.join(tmp, {"torch.save": "ckpt.pt", "safetensors": "model.safetensors"}.get(fmt, fmt))
+            path = os.path.join(tmp, FILE_NAMES.get(fmt, fmt))
             done = path + ".written"
             if not (kept and os.path.exists(done)):
                 shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else None
@@ -502,7 +515,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="bytes relative to the full 4.26 GB (default 1)")
     ap.add_argument("--repeat", type=int, default=3, help="rounds per format (a read, then the audits); best of this many "
                     "fresh processes with --open-only")
-    ap.add_argument("--formats", default="torch.save,dcp-1,dcp-8,safetensors")
+    ap.add_argument("--formats", default="torch.save,dcp-1,dcp-8,safetensors,flat")
     ap.add_argument("--jobs", default="1,2", help="thread counts to audit with (comma-separated)")
     ap.add_argument("--ranks", default="1,2,4", help="torchrun rank counts for the distributed audit ('' skips)")
     ap.add_argument("--write-docs", metavar="FILE.md", help="replace the benchmark's section in this file")
@@ -545,7 +558,7 @@ def main() -> None:
     rows, dist = [], []
     try:
         for fmt in args.formats.split(","):
-            path = os.path.join(tmp, {"torch.save": "ckpt.pt", "safetensors": "model.safetensors"}.get(fmt, fmt))
+            path = os.path.join(tmp, FILE_NAMES.get(fmt, fmt))
             t0 = time.perf_counter()
             write(fmt, path, args.scale)
             print(f"{fmt}: wrote {size_of(path) / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
