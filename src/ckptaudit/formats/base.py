@@ -7,6 +7,7 @@ which the optimizer) is :mod:`ckptaudit.layouts`' job, not the readers'.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,10 +58,25 @@ class Checkpoint:
     """The local path the files were read from, when ``path`` is a URL (its stand-in, see
     :mod:`ckptaudit.formats.remote`); ``""`` otherwise. Use :attr:`read_path` for file paths."""
 
+    _names: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _is_dir: bool | None = field(default=None, init=False, repr=False, compare=False)
+
     @property
     def read_path(self) -> str:
         """The local path the checkpoint's files are under: ``local_path`` or ``path``."""
         return self.local_path or self.path
+
+    def file_name(self, file: str) -> str:
+        """How the report names the data file ``file`` (a path the readers opened): relative to the checkpoint's
+        directory, or its base name for a single-file checkpoint. Worked out once per file (a DCP file holds
+        thousands of tensors)."""
+        name = self._names.get(file)
+        if name is None:
+            if self._is_dir is None:  # asked once
+                self._is_dir = os.path.isdir(self.read_path)
+            name = os.path.relpath(file, self.read_path) if self._is_dir else os.path.basename(file)
+            self._names[file] = name
+        return name
 
     def close(self) -> None:
         self.maps.close()

@@ -117,6 +117,11 @@ class TensorData:
 
     def coverage_error(self) -> str | None:
         """Why the pieces do not tile the tensor exactly, or ``None`` when they do."""
+        if len(self.pieces) == 1:  # one whole piece (every single-process save): nothing can overlap
+            p = self.pieces[0]
+            if p.sizes == self.shape and len(p.offsets) == len(self.shape) and not any(p.offsets) and min(
+                    self.shape, default=0) >= 0:
+                return None
         total = 0
         for p in self.pieces:
             if len(p.offsets) != len(self.shape) or len(p.sizes) != len(self.shape):

@@ -123,10 +123,7 @@ def _is_state_dict(tree: Any) -> bool:
 
 def _leaf_file(ckpt: Checkpoint, part: Part, leaf: Any) -> str:
     if isinstance(leaf, TensorData) and leaf.pieces:
-        root = ckpt.read_path
-        return os.path.relpath(leaf.pieces[0].file, root) if os.path.isdir(root) else os.path.basename(
-            leaf.pieces[0].file
-        )
+        return ckpt.file_name(leaf.pieces[0].file)
     if isinstance(leaf, Unreadable) and leaf.file:
         root = ckpt.read_path
         if os.path.isabs(leaf.file) and os.path.isdir(root) and os.path.commonpath([root, leaf.file]) == root:
