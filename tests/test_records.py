@@ -149,3 +149,27 @@ def test_a_file_cut_short_after_it_was_opened_gives_the_short_read_message(tmp_p
             assert error == str(exc.value)
     finally:
         plan.close()
+
+
+def test_each_record_names_its_data_file_relative_to_the_checkpoint(tmp_path: Path) -> None:
+    """The report's ``file`` of a tensor: the file's base name for a single-file checkpoint, its path under the
+    checkpoint's directory otherwise (a run directory of DCP step directories), never a path of this machine."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from ckptaudit.audit import audit
+
+    single = tmp_path / "ckpt.pt"
+    torch.save({"model": {"w": torch.randn(8, 4)}}, single)
+    assert {t.file for t in audit(str(single)).tensors} == {"ckpt.pt"}
+    run = tmp_path / "run"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: a single-process save
+        for step in (2, 6):
+            dcp.save({"model": {"w": torch.randn(8, 4), "b": torch.randn(4)}}, checkpoint_id=str(run / f"step-{step}"))
+    tensors = audit(str(run)).tensors
+    assert tensors and {t.name.split("/")[0] for t in tensors} <= {"step-2", "step-6"}, [t.name for t in tensors]
+    for t in tensors:
+        assert t.file == f"{t.name.split('/')[0]}/__0_0.distcp", (t.name, t.file)
+    assert {t.file for t in audit(str(run / "step-2")).tensors} == {"__0_0.distcp"}
