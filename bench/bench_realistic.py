@@ -451,6 +451,8 @@ def render_readme(rows: list[dict[str, Any]], jobs: list[int], startup: dict[str
         lines.append(f"| {r['format']} | {r['bytes'] / gb:.2f} GB | {read:.1f} GB/s | {audit:.1f} GB/s | "
                      f"{r['ratio']:.2f}x | {per_item_ms(r, jobs):.3f} ms | "
                      f"+{(a['anon_peak'] - a['anon_base']) / 2**20:.1f} MiB |")
+    lines += ["", "dcp-1: a one-process DCP save; dcp-8: an 8-rank save, one file per rank; flat: the same state as "
+              "three 1.42 GB tensors (DeepSpeed's flat partitions)."]
     if startup:
         lines += ["", "Small-file CLI audit (whole process, median wall): " + ", ".join(
             f"{k} {v['wall']:.2f} s" for k, v in startup.items()) + "."]
