@@ -48,6 +48,7 @@ from ckptaudit.scanning import (
 __all__ = ["AuditOptions", "Progress", "ScanOutcome", "ScanPlan", "ScannedCheckpoint", "assemble", "audit",
            "default_jobs", "judge", "plan_scan", "scalar_value", "scan_checkpoint", "scan_items"]
 
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AuditOptions:
     master_dtype: str = "auto"

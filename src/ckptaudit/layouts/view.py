@@ -127,7 +127,7 @@ def _leaf_file(ckpt: Checkpoint, part: Part, leaf: Any) -> str:
     if isinstance(leaf, Unreadable) and leaf.file:
         root = ckpt.read_path
         if os.path.isabs(leaf.file) and os.path.isdir(root) and os.path.commonpath([root, leaf.file]) == root:
-            return os.path.relpath(leaf.file, root)  # like a readable tensor's (and not the URL's stand-in)
+            return ckpt.file_name(leaf.file)  # like a readable tensor's (and not the URL's stand-in)
         return leaf.file
     return part.name or os.path.basename(ckpt.path)
 
