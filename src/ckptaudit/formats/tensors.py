@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckptaudit.formats.leased import LeasedFile, mapped_reads_enabled
 from ckptaudit.formats.safeio import open_regular
 
 if TYPE_CHECKING:
@@ -147,8 +148,9 @@ class TensorData:
 
 
 class FileMaps:
-    """Open files of a checkpoint being scanned: a descriptor for positional reads and, for the rare strided or
-    re-assembled tensors, a read-only memory map; one of each per file, closed together.
+    """Open files of a checkpoint being scanned: a descriptor for positional reads, a lease-guarded map to hash
+    whole chunks from (:meth:`leased`) and, for the rare strided or re-assembled tensors, a read-only memory map;
+    one of each per file, closed together.
 
     Owned by one reader session (``Checkpoint``). Opening is serialised by a lock, and positional reads
     (``os.preadv``) share a descriptor safely, so threads may scan different tensors at once.
@@ -157,6 +159,8 @@ class FileMaps:
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
         self._files: dict[str, Any] = {}
+        self._leased: dict[str, LeasedFile | None] = {}
+        self._mapped_reads: bool | None = None
         self._lock = threading.Lock()
         self.remote: Any = None
         """For a checkpoint behind a URL: the :class:`~ckptaudit.formats.remote.RemoteFiles` its stand-in files
@@ -172,6 +176,24 @@ class FileMaps:
                     fh = open_regular(path)
                     self._files[path] = fh
         return int(fh.fileno())
+
+    def leased(self, path: str) -> LeasedFile | None:
+        """The :class:`~ckptaudit.formats.leased.LeasedFile` of a local ``path`` (hashing its chunks in place,
+        under a read lease), or ``None`` where chunks are read with :meth:`read_into` (remote files, mapped reads
+        off or unavailable in this process)."""
+        try:
+            return self._leased[path]
+        except KeyError:
+            pass
+        if self._mapped_reads is None:
+            self._mapped_reads = mapped_reads_enabled()
+        lf = None
+        if self._mapped_reads and not (self.remote is not None and path in self.remote):
+            fd = self.fd(path)
+            with self._lock:
+                lf = self._leased.get(path) or LeasedFile(fd)
+        self._leased[path] = lf
+        return lf
 
     def get(self, path: str) -> mmap.mmap | None:
         mm = self._maps.get(path)
@@ -210,6 +232,10 @@ class FileMaps:
         if self.remote is not None:
             self.remote.close()
             self.remote = None
+        for lf in self._leased.values():
+            if lf is not None:
+                lf.close()
+        self._leased.clear()
         for fh in self._files.values():
             fh.close()
         self._files.clear()
