@@ -23,7 +23,7 @@ from typing import Any
 from ckptaudit.catalogue import finding
 from ckptaudit.checks.optimizer import check_attachment
 from ckptaudit.formats import open_checkpoint
-from ckptaudit.formats.base import Checkpoint, Unreadable
+from ckptaudit.formats.base import Checkpoint, Unreadable, gc_paused
 from ckptaudit.formats.tensors import (
     DEFAULT_CHUNK_BYTES,
     FileMaps,
@@ -112,9 +112,10 @@ class ScanPlan:
 def plan_scan(path: str) -> ScanPlan:
     """Open and interpret ``path`` and work out each tensor's role, reading no tensor data.
     Raises ``FileNotFoundError``."""
-    ckpt = open_checkpoint(path)
-    view = interpret(ckpt)
-    attachment = check_attachment(view)
+    with gc_paused():
+        ckpt = open_checkpoint(path)
+        view = interpret(ckpt)
+        attachment = check_attachment(view)
     opt_meta: dict[int, tuple[Any, str]] = {}
     if view.optimizer is not None:
         for key, entry in view.optimizer.state.items():

@@ -26,7 +26,7 @@ from typing import Any
 
 from ckptaudit.checks.optimizer import Attachment, check_attachment
 from ckptaudit.formats import open_checkpoint
-from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
+from ckptaudit.formats.base import Checkpoint, Part, Unreadable, gc_paused, walk
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts import (
     DATA_KEYS,
@@ -67,9 +67,10 @@ class Side:
 def open_side(path: str) -> Side:
     """Open and interpret ``path``, as :func:`ckptaudit.scanning.scan_checkpoint` does, without scanning.
     Raises ``FileNotFoundError``."""
-    ckpt = open_checkpoint(path)
-    view = interpret(ckpt)
-    attachment = check_attachment(view)
+    with gc_paused():
+        ckpt = open_checkpoint(path)
+        view = interpret(ckpt)
+        attachment = check_attachment(view)
     known = set(attachment.mapping.values())
     if view.optimizer is not None and view.optimizer.keyed == "fqn":
         known |= {p for g in view.optimizer.groups for p in g.get("params", []) if isinstance(p, str)}
