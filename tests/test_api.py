@@ -148,3 +148,42 @@ def test_schema_1_1_is_additive_a_1_0_report_still_validates(tmp_path: Path) -> 
     validate(old)
     docs = (Path(__file__).parents[1] / "docs" / "json-schema.md").read_text()
     assert f"# JSON report (schema {SCHEMA_VERSION})" in docs and f"| `{SCHEMA_VERSION}` | " in docs
+
+
+def test_the_garbage_collector_is_left_as_the_caller_had_it(tmp_path: Path) -> None:
+    """The open pauses Python's cyclic collector (docs/performance.md); the caller's process gets it back as it
+    was: on after an audit or a compare, off where the caller had switched it off, on after an open that failed,
+    and paused during the open itself."""
+    import gc
+
+    from ckptaudit.formats import dcp
+
+    ckpt = trained(tmp_path / "ckpt.pt")
+    seen: list[bool] = []
+    real = dcp.read_dcp
+
+    def watching(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    import torch.distributed.checkpoint as tdcp
+
+    tdcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=str(tmp_path / "dcp"))
+    assert gc.isenabled()
+    dcp.read_dcp = watching
+    try:
+        ckptaudit.audit(str(tmp_path / "dcp"))
+    finally:
+        dcp.read_dcp = real
+    assert seen == [False] and gc.isenabled()
+    ckptaudit.compare(str(ckpt), str(ckpt))
+    assert gc.isenabled()
+    with pytest.raises(FileNotFoundError):
+        ckptaudit.audit(str(tmp_path / "missing.pt"))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        ckptaudit.audit(str(ckpt))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
