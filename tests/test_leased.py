@@ -74,7 +74,7 @@ def _scans(path: Path, jobs: int) -> tuple[dict[str, Any], int]:
     plan = plan_scan(str(path))
     try:
         out = scan_items(plan, plan.scannable(), jobs=jobs)
-        mapped = sum(lf.mapped for lf in plan.ckpt.maps._leased.values() if lf is not None)
+        mapped = plan.ckpt.maps.mapped_chunks()
         return {plan.items[i][0].name: o.scan for i, o in out.items()}, mapped
     finally:
         plan.close()

@@ -195,6 +195,10 @@ class FileMaps:
         self._leased[path] = lf
         return lf
 
+    def mapped_chunks(self) -> int:
+        """How many chunks were read through leased maps so far, all files together (tests and benchmarks)."""
+        return sum(lf.mapped for lf in list(self._leased.values()) if lf is not None)
+
     def get(self, path: str) -> mmap.mmap | None:
         mm = self._maps.get(path)
         if mm is None:
