@@ -21,7 +21,7 @@ I/O error on a page does the same where ``pread`` would return ``EIO``.
   becomes the tensor's finding as before.
 
 Where a lease cannot be had (another user's file, a network filesystem without leases, a file open for
-writing, another OS, an old kernel) every chunk is read with ``pread`` as before: the same bytes, the same
+writing, another OS, an old kernel, a lease-break time under :data:`MIN_LEASE_BREAK_SECONDS`) every chunk is read with ``pread`` as before: the same bytes, the same
 hash, slower. The one case left: if this process is stopped (``Ctrl-Z``, a debugger) for longer than the
 lease-break time in the middle of a chunk while another process truncates the file, the kernel takes the lease
 back and the stopped read faults when it resumes. ``CKPTAUDIT_MAPPED_READS=0`` turns the mapped path off.
@@ -51,16 +51,25 @@ MIN_MAPPED_BYTES = 256 << 10
 copy they save."""
 
 
+MIN_LEASE_BREAK_SECONDS = 5
+"""The kernel takes a lease back after ``/proc/sys/fs/lease-break-time`` seconds (45 by default) whether or not
+the holder gave it back; below this a chunk read slowly (cold pages on a slow disk) could outlast it."""
+
+
 def mapped_reads_enabled() -> bool:
-    """Whether this process may read chunks through leased maps at all: Linux, leases enabled, ``SIGURG`` left to
-    its default (or ignored), and not switched off with ``CKPTAUDIT_MAPPED_READS=0``."""
+    """Whether this process may read chunks through leased maps at all: Linux, leases enabled with a break time
+    of at least :data:`MIN_LEASE_BREAK_SECONDS`, ``SIGURG`` left to its default (or ignored), and not switched
+    off with ``CKPTAUDIT_MAPPED_READS=0``."""
     if sys.platform != "linux" or os.environ.get("CKPTAUDIT_MAPPED_READS", "1") == "0":
         return False
     try:
         if signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
             return False
         with open("/proc/sys/fs/leases-enable") as fh:
-            return fh.read().strip() == "1"
+            if fh.read().strip() != "1":
+                return False
+        with open("/proc/sys/fs/lease-break-time") as fh:  # how long a writer waits for us, in seconds
+            return int(fh.read().strip()) >= MIN_LEASE_BREAK_SECONDS
     except (OSError, ValueError):
         return False
 
@@ -142,6 +151,11 @@ class LeasedFile:
             # EAGAIN: open for writing somewhere; EACCES: not our file; EINVAL/ENOLCK: no leases here.
             if exc.errno != errno.EAGAIN:
                 self._off = True
+            if self._users == 0:  # a lease taken before the call that failed must not keep a writer waiting
+                try:
+                    fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_UNLCK)
+                except OSError:
+                    pass
             return False
         self._users += 1
         self.mapped += 1
