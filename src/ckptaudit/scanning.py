@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptaudit.catalogue import finding
-from ckptaudit.checks.optimizer import check_attachment
+from ckptaudit.checks.optimizer import Attachment, check_attachment
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.base import Checkpoint, Unreadable, gc_paused
 from ckptaudit.formats.tensors import (
@@ -109,13 +109,21 @@ class ScanPlan:
         self.ckpt.close()
 
 
-def plan_scan(path: str) -> ScanPlan:
-    """Open and interpret ``path`` and work out each tensor's role, reading no tensor data.
-    Raises ``FileNotFoundError``."""
+def open_interpreted(path: str) -> tuple[Checkpoint, View, Attachment]:
+    """``path`` opened, interpreted (which part is the model, the optimizer, ...) and its optimizer state attached
+    to parameters, reading no tensor data; Python's garbage collector paused meanwhile
+    (:func:`~ckptaudit.formats.base.gc_paused`). The open of ``audit`` and ``compare``. Raises
+    ``FileNotFoundError``."""
     with gc_paused():
         ckpt = open_checkpoint(path)
         view = interpret(ckpt)
-        attachment = check_attachment(view)
+        return ckpt, view, check_attachment(view)
+
+
+def plan_scan(path: str) -> ScanPlan:
+    """Open and interpret ``path`` and work out each tensor's role, reading no tensor data.
+    Raises ``FileNotFoundError``."""
+    ckpt, view, attachment = open_interpreted(path)
     opt_meta: dict[int, tuple[Any, str]] = {}
     if view.optimizer is not None:
         for key, entry in view.optimizer.state.items():

@@ -24,9 +24,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptaudit.checks.optimizer import Attachment, check_attachment
-from ckptaudit.formats import open_checkpoint
-from ckptaudit.formats.base import Checkpoint, Part, Unreadable, gc_paused, walk
+from ckptaudit.checks.optimizer import Attachment
+from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts import (
     DATA_KEYS,
@@ -37,11 +36,11 @@ from ckptaudit.layouts import (
     STEP_KEYS,
     TensorRef,
     View,
-    interpret,
     normalize_fqn,
 )
 from ckptaudit.layouts import file_rule as _layout_file_rule
 from ckptaudit.model import ComponentKind
+from ckptaudit.scanning import open_interpreted
 
 __all__ = ["Entry", "Side", "align_ranks", "entries_of", "key_text", "open_side"]
 
@@ -65,12 +64,9 @@ class Side:
 
 
 def open_side(path: str) -> Side:
-    """Open and interpret ``path``, as :func:`ckptaudit.scanning.scan_checkpoint` does, without scanning.
+    """Open and interpret ``path`` (:func:`ckptaudit.scanning.open_interpreted`, the audit's open), without scanning.
     Raises ``FileNotFoundError``."""
-    with gc_paused():
-        ckpt = open_checkpoint(path)
-        view = interpret(ckpt)
-        attachment = check_attachment(view)
+    ckpt, view, attachment = open_interpreted(path)
     known = set(attachment.mapping.values())
     if view.optimizer is not None and view.optimizer.keyed == "fqn":
         known |= {p for g in view.optimizer.groups for p in g.get("params", []) if isinstance(p, str)}
