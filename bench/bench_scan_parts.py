@@ -18,7 +18,9 @@ chunk of the same bytes:
   fresh state), over one chunk already in cache: what every tensor pays once (later chunks of a genuine fp32
   tensor skip it; a bf16-rounded one pays the OR-reduction on every chunk);
 - ``pread + xxh3``: the two together, chunk by chunk (what the scan does to every chunk of a genuine fp32 tensor
-  after its first);
+  after its first where the file cannot be leased, and did everywhere before);
+- ``leased map + xxh3``: each 8 MiB chunk hashed where it lies in the page cache, under a read lease
+  (:mod:`ckptaudit.formats.leased`: what the scan does to those chunks where it can; Linux);
 - ``scan_tensor``: the whole scan of the file as one tensor (read + hash + precision).
 
 Prints CPU s/GB for each (best of ``--repeat``) and the load average at the start: on a loaded machine CPU time
@@ -56,6 +58,11 @@ try:  # absent before the scan reused its buffers: this script also measures ear
     from ckptaudit.formats.tensors import scratch_buffer
 except ImportError:
     scratch_buffer = None
+try:  # absent before chunks were hashed in the page cache under a lease
+    from ckptaudit.formats.leased import LeasedFile, mapped_reads_enabled
+    from ckptaudit.records import MAPPED_CHUNK_BYTES
+except ImportError:
+    LeasedFile = None  # type: ignore[assignment,misc]
 
 
 def write(path: str, mib: int, rounded: bool) -> int:
@@ -109,6 +116,19 @@ def parts(path: str, lo: int, hi: int, chunk: int, mm: mmap.mmap, fd: int) -> di
             os.preadv(fd, [raw], off)
             h.update(raw)
 
+    def leased_hash() -> None:
+        # What the scan does to the chunks of a tensor once its precision is decided: each 8 MiB chunk hashed
+        # where it lies in the page cache, under the file's read lease (formats/leased.py).
+        lf = LeasedFile(fd)
+        step = MAPPED_CHUNK_BYTES
+        h = xxhash.xxh3_128()
+        for off in range(lo, hi, step):
+            view = lf.view(off, min(step, hi - off))
+            assert view is not None, "no lease on the benchmark's file"
+            h.update(view)
+            lf.done(view, off)
+        lf.close()
+
     def stats_first() -> None:
         for _ in range(nchunks):
             _Fp32State().update(held)
@@ -122,8 +142,12 @@ def parts(path: str, lo: int, hi: int, chunk: int, mm: mmap.mmap, fd: int) -> di
             else:
                 scan_tensor(data, maps, chunk, scratch_buffer(chunk))
 
-    return {"mmap read": mmap_read, "pread": pread, "xxh3_128": hash_only, "pread + xxh3": pread_hash,
-            "1st-chunk precision": stats_first, "scan_tensor": scan}
+    out: dict[str, Callable[[], object]] = {"mmap read": mmap_read, "pread": pread, "xxh3_128": hash_only,
+                                            "pread + xxh3": pread_hash}
+    if LeasedFile is not None and mapped_reads_enabled():
+        out["leased map + xxh3"] = leased_hash
+    out.update({"1st-chunk precision": stats_first, "scan_tensor": scan})
+    return out
 
 
 def on_threads(fns: list[Callable[[], object]]) -> tuple[float, float]:
