@@ -187,13 +187,12 @@ class FileMaps:
             pass
         if self._mapped_reads is None:
             self._mapped_reads = mapped_reads_enabled()
-        lf = None
-        if self._mapped_reads and not (self.remote is not None and path in self.remote):
-            fd = self.fd(path)
-            with self._lock:
-                lf = self._leased.get(path) or LeasedFile(fd)
-        self._leased[path] = lf
-        return lf
+        usable = self._mapped_reads and not (self.remote is not None and path in self.remote)
+        fd = self.fd(path) if usable else -1
+        with self._lock:  # one per file, whichever thread asks first: the lease count must be shared
+            if path not in self._leased:
+                self._leased[path] = LeasedFile(fd) if usable else None
+            return self._leased[path]
 
     def mapped_chunks(self) -> int:
         """How many chunks were read through leased maps so far, all files together (tests and benchmarks)."""
