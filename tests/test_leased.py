@@ -149,11 +149,13 @@ _TRUNCATE_DURING_A_CHUNK = """
         time.sleep(0.005)
     waiting = writer.poll() is None
     size_during = os.path.getsize(path)
+    joined = lf.view(0, size)  # a second chunk may not start while the writer waits (it would wait longer)
     digest = xxhash.xxh3_128(view).hexdigest()  # every page of the chunk, read after the writer asked
     lf.done(view, 0)
     writer.wait(timeout=60)
     after = lf.view(0, size)
-    print(json.dumps({"waiting": waiting, "size_during": size_during, "size": size, "digest": digest,
+    print(json.dumps({"waiting": waiting, "joined": joined is not None, "size_during": size_during, "size": size,
+                      "digest": digest,
                       "after": after is None, "size_after": os.path.getsize(path)}))
 """
 
@@ -164,6 +166,7 @@ def test_a_truncation_waits_for_the_chunk_being_read(tmp_path: Path) -> None:
     path.write_bytes(data)
     out = _child(_TRUNCATE_DURING_A_CHUNK, str(path))
     assert out["waiting"] and out["size_during"] == out["size"] == len(data)  # the writer waited on the lease
+    assert not out["joined"]  # and no new chunk started meanwhile
     assert out["digest"] == xxhash.xxh3_128(data).hexdigest()  # and the chunk read whole, without SIGBUS
     assert out["after"] and out["size_after"] == 0  # then it truncated, and nothing more is read from the map
 
