@@ -252,7 +252,8 @@ def scan_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHU
 MAPPED_CHUNK_BYTES = 8 << 20
 """Once a tensor's precision is decided, a chunk read through a leased map (:mod:`ckptaudit.formats.leased`) is
 this long: nothing reads it after the hash, so it need not stay in cache, and fewer chunks mean fewer lease and
-``madvise`` calls (1 MiB: ~10-20% slower on two cores). Resident memory: this much mapped per thread, at most."""
+``madvise`` calls (two threads, five interleaved rounds: 1 MiB 11.4, 8 MiB 12.1, 32 MiB 12.7 GB/s, medians).
+Resident memory: this much mapped per thread, at most."""
 
 
 def _spans(data: TensorData) -> list[tuple[str, int, int]] | None:
