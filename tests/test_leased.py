@@ -32,20 +32,25 @@ pytestmark = pytest.mark.skipif(not mapped_reads_enabled(), reason="no file leas
 CHILD_TIMEOUT = 120
 
 
-def _save_row_shards(ctx: Any, path: str) -> int:
-    """(each of 2 ranks) Row shards (``Shard(0)``) of three weights, saved by DCP: genuine fp32, rounded to bf16,
-    and one whose rows do not split evenly; 1-3 MiB each, so whole chunks go through the map."""
+def _weights() -> dict[str, Any]:
+    """Three weights: genuine fp32, rounded to bf16, and one whose rows do not split evenly; 1-3 MiB each, so
+    whole chunks go through the map."""
     import torch
+
+    g = torch.Generator().manual_seed(7)
+    return {"exact": torch.randn(1024, 512, generator=g) * 0.02,
+            "rounded": (torch.randn(768, 512, generator=g) * 0.02).bfloat16().float(),
+            "odd": torch.randn(1001, 300, generator=g)}
+
+
+def _save_row_shards(ctx: Any, path: str) -> int:
+    """(each of 2 ranks) Row shards (``Shard(0)``) of :func:`_weights`, saved by DCP."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (ctx.world_size,))
-    g = torch.Generator().manual_seed(7)
-    full = {"exact": torch.randn(1024, 512, generator=g) * 0.02,
-            "rounded": (torch.randn(768, 512, generator=g) * 0.02).bfloat16().float(),
-            "odd": torch.randn(1001, 300, generator=g)}
-    model = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+    model = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in _weights().items()}
     dcp.save({"model": model}, checkpoint_id=path)
     return ctx.rank
 
@@ -64,8 +69,10 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     g = torch.Generator().manual_seed(3)
     path = tmp_path_factory.mktemp("leased") / "ckpt.pt"
-    torch.save({"exact": torch.randn(3 << 18, generator=g), "rounded": torch.randn(3 << 18, generator=g).bfloat16()
-                .float(), "bf16": torch.randn(1 << 20, generator=g).bfloat16(), "ids": torch.arange(1 << 18)}, path)
+    torch.save({"exact": torch.randn(3 << 18, generator=g),
+                "rounded": torch.randn(3 << 18, generator=g).bfloat16().float(),
+                "bf16": torch.randn(1 << 20, generator=g).bfloat16(),
+                "ids": torch.arange(1 << 18)}, path)
     return path
 
 
@@ -96,15 +103,9 @@ def test_mapped_chunks_hash_and_judge_as_positional_reads_do(fixture: str, reque
 
 
 def test_the_hash_is_of_the_tensor_bytes_in_row_major_order(row_shards: Path) -> None:
-    import torch
-
-    g = torch.Generator().manual_seed(7)
-    full = {"exact": torch.randn(1024, 512, generator=g) * 0.02,
-            "rounded": (torch.randn(768, 512, generator=g) * 0.02).bfloat16().float(),
-            "odd": torch.randn(1001, 300, generator=g)}
     scans, n_mapped = _scans(row_shards, jobs=2)
     assert n_mapped >= 3
-    for name, t in full.items():
+    for name, t in _weights().items():
         assert scans[f"model/{name}"].hash == xxhash.xxh3_128(np.ascontiguousarray(t.numpy()).tobytes()).hexdigest()
     assert scans["model/rounded"].precision is Precision.BF16
     assert scans["model/exact"].precision is Precision.EXACT
