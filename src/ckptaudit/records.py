@@ -266,19 +266,16 @@ def _spans(data: TensorData) -> list[tuple[str, int, int]] | None:
     if sys.byteorder != "little":
         return None
     size = data.dtype.itemsize
-    pieces = data.pieces
-    if len(pieces) == 1:
-        p = pieces[0]
-        if (p.sizes != data.shape or len(p.offsets) != len(data.shape) or any(p.offsets)
-                or min(p.sizes, default=0) < 0 or not p.is_contiguous()):
-            return None
-        return [(p.file, p.data_offset + p.storage_offset * size, data.nbytes)]
-    if not data.shape or not pieces or data.coverage_error() is not None:
+    whole = data.whole_piece()
+    if whole is not None:
+        return [(whole.file, whole.data_offset + whole.storage_offset * size, data.nbytes)] if (
+            whole.is_contiguous()) else None
+    if not data.shape or not data.pieces or data.coverage_error() is not None:
         return None
-    ordered = sorted(pieces, key=lambda p: p.offsets)  # iter_chunks' order and its condition for slabs
-    if not all(tuple(p.sizes[1:]) == data.shape[1:] and p.is_contiguous() for p in ordered):
+    slabs = data.row_slabs()  # iter_chunks' order and its condition for reading pieces one after the other
+    if slabs is None or not all(p.is_contiguous() for p in slabs):
         return None
-    return [(p.file, p.data_offset + p.storage_offset * size, p.numel * size) for p in ordered if p.numel]
+    return [(p.file, p.data_offset + p.storage_offset * size, p.numel * size) for p in slabs if p.numel]
 
 
 def _scan_span(span: tuple[str, int, int], itemsize: int, maps: FileMaps, chunk_bytes: int,

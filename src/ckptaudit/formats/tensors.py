@@ -119,13 +119,31 @@ class TensorData:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    def whole_piece(self) -> Piece | None:
+        """The one piece that holds the whole tensor (every single-process save: no tiling to verify), or
+        ``None`` (shards, whose tiling :meth:`coverage_error` judges)."""
+        if len(self.pieces) != 1:
+            return None
+        p = self.pieces[0]
+        if p.sizes == self.shape and len(p.offsets) == len(self.shape) and not any(p.offsets) and min(
+                self.shape, default=0) >= 0:
+            return p
+        return None
+
+    def row_slabs(self) -> list[Piece] | None:
+        """The pieces in row-major order (sorted by their offsets) when each spans every dimension but the first
+        (slabs of rows: DCP saves of FSDP and DDP), so that reading them one after the other reads the tensor
+        in row-major order; ``None`` when pieces split a later dimension (they must be re-assembled). Whether
+        the slabs tile the tensor is :meth:`coverage_error`'s question."""
+        pieces = sorted(self.pieces, key=lambda p: p.offsets) if len(self.pieces) > 1 else list(self.pieces)
+        if self.shape and not all(tuple(p.sizes[1:]) == self.shape[1:] for p in pieces):
+            return None
+        return pieces
+
     def coverage_error(self) -> str | None:
         """Why the pieces do not tile the tensor exactly, or ``None`` when they do."""
-        if len(self.pieces) == 1:  # one whole piece (every single-process save): nothing can overlap
-            p = self.pieces[0]
-            if p.sizes == self.shape and len(p.offsets) == len(self.shape) and not any(p.offsets) and min(
-                    self.shape, default=0) >= 0:
-                return None
+        if self.whole_piece() is not None:  # nothing can overlap
+            return None
         total = 0
         for p in self.pieces:
             if len(p.offsets) != len(self.shape) or len(p.sizes) != len(self.shape):
@@ -270,15 +288,6 @@ def scratch_buffer(chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> np.ndarray:
     return numpy.empty(chunk_bytes + 16, dtype=numpy.uint8)
 
 
-def _whole(data: TensorData) -> bool:
-    """Whether ``data`` is one piece covering the whole tensor (the common case: no tiling to verify)."""
-    if len(data.pieces) != 1:
-        return False
-    p = data.pieces[0]
-    return (p.sizes == data.shape and len(p.offsets) == len(data.shape) and not any(p.offsets)
-            and min(p.sizes, default=0) >= 0)
-
-
 def iter_chunks(
     data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHUNK_BYTES, buffer: np.ndarray | None = None
 ) -> Iterator[np.ndarray]:
@@ -291,10 +300,9 @@ def iter_chunks(
     """
     import numpy as np  # here, not at import time: a small audit may never need it (see small_read_plan)
 
-    if not _whole(data):
-        err = data.coverage_error()
-        if err is not None:
-            raise ValueError(err)
+    err = data.coverage_error()  # (no work for a whole piece)
+    if err is not None:
+        raise ValueError(err)
     if data.numel == 0:
         return
     npdt = np.dtype(data.dtype.numpy)
@@ -302,13 +310,12 @@ def iter_chunks(
     if buffer is not None and buffer.nbytes < per_chunk * npdt.itemsize:
         raise ValueError(f"scratch buffer of {buffer.nbytes} bytes is smaller than a chunk "
                          f"({per_chunk * npdt.itemsize} bytes): make it with scratch_buffer(chunk_bytes)")
-    pieces = sorted(data.pieces, key=lambda p: p.offsets) if len(data.pieces) > 1 else list(data.pieces)
-    slabs = len(data.shape) == 0 or all(tuple(p.sizes[1:]) == data.shape[1:] for p in pieces)
-    if slabs:
-        for p in pieces:
+    slabs = data.row_slabs()
+    if slabs is not None:
+        for p in slabs:
             yield from _piece_chunks(p, npdt, maps, per_chunk, buffer)
     else:
-        yield from _assembled_chunks(data, pieces, npdt, maps, per_chunk)
+        yield from _assembled_chunks(data, sorted(data.pieces, key=lambda p: p.offsets), npdt, maps, per_chunk)
 
 
 def _piece_array(p: Piece, npdt: np.dtype, maps: FileMaps) -> np.ndarray:
@@ -407,11 +414,11 @@ def small_read_plan(data: TensorData, max_bytes: int) -> list[tuple[Piece, int]]
     err = data.coverage_error()
     if err is not None:
         raise ValueError(err)
-    pieces = sorted(data.pieces, key=lambda p: p.offsets)
-    if not (len(data.shape) == 0 or all(tuple(p.sizes[1:]) == data.shape[1:] for p in pieces)):
+    slabs = data.row_slabs()
+    if slabs is None:
         return None
     plan = []
-    for p in pieces:
+    for p in slabs:
         if p.numel == 0:
             continue
         if not p.is_contiguous():
