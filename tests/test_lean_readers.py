@@ -21,7 +21,7 @@ import pytest
 import real_checkpoints as rc
 from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.dcp_metadata import load_dcp_metadata
-from ckptaudit.formats.pickle_scan import MAX_METADATA_OPCODES, PickleScan, scan
+from ckptaudit.formats.pickle_scan import PickleScan, metadata_opcode_limit, scan
 from ckptaudit.formats.zipdir import TAIL_BYTES, Member, Region, lean_directory
 
 
@@ -130,7 +130,7 @@ def test_scan_of_bytes_equals_the_stream_walk(saved: dict[str, Path], seed: int)
                 d = d[:rng.randrange(len(d) + 1)]
         data = bytes(d)
         allowed = DCP_METADATA_GLOBALS if i % 2 else frozenset()
-        limit: Any = MAX_METADATA_OPCODES if i % 5 else rng.randint(1, 200)
+        limit: Any = metadata_opcode_limit(len(data)) if i % 5 else rng.randint(1, 200)
         fast = scan(data, allowed, max_opcodes=limit)
         slow = scan(io.BufferedReader(io.BytesIO(data)), allowed, max_opcodes=limit)
         assert _same(fast, slow), (i, data[:200], fast, slow)

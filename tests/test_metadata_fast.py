@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pathlib
 import pickle
+import pickletools
 import struct
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,13 @@ import pytest
 import real_checkpoints as rc
 from ckptaudit.formats import dcp_metadata as dm
 from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
+from ckptaudit.formats.dcp import MAX_METADATA_BYTES
 from ckptaudit.formats.dcp_metadata import load_dcp_metadata
 from ckptaudit.formats.pickle_scan import (
     BUILD_BUDGET_BASE,
     BUILD_BUDGET_FACTOR,
-    MAX_METADATA_OPCODES,
     MAX_NODES,
+    metadata_opcode_limit,
     scan,
 )
 
@@ -33,7 +35,7 @@ M61 = (1 << 61) - 1
 
 
 def _scan(data: bytes) -> Any:
-    return scan(data, DCP_METADATA_GLOBALS, max_opcodes=MAX_METADATA_OPCODES)
+    return scan(data, DCP_METADATA_GLOBALS, max_opcodes=metadata_opcode_limit(len(data)))
 
 
 def _outcome(data: bytes, fast: bool) -> Any:
@@ -66,6 +68,19 @@ def test_real_saves_are_plain_and_load_the_same_both_ways(dcp_dir: Path, fsdp_ru
         assert len(fast.storage_data) >= 4
         # The fast load itself succeeds (a failure would fall back to the restricted load silently: equal, slow).
         assert dm.rebuild(dm._PlainLoader(data, dm._fast_table(len(data))).load()) == slow
+
+
+def test_a_large_jobs_metadata_is_not_refused_for_its_opcode_count(dcp_dir: Path, fsdp_run: dict[str, Any]) -> None:
+    # A real .metadata holds 70-110 opcodes per tensor shard, and a 70B model with Adam state on a few hundred
+    # ranks has millions of shards (a fixed limit of 20M opcodes refused such saves from ~200k shards on). Whatever
+    # size the byte limit lets through, the opcode limit must let through a real file of that size: at the
+    # density torch writes (measured here, on a one-process and an FSDP save), up to the largest size accepted.
+    for ckpt in (dcp_dir, fsdp_run["dir"] / "faithful"):
+        data = (ckpt / ".metadata").read_bytes()
+        opcodes = sum(1 for _ in pickletools.genops(data))
+        assert _scan(data).error is None
+        for size in (len(data), 64 << 20, MAX_METADATA_BYTES):
+            assert metadata_opcode_limit(size) >= opcodes / len(data) * size, (ckpt, size, opcodes / len(data))
 
 
 def test_colliding_integer_keys_are_not_plain(dcp_dir: Path) -> None:

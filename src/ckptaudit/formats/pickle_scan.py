@@ -27,13 +27,13 @@ from ckptaudit.formats.pickle_limits import (
     MAX_INLINE,
     MAX_KEY_NODES,
     MAX_LINE,
-    MAX_METADATA_OPCODES,
     MAX_NODES,
     MAX_OPCODES,
     MAX_STACK,
     PickleLimitError,
     UnsafeBuildError,
     UnsafeGlobalError,
+    metadata_opcode_limit,
 )
 from ckptaudit.formats.pickle_ops import PLAIN_OPCODES
 from ckptaudit.formats.pickle_walk import ScanError, Walker
@@ -47,7 +47,6 @@ __all__ = [
     "MAX_INLINE",
     "MAX_KEY_NODES",
     "MAX_LINE",
-    "MAX_METADATA_OPCODES",
     "MAX_NODES",
     "MAX_OPCODES",
     "MAX_STACK",
@@ -56,6 +55,7 @@ __all__ = [
     "PickleScan",
     "UnsafeBuildError",
     "UnsafeGlobalError",
+    "metadata_opcode_limit",
     "scan",
 ]
 

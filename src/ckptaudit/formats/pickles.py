@@ -27,12 +27,12 @@ from ckptaudit.formats.dcp_metadata import dcp_metadata_loads
 from ckptaudit.formats.object_tree import check_tree
 from ckptaudit.formats.pickle_scan import (
     MAX_DEPTH,
-    MAX_METADATA_OPCODES,
     MAX_NODES,
     MAX_OPCODES,
     PickleLimitError,
     PickleScan,
     UnsafeGlobalError,
+    metadata_opcode_limit,
     scan,
 )
 from ckptaudit.formats.unpickler import Opaque, RestrictedUnpickler, base_table
@@ -42,7 +42,6 @@ __all__ = [
     "DCP_METADATA_GLOBALS",
     "HARMLESS_GLOBALS",
     "MAX_DEPTH",
-    "MAX_METADATA_OPCODES",
     "MAX_NODES",
     "MAX_OPCODES",
     "NUMPY_GLOBALS",
@@ -56,5 +55,6 @@ __all__ = [
     "check_tree",
     "dcp_metadata_loads",
     "global_name",
+    "metadata_opcode_limit",
     "scan",
 ]
