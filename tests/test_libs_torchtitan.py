@@ -18,7 +18,7 @@ from ckptaudit.audit import audit
 from ckptaudit.dist.launch import launch
 from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.dcp_metadata import load_dcp_metadata
-from ckptaudit.formats.pickle_scan import metadata_opcode_limit, scan
+from ckptaudit.formats.pickle_scan import opcode_limit, scan
 from ckptaudit.model import ComponentKind, Precision, Severity
 
 pytestmark = pytest.mark.dist
@@ -57,7 +57,7 @@ def test_torchtitan_layout_is_read_where_it_is_and_clean(titan: dict[str, Any]) 
     assert all(t.precision is Precision.EXACT and t.dtype == "float32" for t in params.values())
     # What torchtitan's DCP save writes takes the fast .metadata load (the C unpickler), with the same record.
     data = (path / ".metadata").read_bytes()
-    result = scan(data, DCP_METADATA_GLOBALS, max_opcodes=metadata_opcode_limit(len(data)))
+    result = scan(data, DCP_METADATA_GLOBALS, max_opcodes=opcode_limit(len(data)))
     assert result.plain and load_dcp_metadata(data, result) == load_dcp_metadata(data)
 
 

@@ -37,7 +37,7 @@ from ckptaudit.formats.pickle_scan import (
     PickleLimitError,
     PickleScan,
     UnsafeBuildError,
-    metadata_opcode_limit,
+    opcode_limit,
     scan,
 )
 from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, file_kind, read_limited
@@ -153,7 +153,7 @@ def check_metadata_safe(path: str) -> DcpMetadata:
     _code, message, data = _metadata_problem(path)
     if data is None:
         raise UnsafeCheckpointError(f"{meta_path}: {message}")
-    scanned = scan(data, DCP_METADATA_GLOBALS, max_opcodes=metadata_opcode_limit(len(data)))
+    scanned = scan(data, DCP_METADATA_GLOBALS, max_opcodes=opcode_limit(len(data)))
     problem = _scan_problem(scanned)
     if problem is not None:
         raise UnsafeCheckpointError(f"{meta_path}: {problem[1]}; refusing to load it")
@@ -266,7 +266,7 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
     if data is None:
         findings.append(finding(code, meta_subject, f"{subject}: {message}", file=meta_subject))
         return DcpRead(None, findings, files)
-    result = scan(data, DCP_METADATA_GLOBALS, max_opcodes=metadata_opcode_limit(len(data)))
+    result = scan(data, DCP_METADATA_GLOBALS, max_opcodes=opcode_limit(len(data)))
     problem = _scan_problem(result)
     if problem is not None:
         evidence: dict[str, Any] = {"globals": list(result.unsafe + result.harmless)} if problem[0].startswith(

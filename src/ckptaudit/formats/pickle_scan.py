@@ -20,6 +20,7 @@ from typing import IO
 from ckptaudit.formats.allowlist import ALL_SAFE, HARMLESS_GLOBALS
 from ckptaudit.formats.pickle_limits import (
     BUILD_BUDGET_BASE,
+    BUILD_BUDGET_CAP,
     BUILD_BUDGET_FACTOR,
     CALL_BUDGET_FACTOR,
     MAX_DEPTH,
@@ -33,13 +34,15 @@ from ckptaudit.formats.pickle_limits import (
     PickleLimitError,
     UnsafeBuildError,
     UnsafeGlobalError,
-    metadata_opcode_limit,
+    build_budget,
+    opcode_limit,
 )
 from ckptaudit.formats.pickle_ops import PLAIN_OPCODES
 from ckptaudit.formats.pickle_walk import ScanError, Walker
 
 __all__ = [
     "BUILD_BUDGET_BASE",
+    "BUILD_BUDGET_CAP",
     "BUILD_BUDGET_FACTOR",
     "CALL_BUDGET_FACTOR",
     "MAX_DEPTH",
@@ -55,7 +58,8 @@ __all__ = [
     "PickleScan",
     "UnsafeBuildError",
     "UnsafeGlobalError",
-    "metadata_opcode_limit",
+    "build_budget",
+    "opcode_limit",
     "scan",
 ]
 
@@ -135,7 +139,7 @@ def scan(data: bytes | bytearray | memoryview | IO[bytes], allowed: frozenset[st
         else:
             unsafe.append(n)
     plain = (error is None and walker.plain
-             and walker.cost <= BUILD_BUDGET_FACTOR * (end - walker.start) + BUILD_BUDGET_BASE)
+             and walker.cost <= build_budget(end - walker.start))
     return PickleScan(names, tuple(unsafe), tuple(harmless), error, error_offset, end, limit, misused, plain)
 
 

@@ -32,7 +32,7 @@ from ckptaudit.formats.pickle_scan import (
     PickleLimitError,
     PickleScan,
     UnsafeGlobalError,
-    metadata_opcode_limit,
+    opcode_limit,
     scan,
 )
 from ckptaudit.formats.unpickler import Opaque, RestrictedUnpickler, base_table
@@ -55,6 +55,6 @@ __all__ = [
     "check_tree",
     "dcp_metadata_loads",
     "global_name",
-    "metadata_opcode_limit",
+    "opcode_limit",
     "scan",
 ]

@@ -31,7 +31,7 @@ from typing import Any
 from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.dcp import MAX_BYTES_ITEM, MAX_METADATA_BYTES, METADATA
 from ckptaudit.formats.dcp_metadata import BytesMeta, DcpMetadata, load_dcp_metadata
-from ckptaudit.formats.pickle_scan import metadata_opcode_limit, scan
+from ckptaudit.formats.pickle_scan import opcode_limit, scan
 
 __all__ = ["COALESCE_GAP", "MAX_IN_FLIGHT_BYTES", "MAX_READ_BYTES", "RangeStager", "stage_dcp"]
 
@@ -150,7 +150,7 @@ def _metadata(stager: RangeStager) -> DcpMetadata | None:
         return None  # the reader refuses it by its size, which the stand-in has
     stager.stage([(0, size)])
     data = stager.read(0, size)
-    result = scan(data, DCP_METADATA_GLOBALS, max_opcodes=metadata_opcode_limit(len(data)))
+    result = scan(data, DCP_METADATA_GLOBALS, max_opcodes=opcode_limit(len(data)))
     if result.unsafe or result.harmless or result.error is not None:
         return None
     try:

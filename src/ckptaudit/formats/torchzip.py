@@ -34,7 +34,7 @@ from typing import Any
 
 from ckptaudit.formats import ziplayout
 from ckptaudit.formats.object_tree import check_tree
-from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, scan
+from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, opcode_limit, scan
 from ckptaudit.formats.safeio import open_regular, open_regular_fd
 from ckptaudit.formats.tensor_rebuild import VIEW_BUDGET_FACTOR, StorageRef, StorageType, ViewBudget, torch_table
 from ckptaudit.formats.tensors import DType, Piece, TensorData
@@ -182,7 +182,7 @@ def _scan_cached(data: bytes) -> PickleScan:
     ``data.pkl``, and a checkpoint has thousands of items but few distinct shapes."""
     hit = _SCAN_CACHE.get(data)
     if hit is None:
-        hit = scan(data)
+        hit = scan(data, max_opcodes=opcode_limit(len(data)))
         if len(data) <= 4096:
             if len(_SCAN_CACHE) >= 4096:
                 _SCAN_CACHE.clear()

@@ -36,6 +36,7 @@ from ckptaudit.formats.pickle_scan import (
     PickleLimitError,
     UnsafeBuildError,
     UnsafeGlobalError,
+    build_budget,
 )
 from ckptaudit.formats.torch_values import torch_values_table
 
@@ -244,7 +245,7 @@ class RestrictedUnpickler(pickle._Unpickler):
         self._build_types = tuple(build_types)
         self._persistent = persistent_load
         self._budget = CALL_BUDGET_FACTOR * size + (16 << 20)
-        self._build_left = BUILD_BUDGET_FACTOR * size + BUILD_BUDGET_BASE
+        self._build_left = self._build_budget = build_budget(size)
         self._inert = inert
         self._opaque: dict[str, _OpaqueGlobal] = {}
         self._built: set[int] = set()
@@ -391,8 +392,8 @@ class RestrictedUnpickler(pickle._Unpickler):
         self._build_left -= cost
         if self._build_left < 0:
             raise PickleLimitError(
-                f"the objects this pickle builds exceed {BUILD_BUDGET_FACTOR}x its size + "
-                f"{BUILD_BUDGET_BASE >> 20} MiB (an opcode amplification: many small opcodes, large objects)")
+                f"the objects this pickle builds exceed {BUILD_BUDGET_FACTOR}x its size + {BUILD_BUDGET_BASE >> 20} "
+                f"MiB ({self._build_budget >> 20} MiB; an opcode amplification: many small opcodes, large objects)")
 
     def _key_hash(self, key: Any) -> int:
         """``hash(key)`` for a key whose hashing is cheap and cannot be steered into collisions unnoticed."""
