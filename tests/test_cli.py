@@ -104,6 +104,18 @@ def test_json_report_matches_the_golden_schema(tmp_path: Path) -> None:
     assert doc == json.loads(golden_path.read_text())
 
 
+def test_json_report_has_a_line_per_tensor_record_and_finding(tmp_path: Path) -> None:
+    # A large checkpoint's report holds hundreds of thousands of records: one per line keeps it quick to write and
+    # lets a search for a tensor's name show its whole record.
+    ckpt = small_checkpoint(tmp_path / "lines.pt", rounded=True)
+    _code, out, _ = run("audit", str(ckpt), "--format", "json")
+    doc = json.loads(out)
+    assert len(doc["tensors"]) > 3 and doc["findings"]
+    one_line = [json.loads(line.strip().rstrip(",")) for line in out.splitlines()
+                if line.startswith('    {"')]
+    assert one_line == doc["tensors"] + doc["findings"]
+
+
 def test_table_prints_hostile_names_verbatim(tmp_path: Path) -> None:
     # Tensor names come from the checkpoint: rich markup in them must be printed, not interpreted.
     path = tmp_path / "markup.pt"

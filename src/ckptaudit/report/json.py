@@ -14,13 +14,27 @@ from ckptaudit.model import HASH_ALGORITHM, SCHEMA_VERSION, Report, Severity, pr
 __all__ = ["render_json", "to_dict"]
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {}
+"""Field names of the report's dataclasses, by type (``dataclasses.fields`` per record costs more than the rest)."""
+_SHORT_INT_BITS = 4 * 3000
+"""Integers this short print under any int-to-string limit Python allows (640 digits at least)."""
+
+
 def _plain(value: Any) -> Any:
+    t = type(value)
+    if t is str or t is bool or value is None:
+        return value
+    if t is int and value.bit_length() <= _SHORT_INT_BITS:
+        return value
     if isinstance(value, Severity):
         return value.label
     if isinstance(value, enum.Enum):
         return value.value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    names = _FIELDS.get(t)
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = _FIELDS[t] = tuple(f.name for f in dataclasses.fields(value))
+    if names is not None:
+        return {name: _plain(getattr(value, name)) for name in names}
     if isinstance(value, dict):
         return {text(k): _plain(v) for k, v in dict.items(value)}
     if isinstance(value, list | tuple | set | frozenset):
@@ -71,6 +85,20 @@ def to_dict(report: Report) -> dict[str, Any]:
     return doc
 
 
+_ONE_LINE = ("tensors", "findings")
+"""Arrays whose entries are written one per line: a report of a large checkpoint holds hundreds of thousands."""
+
+
 def render_json(report: Report, out: TextIO) -> None:
-    json.dump(to_dict(report), out, indent=2, allow_nan=False)
-    out.write("\n")
+    """The report as one JSON document, written at once: the envelope indented, each tensor record and finding
+    on a line of its own (a search for a tensor's name shows its whole record; a 60k-tensor report is written
+    in a fraction of the time an indented one takes)."""
+    parts = []
+    for key, value in to_dict(report).items():
+        name = json.dumps(key)
+        if key in _ONE_LINE and isinstance(value, list) and value:
+            lines = ",\n".join("    " + json.dumps(v, allow_nan=False) for v in value)
+            parts.append(f"  {name}: [\n{lines}\n  ]")
+        else:
+            parts.append(f"  {name}: " + json.dumps(value, indent=2, allow_nan=False).replace("\n", "\n  "))
+    out.write("{\n" + ",\n".join(parts) + "\n}\n")
