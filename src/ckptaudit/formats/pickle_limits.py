@@ -30,25 +30,10 @@ __all__ = [
 # time. Hitting one is reported as a finding naming the limit, never a crash.
 
 MAX_OPCODES = 5_000_000
-"""Opcodes walked per pickle (``torch.save`` needs about 25 per tensor: 200k tensors). Walking costs about 1 µs
-per opcode and loading about 2 µs; each opcode makes at most one object (at most ~70 bytes), which bounds the
-memory of what a pickle can build to a few hundred MiB."""
-
-
-def opcode_limit(size: int) -> int:
-    """Opcodes walked in an in-memory pickle of ``size`` bytes (a DCP ``.metadata``, a ``torch.save``
-    ``data.pkl``): :data:`MAX_OPCODES`, or as many as it has bytes where that is more (every opcode takes at least
-    one), so no real file is refused for its count: its size is the bound (``dcp.MAX_METADATA_BYTES``,
-    ``torchzip.MAX_PICKLE_BYTES``).
-
-    A fixed count refused the saves of large jobs: a real ``.metadata`` holds 70-110 opcodes per tensor shard
-    (the realistic benchmark's 8-rank save: 535,239 for 7301 shards), so the earlier 20,000,000 stopped at about
-    200-270k shards, which a 70B model with Adam state reaches on about 128 ranks; a ``data.pkl`` holds 20-30 per
-    tensor, so 5,000,000 stopped at a ``torch.save`` of ~200k tensors (a mixture-of-experts model's full state).
-    The walk's cost follows the bytes instead: 0.21 us a byte of a real file, at most 0.57 us for the slowest
-    crafted opcodes (about 3x), and its memo at most 8 bytes an opcode, within :func:`build_budget`.
-    """
-    return max(MAX_OPCODES, size)
+"""Opcodes walked per pickle read from a stream (a plain pickle file, the legacy ``torch.save`` format); a pickle
+read whole may have more (:func:`opcode_limit`). Walking costs about 1 µs per opcode and loading about 2 µs; each
+opcode makes at most one object (at most ~70 bytes), which bounds the memory of what a pickle can build to a few
+hundred MiB."""
 MAX_STACK = 1 << 22
 """Deepest symbolic stack accepted."""
 MAX_LINE = 1 << 16
@@ -78,6 +63,23 @@ BUILD_BUDGET_CAP = 8 << 30
 def build_budget(size: int) -> int:
     """Bytes the objects of a pickle of ``size`` bytes may take, estimated (see :data:`BUILD_BUDGET_FACTOR`)."""
     return min(BUILD_BUDGET_FACTOR * size + BUILD_BUDGET_BASE, BUILD_BUDGET_CAP)
+
+
+def opcode_limit(size: int) -> int:
+    """Opcodes walked in an in-memory pickle of ``size`` bytes (a DCP ``.metadata``, a ``torch.save``
+    ``data.pkl``): :data:`MAX_OPCODES`, or as many as it has bytes where that is more (every opcode takes at least
+    one), so no real file is refused for its count: its size is the bound (``dcp.MAX_METADATA_BYTES``,
+    ``torchzip.MAX_PICKLE_BYTES``).
+
+    A fixed count refused the saves of large jobs: a real ``.metadata`` holds 70-110 opcodes per tensor shard
+    (the realistic benchmark's 8-rank save: 535,239 for 7301 shards), so the earlier 20,000,000 stopped at about
+    200-270k shards, which a 70B model with Adam state reaches on about 128 ranks; a ``data.pkl`` holds 20-30 per
+    tensor, so 5,000,000 stopped at a ``torch.save`` of ~200k tensors (a mixture-of-experts model's full state).
+    The walk's cost follows the bytes instead: 0.21 us a byte of a real file, at most 0.57 us for the slowest
+    crafted opcodes (about 3x: a crafted 512 MiB ``.metadata`` takes minutes to refuse, as a real one that size
+    takes minutes to audit), and its memo at most 8 bytes an opcode (within :func:`build_budget`).
+    """
+    return max(MAX_OPCODES, size)
 
 
 MAX_HASH_COLLISIONS = 64
