@@ -104,7 +104,7 @@ def test_json_report_matches_the_golden_schema(tmp_path: Path) -> None:
     assert doc == json.loads(golden_path.read_text())
 
 
-def test_json_report_has_a_line_per_tensor_record_and_finding(tmp_path: Path) -> None:
+def test_json_reports_have_a_line_per_tensor_record_finding_and_pair(tmp_path: Path) -> None:
     # A large checkpoint's report holds hundreds of thousands of records: one per line keeps it quick to write and
     # lets a search for a tensor's name show its whole record.
     ckpt = small_checkpoint(tmp_path / "lines.pt", rounded=True)
@@ -114,6 +114,12 @@ def test_json_report_has_a_line_per_tensor_record_and_finding(tmp_path: Path) ->
     one_line = [json.loads(line.strip().rstrip(",")) for line in out.splitlines()
                 if line.startswith('    {"')]
     assert one_line == doc["tensors"] + doc["findings"]
+    _code, out, _ = run("compare", str(ckpt), str(ckpt), "--format", "json")
+    doc = json.loads(out)
+    assert len(doc["pairs"]) > 3
+    one_line = [json.loads(line.strip().rstrip(",")) for line in out.splitlines()
+                if line.startswith('    {"')]
+    assert one_line == doc["tensors"] + doc["findings"] + doc["pairs"]
 
 
 def test_table_prints_hostile_names_verbatim(tmp_path: Path) -> None:

@@ -85,8 +85,9 @@ def to_dict(report: Report) -> dict[str, Any]:
     return doc
 
 
-_ONE_LINE = ("tensors", "findings")
-"""Arrays whose entries are written one per line: a report of a large checkpoint holds hundreds of thousands."""
+_ONE_LINE = ("tensors", "findings", "pairs")
+"""Arrays whose entries are written one per line (`compare`'s `pairs` too): a report of a large checkpoint holds
+hundreds of thousands."""
 
 
 def render_json(report: Report, out: TextIO) -> None:
