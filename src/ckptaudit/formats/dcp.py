@@ -462,7 +462,9 @@ def _tensor_item(
             )
             return Unreadable("shard does not match the metadata", file)
         p = td.pieces[0]
-        pieces.append(Piece(p.file, p.data_offset, p.storage_offset, p.sizes, p.stride, offsets))
+        # The archive's piece sits at offset zero: a whole tensor's (a one-process save) is the shard as it is.
+        pieces.append(p if p.offsets == offsets else Piece(p.file, p.data_offset, p.storage_offset, p.sizes,
+                                                           p.stride, offsets))
     td = TensorData(dtype, shape, tuple(pieces))
     err = td.coverage_error()
     if err is not None:
