@@ -63,3 +63,27 @@ def write_low_precision(ctx: RankContext, out_dir: str, steps: int) -> None:
     for _ in range(steps):
         low_precision_recipe.step(job)
     exporters.documented(job, os.path.join(out_dir, "low-precision-masters"), ctx)
+
+
+def write_uneven_shards(ctx: RankContext, out_dir: str) -> None:
+    """(4 ranks) FSDP2 over parameters with fewer rows than ranks and rows that do not divide evenly, so that
+    some ranks hold empty shards; saved the documented way (DCP) and, by rank 0, as one full ``torch.save``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 3), torch.nn.Linear(3, 6), torch.nn.LayerNorm(6),
+                                torch.nn.Linear(6, 5))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out_dir, "dcp"))
+    full_msd, full_osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.rank == 0:
+        torch.save({"model": full_msd, "optim": full_osd}, os.path.join(out_dir, "full.pt"))

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from ckptaudit.audit import AuditOptions, audit
+from ckptaudit.formats.dcp import check_metadata_safe
 from ckptaudit.formats.torchload import safe_torch_load
 from ckptaudit.model import ComponentKind, Precision, Report, Severity
 
@@ -147,3 +148,22 @@ def test_broken_dcp_directories_give_findings_not_tracebacks(fsdp_run: dict[str,
     # The other rank's file still reads: its shards are hashed, the lost ones are reported unread.
     assert any(t.hash is not None for t in report.tensors)
     assert any(t.precision is Precision.UNREAD for t in report.tensors)
+
+
+def test_empty_and_uneven_shards_of_a_4_rank_save_are_read_whole(tmp_path: Path) -> None:
+    # FSDP2 over 4 ranks: a Linear(8, 3) leaves rank 3 an empty shard of its weight and bias, a Linear(3, 6) splits
+    # its 6 rows 2-2-2-0. The shards tile each tensor (empty ones included): no finding, and every tensor hashes
+    # as the full tensors rank 0 saved with torch.save.
+    import fsdp_jobs
+    from ckptaudit.dist.launch import launch
+
+    launch(fsdp_jobs.write_uneven_shards, 4, (str(tmp_path),), timeout_s=300, start_method="forkserver",
+           preload=("torch", "torch.distributed.fsdp", "fsdp_jobs"))
+    sharded, full = audit(str(tmp_path / "dcp")), audit(str(tmp_path / "full.pt"))
+    md = check_metadata_safe(str(tmp_path / "dcp"))
+    assert any(0 in chunk.sizes for meta in md.state_dict_metadata.values()
+               for chunk in getattr(meta, "chunks", ())), "no empty shard: the case is not exercised"
+    assert codes(sharded, Severity.ERROR) == set() and codes(sharded) == codes(full), sharded.findings
+    by_name = {t.name.split("/", 1)[1]: (t.shape, t.hash) for t in full.tensors}
+    assert len(by_name) == 32
+    assert {t.name.split("/", 1)[1]: (t.shape, t.hash) for t in sharded.tensors} == by_name
