@@ -87,3 +87,24 @@ def write_uneven_shards(ctx: RankContext, out_dir: str) -> None:
     full_msd, full_osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if ctx.rank == 0:
         torch.save({"model": full_msd, "optim": full_osd}, os.path.join(out_dir, "full.pt"))
+
+
+def snapshot_gather_equals_full_tensor(ctx: RankContext) -> bool:
+    """(4 ranks) The resume snapshot's gather of each FSDP2 parameter (empty and uneven shards included) equals
+    ``full_tensor()``'s."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from ckptaudit.resume.snapshot import _full
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 3), torch.nn.Linear(3, 6), torch.nn.LayerNorm(6),
+                                torch.nn.Linear(6, 5))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    same = True
+    for _, p in model.named_parameters():
+        mine, theirs = _full(p.detach()), p.detach().full_tensor()
+        same = same and mine.shape == theirs.shape and torch.equal(mine, theirs)
+    return same

@@ -167,3 +167,11 @@ def test_empty_and_uneven_shards_of_a_4_rank_save_are_read_whole(tmp_path: Path)
     by_name = {t.name.split("/", 1)[1]: (t.shape, t.hash) for t in full.tensors}
     assert len(by_name) == 32
     assert {t.name.split("/", 1)[1]: (t.shape, t.hash) for t in sharded.tensors} == by_name
+
+
+def test_the_resume_snapshot_gathers_what_full_tensor_gathers() -> None:
+    import fsdp_jobs
+    from ckptaudit.dist.launch import launch
+
+    assert launch(fsdp_jobs.snapshot_gather_equals_full_tensor, 4, (), timeout_s=300, start_method="forkserver",
+                  preload=("torch", "torch.distributed.fsdp", "fsdp_jobs")) == [True] * 4

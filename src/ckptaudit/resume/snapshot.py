@@ -13,6 +13,33 @@ import numpy as np
 from ckptaudit.resume.config import COMPONENTS
 
 
+def _full(t: Any) -> Any:
+    """(all ranks of ``t``'s mesh, collective) The whole value of a DTensor.
+
+    Over gloo, a DTensor sharded along one dimension of a 1-D mesh (FSDP2) or replicated is gathered with
+    ``all_gather_object`` of the local shards, ordered by mesh coordinate, not with ``full_tensor()``: twice in
+    the reversed-order suite a resumed rank died inside ``full_tensor()``'s functional collectives on gloo
+    (``malloc(): unaligned tcache chunk detected``, then ``SIGSEGV``), always in this snapshot. Any other
+    layout or backend still uses ``full_tensor()``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = t.device_mesh
+    if mesh.ndim != 1 or t.device.type != "cpu":
+        return t.full_tensor()
+    group = mesh.get_group()
+    placement = t.placements[0]
+    if dist.get_backend(group) != "gloo" or not isinstance(placement, Shard | Replicate):
+        return t.full_tensor()
+    local = t.to_local()
+    if isinstance(placement, Replicate):
+        return local
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, (mesh.get_local_rank(), local.contiguous()), group=group)
+    return torch.cat([part for _, part in sorted(parts, key=lambda p: p[0])], dim=placement.dim)
+
+
 def _param_names(model: Any) -> list[tuple[str, Any]]:
     from ckptaudit.layouts import normalize_fqn
 
@@ -28,7 +55,7 @@ def _snapshot(job: Any, full: bool) -> tuple[dict[str, np.ndarray], dict[str, fl
     for name, p in _param_names(job.model):
         t = p.detach()
         if type(t).__name__ == "DTensor":
-            t = t.full_tensor()
+            t = _full(t)
         t = t.float().cpu()
         norms[name] = float(torch.linalg.vector_norm(t))
         if full:
@@ -42,7 +69,7 @@ def _digest(t: Any) -> str:
 
     t = t.detach()
     if type(t).__name__ == "DTensor":
-        t = t.full_tensor()
+        t = _full(t)
     t = t.cpu().contiguous()
     h = hashlib.blake2b(f"{t.dtype}{tuple(t.shape)}".encode(), digest_size=12)
     h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
