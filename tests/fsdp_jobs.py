@@ -65,12 +65,10 @@ def write_low_precision(ctx: RankContext, out_dir: str, steps: int) -> None:
     exporters.documented(job, os.path.join(out_dir, "low-precision-masters"), ctx)
 
 
-def write_uneven_shards(ctx: RankContext, out_dir: str) -> None:
-    """(4 ranks) FSDP2 over parameters with fewer rows than ranks and rows that do not divide evenly, so that
-    some ranks hold empty shards; saved the documented way (DCP) and, by rank 0, as one full ``torch.save``."""
+def _uneven_model() -> Any:
+    """(4 ranks, collective) A model FSDP2 shards unevenly over 4 ranks: a ``Linear(8, 3)`` leaves rank 3 empty
+    shards, a ``Linear(3, 6)`` splits its rows 2-2-2-0."""
     import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -79,6 +77,17 @@ def write_uneven_shards(ctx: RankContext, out_dir: str) -> None:
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
+    return model
+
+
+def write_uneven_shards(ctx: RankContext, out_dir: str) -> None:
+    """(4 ranks) FSDP2 over parameters with fewer rows than ranks and rows that do not divide evenly, so that
+    some ranks hold empty shards; saved the documented way (DCP) and, by rank 0, as one full ``torch.save``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model = _uneven_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
@@ -93,16 +102,10 @@ def snapshot_gather_equals_full_tensor(ctx: RankContext) -> bool:
     """(4 ranks) The resume snapshot's gather of each FSDP2 parameter (empty and uneven shards included) equals
     ``full_tensor()``'s."""
     import torch
-    from torch.distributed.fsdp import fully_shard
 
     from ckptaudit.resume.snapshot import _full
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 3), torch.nn.Linear(3, 6), torch.nn.LayerNorm(6),
-                                torch.nn.Linear(6, 5))
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+    model = _uneven_model()
     same = True
     for _, p in model.named_parameters():
         mine, theirs = _full(p.detach()), p.detach().full_tensor()
