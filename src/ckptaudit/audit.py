@@ -254,8 +254,8 @@ def scheduler_steps(ckpt: Checkpoint) -> list[int]:
 
 
 _NOT_RECOGNISED = ("format.unrecognized",)
-"""Only this says "no reader knows it"; ``format.unsupported`` is a known format ckptaudit does not read (legacy
-``torch.save``), so such a checkpoint is judged as one."""
+"""Only this says "no reader knows it"; ``format.unsupported`` and ``security.unvetted-pickle`` (legacy ``torch.save``)
+are known formats ckptaudit does not read, so such a checkpoint is judged as one."""
 
 
 def _nothing_recognised(s: ScannedCheckpoint, components: tuple[Any, ...]) -> bool:

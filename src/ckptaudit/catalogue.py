@@ -73,6 +73,11 @@ _RULES: tuple[Rule, ...] = (
     # security
     Rule("security.unsafe-pickle", E, "A pickle references a global outside the safe allowlist; it is never "
          "executed, and the file's contents are not loaded."),
+    Rule("security.unvetted-pickle", E, "A pickle torch would load that ckptaudit cannot vet the way torch reads "
+         "it: a legacy (pre-1.6) torch.save file, tar or stream (torch.load unpickles it with its legacy loader), "
+         "an archive or DCP item that does not start with a zip header (torch.load takes that legacy path and "
+         "unpickles it from byte 0), a TorchScript archive (torch.load hands it to torch.jit.load). Not read, never "
+         "executed; re-save it with a current torch.save."),
     Rule("security.not-loaded", W, "A pickle of a well-known, harmless framework object (e.g. Hugging Face "
          "TrainingArguments) that needs arbitrary code to load; skipped, never executed."),
     # DeepSpeed (formats/deepspeed.py, formats/deepspeed_zero.py)
@@ -87,8 +92,7 @@ _RULES: tuple[Rule, ...] = (
          "names."),
     # format
     Rule("format.unrecognized", E, "No reader recognises the file or directory as a checkpoint."),
-    Rule("format.unsupported", W, "A part of the checkpoint in a format ckptaudit does not read (e.g. legacy "
-         "pre-1.6 torch.save); it was skipped."),
+    Rule("format.unsupported", W, "A part of the checkpoint in a format ckptaudit does not read; it was skipped."),
     # artifacts
     Rule("artifact.serving", E, "A serving artifact (marked artifact=serving) offered as a training checkpoint."),
     Rule("artifact.no-quality-gate", W, "A serving artifact that records no output-quality gate."),

@@ -444,7 +444,7 @@ def _tensor_item(
         try:
             tz = archives.read(file, offset, length)
         except TorchZipError as exc:
-            corrupt.append(("integrity.corrupt", fqn, f"shard at offsets {list(offsets)}: {exc}", exc.offset))
+            corrupt.append((exc.code, fqn, f"shard at offsets {list(offsets)}: {exc}", exc.offset))
             return Unreadable(str(exc), file)
         td = tz.obj
         if not tz.loaded:
@@ -491,7 +491,7 @@ def _bytes_item(
     try:
         tz = archives.read(file, offset, length)
     except TorchZipError as exc:
-        corrupt.append(("integrity.corrupt", fqn, str(exc), exc.offset))
+        corrupt.append((exc.code, fqn, str(exc), exc.offset))
         return Unreadable(str(exc), file)
     if not tz.loaded:
         corrupt.append(("security.unsafe-pickle", fqn,

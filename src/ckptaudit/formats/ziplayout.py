@@ -29,6 +29,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptaudit.formats.pickle_scan import may_name_global
 from ckptaudit.formats.zipdir import Member
 
 __all__ = ["Layout", "Matched", "clear", "learn", "match"]
@@ -36,6 +37,10 @@ __all__ = ["Layout", "Matched", "clear", "learn", "match"]
 MAX_LAYOUTS = 1024
 """Layouts kept at once (a checkpoint has a few per distinct item shape); the memo is emptied when full."""
 
+_FIXED_RECORDS = ("version", ".data/version", ".format_version", ".storage_alignment")
+"""Records ``torch.save`` writes with the same bytes into every archive (compared byte for byte)."""
+_FREE_RECORD = ".data/serialization_id"
+"""The record whose bytes change from one ``torch.save`` to the next (an id)."""
 _CENTRAL = 46
 """Bytes of a central directory entry before its name; its CRC field is at bytes 16..20."""
 
@@ -62,6 +67,17 @@ class Layout:
     """``byteorder`` likewise, or ``None`` where the archive has none."""
     storages: dict[str, tuple[int, int]]
     """Storage key -> (data start relative to the archive, stored bytes), for each uncompressed storage."""
+    records: tuple[tuple[int, int, bytes, int], ...]
+    """The small records torch reads besides ``data.pkl`` and ``byteorder`` (``version``, ``.format_version``,
+    ``.storage_alignment``): (start, end) relative to the archive, the bytes they held when learnt, which every
+    matching archive must hold too, and their CRC's index."""
+    record_headers: tuple[tuple[int, bytes], ...]
+    """The local headers of those records (offset, signature and name/extra lengths), compared like the others."""
+    free: tuple[tuple[int, int, int], ...]
+    """Records whose bytes differ from archive to archive (``.data/serialization_id``): (start, end, CRC index); a
+    matching
+    archive's must not be able to name a global (:func:`~ckptaudit.formats.pickle_scan.may_name_global`), else the
+    full read scans them."""
     located: dict[bytes, tuple[object, tuple[tuple[int, int], ...] | None]] = field(default_factory=dict)
     """Memo of :meth:`relocate`: ``data.pkl`` bytes -> (the ``used`` it was asked about, its answer)."""
 
@@ -78,11 +94,12 @@ class Layout:
         for key, (dtype, numel, old) in used.items():
             found = self.storages.get(key)
             nbytes = numel * dtype.itemsize
-            if found is None or nbytes > found[1] or found[0] + nbytes > self.length:
+            if found is None or found[0] < 0 or nbytes != found[1] or found[0] + nbytes > self.length:
                 break
             out.append((old, found[0]))
         else:
-            answer = tuple(out)
+            # A storage member no tensor uses is scanned as a pickle by the full read (defense in depth).
+            answer = tuple(out) if len(out) == len(self.storages) else None
         if len(self.located) >= 64:
             self.located.clear()
         self.located[pkl] = (used, answer)
@@ -123,9 +140,30 @@ def match(length: int, head: bytes, tail: bytes) -> Matched | None:
     if layout.byteorder is not None:
         start, end, i = layout.byteorder
         order = head[start:end]
-        if zlib.crc32(order) != crcs[i] or order.decode("ascii", "replace").strip() != "little":
+        if zlib.crc32(order) != crcs[i] or order != b"little":
+            return None
+    for at, lengths in layout.record_headers:
+        local = _slice(length, head, tail, at, at + 30)
+        if local is None or local[:4] + local[26:30] != lengths:
+            return None
+    for start, end, expected, i in layout.records:
+        if _slice(length, head, tail, start, end) != expected or zlib.crc32(expected) != crcs[i]:
+            return None
+    for start, end, i in layout.free:
+        found = _slice(length, head, tail, start, end)
+        if found is None or may_name_global(found) or zlib.crc32(found) != crcs[i]:
             return None
     return Matched(pkl, layout)
+
+
+def _slice(length: int, head: bytes, tail: bytes, start: int, end: int) -> bytes | None:
+    """Bytes ``[start, end)`` of the archive from its first bytes ``head`` or its last bytes ``tail``."""
+    if end <= len(head):
+        return head[start:end]
+    if start >= length - len(tail):
+        at = len(tail) - (length - start)
+        return tail[at:at + end - start]
+    return None
 
 
 def learn(length: int, head: bytes, tail: bytes, members: list[Member], prefix: str) -> None:
@@ -182,8 +220,12 @@ def learn(length: int, head: bytes, tail: bytes, members: list[Member], prefix: 
         return h + 30 + name_len + extra_len
 
     pkl_name, bo_name, data_dir = prefix + "data.pkl", prefix + "byteorder", prefix + "data/"
+    fixed_names = {prefix + n for n in _FIXED_RECORDS}
     storages: dict[str, tuple[int, int]] = {}
     small: dict[str, tuple[int, int, int]] = {}
+    records: list[tuple[int, int, bytes, int]] = []
+    free: list[tuple[int, int, int]] = []
+    locals_: list[tuple[int, bytes]] = []
     for m in sorted(members, key=lambda m: m.header_offset):
         name = m.filename
         if name in (pkl_name, bo_name):
@@ -194,12 +236,30 @@ def learn(length: int, head: bytes, tail: bytes, members: list[Member], prefix: 
             small[name] = (start, start + m.file_size, index[name])
         elif name.startswith(data_dir) and m.compress_type == 0 and m.compress_size == m.file_size:
             start = header(m)
-            if start is not None:  # else a pickle that uses it is read in full
-                storages[name[len(data_dir):]] = (start, m.file_size)
+            # -1: its local header is not in the first bytes; an archive whose pickle uses it is read in full
+            storages[name[len(data_dir):]] = (-1 if start is None else start, m.file_size)
+        elif name in fixed_names or name == prefix + _FREE_RECORD:
+            # Found through its own local header, in the archive's first or last bytes (else not learnt).
+            local = _slice(length, head, tail, m.header_offset, m.header_offset + 30)
+            if local is None or local[:4] != b"PK\x03\x04" or m.compress_type != 0 \
+                    or m.compress_size != m.file_size:
+                return
+            name_len, extra_len = struct.unpack_from("<HH", local, 26)
+            start = m.header_offset + 30 + name_len + extra_len
+            found = _slice(length, head, tail, start, start + m.file_size)
+            if found is None or len(found) != m.file_size:
+                return
+            locals_.append((m.header_offset, local[:4] + local[26:30]))
+            if name in fixed_names:
+                records.append((start, start + m.file_size, found, index[name]))
+            else:
+                free.append((start, start + m.file_size, index[name]))
+        else:
+            return  # a member the full read scans as a pickle: archives like this one are always read in full
     if pkl_name not in small:
         return
     if len(_LAYOUTS) >= MAX_LAYOUTS:
         _LAYOUTS.clear()
     _LAYOUTS[(length, tail[-22:])] = Layout(
         length, back, struct.Struct("".join(fmt)), tuple(fixed), struct.Struct("".join(hdr_fmt)), tuple(hdr_fields),
-        small[pkl_name], small.get(bo_name), storages)
+        small[pkl_name], small.get(bo_name), storages, tuple(records), tuple(locals_), tuple(free))
