@@ -39,7 +39,8 @@ from ckptaudit.formats.tensors import DType, Piece, TensorData
 from ckptaudit.formats.unpickler import RestrictedUnpickler
 from ckptaudit.formats.zipdir import HEAD_BYTES, TAIL_BYTES, Member, Region, lean_directory
 
-__all__ = ["TorchZip", "TorchZipError", "TorchZipFile", "TorchZipFiles", "is_zip", "read_torch_zip"]
+__all__ = ["RegionStream", "TorchZip", "TorchZipError", "TorchZipFile", "TorchZipFiles", "is_zip", "read_torch_zip",
+           "read_torch_zip_bytes", "scan_legacy"]
 
 MAX_PICKLE_BYTES = 256 << 20
 """A ``data.pkl`` larger than this is refused: object trees of real checkpoints are far smaller."""
@@ -280,8 +281,9 @@ def _read_archive(region: Region, path: str, head: bytes, tail: bytes, complete:
     return _read_full(region, path, tail, load, inert)
 
 
-class _RegionStream(io.RawIOBase):
-    """A read-only, seekable stream over a :class:`Region` (for the pickle scan of a region's first bytes)."""
+class RegionStream(io.RawIOBase):
+    """A read-only, seekable stream over a :class:`Region` (the pickle scan of a region's first bytes; ``torch.load``
+    of an archive that was checked through the same descriptor)."""
 
     def __init__(self, region: Region) -> None:
         self._region, self._pos = region, 0
@@ -331,7 +333,7 @@ def scan_legacy(stream: Any) -> PickleScan:
 def _not_a_zip(region: Region, head: bytes) -> TorchZipError:
     """The error for an archive that does not start with a local header: torch.load does not read it as a zip but
     with its legacy loader, unpickling it from byte 0, so the pickles there are scanned (named in the message)."""
-    found = scan_legacy(_RegionStream(region))
+    found = scan_legacy(RegionStream(region))
     bad = found.unsafe + found.harmless
     what = f"; the pickle there references {', '.join(bad)}" if bad else ""
     return TorchZipError(
