@@ -5,12 +5,17 @@ A ``torch.save`` file is a zip of ``<name>/data.pkl`` (the object tree, a pickle
 ``torch.distributed.checkpoint`` is the same kind of archive, at an offset inside the file, so this reader
 works on a byte region of a file.
 
-The pickle is scanned first (:func:`ckptaudit.formats.pickle_scan.scan`); only a pickle whose every global is
+The archive is read the way torch reads it (:mod:`ckptaudit.formats.miniz`: the zip signature at byte 0, the end
+records and central directory as miniz finds them, names looked up ignoring case under the first member's folder,
+the records torch checks), and refused wherever the two readings could part; every member but ``data.pkl`` and its
+storages is scanned as a pickle too. The pickle is scanned first (:func:`ckptaudit.formats.pickle_scan.scan`); only
+a pickle whose every global is
 allowed is unpickled, through a restricted unpickler that turns each tensor into a :class:`TensorData`
 pointing into the file. Storage sizes and tensor views are checked against the archive before anything is
 described, so a hostile header cannot make us allocate or read past the file: ``data.pkl`` must declare at
 most :data:`MAX_PICKLE_BYTES` (checked before it is inflated, and inflation stops at the declared size), every
-storage must be stored uncompressed inside the archive, and the tensors of one archive may together address
+storage must be stored uncompressed inside the archive, exactly as large as its elements, and referenced with one
+dtype (torch types a storage by its first reference), and the tensors of one archive may together address
 at most a few times the archive's bytes (overlapping views cannot turn a small file into an endless scan).
 
 :class:`TorchZipFile` opens a file once for many archives (the items of a ``.distcp`` file; the restricted

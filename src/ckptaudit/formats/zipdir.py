@@ -1,17 +1,17 @@
 """A lean reader of one zip archive's central directory, for the archives ``torch.save`` writes.
 
 :func:`ckptaudit.formats.torchzip.read_torch_zip` opens one archive per ``torch.save`` file and one per DCP item
-(thousands per checkpoint). :mod:`zipfile` builds a general ``ZipInfo`` per member through a seekable stream (a
-dozen reads and seeks per archive); :func:`lean_directory` reads the end records and the central directory of
-the canonical layout ``torch.save`` writes (no archive comment, no extra fields, ASCII names, the directory right
-before the end records) from one tail read, and answers ``None`` for anything else, so that the caller falls back
-to :mod:`zipfile` and its exact behaviour. Where it answers, it gives the same members, names, offsets, sizes,
-methods and CRCs as ``zipfile.ZipFile(...).infolist()`` (``tests/test_lean_readers.py`` compares them); every
-check the caller makes afterwards (local headers one to one, sizes, overlaps, names) is unchanged.
+(thousands per checkpoint). :func:`lean_directory` reads the end records and the central directory of the
+canonical layout ``torch.save`` writes (no archive comment, no extra fields, ASCII names, the directory right
+before the end records, nothing torch's zip reader refuses) from one tail read, and answers ``None`` for anything
+else, so that the caller reads it with :func:`ckptaudit.formats.miniz.directory`, the general restatement of
+torch's reader, and its errors. Where it answers, it gives the same members, names, offsets, sizes, methods and
+CRCs as ``zipfile.ZipFile(...).infolist()`` and as miniz (``tests/test_lean_readers.py`` compares them); every
+check the caller makes afterwards (the count, names, local headers one to one, sizes, overlaps) is unchanged.
 
 :class:`Region` serves reads inside the archive with ``os.pread`` and keeps the archive's first bytes (local
-headers, ``data.pkl``, ``byteorder``) from one read, or takes them (the whole of a small archive) from its caller,
-so one DCP item costs one or two reads.
+headers, ``data.pkl``, ``byteorder``) from one read, or takes them (the whole of a small archive, or an archive
+held in memory) from its caller, so one DCP item costs one or two reads.
 """
 
 from __future__ import annotations

@@ -10,9 +10,13 @@ everywhere the full read looks, CRC fields aside, would pass every structural ch
 ``byteorder`` and reads them.
 
 What is compared: every byte from the central directory's start to the archive's end (the directory, the zip64
-records, the end record) except each central entry's CRC field, and the signature and name/extra lengths of each
-checked local header (``data.pkl``, ``byteorder`` and every ``data/`` storage member: what the full read takes
-from a local header). Anything else the full read looks at is a function of those bytes and the archive's
+records, the end record) except each central entry's CRC field, the signature and name/extra lengths of each
+checked local header (``data.pkl``, ``byteorder``, every ``data/`` storage member and the small records
+``version``, ``.data/version``, ``.format_version``, ``.storage_alignment`` and ``.data/serialization_id``: what the
+full read takes from a local header), the bytes of the records ``torch.save`` writes alike into every archive, and
+the CRCs of every member the full read reads; ``.data/serialization_id`` changes from item to item and must be
+unable to name a global (the full read scans every member as a pickle). An archive holding any other member, or a
+storage its pickle does not use, is read in full. Anything else the full read looks at is a function of those bytes and the archive's
 length (both in the key), or is checked per archive here (the two CRCs, the byte order) or by the caller (the
 pickle's scan and load, keyed on its bytes; the storages the pickle uses against the sizes recorded here). Where
 anything differs, :func:`match` answers ``None`` and the caller reads the archive in full, so every refusal is
