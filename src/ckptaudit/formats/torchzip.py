@@ -252,6 +252,12 @@ class TorchZipFile:
             head = os.pread(fd, HEAD_BYTES, offset)
             tail = os.pread(fd, TAIL_BYTES, offset + length - TAIL_BYTES)
             complete = len(head) == HEAD_BYTES and len(tail) == TAIL_BYTES
+        if complete and head[:4] == _ZIP_MAGIC:  # the common case first: a DCP item of a learnt layout
+            hit = ziplayout.match(length, head, tail)
+            if hit is not None:
+                known = _from_layout(hit, self._abspath, offset, length, load)
+                if known is not None:
+                    return known
         return _read_archive(Region(fd, offset, length, head if complete else None), self._abspath, head, tail,
                              complete, load, inert)
 

@@ -71,12 +71,14 @@ class Layout:
     """``byteorder`` likewise, or ``None`` where the archive has none."""
     storages: dict[str, tuple[int, int]]
     """Storage key -> (data start relative to the archive, stored bytes), for each uncompressed storage."""
-    records: tuple[tuple[int, int, bytes, int], ...]
+    records: tuple[tuple[int, int, bytes], ...]
     """The small records torch reads besides ``data.pkl`` and ``byteorder`` (``version``, ``.format_version``,
-    ``.storage_alignment``): (start, end) relative to the archive, the bytes they held when learnt, which every
-    matching archive must hold too, and their CRC's index."""
+    ``.storage_alignment``) that lie in the archive's last bytes: (start, end) relative to the archive, and the bytes
+    they held when learnt, which every matching archive must hold too (their CRCs are compared with the directory;
+    those in the first bytes are compared with :attr:`headers`)."""
     record_headers: tuple[tuple[int, bytes], ...]
-    """The local headers of those records (offset, signature and name/extra lengths), compared like the others."""
+    """The local headers of those records and of a free one in the last bytes (offset, signature and name/extra
+    lengths)."""
     free: tuple[tuple[int, int, int], ...]
     """Records whose bytes differ from archive to archive (``.data/serialization_id``): (start, end, CRC index); a
     matching
@@ -150,8 +152,8 @@ def match(length: int, head: bytes, tail: bytes) -> Matched | None:
         local = _slice(length, head, tail, at, at + 30)
         if local is None or local[:4] + local[26:30] != lengths:
             return None
-    for start, end, expected, i in layout.records:
-        if _slice(length, head, tail, start, end) != expected or zlib.crc32(expected) != crcs[i]:
+    for start, end, expected in layout.records:
+        if _slice(length, head, tail, start, end) != expected:
             return None
     for start, end, i in layout.free:
         found = _slice(length, head, tail, start, end)
@@ -187,7 +189,9 @@ def learn(length: int, head: bytes, tail: bytes, members: list[Member], prefix: 
     back = length - offset_cd
     if not 0 < back <= len(tail) or len(members) != entries:
         return
-    # The directory, entry by entry as lean_directory read it, cut around each CRC field.
+    # The directory, entry by entry as lean_directory read it, cut around each CRC field (but those of the records
+    # torch.save writes alike into every archive: their bytes, and so their CRCs, must be the learnt ones).
+    fixed_names = {prefix + n for n in _FIXED_RECORDS}
     fmt: list[str] = ["<"]
     fixed: list[bytes] = []
     crc_at: list[Member] = []
@@ -198,10 +202,11 @@ def learn(length: int, head: bytes, tail: bytes, members: list[Member], prefix: 
             return
         name_len = len(m.filename)
         crc = pos + 16
-        fmt.append(f"{crc - cut}sL")
-        fixed.append(tail[cut:crc])
-        crc_at.append(m)
-        cut = crc + 4
+        if m.filename not in fixed_names:
+            fmt.append(f"{crc - cut}sL")
+            fixed.append(tail[cut:crc])
+            crc_at.append(m)
+            cut = crc + 4
         pos += _CENTRAL + name_len
     fmt.append(f"{len(tail) - cut}s")
     fixed.append(tail[cut:])
@@ -224,10 +229,9 @@ def learn(length: int, head: bytes, tail: bytes, members: list[Member], prefix: 
         return h + 30 + name_len + extra_len
 
     pkl_name, bo_name, data_dir = prefix + "data.pkl", prefix + "byteorder", prefix + "data/"
-    fixed_names = {prefix + n for n in _FIXED_RECORDS}
     storages: dict[str, tuple[int, int]] = {}
     small: dict[str, tuple[int, int, int]] = {}
-    records: list[tuple[int, int, bytes, int]] = []
+    records: list[tuple[int, int, bytes]] = []
     free: list[tuple[int, int, int]] = []
     locals_: list[tuple[int, bytes]] = []
     for m in sorted(members, key=lambda m: m.header_offset):
@@ -243,7 +247,21 @@ def learn(length: int, head: bytes, tail: bytes, members: list[Member], prefix: 
             # -1: its local header is not in the first bytes; an archive whose pickle uses it is read in full
             storages[name[len(data_dir):]] = (-1 if start is None else start, m.file_size)
         elif name in fixed_names or name == prefix + _FREE_RECORD:
-            # Found through its own local header, in the archive's first or last bytes (else not learnt).
+            if m.compress_type != 0 or m.compress_size != m.file_size:
+                return
+            start = header(m)
+            if start is not None and start >= last and start + m.file_size <= len(head):
+                # In the first bytes (a DCP item's whole archive): compared with the local headers, in one unpack.
+                if name in fixed_names:
+                    hdr_fmt.append(f"{start - last}x{m.file_size}s")
+                    hdr_fields.append(head[start:start + m.file_size])
+                    last = start + m.file_size
+                else:
+                    free.append((start, start + m.file_size, index[name]))
+                continue
+            if start is not None:
+                return
+            # Found through its own local header, in the archive's last bytes (else not learnt).
             local = _slice(length, head, tail, m.header_offset, m.header_offset + 30)
             if local is None or local[:4] != b"PK\x03\x04" or m.compress_type != 0 \
                     or m.compress_size != m.file_size:
@@ -255,7 +273,7 @@ def learn(length: int, head: bytes, tail: bytes, members: list[Member], prefix: 
                 return
             locals_.append((m.header_offset, local[:4] + local[26:30]))
             if name in fixed_names:
-                records.append((start, start + m.file_size, found, index[name]))
+                records.append((start, start + m.file_size, found))
             else:
                 free.append((start, start + m.file_size, index[name]))
         else:
