@@ -266,8 +266,11 @@ def m_offsets(rng: random.Random, c: ZipCase) -> None:
     i = rng.randrange(len(c.z.members))
     m = c.z.members[i]
     kind = rng.random()
-    if kind < 0.4:  # an extra field in the local header: the data moves, both readers follow it
+    if kind < 0.25:  # an extra field in the local header: the data moves, both readers follow it
         c.z.members[i] = replace(m, local_extra=struct.pack("<HH", 0x4246, 4) + b"ZZZZ")
+    elif kind < 0.4:  # sizes and offset in a zip64 extended information field (what archives over 4 GiB hold)
+        for j in rng.sample(range(len(c.z.members)), k=rng.randint(1, len(c.z.members))):
+            c.z.members[j] = replace(c.z.members[j], zip64=True)
     elif kind < 0.6:
         c.z.members[i] = replace(m, local_name=_swap_case(rng, m.name) if rng.random() < 0.5 else m.name + b"x")
     else:
@@ -426,7 +429,7 @@ def test_torch_save_mutants_read_as_torch_reads_them(tmp_path: Path) -> None:
         outcomes.append(Outcome(label, path, clean, error, codes, case.marker if case.payload else None))
     print("differential, torch.save:", dict(sorted(stats.items())))
     # Every kind of mutation produced files both readers read alike and files ckptaudit refused.
-    for kind in ("reorder", "offsets", "attrs", "records", "tail", "count", "storage"):
+    for kind in ("reorder", "offsets", "attrs", "records", "tail", "storage", "case", "folder"):
         assert stats[f"{kind}:clean"] > 0, (kind, stats)
     for kind in kinds:
         assert stats[f"{kind}:refused"] > 0, (kind, stats)

@@ -46,6 +46,8 @@ class Member:
     external: int = 0
     local_name: bytes | None = None
     local_extra: bytes = b""
+    zip64: bool = False
+    """The central entry's sizes and offset given as 0xFFFFFFFF, with a zip64 extended information field."""
 
 
 @dataclass
@@ -84,9 +86,14 @@ class Zip:
             if i not in at:
                 continue
             m = self.members[i]
-            out += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, m.flags, m.method, 0, 0, m.crc, len(m.data),
-                               m.size, len(m.name), 0, 0, 0, 0, m.external,
-                               (at[i] - base + self.header_delta.get(i, 0)) & 0xFFFFFFFF) + m.name
+            offset = (at[i] - base + self.header_delta.get(i, 0)) & 0xFFFFFFFF
+            extra = b""
+            comp, size = len(m.data), m.size
+            if m.zip64:
+                extra = struct.pack("<HHQQQ", 1, 24, size, comp, offset)
+                comp = size = offset = 0xFFFFFFFF
+            out += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, m.flags, m.method, 0, 0, m.crc, comp,
+                               size, len(m.name), len(extra), 0, 0, 0, m.external, offset) + m.name + extra
         cd_size = len(out) - cd_at
         out += self.between
         count = max(0, len([i for i in central if i in at]) + self.count_delta)
