@@ -170,6 +170,24 @@ def test_legacy_tar_and_stream_files_are_unvetted_pickles(tmp_path: Path) -> Non
     assert set(codes) == {"security.unvetted-pickle"}, codes
 
 
+def test_dcp_items_stored_through_transforms_are_refused_not_left_unjudged(dcp_dir: Path, tmp_path: Path) -> None:
+    """DCP undoes an item's storage transforms (zstd) before torch.load; ckptaudit does not read them, so the item
+    is refused (a non-tensor item as an unvetted pickle) instead of the audit calling the rest resumable."""
+    import shutil
+
+    root = tmp_path / "zstd"
+    shutil.copytree(dcp_dir, root)
+    with open(root / ".metadata", "rb") as fh:
+        md = pickle.load(fh)
+    for info in md.storage_data.values():
+        info.transform_descriptors = ["stream.zstd/1"]
+    (root / ".metadata").write_bytes(pickle.dumps(md))
+    codes = {f.subject: f.code for f in read_dcp(str(root)).findings}
+    assert codes == {"model.w": "integrity.corrupt", "step": "security.unvetted-pickle"}, codes
+    with pytest.raises(UnsafeCheckpointError, match="transforms"):
+        check_metadata_safe(str(root))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Defense in depth: what torch reads alike either way, refused because other readers would not
 

@@ -313,9 +313,24 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
         full = os.path.join(path, rel)
         rel_name = os.path.join(name, rel) if name else rel
         if info.transform_descriptors:
+            # torch.distributed.checkpoint.load reads such an item through its transforms (zstd, ...), which
+            # ckptaudit does not: the two readings differ, so the item is refused rather than left unjudged.
             located[index] = Unreadable(
                 f"storage transforms {info.transform_descriptors} are not supported", rel_name
             )
+            if isinstance(sd_meta.get(fqn), BytesMeta):
+                findings.append(finding(
+                    "security.unvetted-pickle", fqn,
+                    f"item {fqn} is stored through transforms {list(info.transform_descriptors)}: "
+                    "torch.distributed.checkpoint.load would undo them and unpickle the result with "
+                    "torch.load(weights_only=False); ckptaudit does not read transformed items, so it cannot vet it",
+                    item=fqn, file=rel_name))
+            else:
+                findings.append(finding(
+                    "integrity.corrupt", fqn,
+                    f"item {fqn} is stored through transforms {list(info.transform_descriptors)}, which "
+                    "torch.distributed.checkpoint.load undoes and ckptaudit does not: its data is not read, so it "
+                    "cannot be judged", item=fqn, file=rel_name))
             continue
         if full not in stats:
             try:
