@@ -624,7 +624,8 @@ def test_cli_exit_codes_for_hostile_input(corpus: dict[str, Hostile], tmp_path: 
 
 
 def test_hostile_names_cannot_drive_the_terminal(bases: dict[str, Path], tmp_path: Path) -> None:
-    evil = "\x1b]0;pwned\x07\x1b[2J[/bold][link=file:///etc/passwd]x\u202e\ud800"
+    # (No lone surrogate here: the safetensors library refuses a header holding one, and so does ckptaudit.)
+    evil = "\x1b]0;pwned\x07\x1b[2J[/bold][link=file:///etc/passwd]x\u202e"
 
     def edit(h: dict[str, Any]) -> None:
         name = next(k for k in h if k != "__metadata__")
