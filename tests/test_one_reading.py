@@ -360,10 +360,13 @@ def s3_env() -> Iterator[Any]:
     try:
         os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
                           AWS_ENDPOINT_URL=f"http://127.0.0.1:{server._server.server_port}")
+        s3fs.S3FileSystem.clear_instance_cache()
         fs = s3fs.S3FileSystem(skip_instance_cache=True)
         fs.mkdir("ckpts")
         yield fs
     finally:
+        # ckptaudit reached this server through fsspec's cached instance: never let a later test reuse it
+        s3fs.S3FileSystem.clear_instance_cache()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
