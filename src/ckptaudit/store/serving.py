@@ -183,7 +183,7 @@ class ExportResult:
                      for c in self.gate.checks]
         m = self.gate.metrics
         sections: list[dict[str, Any]] = [{
-            "title": f"quality gate: {self.dtype} vs fp32 on {m.describe()} ({m.kind}; {self.device})",
+            "title": f"quality gate: {self.dtype} vs fp32 on {m.describe()} ({self.device})",
             "columns": ["metric", "value", "limit", "flag", "result"],
             "rows": gate_rows,
         }]
