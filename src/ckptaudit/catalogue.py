@@ -104,31 +104,40 @@ _RULES: tuple[Rule, ...] = (
     Rule("artifact.weights-changed", E, "A serving artifact's weights no longer hash to the weights_hash its quality "
          "gate evaluated: a tensor was changed, added or removed after the export."),
     Rule("gate.failed", E, "The serving export's output-quality gate failed: a metric comparing the exported "
-         "model's logits with the full-precision model's is beyond its limit. Nothing is written (unless --force)."),
+         "model's outputs (logits, embeddings or values) with the full-precision model's is beyond its limit. "
+         "Nothing is written (unless --force)."),
     Rule("gate.forced", W, "A serving export whose quality gate failed was written anyway (--force); the failure "
          "is recorded in its metadata, and `audit --expect serving` reports artifact.gate-failed."),
-    Rule("gate.no-loss", INFO, "The evaluation batch gives no next-token targets (not a 2-D tensor of token ids "
-         "matching the logits), so the loss difference was not checked."),
+    Rule("gate.no-loss", INFO, "No loss to compare: the recipe has no eval_loss(model, batch) and the evaluation "
+         "batch gives no next-token targets (not a 2-D tensor of token ids matching the logits), so the loss "
+         "difference was not checked."),
     # resume test (ckptaudit.resume)
     Rule("resume.drift", E, "Resuming from the candidate does not reproduce the uninterrupted run: "
          "its parameters deviate beyond the noise floor of the kernels (by the documented margin)."),
     Rule("resume.loss-looks-normal", W, "The candidate's loss stays within a small threshold of "
          "the uninterrupted run while its parameters drift: a loss curve would not reveal the defect."),
     Rule("resume.reference-not-reproducible", E, "Right after restoring the documented-path reference, its "
-         "parameters differ from the saved run's: the documented restore is not exact (a recipe whose setup "
-         "changes the model after loading, or a broken storage); candidates cannot be judged."),
+         "parameters, or any part of its state the steps use, differ from the saved run's: the documented restore "
+         "is not exact (a recipe whose setup changes the model after loading, a data source whose load_state_dict "
+         "does not restore its state_dict, a broken storage); candidates cannot be judged. Also for a candidate "
+         "whose export started from such a state."),
     Rule("resume.noise-floor", INFO, "The reference's own per-step deviation from the uninterrupted run (kernel "
          "nondeterminism, or reduction order after a world-size change); candidates are judged against it."),
     Rule("resume.no-power", E, "The positive control (the reference's masters rounded to the compute dtype, "
          "resumed like a candidate) does not stand out from the reference's floor after the restore: the recipe's "
          "steps are too noisy to see such a defect, so no candidate is judged (verdict \"not judged\")."),
-    Rule("resume.not-restored", E, "Right after the candidate's restore, a component of the job's state "
-         "(parameters, optimizer moments or step, optimizer hyperparameters, scheduler, a rank's RNG, a rank's "
-         "data position, the training step) still holds the fresh job's value: the checkpoint or its loader "
+    Rule("resume.not-restored", E, "Right after the candidate's restore, a component of the job's state that the "
+         "steps use (parameters, optimizer moments or step, optimizer hyperparameters, scheduler, a rank's RNG, a "
+         "rank's data position, the training step) still holds the fresh job's value: the checkpoint or its loader "
          "does not restore it, and a real resume would start from it. The subject names the component."),
     Rule("resume.restored-differs", E, "Right after the candidate's restore, before any step (no kernel noise "
-         "yet), a component of the job's state differs from the reference's restored state (e.g. parameters "
-         "rounded to bf16). The subject names the component."),
+         "yet), a component of the job's state that the steps use differs from the reference's restored state "
+         "(e.g. parameters rounded to bf16). The subject names the component."),
+    Rule("resume.unused-state-differs", INFO, "Right after the candidate's restore, a part of the job's state the "
+         "uninterrupted steps never use differs from the reference's or is not restored: a generator they never "
+         "draw from (Python's, NumPy's, torch's, a CUDA device's), a scheduler they never step, a data source they "
+         "never advance. The resumed run does not depend on it, so it is not held against the verdict; a job that "
+         "uses it later (an epoch-boundary shuffle) would."),
     Rule("resume.state-borrowed", INFO, "--borrow-state: the candidate was restored over the reference, so "
          "every component its loader did not overwrite came from the reference; only the parameters are judged."),
     Rule("resume.candidate-failed", E, "The candidate could not be written, restored or stepped: its exporter, "

@@ -95,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
                    "borrowed from it): judges the parameters alone")
     r.add_argument("--workdir", help="keep the checkpoints here (default: a temporary directory, removed)")
     r.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for each phase (default 600)")
+    r.add_argument("--export-timeout", type=float, metavar="SECONDS",
+                   help="seconds allowed for each candidate's export before it is called hung (default: --timeout)")
     r.add_argument("--debug", action="store_true",
                    help="every frame of the tracebacks of failing user code, not only your own")
     _output_args(r)
@@ -112,16 +114,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="write even when the gate fails (the failure is recorded in the metadata; exit code still 1)")
     e.add_argument("--max-shard-size", default="2GiB", help="shard the safetensors above this size (default 2GiB)")
     e.add_argument("--eval-batch", metavar="FILE.pt",
-                   help="torch.save file with a (batch, sequence) tensor of token ids (default: the recipe's)")
+                   help="torch.save file with the batch the recipe's forward takes (default: the recipe's "
+                   "eval_batch)")
     e.add_argument("--device", default="cpu", help="where both models run for the gate (default cpu)")
     e.add_argument("--convert", metavar="MODULE:ATTR",
                    help="custom conversion (name, tensor, dtype) -> tensor (default: tensor.to(dtype))")
     g = e.add_argument_group("quality gate thresholds (defaults justified in docs/export-serving.md)")
-    g.add_argument("--max-abs-diff", type=float, help="largest absolute logit difference")
-    g.add_argument("--max-rel-diff", type=float, help="largest logit difference relative to the position's max |logit|")
-    g.add_argument("--min-cosine", type=float, help="smallest per-position cosine similarity of the logits")
-    g.add_argument("--min-top1", type=float, help="smallest share of positions whose top-1 token agrees")
-    g.add_argument("--max-loss-diff", type=float, help="largest next-token cross-entropy difference (nats)")
+    g.add_argument("--max-abs-diff", type=float, help="largest absolute output difference")
+    g.add_argument("--max-rel-diff", type=float, help="largest output difference relative to the row's max |output|")
+    g.add_argument("--min-cosine", type=float, help="smallest per-row cosine similarity of the outputs")
+    g.add_argument("--min-top1", type=float, help="smallest share of rows whose top-1 class or token agrees (logits)")
+    g.add_argument("--max-loss-diff", type=float,
+                   help="largest loss difference (the recipe's eval_loss, or next-token cross-entropy in nats)")
     _output_args(e)
 
     c = sub.add_parser("compare", help="compare a candidate checkpoint with a reference, tensor by tensor")
@@ -345,7 +349,7 @@ def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
         cfg = ResumeConfig(recipe=args.recipe, exporters=exporters, nproc=args.nproc,
                            resume_nproc=args.resume_nproc, save_at=args.save_at, steps=args.steps,
                            margin=args.margin, workdir=args.workdir, timeout_s=args.timeout,
-                           borrow_state=args.borrow_state, debug=args.debug)
+                           export_timeout_s=args.export_timeout, borrow_state=args.borrow_state, debug=args.debug)
     except ValueError as exc:
         if (args.verbose or args.debug) and exc.__cause__ is not None:
             import traceback

@@ -12,13 +12,15 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptaudit.catalogue import CATALOGUE
-from ckptaudit.model import Precision, Report, Severity
+from ckptaudit.model import Finding, Precision, Report, Severity
 
 __all__ = ["render_table"]
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 GROUP_ABOVE = 3
 MAX_SUBJECTS = 8
+MAX_DETAIL_LINES = 16
+"""Lines of a finding's traceback printed below the table (its last frames) unless --verbose."""
 
 # Names and messages come from untrusted files: C0/C1 control characters (terminal escape sequences), lone
 # surrogates (unencodable) and bidirectional overrides are shown escaped, and no string is parsed as markup.
@@ -101,11 +103,16 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
         for i, f in enumerate(report.findings):
             by_key[(f.severity, f.code)].append(i)
         shown: set[tuple[Severity, str]] = set()
+        details: list[tuple[Finding, list[str]]] = []
         for f in report.findings:
             key = (f.severity, f.code)
             same = by_key[key]
             if verbose or len(same) <= GROUP_ABOVE:
-                t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), _t(f.code), _t(f.subject), _t(f.message))
+                head, _, rest = f.message.partition("\n")
+                if rest.strip():  # a traceback: its lines below the table, not escaped inside a cell
+                    details.append((f, rest.rstrip().splitlines()))
+                    head += " (traceback below)"
+                t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), _t(f.code), _t(f.subject), _t(head))
                 continue
             if key in shown:
                 continue
@@ -117,6 +124,12 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
             t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), _t(f.code), f"{len(same)} subjects",
                       _t(f"{listed}. {rule.summary if rule else f.message} (--verbose lists each)"))
         con.print(t)
+        for f, lines in details:
+            cut = not verbose and len(lines) > MAX_DETAIL_LINES
+            con.print(_t(f"{f.code} {f.subject}:" + (f" (last {MAX_DETAIL_LINES} of {len(lines)} lines; "
+                                                     "--verbose shows all)" if cut else ""), "bold"))
+            for line in lines[-MAX_DETAIL_LINES:] if cut else lines:
+                con.print(_t("  " + line), soft_wrap=True)
     else:
         con.print(Text("no findings", style="green"))
     # Every tensor in verbose mode; otherwise only unreadable ones (rounded ones are already findings).
