@@ -108,7 +108,7 @@ def _compare(ref: Side, cand: Side, options: CompareOptions, progress: Progress 
     findings += component_findings(ref_kinds, cand_kinds, ref.view.components)
     wholly = {k.value for k in ref_kinds ^ cand_kinds}
     findings += pair_findings(pairs, skip_components=wholly)
-    findings.sort(key=lambda f: (-int(f.severity), f.code, f.subject))
+    findings.sort(key=finding_order)
     sides = [_side_info("reference", ref, ref_entries), _side_info("candidate", cand, cand_entries)]
     status_counts = {s: sum(p.status == s for p in pairs) for s in STATUSES}
     return Report(

@@ -154,7 +154,7 @@ def entries_of(side: Side) -> dict[tuple[str, ...], Entry]:
         if part.tree is None:
             continue
         rule = _file_rule(part)
-        if rule in ("ignore", "index", "manifest"):
+        if rule in ("ignore", "index", "manifest", "training-args"):
             continue
         for path, leaf in walk(part.tree):
             label = _label(part, path)

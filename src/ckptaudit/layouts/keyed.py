@@ -12,6 +12,7 @@ from typing import Any
 
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable
 from ckptaudit.formats.tensors import TensorData
+from ckptaudit.layouts.precision import LIGHTNING_SCALER_KEYS, scaler_record
 from ckptaudit.layouts.view import (
     _STEP_PRIORITY,
     DATA_KEYS,
@@ -64,6 +65,10 @@ def _classify_keys(part: Part, tree: dict[str, Any], view: View, found: Any, add
         elif k in STEP_KEYS:
             matched = True
             found(ComponentKind.DATA_PROGRESS, where)
+        elif k in LIGHTNING_SCALER_KEYS:
+            record = scaler_record(value, where)
+            if record is not None:
+                view.contract_records.append(record)
     step_key = next((k for k in _STEP_PRIORITY if k in tree and _find_step(tree[k]) is not None), None)
     if step_key is not None and view.step is None:
         view.step = _find_step(tree[step_key])

@@ -87,6 +87,30 @@ class OptimizerView:
     """Masters that belong to no one parameter (the distributed optimizer's flat buckets)."""
 
 
+@dataclass(frozen=True, slots=True)
+class ContractRecord:
+    """What the training stack itself recorded about its precision, read where the library keeps it (DeepSpeed's
+    saved ``ds_config``, Megatron-LM's ``args``, a saved GradScaler state, the Trainer's ``training_args.bin``)."""
+
+    source: str
+    """The :class:`~ckptaudit.model.Contract` source it stands for when it decides (``deepspeed-config``,
+    ``megatron-args``, ``grad-scaler``), or what it is when it cannot (``training-args``)."""
+    where: str
+    """The file (and key) it was read from."""
+    says: str
+    """The record's settings, in words (``bf16.enabled=true``)."""
+    master_dtype: str | None
+    """The master dtype the record decides, or ``None``: the setting leaves it to the model's own dtype."""
+    why: str
+    """Why the setting means that master dtype (or why it decides none), from the library's implementation."""
+    in_optimizer: bool = False
+    """The masters live in the optimizer's state (DeepSpeed's partitions, Megatron's main params), so the model's
+    16-bit tensors are compute copies, and without the optimizer state there is no master to judge."""
+
+    def text(self) -> str:
+        return f"{self.where}: {self.says} ({self.why})"
+
+
 @dataclass
 class View:
     layout: str
@@ -102,6 +126,8 @@ class View:
     manifest: dict[str, Any] | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     """Format metadata of the model files (safetensors ``__metadata__``), merged."""
+    contract_records: list[ContractRecord] = field(default_factory=list)
+    """What the training stack recorded about its precision (see :class:`ContractRecord`), in the order read."""
     roles: dict[int, tuple[str, str | None]] = field(default_factory=dict)
     """``id(tensor data)`` -> (role, parameter) where the layout knows better than the model/optimizer split:
     DeepSpeed's bf16 module weights are ``compute-copy`` records of the parameter whose master is audited."""
