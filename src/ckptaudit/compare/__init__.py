@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from ckptaudit.catalogue import finding
+from ckptaudit.catalogue import finding, finding_order
 from ckptaudit.compare.elementwise import ROUNDINGS, DiffStats, Pool
 from ckptaudit.compare.judge import component_findings, pair_findings, pair_json, sections, summary
 from ckptaudit.compare.matching import Entry, Side, align_ranks, entries_of, open_side
