@@ -90,6 +90,9 @@ def test_full_checkpoint_reads_every_tensor_and_attaches_the_masters(megatron: d
     assert {t.param for t in moments} == set(megatron["params"])
     assert report.extra["attachment"] == "by-name"
     assert report.contract is not None and report.contract.master_dtype == "float32"
+    # Decided by the run's own record, Megatron-LM's args in common.pt.
+    assert (report.contract.source, report.contract.where) == ("megatron-args", "common.pt/args")
+    assert report.contract.detail == "bf16=True: Megatron's mixed-precision optimizers keep fp32 main params of the bf16 weights"
     comps = {c.kind: c for c in report.components}
     assert comps[ComponentKind.MODEL].where == ("(sharded tensors)",)
     assert comps[ComponentKind.OPTIMIZER].where == ("optimizer.state",)
@@ -115,10 +118,11 @@ def test_model_only_checkpoint_reports_the_missing_optimizer(megatron: dict[str,
     params = {t.name for t in report.tensors if t.component == "model" and t.role == "parameter"}
     assert params == set(megatron["params"])
     assert "security.unsafe-pickle" not in _codes(report)
-    # With no optimizer the contract is unknown: said once (contract.unknown, a warning), and no precision finding
-    # holds the bf16 weights to a contract nobody knows; no message prints "unknown" as a dtype.
-    assert {(f.code, f.severity) for f in report.findings if f.code.startswith("contract.")} == {
-        ("contract.unknown", Severity.WARNING)}
+    # Megatron's args (bf16=True) decide the contract: fp32 masters, kept in the optimizer, which is missing; the
+    # bf16 weights are its compute copies, not held to the contract one by one (component.missing says it all).
+    assert report.contract is not None and (report.contract.source, report.contract.master_dtype) == (
+        "megatron-args", "float32")
+    assert not [f for f in report.findings if f.code.startswith("contract.")]
     assert not [f for f in report.findings if f.code.startswith("precision.")]
     assert not [f for f in report.findings if "unknown masters" in f.message or "into unknown" in f.message]
 
