@@ -362,12 +362,60 @@ def _dcp_job(out: str, *, steps: int, export_rounded: bool, frozen: str | None) 
         torch.save({k: v.bfloat16() for k, v in model.state_dict().items()}, out + "-model-bf16.pt")
 
 
+def _finetune_lr0(out: str, *, steps: int = 2) -> None:
+    """A fine-tune of a tiny GPT loaded from bf16-representable weights (a bf16 release in fp32) whose lower layers
+    are kept by learning rate 0 throughout: AdamW groups ``[embeddings + blocks.0 at lr 0, the rest at 3e-3]``, a
+    LambdaLR warmup over both (``initial_lr`` and ``base_lrs`` 0 for the first group), ``steps`` real steps (the
+    lr-0 weights get moments, never an update). Saved twice: ``get_state_dict`` + DCP (FQN-keyed groups, the step as
+    ``train/step``) at ``out``, and ``torch.save`` of ``model.state_dict()`` and ``optimizer.state_dict()``
+    (index-keyed groups, the step as ``trainer/global_step``) at ``out + ".pt"``."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckptaudit.recipes.tinygpt import SyntheticTokens, TinyGPT, lm_loss, plain_recipe
+
+    torch.manual_seed(0)
+    model = TinyGPT(plain_recipe.cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    kept = [n for n, _ in model.named_parameters() if n.split(".")[0] in ("tok_emb", "pos_emb")
+            or n.startswith("blocks.0.")]
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [params[n] for n in kept], "lr": 0.0},
+                             {"params": [p for n, p in params.items() if n not in kept], "lr": 3e-3}],
+                            weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    before = {n: params[n].detach().clone() for n in kept}
+    data = SyntheticTokens(plain_recipe.cfg, seed=0, rank=0, batch_size=4)
+    for _ in range(steps):
+        batch = data.next()
+        lm_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert all(torch.equal(before[n], params[n]) for n in kept), "lr 0 changed a weight"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "lr_scheduler": sched.state_dict(),
+                "trainer": {"global_step": steps}}, out + ".pt")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group": a single-process save is what we want
+        dcp.save({"model": model_sd, "optim": optim_sd, "lr_scheduler": sched.state_dict(), "train/step": steps},
+                 checkpoint_id=out)
+    _write_truth(out, lr0=kept, trained=[n for n in params if n not in kept])
+    _write_truth(out + ".pt", lr0=kept, trained=[n for n in params if n not in kept])
+
+
 def write_dcp(out: str) -> None:
     _dcp_job(os.path.join(out, "step0"), steps=0, export_rounded=False, frozen=None)
     _dcp_job(os.path.join(out, "step0-frozen"), steps=0, export_rounded=False, frozen="tok_emb.weight")
     _dcp_job(os.path.join(out, "trained"), steps=2, export_rounded=False, frozen=None)
     _dcp_job(os.path.join(out, "trained-frozen"), steps=2, export_rounded=False, frozen="tok_emb.weight")
     _dcp_job(os.path.join(out, "trained-rounded-frozen"), steps=2, export_rounded=True, frozen="tok_emb.weight")
+    _finetune_lr0(os.path.join(out, "finetune-lr0"))
 
 
 # ----------------------------------------------------------------------------------------------------------------

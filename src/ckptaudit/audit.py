@@ -16,9 +16,9 @@ from ckptaudit.catalogue import finding, finding_order, ignore_note, mark_ignore
 from ckptaudit.checks.artifact import check_artifact
 from ckptaudit.checks.components import check_components
 from ckptaudit.checks.integrity import check_indexes
-from ckptaudit.checks.lr_history import deepspeed_zero_lr_steps
+from ckptaudit.checks.lr_history import deepspeed_zero_lr_steps, zero_lr_groups
 from ckptaudit.checks.manifest import check_manifest
-from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_steps, may_all_be_unattached
+from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_steps, may_all_be_unattached, never_updated
 from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract
 from ckptaudit.formats.base import Checkpoint, walk
 from ckptaudit.formats.tensors import (
@@ -137,7 +137,8 @@ def judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
                                         frozen_why=_FROZEN_WHY.get(s.attachment.status, ""),
                                         before_first_update=before_first_update(s),
                                         not_judged=_maybe_frozen(s, params, contract.master_dtype),
-                                        not_judged_why=_NOT_JUDGED_WHY.get(s.attachment.status, ""))
+                                        not_judged_why=_NOT_JUDGED_WHY.get(s.attachment.status, ""),
+                                        never_updated=_never_updated(s, params, contract.master_dtype))
     findings = mark_ignored(findings, options.ignore)
     findings.sort(key=finding_order)
     summary = _summary(s, findings, contract.master_dtype, options)
@@ -190,10 +191,28 @@ def _maybe_frozen(s: ScannedCheckpoint, params: list[TensorRecord], master: str)
     trainable."""
     if master not in ("float32", "float64") or s.attachment.status not in _NOT_JUDGED_WHY:
         return set()
-    below = {r.param for r in params if r.param is not None
-             and (r.dtype in ("bfloat16", "float16") or (r.dtype == "float32"
-                                                         and r.precision in (Precision.BF16, Precision.FP16)))}
+    below = _below(params)
     return below if may_all_be_unattached(s.view, below) else set()
+
+
+def _below(params: list[TensorRecord]) -> set[str]:
+    """The parameters stored or rounded below a wide master dtype."""
+    return {r.param for r in params if r.param is not None
+            and (r.dtype in ("bfloat16", "float16") or (r.dtype == "float32"
+                                                        and r.precision in (Precision.BF16, Precision.FP16)))}
+
+
+def _never_updated(s: ScannedCheckpoint, params: list[TensorRecord], master: str) -> dict[str, str]:
+    """The parameters below a wide master dtype that a param group at learning rate 0 throughout holds (every lr
+    its record keeps is 0: :func:`~ckptaudit.checks.lr_history.zero_lr_groups`), with that evidence."""
+    opt = s.view.optimizer
+    if master not in ("float32", "float64") or opt is None or not opt.groups:
+        return {}
+    below = _below(params)
+    if not below:
+        return {}
+    zero = zero_lr_groups(opt.groups, scheduler_trees(s.ckpt))
+    return never_updated(s.view, s.attachment, zero, below) if zero else {}
 
 
 def before_first_update(s: ScannedCheckpoint) -> str | None:
@@ -262,15 +281,22 @@ def _all_zero(data: TensorData, maps: FileMaps) -> bool:
         return False
 
 
-def scheduler_steps(ckpt: Checkpoint) -> list[int]:
-    """Every learning-rate scheduler's ``last_epoch`` (steps taken; 0 right after construction) the checkpoint
-    holds, wherever its layout keeps schedulers (``scheduler*.pt`` files, ``scheduler``/``lr_scheduler(s)`` keys)."""
+def scheduler_trees(ckpt: Checkpoint) -> list[Any]:
+    """Every learning-rate scheduler state the checkpoint holds, wherever its layout keeps schedulers
+    (``scheduler*.pt`` files, ``scheduler``/``lr_scheduler(s)`` keys)."""
     trees: list[Any] = []
     for part in ckpt.parts:
         if part.name and file_rule(part.name) is ComponentKind.SCHEDULER:
             trees.append(part.tree)
         elif isinstance(part.tree, dict):
             trees += [v for k, v in part.tree.items() if str(k) in SCHEDULER_KEYS]
+    return trees
+
+
+def scheduler_steps(ckpt: Checkpoint) -> list[int]:
+    """Every learning-rate scheduler's ``last_epoch`` (steps taken; 0 right after construction) the checkpoint
+    holds (:func:`scheduler_trees`)."""
+    trees = scheduler_trees(ckpt)
     return [leaf for tree in trees for path, leaf in walk(tree)
             if path and path[-1] == "last_epoch" and isinstance(leaf, int) and not isinstance(leaf, bool)]
 

@@ -11,7 +11,7 @@ to 16 bits: that inference is a warning (``contract.inferred``) naming the flag 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from ckptaudit.catalogue import finding
 from ckptaudit.layouts.view import ContractRecord
@@ -166,6 +166,7 @@ def check_precision(
     before_first_update: str | None = None,
     not_judged: Collection[str] = (),
     not_judged_why: str = "",
+    never_updated: Mapping[str, str] | None = None,
 ) -> list[Finding]:
     """Per-parameter findings: stored or effectively rounded below the contract's master dtype.
 
@@ -176,6 +177,8 @@ def check_precision(
     then 16-bit-representable masters are what a start from 16-bit weights looks like (a warning, not an error).
     ``not_judged``: FQNs of parameters below the master dtype that the optimizer state may leave without an entry
     (``not_judged_why``: how); frozen ones owe no master, trainable ones lost bits: a warning, not a verdict.
+    ``never_updated``: FQNs whose every recorded learning rate is 0 -> that record in words: never updated, so
+    judged like frozen parameters (``precision.never-updated``, info).
     Under an unknown contract nothing is judged per parameter (``contract.unknown`` says why).
     """
     findings: list[Finding] = []
@@ -187,8 +190,26 @@ def check_precision(
             if r.dtype in _NARROW and r.dtype != contract.master_dtype:
                 findings.append(_storage(r, contract))
         return findings
+    never_updated = never_updated or {}
     for r in params:
         rounded = _rounded(r)
+        lr0 = never_updated.get(r.param) if r.param is not None else None
+        if lr0 is not None and (r.dtype in _NARROW or rounded is not None):
+            what = (f"{r.dtype}, with all {r.numel} values {rounded[0]}-representable" if rounded is not None
+                    else f"stored as {r.dtype}")
+            findings.append(
+                finding(
+                    "precision.never-updated",
+                    r.name,
+                    f"{r.name}: {what}, in a param group whose every recorded learning rate is 0 "
+                    f"({lr0}): no update was ever applied to it, so it holds the weights as "
+                    f"they were loaded (e.g. a {rounded[0] if rounded else r.dtype} release), and no "
+                    f"{contract.master_dtype} master is due",
+                    dtype=r.dtype,
+                    lr_record=lr0,
+                )
+            )
+            continue
         if r.param in not_judged and (r.dtype in _NARROW or rounded is not None):
             what = (f"{r.dtype}, with all {r.numel} values {rounded[0]}-representable" if rounded is not None
                     else f"stored as {r.dtype}")

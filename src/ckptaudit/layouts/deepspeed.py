@@ -13,7 +13,7 @@ from ckptaudit.formats.base import Checkpoint, Part, Unreadable
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts.keyed import _optimizer_view
 from ckptaudit.layouts.precision import deepspeed_record
-from ckptaudit.layouts.view import DATA_KEYS, RNG_KEYS, STEP_KEYS, View, _as_int, _label
+from ckptaudit.layouts.view import DATA_KEYS, RNG_KEYS, STEP_KEYS, View, _as_int, _label, is_step_key
 from ckptaudit.model import ComponentKind
 
 
@@ -62,7 +62,7 @@ def _deepspeed(part: Part, tree: dict[str, Any], view: View, found: Any, add_mod
         k = str(key)
         if k in RNG_KEYS and client[key] not in (None, [], {}):
             found(ComponentKind.RNG, _label(part, "client_state", k))
-    data_keys = [str(k) for k in client if str(k) in DATA_KEYS or str(k) in STEP_KEYS]
+    data_keys = [str(k) for k in client if str(k) in DATA_KEYS or str(k) in STEP_KEYS or is_step_key(k)]
     steps = _as_int(facts.get("global_steps"))
     view.step = steps if view.step is None else view.step
     if facts.get("data_sampler"):
