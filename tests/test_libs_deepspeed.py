@@ -69,6 +69,38 @@ def values(path: Path) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the contract from DeepSpeed's own record (ds_config)
+
+
+def test_an_export_cast_to_bf16_contradicts_the_saved_ds_config(ds: Path, tmp_path: Path) -> None:
+    # ZeRO-0 keeps masters and moments in the model states: an exporter that casts them to bf16 leaves a state that
+    # alone looks like bf16 masters; the saved ds_config (bf16.enabled: fp32 masters) says it is not.
+    import torch
+
+    import lib_writers
+
+    root = tmp_path / "s0-bf16"
+    shutil.copytree(ds / "s0-bf16", root)
+    states = root / "global_step2" / "mp_rank_00_model_states.pt"
+    sd = torch.load(states, weights_only=True)
+    sd["optimizer"] = lib_writers.cast_to_bf16(sd["optimizer"])
+    torch.save(sd, states)
+    report = audit(str(root))
+    (mismatch,) = [f for f in report.findings if f.code == "contract.mismatch"]
+    assert mismatch.severity is Severity.ERROR
+    assert mismatch.message.startswith("global_step2/mp_rank_00_model_states.pt/ds_config records bf16.enabled=true")
+    assert "parameters are bfloat16 and optimizer moments are bfloat16" in mismatch.message
+    stored = {f.subject for f in report.findings if f.code == "precision.low-precision-storage"}
+    assert len(stored) == len(truth(ds)["params"])
+    # The same state without the config: nothing records the masters, so the bf16 contract is only inferred.
+    del sd["ds_config"]
+    torch.save(sd, states)
+    bare = audit(str(root))
+    assert bare.contract is not None and bare.contract.source == "optimizer-state"
+    assert "contract.inferred" in codes(bare, Severity.WARNING) and "contract.mismatch" not in codes(bare)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # every stage as written is resumable, judged on the fp32 masters
 
 

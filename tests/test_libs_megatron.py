@@ -28,7 +28,8 @@ from ckptaudit.store.latest import find_latest, latest_report
 
 pytestmark = pytest.mark.dist
 
-VARIANTS = ["full", "model-only", "rounded-masters", "distributed-fully-reshardable", "distributed-dp-reshardable"]
+VARIANTS = ["full", "model-only", "rounded-masters", "distributed-fully-reshardable", "distributed-dp-reshardable",
+            "cast-to-bf16"]
 PLANNER = {f"torch.distributed.checkpoint.planner.{n}" for n in ("SavePlan", "WriteItem", "WriteItemType",
                                                                    "TensorWriteData")}
 
@@ -107,6 +108,22 @@ def test_masters_rounded_to_bf16_are_found(megatron: dict[str, Any]) -> None:
     assert rounded == {f"optimizer.state.fp32_param.{p}" for p in megatron["bf16_params"]}
     assert "precision.low-precision-storage" not in _codes(report)  # the bf16 copies are not the defect
     assert report.fails(Severity.ERROR)
+
+
+def test_a_state_cast_to_bf16_contradicts_the_saved_args(megatron: dict[str, Any]) -> None:
+    # Masters, moments and the fp32 weights all stored as bf16 (an exporter that cast the whole state): alone, the
+    # tensors would look like a run with bf16 masters; Megatron's own args (bf16=True: fp32 main params) say not.
+    report = audit(megatron["paths"]["cast-to-bf16"])
+    assert report.contract is not None and (report.contract.source, report.contract.master_dtype) == (
+        "megatron-args", "float32")
+    (mismatch,) = [f for f in report.findings if f.code == "contract.mismatch"]
+    assert mismatch.severity is Severity.ERROR and mismatch.subject == "contract"
+    assert mismatch.message.startswith("common.pt/args records bf16=True (Megatron's mixed-precision optimizers")
+    assert "parameters are bfloat16 and optimizer moments are bfloat16" in mismatch.message
+    stored = {f.subject for f in report.findings if f.code == "precision.low-precision-storage"}
+    assert stored == {f"optimizer.state.fp32_param.{p}" for p in megatron["bf16_params"]} | {
+        p for p in megatron["params"] if p not in megatron["bf16_params"]}
+    assert report.findings[0].code == "contract.mismatch"  # the cause before the per-parameter errors
 
 
 def test_model_only_checkpoint_reports_the_missing_optimizer(megatron: dict[str, Any]) -> None:

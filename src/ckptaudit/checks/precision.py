@@ -48,22 +48,26 @@ def infer_contract(
     A record that says full-precision masters beside 16-bit parameters and moments is ``contract.mismatch``.
     """
     seen = tuple(r.text() for r in records)
+    tensors = _from_tensors(params, moments)
     if flag != "auto":
         detail = flag_detail or (f"--master-dtype {flag}" if flag_source == "flag" else flag)
-        return Contract(flag, flag_source, detail, records=seen), []
-    tensors = _from_tensors(params, moments)
+        contract = Contract(flag, flag_source, detail, records=seen)
+        if flag_source == "live":  # the running job is a record too, and the most direct one
+            return contract, _mismatch(contract, tensors, "the running job", f"{flag} masters", detail)
+        return contract, []
     if manifest_dtype:
         contract = Contract(manifest_dtype, "manifest", "recorded by the writer in manifest.json",
                             where="manifest.json", records=seen)
-        return contract, _low(contract, "the manifest records it") + _mismatch(contract, tensors, "manifest.json",
-                                                                             "the writer recorded it")
+        return contract, _low(contract, "the manifest records it") + _mismatch(
+            contract, tensors, "manifest.json", f"master_dtype {manifest_dtype}",
+            "the dtype of the parameters the live optimizer stepped, recorded by ckptaudit's writer")
     deciding = next((r for r in records if r.master_dtype is not None), None)
     if deciding is not None:
         assert deciding.master_dtype is not None
         contract = Contract(deciding.master_dtype, deciding.source, f"{deciding.says}: {deciding.why}",
                             where=deciding.where, records=seen)
         return contract, _low(contract, f"{deciding.where} records {deciding.says}") + _mismatch(
-            contract, tensors, deciding.where, deciding.says)
+            contract, tensors, deciding.where, deciding.says, deciding.why)
     contract = Contract(tensors.master_dtype, tensors.source, tensors.detail, records=seen)
     if tensors.source == "optimizer-state" and tensors.master_dtype in _NARROW:
         return contract, [_inferred(contract, records)]
@@ -117,7 +121,7 @@ def _low(contract: Contract, why: str) -> list[Finding]:
     ]
 
 
-def _mismatch(contract: Contract, tensors: Contract, where: str, says: str) -> list[Finding]:
+def _mismatch(contract: Contract, tensors: Contract, where: str, says: str, why: str) -> list[Finding]:
     """``contract.mismatch`` when the record promises full-precision masters and the tensors are 16-bit masters
     (parameters and moments): the lossy direction, the one that loses a run."""
     if contract.master_dtype not in _WIDE or not (tensors.source == "optimizer-state"
@@ -127,7 +131,7 @@ def _mismatch(contract: Contract, tensors: Contract, where: str, says: str) -> l
         finding(
             "contract.mismatch",
             "contract",
-            f"{where} records {says}, so this run keeps {contract.master_dtype} masters ({contract.detail}); but "
+            f"{where} records {says} ({why}), so this run keeps {contract.master_dtype} masters; but "
             f"the checkpoint's {tensors.detail}: the full-precision masters were not saved (e.g. an export that cast "
             f"the whole state to {tensors.master_dtype}), and resuming from it continues from rounded weights. Each "
             "parameter is listed below. Save the masters the documented way, or pass --master-dtype "

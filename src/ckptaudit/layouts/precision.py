@@ -119,7 +119,7 @@ def scaler_record(state: Any, where: str) -> ContractRecord | None:
     if not isinstance(scale, int | float) or isinstance(scale, bool):
         return None
     return ContractRecord("grad-scaler", where, f"a GradScaler state (scale {scale:g})", "float32",
-                          "fp16 mixed precision: a GradScaler refuses to unscale fp16 gradients, so the parameters "
+                          "fp16 mixed precision, whose GradScaler refuses to unscale fp16 gradients: the parameters "
                           "the optimizer steps are fp32 masters")
 
 

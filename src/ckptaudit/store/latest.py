@@ -39,6 +39,9 @@ __all__ = ["Candidate", "Checked", "LatestResult", "discover", "find_latest", "l
 
 VERIFY_LEVELS = ("sizes", "hashes", "quick", "full")
 DEFAULT_VERIFY = "quick"
+QUICK_CHUNK_BYTES = 64 << 10
+"""What ``verify="quick"`` reads of each tensor: its first 64 KiB (16,384 fp32 values), far more than a genuine fp32
+tensor needs to show one value off the bf16 grid, and a small share of a large checkpoint's bytes."""
 
 _HF = re.compile(r"^checkpoint-(\d+)$")
 _ACCELERATE = re.compile(r"^checkpoint_(\d+)$")
@@ -244,11 +247,13 @@ def _read_and_check(c: Candidate, verify: str, require: Collection[ComponentKind
     if verify in ("quick", "full"):
         from ckptaudit.audit import AuditOptions, judge
         from ckptaudit.checks.manifest import check_manifest
+        from ckptaudit.formats.tensors import DEFAULT_CHUNK_BYTES
         from ckptaudit.scanning import default_jobs, scan_checkpoint
 
         quick = verify == "quick"
-        options = AuditOptions(require=frozenset(require), jobs=default_jobs(), quick=quick, ignore=ignore)
-        scanned = scan_checkpoint(c.path, jobs=options.jobs, quick=quick)
+        options = AuditOptions(require=frozenset(require), jobs=default_jobs(), quick=quick, ignore=ignore,
+                               chunk_bytes=QUICK_CHUNK_BYTES if quick else DEFAULT_CHUNK_BYTES)
+        scanned = scan_checkpoint(c.path, jobs=options.jobs, quick=quick, chunk_bytes=options.chunk_bytes)
         try:
             found = list(judge(scanned, options).findings)
             if quick:  # a quick audit reads no content: the manifest's hashes are verified as "hashes" does
