@@ -55,7 +55,8 @@ _SCHEDULER_LRS = ("base_lrs", "_last_lr", "max_lrs")
 def zero_lr_groups(groups: Sequence[Mapping[str, Any]], schedulers: Sequence[Any]) -> dict[int, str]:
     """The param groups whose every recorded learning rate is 0, by index, with that record in words; a group
     with no ``lr``, or any other value (a tensor lr, ``None``, a number above 0), is not one. ``schedulers``: the
-    checkpoint's scheduler states (their per-group lists are read where they have one entry per group)."""
+    checkpoint's scheduler states (their per-group lists are read where they have one entry per group); a
+    scheduler that keeps none leaves every group undecided."""
     lists: list[tuple[str, list[Any]]] = []
     todo = list(schedulers)
     while todo:  # nested schedulers (SequentialLR, ChainedScheduler) keep theirs inside
@@ -68,6 +69,10 @@ def zero_lr_groups(groups: Sequence[Mapping[str, Any]], schedulers: Sequence[Any
                     todo.append(value)
         elif isinstance(tree, list):
             todo.extend(v for v in tree if isinstance(v, dict | list))
+    if not lists and any(tree not in (None, {}, []) for tree in schedulers):
+        # A scheduler that keeps no per-group lr (DeepSpeed's WarmupLR: an iteration count) sets lrs the record
+        # does not show: a group's lr of 0 now says nothing about the steps before (nor after).
+        return {}
     out: dict[int, str] = {}
     for i, g in enumerate(groups):
         if "lr" not in g:
