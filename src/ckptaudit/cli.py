@@ -144,6 +144,9 @@ def _parser() -> argparse.ArgumentParser:
                     "run the whole audit on each candidate")
     lt.add_argument("--require", default="",
                     help="comma-separated components whose absence rejects a candidate: scheduler,rng,data-progress")
+    lt.add_argument("--master-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="the master dtype the quick and full audits hold parameters to (auto: read it from each "
+                    "candidate); a mixed-precision run's is float32")
     lt.add_argument("--all", action="store_true", help="validate every candidate, not only down to the latest")
     lt.add_argument("--verbose", "-v", action="store_true", help="list every finding")
     lt.add_argument("--fail-on", choices=["error", "warning", "info"],
@@ -461,7 +464,8 @@ def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
 
     show = not args.no_progress and stderr.isatty()
     report = latest_report(args.root, verify=args.verify, require=_require(args.require), check_all=args.all,
-                           progress=progress if show else None, ignore=_ignore(args.ignore))
+                           progress=progress if show else None, ignore=_ignore(args.ignore),
+                           master_dtype=args.master_dtype)
     fail_on = args.fail_on
     args.fail_on = fail_on or "error"
     code = _emit(report, args, stdout)

@@ -188,11 +188,12 @@ def discover(root: str) -> list[Candidate]:
 
 
 def validate(c: Candidate, *, verify: str = DEFAULT_VERIFY, require: Collection[ComponentKind] = frozenset(),
-             ignore: Collection[str] = ()) -> Checked:
+             ignore: Collection[str] = (), master_dtype: str = "auto") -> Checked:
     """Validate one candidate (see the module docstring); cost: headers and metadata, plus the manifest's
     hashes (one streaming read of the files) where a manifest exists (``verify`` ``hashes`` and up), plus the
     first chunk of every tensor (``quick``, the default) or every byte (``full``). ``ignore``: finding codes or
-    families acknowledged (marked, kept, not counted)."""
+    families acknowledged (marked, kept, not counted); ``master_dtype``: the contract the audit of ``quick`` and
+    ``full`` holds the parameters to (``auto``: the checkpoint's record, else its tensors)."""
     from ckptaudit.catalogue import mark_ignored, parse_ignore
     from ckptaudit.checks.manifest import uncommitted
 
@@ -215,7 +216,7 @@ def validate(c: Candidate, *, verify: str = DEFAULT_VERIFY, require: Collection[
                                           f"{c.name} is empty: the save died before writing anything"),))
     ignore = parse_ignore(ignore)
     try:
-        findings = _read_and_check(c, verify, require, ignore)
+        findings = _read_and_check(c, verify, require, ignore, master_dtype)
     except OSError as exc:
         findings = [finding("integrity.corrupt", c.name, f"{c.name}: cannot be read ({exc.strerror or exc})")]
     ours = _has_our_manifest(c.path)
@@ -243,7 +244,7 @@ def validate(c: Candidate, *, verify: str = DEFAULT_VERIFY, require: Collection[
 
 
 def _read_and_check(c: Candidate, verify: str, require: Collection[ComponentKind],
-                    ignore: tuple[str, ...]) -> list[Finding]:
+                    ignore: tuple[str, ...], master_dtype: str) -> list[Finding]:
     if verify in ("quick", "full"):
         from ckptaudit.audit import AuditOptions, judge
         from ckptaudit.checks.manifest import check_manifest
@@ -252,6 +253,7 @@ def _read_and_check(c: Candidate, verify: str, require: Collection[ComponentKind
 
         quick = verify == "quick"
         options = AuditOptions(require=frozenset(require), jobs=default_jobs(), quick=quick, ignore=ignore,
+                               master_dtype=master_dtype,
                                chunk_bytes=QUICK_CHUNK_BYTES if quick else DEFAULT_CHUNK_BYTES)
         scanned = scan_checkpoint(c.path, jobs=options.jobs, quick=quick, chunk_bytes=options.chunk_bytes)
         try:
@@ -288,7 +290,7 @@ def _has_our_manifest(path: str) -> bool:
 
 def find_latest(root: str, *, verify: str = DEFAULT_VERIFY, require: Collection[ComponentKind] = frozenset(),
                 check_all: bool = False, progress: Callable[[str], None] | None = None,
-                ignore: Collection[str] = ()) -> LatestResult:
+                ignore: Collection[str] = (), master_dtype: str = "auto") -> LatestResult:
     """Validate the candidates under ``root`` newest first; stop at the first resumable one (or go on through
     all of them with ``check_all``); ``progress`` hears the name of each candidate before it is validated.
     Raises ``FileNotFoundError`` when ``root`` does not exist, ``ValueError`` for a bad ``verify`` or ``ignore``."""
@@ -308,7 +310,7 @@ def find_latest(root: str, *, verify: str = DEFAULT_VERIFY, require: Collection[
     for i, c in enumerate(candidates):
         if progress is not None:
             progress(f"checking {c.name} ({i + 1} of {len(candidates)}, --verify {verify})")
-        checked = validate(c, verify=verify, require=require, ignore=ignore)
+        checked = validate(c, verify=verify, require=require, ignore=ignore, master_dtype=master_dtype)
         result.checked.append(checked)
         if checked.resumable and result.latest is None:
             result.latest = c
@@ -372,12 +374,12 @@ def _candidate_json(ch: Checked | None, c: Candidate) -> dict[str, Any]:
 
 def latest_report(root: str, *, verify: str = DEFAULT_VERIFY, require: Collection[ComponentKind] = frozenset(),
                   check_all: bool = False, progress: Callable[[str], None] | None = None,
-                  ignore: Collection[str] = ()) -> Report:
+                  ignore: Collection[str] = (), master_dtype: str = "auto") -> Report:
     """The :class:`~ckptaudit.model.Report` of ``ckptaudit latest``: ``extra["latest"]`` (path or ``None``)
     and ``extra["candidates"]``; the findings are the errors of the rejected candidates newer than the latest
     resumable one (subjects prefixed by the candidate), and a stale pointer."""
     result = find_latest(root, verify=verify, require=require, check_all=check_all, progress=progress,
-                         ignore=ignore)
+                         ignore=ignore, master_dtype=master_dtype)
     findings: list[Finding] = list(result.findings)
     rows: list[list[str]] = []
     candidates: list[dict[str, Any]] = []
