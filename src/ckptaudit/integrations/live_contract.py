@@ -24,6 +24,9 @@ __all__ = ["declare_live_contract", "live_master_dtype"]
 log = logging.getLogger("ckptaudit.guard")
 
 _CONTRACT_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_FLAT_MASTERS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
+"""Where DeepSpeed's optimizers keep their master partitions (ZeRO-1/2, ZeRO-3, ``BF16_Optimizer``): ZeRO-3 empties
+its ``param_groups`` between steps, so they are read here when the groups hold no parameter."""
 
 
 def _param_groups(optimizer: Any) -> list[Any]:
@@ -47,16 +50,26 @@ def live_master_dtype(optimizer: Any) -> tuple[str, str] | None:
         for p in params:
             if isinstance(p, torch.Tensor) and p.is_floating_point():
                 counts[str(p.dtype).removeprefix("torch.")] += 1
-    if len(counts) != 1:
-        if counts:
-            log.info("ckptaudit guard: the optimizer steps parameters of several dtypes (%s); the audit reads the "
-                     "contract from the checkpoint", dict(counts))
+    if len(counts) > 1:
+        log.info("ckptaudit guard: the optimizer steps parameters of several dtypes (%s); the audit reads the "
+                 "contract from the checkpoint", dict(counts))
         return None
+    what = "parameter tensor(s)"
+    if not counts:
+        for attr in _FLAT_MASTERS:
+            flat = getattr(optimizer, attr, None)
+            if isinstance(flat, list | tuple) and flat:
+                counts.update(str(t.dtype).removeprefix("torch.") for t in flat
+                              if isinstance(t, torch.Tensor) and t.is_floating_point())
+                what = f"master partition(s) ({attr})"
+                break
+        if len(counts) != 1:
+            return None
     ((dtype, n),) = counts.items()
     contract = _CONTRACT_DTYPES.get(dtype)
     if contract is None:
         return None
-    return contract, f"{type(optimizer).__name__} steps {n} {dtype} parameter tensor(s)"
+    return contract, f"{type(optimizer).__name__} steps {n} {dtype} {what}"
 
 
 def declare_live_contract(guard: Guard, optimizer: Any, run: str = "") -> None:
