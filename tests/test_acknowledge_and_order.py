@@ -35,9 +35,14 @@ def test_ignored_findings_stay_in_the_report_but_count_toward_nothing(tmp_path: 
     assert doc["counts"]["ignored"] == len(ignored)
     assert doc["findings"][-len(ignored):] == ignored  # listed after those that count
     assert doc["summary"].startswith("resumable:") and "finding(s) ignored (precision.bf16-rounded)" in doc["summary"]
-    # A family acknowledges every code of it.
-    code, _, _ = run("audit", str(bad), "--ignore", "precision")
-    assert code == 0
+    # A family acknowledges every code of it; the table says which rows are acknowledged.
+    code, out, _ = run("audit", str(bad), "--ignore", "precision", "--verbose")
+    assert code == 0 and "error (ignored)" in out
+    # compare takes it too: the rounding it names is acknowledged, the exit code follows.
+    good = trained(tmp_path / "good.pt")
+    assert run("compare", str(good), str(bad))[0] == 1
+    code, out, _ = run("compare", str(good), str(bad), "--ignore", "precision.bf16-rounded", "--format", "json")
+    assert code == 0 and json.loads(out)["counts"]["error"] == 0 and "ignored" in json.loads(out)["summary"]
 
 
 def test_an_ignore_entry_that_names_no_code_is_a_usage_error(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptaudit.catalogue import CATALOGUE
-from ckptaudit.model import Precision, Report, Severity
+from ckptaudit.model import Finding, Precision, Report, Severity
 
 __all__ = ["render_table"]
 
@@ -97,15 +97,15 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
         _column(t, "message", overflow="fold", ratio=3)
         # Rows group by (severity, code): one code can be an error for some subjects and a warning for others
         # (component.missing: model vs rng), and an error row must not list warning subjects.
-        by_key: dict[tuple[Severity, str], list[int]] = defaultdict(list)
+        by_key: dict[tuple[Severity, str, bool], list[int]] = defaultdict(list)
         for i, f in enumerate(report.findings):
-            by_key[(f.severity, f.code)].append(i)
-        shown: set[tuple[Severity, str]] = set()
+            by_key[(f.severity, f.code, f.ignored)].append(i)
+        shown: set[tuple[Severity, str, bool]] = set()
         for f in report.findings:
-            key = (f.severity, f.code)
+            key = (f.severity, f.code, f.ignored)
             same = by_key[key]
             if verbose or len(same) <= GROUP_ABOVE:
-                t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), _t(f.code), _t(f.subject), _t(f.message))
+                t.add_row(_severity(f), _t(f.code), _t(f.subject), _t(f.message))
                 continue
             if key in shown:
                 continue
@@ -114,7 +114,7 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
             subjects = [report.findings[i].subject for i in same]
             listed = ", ".join(subjects[:MAX_SUBJECTS]) + (", ..." if len(subjects) > MAX_SUBJECTS else "")
             rule = CATALOGUE.get(f.code)
-            t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), _t(f.code), f"{len(same)} subjects",
+            t.add_row(_severity(f), _t(f.code), f"{len(same)} subjects",
                       _t(f"{listed}. {rule.summary if rule else f.message} (--verbose lists each)"))
         con.print(t)
     else:
@@ -131,6 +131,13 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
         if not verbose and len(odd) > 20:
             t.add_row(f"... {len(odd) - 20} more", "", "", "", "", "")
         con.print(t)
+
+
+def _severity(f: Finding) -> Text:
+    """The severity cell: an acknowledged finding (``--ignore``) says so, dimmed."""
+    if f.ignored:
+        return Text(f"{f.severity.label} (ignored)", style="dim")
+    return Text(f.severity.label, style=_STYLE[f.severity])
 
 
 MAX_SECTION_ROWS = 12
