@@ -30,7 +30,7 @@ from ckptaudit.formats.tensors import (
     small_read_plan,
 )
 from ckptaudit.layouts import SCHEDULER_KEYS, View, file_rule
-from ckptaudit.model import ComponentKind, Finding, Precision, Report, Severity, TensorRecord
+from ckptaudit.model import ComponentKind, Contract, Finding, Precision, Report, Severity, TensorRecord
 from ckptaudit.records import SMALL_TENSOR_BYTES
 from ckptaudit.scanning import (
     Progress,
@@ -158,7 +158,7 @@ def judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
     )
 
 
-def _masters_not_saved(view: View, contract: Any) -> bool:
+def _masters_not_saved(view: View, contract: Contract) -> bool:
     """The deciding record keeps the masters in the optimizer's state (DeepSpeed, Megatron) and the checkpoint
     holds no optimizer: its 16-bit model tensors are compute copies with no master to judge
     (``component.missing`` says the optimizer is absent)."""
