@@ -8,6 +8,9 @@ every code the source emits is listed here.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +45,20 @@ _RULES: tuple[Rule, ...] = (
     Rule("precision.not-judged", W, "Parameters stored or rounded below the master dtype that index-keyed optimizer "
          "state may leave without an entry (frozen parameters owe no master; trainable ones would have lost bits): "
          "which they are cannot be told offline."),
-    Rule("contract.low-precision-masters", INFO, "The checkpoint's own state shows a run with low-precision masters "
-         "(parameters and optimizer moments both 16-bit); parameters are held to that contract."),
+    Rule("precision.never-updated", INFO, "Parameters stored or rounded below the master dtype whose every recorded "
+         "learning rate is 0 (their param group's lr and initial_lr, the scheduler's base_lrs): no update was ever "
+         "applied to them, so they are what was loaded (e.g. a bf16 release) and are judged like frozen parameters."),
+    Rule("contract.low-precision-masters", INFO, "A declared or recorded contract of low-precision masters "
+         "(ckptaudit's manifest, a stack's record such as DeepSpeed's bf16_master_weights_and_grads); parameters "
+         "are held to it."),
+    Rule("contract.inferred", W, "No record of the training stack decides the master dtype, and the checkpoint's "
+         "tensors look like low-precision masters (parameters and optimizer moments both 16-bit): what a run with "
+         "16-bit masters saves, and also what an export that cast a mixed-precision run's state to 16 bits saves. "
+         "Held to the 16-bit contract; --master-dtype float32 (a mixed-precision run) or bfloat16/float16 settles "
+         "it."),
+    Rule("contract.mismatch", E, "The training stack's own record (DeepSpeed's ds_config, Megatron's args, a saved "
+         "GradScaler, ckptaudit's manifest) says the run keeps full-precision masters, but the checkpoint's "
+         "parameters and optimizer state are 16-bit: the masters were not saved. The message names both."),
     Rule("contract.unknown", W, "The master dtype could not be inferred (no optimizer state, mixed dtypes); pass "
          "--master-dtype."),
     # components
@@ -215,6 +230,62 @@ def finding(
         raise KeyError(f"finding code {code!r} is not in the catalogue; add it to ckptaudit.catalogue")
     return Finding(code=code, severity=severity if severity is not None else rule.severity, subject=subject,
                    message=message, evidence=evidence)
+
+
+ROOT_CAUSES = ("format", "integrity", "security", "deepspeed")
+"""Families whose findings are causes (a file that cannot be read or was not loaded, masters that cannot be
+found): listed before what they cause (a component then missing, a parameter then unattached) at each severity."""
+
+
+def finding_order(f: Finding) -> tuple[int, int, int, str, str]:
+    """The reports' order of findings: those that count first, the worst first, root causes first within a
+    severity (:data:`ROOT_CAUSES`), then by code and subject."""
+    return (int(f.ignored), -int(f.severity), 0 if f.code.split(".", 1)[0] in ROOT_CAUSES else 1, f.code,
+            f.subject)
+
+
+def parse_ignore(entries: str | Iterable[str]) -> tuple[str, ...]:
+    """``--ignore`` / ``ignore=``: finding codes (``security.not-loaded``) or families (``optimizer``: every
+    ``optimizer.*`` code), as a comma-separated string or an iterable. Raises ``ValueError`` naming an entry that
+    matches no catalogued code (a typo must not silently acknowledge nothing)."""
+    if isinstance(entries, str):
+        entries = entries.split(",")
+    out: list[str] = []
+    for raw in entries:
+        if not isinstance(raw, str):
+            raise ValueError(f"ignore entries are finding codes (strings), not {type(raw).__name__}")
+        entry = raw.strip()
+        if not entry:
+            continue
+        families = {code.split(".", 1)[0] for code in CATALOGUE}
+        if entry not in CATALOGUE and entry not in families:
+            close = difflib.get_close_matches(entry, [*CATALOGUE, *families], n=1)
+            raise ValueError(f"ignore: {entry!r} is neither a finding code nor a family of codes"
+                             + (f"; did you mean {close[0]!r}?" if close else "")
+                             + f" (the codes are listed in {DOCS_PAGE})")
+        if entry not in out:
+            out.append(entry)
+    return tuple(out)
+
+
+def is_ignored(code: str, ignore: Collection[str]) -> bool:
+    """Whether ``code`` is acknowledged by one of the :func:`parse_ignore` entries ``ignore``."""
+    return code in ignore or code.split(".", 1)[0] in ignore
+
+
+def mark_ignored(findings: Iterable[Finding], ignore: Collection[str]) -> list[Finding]:
+    """``findings``, those whose code ``ignore`` acknowledges marked ``ignored`` (kept, in place)."""
+    if not ignore:
+        return list(findings)
+    return [dataclasses.replace(f, ignored=True) if not f.ignored and is_ignored(f.code, ignore) else f
+            for f in findings]
+
+
+def ignore_note(findings: Iterable[Finding]) -> str:
+    """``"; N finding(s) ignored (codes)"`` for a summary line, or ``""`` when none is."""
+    ignored = [f for f in findings if f.ignored]
+    codes = sorted({f.code for f in ignored})
+    return f"; {len(ignored)} finding(s) ignored ({', '.join(codes)})" if ignored else ""
 
 
 def markdown() -> str:

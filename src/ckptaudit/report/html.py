@@ -79,8 +79,8 @@ def _report(r: Report) -> str:
                             [[c.kind.value, "yes" if c.found else "MISSING", ", ".join(c.where)]
                              for c in r.components]))
     if r.findings:
-        rows = [[f"<span class='{f.severity.label}'>{f.severity.label}</span>", f"<code>{_e(f.code)}</code>",
-                 _e(f.subject), _message(f.message)] for f in r.findings]
+        rows = [[f"<span class='{f.severity.label}'>{f.severity.label}{' (ignored)' if f.ignored else ''}</span>",
+                 f"<code>{_e(f.code)}</code>", _e(f.subject), _message(f.message)] for f in r.findings]
         parts.append(_table("findings", ["severity", "code", "subject", "message"], rows, escaped=True))
     odd = [t for t in r.tensors if t.precision in (Precision.BF16, Precision.FP16, Precision.UNREAD)]
     if odd:

@@ -99,20 +99,20 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
         _column(t, "message", overflow="fold", ratio=3)
         # Rows group by (severity, code): one code can be an error for some subjects and a warning for others
         # (component.missing: model vs rng), and an error row must not list warning subjects.
-        by_key: dict[tuple[Severity, str], list[int]] = defaultdict(list)
+        by_key: dict[tuple[Severity, str, bool], list[int]] = defaultdict(list)
         for i, f in enumerate(report.findings):
-            by_key[(f.severity, f.code)].append(i)
-        shown: set[tuple[Severity, str]] = set()
+            by_key[(f.severity, f.code, f.ignored)].append(i)
+        shown: set[tuple[Severity, str, bool]] = set()
         details: list[tuple[Finding, list[str]]] = []
         for f in report.findings:
-            key = (f.severity, f.code)
+            key = (f.severity, f.code, f.ignored)
             same = by_key[key]
             if verbose or len(same) <= GROUP_ABOVE:
                 head, _, rest = f.message.partition("\n")
                 if rest.strip():  # a traceback: its lines below the table, not escaped inside a cell
                     details.append((f, rest.rstrip().splitlines()))
                     head += " (traceback below)"
-                t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), _t(f.code), _t(f.subject), _t(head))
+                t.add_row(_severity(f), _t(f.code), _t(f.subject), _t(head))
                 continue
             if key in shown:
                 continue
@@ -121,7 +121,7 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
             subjects = [report.findings[i].subject for i in same]
             listed = ", ".join(subjects[:MAX_SUBJECTS]) + (", ..." if len(subjects) > MAX_SUBJECTS else "")
             rule = CATALOGUE.get(f.code)
-            t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), _t(f.code), f"{len(same)} subjects",
+            t.add_row(_severity(f), _t(f.code), f"{len(same)} subjects",
                       _t(f"{listed}. {rule.summary if rule else f.message} (--verbose lists each)"))
         con.print(t)
         for f, lines in details:
@@ -144,6 +144,13 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
         if not verbose and len(odd) > 20:
             t.add_row(f"... {len(odd) - 20} more", "", "", "", "", "")
         con.print(t)
+
+
+def _severity(f: Finding) -> Text:
+    """The severity cell: an acknowledged finding (``--ignore``) says so, dimmed."""
+    if f.ignored:
+        return Text(f"{f.severity.label} (ignored)", style="dim")
+    return Text(f.severity.label, style=_STYLE[f.severity])
 
 
 MAX_SECTION_ROWS = 12
