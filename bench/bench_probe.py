@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from ckptaudit.dist.launch import RankContext, launch
+from ckptaudit.launch import RankContext, launch
 
 MODES = ("no probe", "no probe (A/A)", "attached, unarmed", "armed every step")
 """``no probe (A/A)`` runs exactly what ``no probe`` runs: its difference from it is the noise floor of the run."""

@@ -109,7 +109,7 @@ def write(fmt: str, path: str, scale: float) -> None:
 
     if fmt == "dcp-8":
         sys.path.insert(0, os.path.join(HERE, "..", "src"))
-        from ckptaudit.dist.launch import launch
+        from ckptaudit.launch import launch
 
         launch(_rank_save, 8, (path, scale), timeout_s=3600, backend="gloo", env={"OMP_NUM_THREADS": "1"})
         return

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ckptaudit.dist.launch import RankContext
+from ckptaudit.launch import RankContext
 from ckptaudit.recipes.tinygpt import GPTConfig, TinyGPTRecipe
 from ckptaudit.store.gate import GateThresholds, judge
 from ckptaudit.store.serving import ExportOptions, export_serving

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.dist.launch import launch
+from ckptaudit.launch import launch
 
 # Every JSON report the suite renders, here or in a child process, is validated against the shipped schema
 # (ckptaudit/schema/report.schema.json) before it is returned.

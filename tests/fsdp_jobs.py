@@ -6,8 +6,8 @@ import os
 from typing import Any
 
 from ckptaudit import exporters
-from ckptaudit.dist.launch import RankContext
 from ckptaudit.exporters import capture_and_export
+from ckptaudit.launch import RankContext
 
 
 def write_variants(ctx: RankContext, out_dir: str, steps: int) -> dict[str, Any]:

@@ -41,7 +41,7 @@ def hf(out: str) -> None:
 
 
 def hf_ddp(ctx: Any, out: str) -> dict[str, Any]:
-    """(2 ranks, ckptaudit.dist.launch) The Trainer story with DDP through accelerate on CPU (gloo): the group
+    """(2 ranks, ckptaudit.launch) The Trainer story with DDP through accelerate on CPU (gloo): the group
     launch made is the one accelerate uses. Every rank returns what it saw."""
     _rank_env(ctx)
     return {"rank": ctx.rank, **_hf_story(out)}
@@ -117,7 +117,7 @@ def lightning(out: str) -> None:
 
 
 def lightning_ddp(ctx: Any, out: str) -> dict[str, Any]:
-    """(2 ranks, ckptaudit.dist.launch) The Lightning story with ``strategy="ddp"`` on CPU (gloo): Lightning
+    """(2 ranks, ckptaudit.launch) The Lightning story with ``strategy="ddp"`` on CPU (gloo): Lightning
     finds the ranks in the environment and the process group launch made. Every rank returns what it saw."""
     _rank_env(ctx)
     return {"rank": ctx.rank, **_lightning_story(out, ddp=True)}
@@ -288,7 +288,7 @@ def deepspeed(out: str) -> None:
 
 
 def deepspeed_zero(ctx: Any, out: str) -> dict[int, dict[str, Any]]:
-    """(2 ranks, ckptaudit.dist.launch) DeepSpeed ZeRO-2 then ZeRO-3, bf16 engine, CPU, gloo: the masters are
+    """(2 ranks, ckptaudit.launch) DeepSpeed ZeRO-2 then ZeRO-3, bf16 engine, CPU, gloo: the masters are
     rounded to bf16 values in the optimizer's own fp32 partitions (ZeRO-1/2 ``single_partition_of_fp32_groups``,
     ZeRO-3 ``fp32_partitioned_groups_flat``) just before the second save (step 4), and put back right after it:
     the checkpoint holds masters the run never had. Every rank returns, per stage, what it saw."""
@@ -301,7 +301,7 @@ def deepspeed_zero(ctx: Any, out: str) -> dict[int, dict[str, Any]]:
     from ckptaudit.integrations.deepspeed import save_checkpoint
     from ckptaudit.integrations.guard import Guard, stop_requested
 
-    ds.init_distributed(dist_backend="gloo")  # joins the group ckptaudit.dist.launch made
+    ds.init_distributed(dist_backend="gloo")  # joins the group ckptaudit.launch made
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
@@ -409,7 +409,7 @@ def torchtitan(out: str) -> None:
 
 
 def torchtitan_async(ctx: Any, out: str) -> dict[str, Any]:
-    """(2 ranks, ckptaudit.dist.launch) The torchtitan story with ``async_mode="async"``: ``save`` returns while
+    """(2 ranks, ckptaudit.launch) The torchtitan story with ``async_mode="async"``: ``save`` returns while
     DCP still writes; the guard audits when the save's future completes. Every rank returns what it saw."""
     _rank_env(ctx)
     return {"rank": ctx.rank, **_torchtitan_story(out, "async")}
@@ -500,9 +500,9 @@ JOB_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS"
 
 
 def launch_job(fn: Any, out: str, *args: Any, timeout_s: float = 600) -> list[dict[str, Any]]:
-    """(test process) Run ``fn(ctx, out, *args)`` on 2 real gloo ranks (ckptaudit.dist.launch: a timeout on
+    """(test process) Run ``fn(ctx, out, *args)`` on 2 real gloo ranks (ckptaudit.launch: a timeout on
     the group and on every child, every child reaped); what each rank returned, in rank order."""
-    from ckptaudit.dist.launch import launch
+    from ckptaudit.launch import launch
 
     os.makedirs(out, exist_ok=True)
     results: list[dict[str, Any]] = launch(fn, 2, (out, *args), timeout_s=timeout_s, pg_timeout_s=240,

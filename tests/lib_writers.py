@@ -11,7 +11,7 @@ parameter names of every param group of the live optimizer, in its order, so a t
 index-keyed entry was attached to the parameter the optimizer really held.
 
 The torchtitan checkpoint is written by torchtitan's own ``CheckpointManager`` in :func:`write_torchtitan`, on 2 real
-ranks (``ckptaudit.dist.launch``); it is imported by name, as spawn requires.
+ranks (``ckptaudit.launch``); it is imported by name, as spawn requires.
 """
 
 from __future__ import annotations
@@ -505,7 +505,7 @@ def _deepspeed_rank(ctx: Any, out: str) -> dict[str, Any]:
     import deepspeed
     import torch
 
-    deepspeed.init_distributed(dist_backend="gloo")  # joins the group ckptaudit.dist.launch already made
+    deepspeed.init_distributed(dist_backend="gloo")  # joins the group ckptaudit.launch already made
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
@@ -563,7 +563,7 @@ def _deepspeed_rank(ctx: Any, out: str) -> dict[str, Any]:
 
 
 def write_deepspeed(out: str) -> None:
-    from ckptaudit.dist.launch import launch
+    from ckptaudit.launch import launch
 
     info = launch(_deepspeed_rank, 2, (out,), timeout_s=900, env={"DS_ACCELERATOR": "cpu"})[0]
     _write_truth(out, **info)

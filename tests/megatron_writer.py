@@ -1,6 +1,6 @@
 """Megatron-Core ``torch_dist`` checkpoints, written by the real megatron-core 0.16.1 on 2 gloo ranks (CPU).
 
-:func:`write_megatron` runs on every rank (``ckptaudit.dist.launch``; imported by name, as spawn requires). What is
+:func:`write_megatron` runs on every rank (``ckptaudit.launch``; imported by name, as spawn requires). What is
 real and what is not:
 
 - real: ``parallel_state`` (tensor parallel size 2, so every matrix is split across the two ranks' files), a tiny

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from ckptaudit import exporters
-from ckptaudit.dist.launch import RankContext
 from ckptaudit.exporters import capture_and_export
+from ckptaudit.launch import RankContext
 from ckptaudit.probe import Probe, ProbeError, ProbeResult
 from ckptaudit.probe.run import prepared_probe
 from ckptaudit.recipes.tinygpt import Block, TinyGPTRecipe

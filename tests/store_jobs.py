@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ckptaudit.dist.launch import RankContext
 from ckptaudit.exporters import full_model_state
+from ckptaudit.launch import RankContext
 from ckptaudit.recipes.tinygpt import GPTConfig, recipe
 from ckptaudit.store import load_checkpoint, save_checkpoint
 

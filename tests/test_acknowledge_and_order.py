@@ -15,7 +15,7 @@ import pytest
 
 import ckptaudit
 from ckptaudit.catalogue import parse_ignore
-from ckptaudit.model import Severity
+from ckptaudit.findings import Severity
 from ckptaudit.testing import assert_checkpoint_ok
 from test_api import trained
 from test_cli import run

@@ -135,7 +135,7 @@ def test_every_catalogued_code_fits_the_schema() -> None:
 def test_schema_1_x_is_additive_older_reports_still_validate(tmp_path: Path) -> None:
     # 1.1 added the optional "mode" key (quick audits), 1.2 the contract's "where"/"records", a finding's "ignored"
     # and counts' "ignored": a 1.0 report (none of them) still fits the 1.x schema.
-    from ckptaudit.model import SCHEMA_VERSION
+    from ckptaudit.findings import SCHEMA_VERSION
 
     assert SCHEMA_VERSION == "1.2"
     path = trained(tmp_path / "good.pt")

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from ckptaudit.audit import AuditOptions, audit
+from ckptaudit.findings import ComponentKind, Precision, Report, Severity
 from ckptaudit.formats.dcp import check_metadata_safe
 from ckptaudit.formats.torchload import safe_torch_load
-from ckptaudit.model import ComponentKind, Precision, Report, Severity
 
 pytestmark = pytest.mark.dist
 
@@ -158,7 +158,7 @@ def test_empty_and_uneven_shards_of_a_4_rank_save_are_read_whole(tmp_path: Path)
     # its 6 rows 2-2-2-0. The shards tile each tensor (empty ones included): no finding, and every tensor hashes
     # as the full tensors rank 0 saved with torch.save.
     import fsdp_jobs
-    from ckptaudit.dist.launch import launch
+    from ckptaudit.launch import launch
 
     launch(fsdp_jobs.write_uneven_shards, 4, (str(tmp_path),), timeout_s=300, start_method="forkserver",
            preload=("torch", "torch.distributed.fsdp", "fsdp_jobs"))
@@ -174,7 +174,7 @@ def test_empty_and_uneven_shards_of_a_4_rank_save_are_read_whole(tmp_path: Path)
 
 def test_the_resume_snapshot_gathers_what_full_tensor_gathers() -> None:
     import fsdp_jobs
-    from ckptaudit.dist.launch import launch
+    from ckptaudit.launch import launch
 
     assert launch(fsdp_jobs.snapshot_gather_equals_full_tensor, 4, (), timeout_s=300, start_method="forkserver",
                   preload=("torch", "torch.distributed.fsdp", "fsdp_jobs")) == [True] * 4

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ckptaudit.cli import main
-from ckptaudit.model import SCHEMA_VERSION
+from ckptaudit.findings import SCHEMA_VERSION
 
 GOLDEN = Path(__file__).parent / "golden"
 

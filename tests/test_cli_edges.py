@@ -23,8 +23,8 @@ import torch
 from ckptaudit.audit import audit
 from ckptaudit.catalogue import CATALOGUE, finding
 from ckptaudit.cli import main
-from ckptaudit.dist.launch import RankContext
-from ckptaudit.model import Report, Severity
+from ckptaudit.findings import Report, Severity
+from ckptaudit.launch import RankContext
 from ckptaudit.recipe import Job
 from ckptaudit.recipes.tinygpt import plain_recipe
 from ckptaudit.report.table import render_table

@@ -15,8 +15,8 @@ import pytest
 from ckptaudit.audit import audit
 from ckptaudit.cli import main
 from ckptaudit.compare import CompareOptions, compare
+from ckptaudit.findings import Report, Severity
 from ckptaudit.formats.torchload import safe_torch_load
-from ckptaudit.model import Report, Severity
 
 pytestmark = pytest.mark.dist
 

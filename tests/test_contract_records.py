@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from ckptaudit.checks.precision import infer_contract
+from ckptaudit.findings import Precision, TensorRecord
 from ckptaudit.layouts import find_step, is_step_key
 from ckptaudit.layouts.precision import deepspeed_record, megatron_record, scaler_record
-from ckptaudit.model import Precision, TensorRecord
 
 
 @pytest.mark.parametrize(("config", "expected"), [

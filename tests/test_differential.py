@@ -42,11 +42,11 @@ import pytest
 import torch
 import xxhash
 
+from ckptaudit.findings import Severity
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.base import walk
 from ckptaudit.formats.dcp import read_dcp
 from ckptaudit.formats.tensors import TensorData
-from ckptaudit.model import Severity
 from ckptaudit.records import scan_tensor
 from zip_mutants import Reduce, Zip, members_of, payload, stored, torch_pickle, torch_save_bytes
 

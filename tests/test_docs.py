@@ -104,7 +104,7 @@ def test_the_recipe_page_example_runs_and_resumes_bit_identically(tmp_path: Path
     determinism (a resume through ckptaudit.store continues with the same losses)."""
     import torch
 
-    from ckptaudit.dist.launch import RankContext
+    from ckptaudit.launch import RankContext
     from ckptaudit.recipe import load_recipe
     from ckptaudit.store import load_checkpoint, save_checkpoint
 

@@ -630,7 +630,7 @@ def test_structure_aware_metadata_and_manifests_never_crash(
     dcp_root = bases["dcp"].root
     tally = Tally()
     store_root = tmp_path / "store"
-    from ckptaudit.dist.launch import RankContext
+    from ckptaudit.launch import RankContext
     from ckptaudit.recipes.tinygpt import plain_recipe
 
     job = plain_recipe.setup(RankContext(rank=0, world_size=1, backend="gloo", shared_dir=""))

@@ -278,7 +278,7 @@ def test_lightning_ddp_on_two_ranks_stops_on_both_after_the_lossy_save(tmp_path:
 
 @pytest.mark.dist
 def test_store_latest_and_retention_wait_for_the_audit(tmp_path: Path) -> None:
-    from ckptaudit.dist.launch import launch
+    from ckptaudit.launch import launch
 
     root = tmp_path / "ckpts"
     result = launch(_store_job(), 2, (str(root),), timeout_s=240)[0]

@@ -29,9 +29,9 @@ import real_checkpoints as rc
 from audit_worker import AuditWorker
 from ckptaudit.audit import audit
 from ckptaudit.cli import main
+from ckptaudit.findings import Precision, Report, Severity
 from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe
 from ckptaudit.formats.torchload import safe_dcp_load, safe_torch_load
-from ckptaudit.model import Precision, Report, Severity
 from ckptaudit.report import OutputFormat, render
 
 EXPECTED_GLOBAL = {

@@ -397,7 +397,7 @@ def test_values_python_cannot_print_are_rendered_not_raised(case: str, tmp_path:
 
 
 def test_printable_spells_what_json_cannot_hold() -> None:
-    from ckptaudit.model import printable
+    from ckptaudit.findings import printable
 
     assert printable(10**5000) == "<integer of about 5001 digits>"
     assert [printable(float(x)) for x in ("nan", "inf", "-inf")] == ["NaN", "Infinity", "-Infinity"]
@@ -478,7 +478,7 @@ def test_a_sparse_8gib_file_is_hashed_without_mapping_it(tmp_path: Path) -> None
         fh.write(b"x" * 4096)
     script = f"""
 import resource, time, xxhash
-from ckptaudit.formats.manifest import hash_file
+from ckptaudit.ondisk.manifest import hash_file
 with open("/proc/self/status") as fh:
     vm = next(int(l.split()[1]) for l in fh if l.startswith("VmSize:")) << 10
 resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), resource.RLIM_INFINITY))
@@ -496,7 +496,7 @@ print(time.perf_counter() - start)
 
 
 def test_malformed_manifest_entries_are_skipped_not_raised(tmp_path: Path) -> None:
-    from ckptaudit.formats.manifest import items_by_file, verify_files
+    from ckptaudit.ondisk.manifest import items_by_file, verify_files
 
     (tmp_path / "a.distcp").write_bytes(b"x" * 10)
     manifest: dict[str, Any] = {
@@ -597,7 +597,7 @@ def test_a_non_tensor_dcp_item_that_would_hang_torch_load_is_refused_before_load
 def test_a_manifest_claiming_2_31_ranks_is_bounded_by_what_is_on_disk(tmp_path: Path) -> None:
     import json
 
-    from ckptaudit.dist.launch import RankContext
+    from ckptaudit.launch import RankContext
     from ckptaudit.recipes.tinygpt import plain_recipe
     from ckptaudit.store import save_checkpoint
 

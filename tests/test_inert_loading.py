@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from ckptaudit.audit import audit
+from ckptaudit.findings import Severity
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.unpickler import Opaque
-from ckptaudit.model import Severity
 from inert_objects import ModelConfig, Payload
 
 

@@ -22,9 +22,9 @@ import pytest
 import xxhash
 
 from ckptaudit import records
-from ckptaudit.dist.launch import launch
+from ckptaudit.findings import Precision
 from ckptaudit.formats.leased import MIN_MAPPED_BYTES, mapped_reads_enabled
-from ckptaudit.model import Precision
+from ckptaudit.launch import launch
 from ckptaudit.scanning import plan_scan, scan_items
 
 pytestmark = pytest.mark.skipif(not mapped_reads_enabled(), reason="no file leases on this host")

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from ckptaudit.audit import audit
+from ckptaudit.findings import ComponentKind, Report, Severity
 from ckptaudit.formats.torchload import safe_torch_load
 from ckptaudit.formats.torchzip import read_torch_zip
-from ckptaudit.model import ComponentKind, Report, Severity
 
 pytestmark = pytest.mark.libs
 

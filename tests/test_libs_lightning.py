@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from ckptaudit.audit import AuditOptions, audit
+from ckptaudit.findings import ComponentKind, Report, Severity
 from ckptaudit.formats.torchload import safe_torch_load
-from ckptaudit.model import ComponentKind, Report, Severity
 
 pytestmark = pytest.mark.libs
 

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 
 from ckptaudit.audit import audit
-from ckptaudit.dist.launch import launch
+from ckptaudit.findings import ComponentKind, Precision, Severity
 from ckptaudit.formats.dcp import check_metadata_safe
 from ckptaudit.formats.dcp_metadata import load_dcp_metadata
 from ckptaudit.formats.pickles import DCP_METADATA_GLOBALS, dcp_metadata_loads, scan
-from ckptaudit.model import ComponentKind, Precision, Severity
+from ckptaudit.launch import launch
 from ckptaudit.store.latest import find_latest, latest_report
 
 pytestmark = pytest.mark.dist

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from ckptaudit.audit import audit
-from ckptaudit.dist.launch import launch
+from ckptaudit.findings import ComponentKind, Precision, Severity
 from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.dcp_metadata import load_dcp_metadata
 from ckptaudit.formats.pickle_scan import opcode_limit, scan
-from ckptaudit.model import ComponentKind, Precision, Severity
+from ckptaudit.launch import launch
 
 pytestmark = pytest.mark.dist
 

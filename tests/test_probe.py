@@ -17,9 +17,9 @@ import torch
 import xxhash
 
 from ckptaudit.cli import main
-from ckptaudit.dist.launch import launch
+from ckptaudit.findings import Report, Severity
 from ckptaudit.formats.torchload import safe_torch_load
-from ckptaudit.model import Report, Severity
+from ckptaudit.launch import launch
 from ckptaudit.probe import Probe, ProbeResult, judge
 from ckptaudit.probe.regions import combine
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from ckptaudit.findings import Precision
 from ckptaudit.formats.tensors import DTYPES, FileMaps, Piece, TensorData
-from ckptaudit.model import Precision
 from ckptaudit.records import MIN_INFORMATIVE, scan_tensor
 
 

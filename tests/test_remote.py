@@ -114,7 +114,7 @@ def _dcp_variants(local: Path, single: Path, fsdp: Path) -> dict[str, Path]:
     (d / info.relative_path).write_bytes(bytes(raw))
     # ckptaudit's own writer (DCP + manifest.json with every file's and item's hash), and a copy with one byte
     # of tensor data altered: only hashing the remote bytes against the manifest can see that one.
-    from ckptaudit.dist.launch import RankContext
+    from ckptaudit.launch import RankContext
     from ckptaudit.recipes.tinygpt import plain_recipe
     from ckptaudit.store import save_checkpoint
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from ckptaudit.cli import main
+from ckptaudit.findings import Report
 from ckptaudit.formats.torchload import safe_torch_load
-from ckptaudit.model import Report
 from ckptaudit.report import OutputFormat, render
 from ckptaudit.resume import COMPONENTS, ResumeConfig, Trajectory, _judge, run_resume_test, thresholds
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from ckptaudit.model import Precision
+from ckptaudit.findings import Precision
 from ckptaudit.records import scan_tensor
 from ckptaudit.scanning import BATCH_BYTES, BATCH_COUNT, ScanOutcome, plan_scan, scan_items
 

@@ -137,4 +137,4 @@ def test_small_audit_imports_only_what_the_checkpoint_needs(small_training_state
 
 def test_help_imports_no_engine() -> None:
     modules, _ = _run_cli("--help")
-    assert modules & {"ckptaudit.audit", "ckptaudit.formats", "ckptaudit.model", "numpy", "rich", "xxhash"} == set()
+    assert modules & {"ckptaudit.audit", "ckptaudit.formats", "ckptaudit.findings", "numpy", "rich", "xxhash"} == set()

@@ -21,8 +21,8 @@ import torch
 
 from ckptaudit.audit import audit
 from ckptaudit.cli import main
-from ckptaudit.dist.launch import RankContext
-from ckptaudit.model import Severity
+from ckptaudit.findings import Severity
+from ckptaudit.launch import RankContext
 from ckptaudit.recipe import Job
 from ckptaudit.recipes.tinygpt import plain_recipe
 from ckptaudit.store import (

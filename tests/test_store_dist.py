@@ -20,7 +20,7 @@ import torch
 
 import store_jobs
 from ckptaudit.cli import main
-from ckptaudit.dist.launch import DistributedError, launch
+from ckptaudit.launch import DistributedError, launch
 from ckptaudit.store import find_latest
 
 pytestmark = pytest.mark.dist

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from ckptaudit.audit import audit
-from ckptaudit.model import Precision, Report, Severity
+from ckptaudit.findings import Precision, Report, Severity
 
 pytestmark = pytest.mark.libs
 
@@ -217,7 +217,7 @@ def test_lr_0_in_dcp_does_not_excuse_a_trained_weight_saved_rounded(dcp_jobs: Pa
 
 
 def test_the_step_is_read_under_its_common_spellings(dcp_jobs: Path) -> None:
-    from ckptaudit.model import ComponentKind
+    from ckptaudit.findings import ComponentKind
 
     for name, where in (("finetune-lr0", "train/step"), ("finetune-lr0.pt", "trainer")):
         report = audit(str(dcp_jobs / name))

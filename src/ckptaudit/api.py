@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptaudit.model import ComponentKind, Finding, Severity
-from ckptaudit.model import Report as RawReport
+from ckptaudit.findings import ComponentKind, Finding, Severity
+from ckptaudit.findings import Report as RawReport
 
 __all__ = ["AUDIT_OPTIONS", "COMPARE_OPTIONS", "Report", "audit", "compare"]
 

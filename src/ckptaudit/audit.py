@@ -20,6 +20,7 @@ from ckptaudit.checks.lr_history import deepspeed_zero_lr_steps, zero_lr_groups
 from ckptaudit.checks.manifest import check_manifest
 from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_steps, may_all_be_unattached, never_updated
 from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract
+from ckptaudit.findings import ComponentKind, Contract, Finding, Precision, Report, Severity, TensorRecord
 from ckptaudit.formats.base import Checkpoint, walk
 from ckptaudit.formats.tensors import (
     DEFAULT_CHUNK_BYTES,
@@ -30,7 +31,6 @@ from ckptaudit.formats.tensors import (
     small_read_plan,
 )
 from ckptaudit.layouts import SCHEDULER_KEYS, View, file_rule
-from ckptaudit.model import ComponentKind, Contract, Finding, Precision, Report, Severity, TensorRecord
 from ckptaudit.records import SMALL_TENSOR_BYTES
 from ckptaudit.scanning import (
     Progress,

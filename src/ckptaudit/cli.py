@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from ckptaudit import __version__
 
 if TYPE_CHECKING:  # imported by the commands that run: ``--help`` needs none of it
-    from ckptaudit.model import ComponentKind, Report
+    from ckptaudit.findings import ComponentKind, Report
 
 __all__ = ["main"]
 
@@ -222,7 +222,7 @@ def _output_args(p: argparse.ArgumentParser) -> None:
 
 
 def _require(text: str) -> frozenset[ComponentKind]:
-    from ckptaudit.model import ComponentKind
+    from ckptaudit.findings import ComponentKind
 
     kinds: set[ComponentKind] = set()
     for item in filter(None, (t.strip() for t in text.split(","))):
@@ -283,7 +283,7 @@ def _emit(report: Report, args: argparse.Namespace, stdout: TextIO) -> int:
             raise UsageError(f"--output {args.output}: cannot write ({exc.strerror})") from None
     else:
         render(report, fmt, stdout, verbose=args.verbose)
-    from ckptaudit.model import Severity
+    from ckptaudit.findings import Severity
 
     return EXIT_FINDINGS if report.fails(Severity.parse(args.fail_on)) else EXIT_CLEAN
 
@@ -489,7 +489,7 @@ def _cmd_demo(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 
 
 def _cmd_probe(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from ckptaudit.dist.launch import DistributedError
+    from ckptaudit.launch import DistributedError
     from ckptaudit.probe.run import run_probe
 
     if args.nproc < 1:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from ckptaudit.model import Severity
+from ckptaudit.findings import Severity
 
 __all__ = ["DemoResult", "run_demo"]
 

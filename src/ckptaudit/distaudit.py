@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 from ckptaudit.audit import AuditOptions, judge
-from ckptaudit.model import Precision, PrecisionStats, Report
+from ckptaudit.findings import Precision, PrecisionStats, Report
 from ckptaudit.records import TensorScan
 from ckptaudit.scanning import ScanOutcome, ScanPlan, assemble, plan_scan, scan_items
 

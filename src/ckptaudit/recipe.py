@@ -50,7 +50,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ckptaudit.dist.launch import RankContext
+from ckptaudit.launch import RankContext
 
 __all__ = ["DataSource", "Job", "Recipe", "RecipeError", "UserFailure", "checked_setup", "checked_step",
            "describe_function", "eval_forward", "load_object", "load_recipe", "model_forward", "to_device",
@@ -197,7 +197,7 @@ class RecipeError(Exception):
 
 _SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__,)) + tuple(
     os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
-_RUNNER = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("resume" + os.sep, "recipe.py", "dist" + os.sep))
+_RUNNER = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("resume" + os.sep, "recipe.py", "launch.py"))
 
 
 _RUNNER_FUNCTIONS = ((os.path.join(os.path.dirname(__file__), "exporters.py"), "capture_and_export"),)

@@ -1,4 +1,4 @@
-"""From lazy tensors to :class:`~ckptaudit.model.TensorRecord`: content hash and effective precision.
+"""From lazy tensors to :class:`~ckptaudit.findings.TensorRecord`: content hash and effective precision.
 
 One streaming pass per tensor, one bounded chunk at a time (see :mod:`ckptaudit.formats.tensors`): the hash
 sees every byte; the precision test works on the raw fp32 bits and stops as soon as a value needs the low
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from ckptaudit.findings import Precision, PrecisionStats
 from ckptaudit.formats.leased import MIN_MAPPED_BYTES
 from ckptaudit.formats.tensors import (
     DEFAULT_CHUNK_BYTES,
@@ -36,7 +37,6 @@ from ckptaudit.formats.tensors import (
     read_exact,
     small_read_plan,
 )
-from ckptaudit.model import Precision, PrecisionStats
 
 if TYPE_CHECKING:
     import numpy as np

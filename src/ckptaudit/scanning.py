@@ -22,6 +22,7 @@ from typing import Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.checks.optimizer import Attachment, check_attachment
+from ckptaudit.findings import ComponentKind, Finding, Precision, TensorRecord
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.base import Checkpoint, Unreadable, gc_paused
 from ckptaudit.formats.tensors import (
@@ -34,7 +35,6 @@ from ckptaudit.formats.tensors import (
     small_read_plan,
 )
 from ckptaudit.layouts import TensorRef, View, interpret
-from ckptaudit.model import ComponentKind, Finding, Precision, TensorRecord
 from ckptaudit.records import SMALL_TENSOR_BYTES, TensorScan, scan_first_chunk, scan_tensor
 
 __all__ = ["BATCH_BYTES", "BATCH_COUNT", "SERIAL_BYTES", "Progress", "ScanOutcome", "ScanPlan", "ScannedCheckpoint",

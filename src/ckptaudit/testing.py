@@ -27,7 +27,7 @@ import os
 from typing import Any
 
 from ckptaudit.api import Report, audit
-from ckptaudit.model import Severity
+from ckptaudit.findings import Severity
 
 __all__ = ["AuditFailed", "CheckFailed", "CheckpointDrift", "ExporterFailed", "IncompleteRestore", "NoPower",
            "ReferenceNotReproducible", "ResumeFailed", "assert_checkpoint_ok", "assert_resumes_faithfully"]

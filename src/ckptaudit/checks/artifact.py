@@ -19,10 +19,10 @@ from typing import Any
 import xxhash
 
 from ckptaudit.catalogue import finding
+from ckptaudit.findings import ComponentKind, Finding, TensorRecord
 from ckptaudit.formats.base import Checkpoint
 from ckptaudit.formats.safejson import loads_limited
 from ckptaudit.layouts import View
-from ckptaudit.model import ComponentKind, Finding, TensorRecord
 
 __all__ = ["HASH_PREFIX", "SERVING_KEYS", "check_artifact", "manifest_hash"]
 

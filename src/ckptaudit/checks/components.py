@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from ckptaudit.catalogue import finding
+from ckptaudit.findings import Component, ComponentKind, Finding, Severity
 from ckptaudit.layouts import View
-from ckptaudit.model import Component, ComponentKind, Finding, Severity
 
 __all__ = ["ALWAYS_REQUIRED", "check_components"]
 

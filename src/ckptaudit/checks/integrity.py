@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 from ckptaudit.catalogue import finding
+from ckptaudit.findings import Finding
 from ckptaudit.formats.base import Checkpoint
 from ckptaudit.layouts import View
-from ckptaudit.model import Finding
 
 __all__ = ["check_indexes"]
 

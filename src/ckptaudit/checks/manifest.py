@@ -8,11 +8,11 @@ import os
 from collections.abc import Sequence
 
 from ckptaudit.catalogue import finding
-from ckptaudit.formats import manifest as mf
-from ckptaudit.formats import storelayout as layout
+from ckptaudit.findings import ComponentKind, Finding, TensorRecord
 from ckptaudit.formats.base import Checkpoint
 from ckptaudit.layouts import View
-from ckptaudit.model import ComponentKind, Finding, TensorRecord
+from ckptaudit.ondisk import layout as layout
+from ckptaudit.ondisk import manifest as mf
 
 __all__ = ["check_manifest", "uncommitted"]
 

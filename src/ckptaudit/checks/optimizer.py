@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptaudit.catalogue import finding
+from ckptaudit.findings import Finding, Severity
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts import ModelView, OptimizerView, TensorRef, View, normalize_fqn
-from ckptaudit.model import Finding, Severity
 
 __all__ = [
     "ELEMENTWISE_STATE",

@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 
 from ckptaudit.catalogue import finding
+from ckptaudit.findings import Contract, Finding, Precision, TensorRecord
 from ckptaudit.layouts.view import ContractRecord
-from ckptaudit.model import Contract, Finding, Precision, TensorRecord
 
 __all__ = ["MASTER_DTYPES", "check_precision", "infer_contract"]
 

@@ -13,7 +13,7 @@ from typing import Any
 from ckptaudit.catalogue import finding
 from ckptaudit.compare.matching import Entry, key_text
 from ckptaudit.compare.pairs import Pair, is_moment
-from ckptaudit.model import ComponentKind, Finding, Severity, printable
+from ckptaudit.findings import ComponentKind, Finding, Severity, printable
 
 __all__ = ["component_findings", "group_of", "pair_findings", "pair_json", "sections", "summary"]
 

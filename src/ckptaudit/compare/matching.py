@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptaudit.checks.optimizer import Attachment
+from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts import (
@@ -40,7 +41,6 @@ from ckptaudit.layouts import (
     normalize_fqn,
 )
 from ckptaudit.layouts import file_rule as _layout_file_rule
-from ckptaudit.model import ComponentKind
 from ckptaudit.scanning import open_interpreted
 
 __all__ = ["Entry", "Side", "align_ranks", "entries_of", "key_text", "open_side"]

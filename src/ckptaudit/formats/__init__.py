@@ -18,12 +18,12 @@ import stat
 from typing import TYPE_CHECKING, Any
 
 from ckptaudit.catalogue import finding
+from ckptaudit.findings import Finding
 from ckptaudit.formats.allowlist import WRITER_DECLARED_SAFE
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, describe_kind, open_regular, read_limited
 from ckptaudit.formats.safejson import JsonLimitError, loads_limited
 from ckptaudit.formats.tensors import TensorData
-from ckptaudit.model import Finding
 
 if TYPE_CHECKING:
     from ckptaudit.formats.pickle_scan import PickleScan

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptaudit.findings import Finding
 from ckptaudit.formats.tensors import FileMaps
-from ckptaudit.model import Finding
 
 __all__ = ["Checkpoint", "Part", "Unreadable", "walk"]
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptaudit.catalogue import finding
+from ckptaudit.findings import Finding
 from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.base import Part, Unreadable
 from ckptaudit.formats.dcp_metadata import (
@@ -43,7 +44,6 @@ from ckptaudit.formats.pickle_scan import (
 from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, file_kind, read_limited
 from ckptaudit.formats.tensors import DTYPES, Piece, TensorData
 from ckptaudit.formats.torchzip import TorchZipError, TorchZipFiles, read_torch_zip
-from ckptaudit.model import Finding
 
 __all__ = ["DcpRead", "UnsafeCheckpointError", "check_metadata_safe", "is_dcp_dir", "read_dcp"]
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptaudit.catalogue import finding
+from ckptaudit.findings import Finding
 from ckptaudit.formats.base import Part, Unreadable
 from ckptaudit.formats.deepspeed_zero import (
     _add_optimizer,
@@ -54,7 +55,6 @@ from ckptaudit.formats.deepspeed_zero import (
     _zero12_frozen,
 )
 from ckptaudit.formats.tensors import TensorData
-from ckptaudit.model import Finding
 
 __all__ = [
     "DeepSpeedRead",

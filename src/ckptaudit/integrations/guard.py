@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptaudit.formats.quarantine import REPORT_SUFFIX, is_quarantined, quarantine_name
+from ckptaudit.ondisk.quarantine import REPORT_SUFFIX, is_quarantined, quarantine_name
 
 __all__ = ["BACKGROUNDS", "ON_FAILURE", "REPORT_SUFFIX", "Guard", "Verdict", "is_quarantined", "quarantine_name",
            "report_path", "stop_requested"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts.huggingface import _layout_name, file_rule
@@ -27,7 +28,6 @@ from ckptaudit.layouts.view import (
     _label,
     _leaf_file,
 )
-from ckptaudit.model import ComponentKind
 
 
 def interpret(ckpt: Checkpoint) -> View:

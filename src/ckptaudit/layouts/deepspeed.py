@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts.keyed import _optimizer_view
 from ckptaudit.layouts.precision import deepspeed_record
 from ckptaudit.layouts.view import DATA_KEYS, RNG_KEYS, STEP_KEYS, View, _as_int, _label, is_step_key
-from ckptaudit.model import ComponentKind
 
 
 def _deepspeed(part: Part, tree: dict[str, Any], view: View, found: Any, add_model: Any, ckpt: Checkpoint) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import fnmatch
 import os
 
+from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint
 from ckptaudit.layouts.view import View
-from ckptaudit.model import ComponentKind
 
 _FILE_RULES: tuple[tuple[str, ComponentKind | str], ...] = (
     ("optimizer*.pt", ComponentKind.OPTIMIZER),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ckptaudit.findings import ComponentKind, text
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts.precision import LIGHTNING_SCALER_KEYS, scaler_record
@@ -30,7 +31,6 @@ from ckptaudit.layouts.view import (
     find_step,
     is_step_key,
 )
-from ckptaudit.model import ComponentKind, text
 
 
 def _classify_keys(part: Part, tree: dict[str, Any], view: View, found: Any, add_model: Any,

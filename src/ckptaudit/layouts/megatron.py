@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts.keyed import _clean_groups
@@ -26,7 +27,6 @@ from ckptaudit.layouts.view import (
     _present,
     _unreadable_detail,
 )
-from ckptaudit.model import ComponentKind
 
 MEGATRON_MASTERS = frozenset({"fp32_param", "param"})
 """Megatron's names for the fp32 master of a parameter: ``fp32_param`` (``Float16OptimizerWithFloat16Params``, the

@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.tensors import TensorData
-from ckptaudit.model import ComponentKind
 
 MODEL_KEYS = ("model", "state_dict", "module", "model_state_dict", "model_state", "net", "network")
 OPTIMIZER_KEYS = ("optimizer", "optim", "optimizer_states", "optimizer_state_dict", "optimizer_state", "opt")
@@ -100,7 +100,7 @@ class ContractRecord:
     saved ``ds_config``, Megatron-LM's ``args``, a saved GradScaler state, the Trainer's ``training_args.bin``)."""
 
     source: str
-    """The :class:`~ckptaudit.model.Contract` source it stands for when it decides (``deepspeed-config``,
+    """The :class:`~ckptaudit.findings.Contract` source it stands for when it decides (``deepspeed-config``,
     ``megatron-args``, ``grad-scaler``), or what it is when it cannot (``training-args``)."""
     where: str
     """The file (and key) it was read from."""

@@ -5,7 +5,7 @@
 3. the state an exporter saved, cut to the same shard regions (:meth:`Probe.record_saved`).
 
 :func:`judge` puts them side by side (``faithful`` / ``probe.saved-compute-copy`` / ``probe.mismatch``) in a
-:class:`~ckptaudit.model.Report`; :func:`ckptaudit.probe.run.run_probe` drives it on a recipe
+:class:`~ckptaudit.findings.Report`; :func:`ckptaudit.probe.run.run_probe` drives it on a recipe
 (``ckptaudit probe``). See :mod:`ckptaudit.probe.live` for the protocol inside a training script.
 """
 

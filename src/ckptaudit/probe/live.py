@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckptaudit.model import Finding, Report
+from ckptaudit.findings import Finding, Report
 from ckptaudit.probe.points import ComputeShard, MasterShard, ParamInfo, ProbeResult, SavedShard
 from ckptaudit.probe.regions import Region, dtype_name, hash_tensor_region
 from ckptaudit.probe.saved import saved_from_path, saved_from_state_dict
@@ -255,7 +255,7 @@ class Probe:
         )
 
     def report(self, **meta: object) -> Report | None:
-        """(all ranks, collective) The verdict as a :class:`~ckptaudit.model.Report` on rank 0, else ``None``."""
+        """(all ranks, collective) The verdict as a :class:`~ckptaudit.findings.Report` on rank 0, else ``None``."""
         from ckptaudit.probe.verdict import judge
 
         result = self.result(**meta)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ckptaudit.model import Finding
+from ckptaudit.findings import Finding
 from ckptaudit.probe.regions import Region
 
 __all__ = ["ComputeShard", "MasterShard", "ParamInfo", "ProbeResult", "SavedShard"]

@@ -20,8 +20,8 @@ import shutil
 import tempfile
 from typing import Any
 
-from ckptaudit.dist.launch import RankContext, fast, launch
-from ckptaudit.model import Report
+from ckptaudit.findings import Report
+from ckptaudit.launch import RankContext, fast, launch
 from ckptaudit.probe.points import ProbeResult
 
 __all__ = ["DEFAULT_EXPORTER", "DEFAULT_RECIPE", "probe_job", "run_probe"]
@@ -83,7 +83,7 @@ def run_probe(recipe: str = DEFAULT_RECIPE, exporter: str = DEFAULT_EXPORTER, *,
     (kept), or to a temporary directory (removed).
 
     Raises ``ValueError`` for a recipe or exporter that cannot be loaded (checked here, before any process
-    starts) and :class:`~ckptaudit.dist.launch.DistributedError` when a rank fails.
+    starts) and :class:`~ckptaudit.launch.DistributedError` when a rank fails.
     """
     from ckptaudit.probe.verdict import judge
     from ckptaudit.recipe import load_object, load_recipe

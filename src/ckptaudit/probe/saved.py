@@ -17,9 +17,9 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from ckptaudit.findings import Finding
 from ckptaudit.formats.base import Unreadable
 from ckptaudit.layouts import MODEL_KEYS
-from ckptaudit.model import Finding
 from ckptaudit.probe.points import SavedShard
 from ckptaudit.probe.regions import Region, dtype_name, hash_saved_region, hash_tensor_region
 from ckptaudit.probe.wrappers import ProbeError, clean_fqn, dtensor_region, is_dtensor

@@ -1,6 +1,6 @@
 """Judge what the probe saw: per parameter, is the saved tensor the master, the compute copy, or neither?
 
-Pure (no torch, no I/O): :class:`~ckptaudit.probe.points.ProbeResult` in, :class:`~ckptaudit.model.Report` out.
+Pure (no torch, no I/O): :class:`~ckptaudit.probe.points.ProbeResult` in, :class:`~ckptaudit.findings.Report` out.
 Every comparison is per rank over the same region (see :mod:`ckptaudit.probe.regions`), so "equal" means
 bitwise equal on every rank's shard.
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptaudit.catalogue import finding
-from ckptaudit.model import HASH_ALGORITHM, Contract, Finding, Report, Severity
+from ckptaudit.findings import HASH_ALGORITHM, Contract, Finding, Report, Severity
 from ckptaudit.probe.points import ComputeShard, MasterShard, ParamInfo, ProbeResult, SavedShard
 from ckptaudit.probe.regions import combine, short_dtype
 

@@ -1,5 +1,5 @@
 """Renderers: one report, three faces. ``table`` for people (rich), ``json`` for machines (versioned schema,
-see docs/json-schema.md), ``html`` for plots. Every command's :class:`~ckptaudit.model.Report` goes through
+see docs/json-schema.md), ``html`` for plots. Every command's :class:`~ckptaudit.findings.Report` goes through
 :func:`render`; nothing else in ckptaudit prints reports.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from typing import TextIO
 
-from ckptaudit.model import Report
+from ckptaudit.findings import Report
 
 __all__ = ["OutputFormat", "render"]
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from ckptaudit import __version__
-from ckptaudit.model import Precision, Report, Severity
+from ckptaudit.findings import Precision, Report, Severity
 
 __all__ = ["render_html", "render_page"]
 

@@ -9,7 +9,7 @@ import os
 from typing import Any, TextIO
 
 from ckptaudit import __version__
-from ckptaudit.model import HASH_ALGORITHM, SCHEMA_VERSION, Report, Severity, printable, text
+from ckptaudit.findings import HASH_ALGORITHM, SCHEMA_VERSION, Report, Severity, printable, text
 
 __all__ = ["render_json", "to_dict"]
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptaudit.catalogue import CATALOGUE
-from ckptaudit.model import Finding, Precision, Report, Severity
+from ckptaudit.findings import Finding, Precision, Report, Severity
 
 __all__ = ["render_table"]
 

@@ -1,6 +1,6 @@
 """The differential resume test: does a checkpoint resume the original trajectory?
 
-Phases, each a fresh set of real processes (:func:`ckptaudit.dist.launch.launch`):
+Phases, each a fresh set of real processes (:func:`ckptaudit.launch.launch`):
 
 1. **train** (``nproc`` ranks): build the recipe's job, train ``save_at`` steps; save the reference through the
    documented path (:func:`ckptaudit.exporters.documented`: ``get_state_dict`` + DCP, with scheduler, RNG and

@@ -10,8 +10,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from ckptaudit.dist.launch import DistributedError, fast, launch
-from ckptaudit.model import Report
+from ckptaudit.findings import Report
+from ckptaudit.launch import DistributedError, fast, launch
 from ckptaudit.resume.config import ResumeConfig, ResumeError, _Failed
 from ckptaudit.resume.judge import _judge
 from ckptaudit.resume.phases import _export_phase, _resume_phase, _train_phase
@@ -22,7 +22,7 @@ _FAST = fast()  # ranks forked from a server that imported torch once: fresh pro
 def _launch(fn: Callable[..., Any], nproc: int, args: tuple[Any, ...], timeout_s: float
             ) -> tuple[Any, _Failed | None, list[Any]]:
     """(this process) One phase; returns (rank 0's result, the first rank's reported failure, the ranks'
-    crashes: :class:`~ckptaudit.dist.launch.RankFailure` records)."""
+    crashes: :class:`~ckptaudit.launch.RankFailure` records)."""
     try:
         results = launch(fn, nproc, args, timeout_s=timeout_s, **_FAST)
     except DistributedError as exc:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ckptaudit.catalogue import finding
-from ckptaudit.model import Finding, Report
+from ckptaudit.findings import Finding, Report
 from ckptaudit.resume.config import COMPONENTS, ResumeConfig, Trajectory
 from ckptaudit.resume.deviation import (
     CONSUMABLE,

@@ -1,4 +1,4 @@
-"""The rank functions of the experiment's phases (each run on every rank of a :func:`ckptaudit.dist.launch.launch`):
+"""The rank functions of the experiment's phases (each run on every rank of a :func:`ckptaudit.launch.launch`):
 train and save the reference, export one candidate from the reference's state, restore and repeat the steps; and
 the documented restore paths (:func:`default_load`, :func:`load_weights`).
 
@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any
 
-from ckptaudit.dist.launch import RankContext
+from ckptaudit.launch import RankContext
 from ckptaudit.resume.config import ResumeConfig, Trajectory, _Failed
 from ckptaudit.resume.snapshot import _param_names, _snapshot, _state_snapshot
 

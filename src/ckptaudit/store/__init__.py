@@ -4,7 +4,7 @@ commit of :mod:`ckptaudit.store.commit`, :mod:`ckptaudit.store.loader` restores)
 (:mod:`ckptaudit.store.serving`, :mod:`ckptaudit.store.gate`).
 
 The manifest format and the names of the on-disk layout live below both the writer and the offline checks, in
-:mod:`ckptaudit.formats.manifest` and :mod:`ckptaudit.formats.storelayout`. The public names here are imported
+:mod:`ckptaudit.ondisk.manifest` and :mod:`ckptaudit.ondisk.layout`. The public names here are imported
 lazily, so that ``import ckptaudit.store`` does not import ``torch.distributed``.
 """
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from ckptaudit import __version__
-from ckptaudit.formats import manifest as mf
-from ckptaudit.model import HASH_ALGORITHM
+from ckptaudit.findings import HASH_ALGORITHM
+from ckptaudit.ondisk import manifest as mf
 from ckptaudit.store import layout
 from ckptaudit.store.checkpoint import COMPONENT_OF_KEY, dtype_name
 from ckptaudit.store.dcpio import item_offsets

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptaudit.catalogue import finding
-from ckptaudit.formats import manifest as mf
-from ckptaudit.formats import quarantine
+from ckptaudit.findings import ComponentKind, Finding, Report, Severity
 from ckptaudit.formats.safeio import open_regular
-from ckptaudit.model import ComponentKind, Finding, Report, Severity
+from ckptaudit.ondisk import manifest as mf
+from ckptaudit.ondisk import quarantine
 from ckptaudit.store import layout
 
 __all__ = ["Candidate", "Checked", "LatestResult", "discover", "find_latest", "latest_report", "validate"]
@@ -375,7 +375,7 @@ def _candidate_json(ch: Checked | None, c: Candidate) -> dict[str, Any]:
 def latest_report(root: str, *, verify: str = DEFAULT_VERIFY, require: Collection[ComponentKind] = frozenset(),
                   check_all: bool = False, progress: Callable[[str], None] | None = None,
                   ignore: Collection[str] = (), master_dtype: str = "auto") -> Report:
-    """The :class:`~ckptaudit.model.Report` of ``ckptaudit latest``: ``extra["latest"]`` (path or ``None``)
+    """The :class:`~ckptaudit.findings.Report` of ``ckptaudit latest``: ``extra["latest"]`` (path or ``None``)
     and ``extra["candidates"]``; the findings are the errors of the rejected candidates newer than the latest
     resumable one (subjects prefixed by the candidate), and a stale pointer."""
     result = find_latest(root, verify=verify, require=require, check_all=check_all, progress=progress,

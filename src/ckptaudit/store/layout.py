@@ -1,5 +1,5 @@
 """The durable-write primitives of :mod:`ckptaudit.store` (fsync a directory, replace a file atomically, a random tag
-for temporary names), with the names of the on-disk layout re-exported from :mod:`ckptaudit.formats.storelayout`,
+for temporary names), with the names of the on-disk layout re-exported from :mod:`ckptaudit.ondisk.layout`,
 where the offline checks read them too."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import secrets
 
-from ckptaudit.formats.storelayout import MANIFEST, POINTER, parse_step_name, partial_name, read_pointer, step_name
+from ckptaudit.ondisk.layout import MANIFEST, POINTER, parse_step_name, partial_name, read_pointer, step_name
 
 __all__ = [
     "MANIFEST",

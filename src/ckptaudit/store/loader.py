@@ -12,7 +12,7 @@ from typing import Any, Literal, overload
 import torch
 
 from ckptaudit.exporters import rng_state, set_rng_state
-from ckptaudit.formats import manifest as mf
+from ckptaudit.ondisk import manifest as mf
 from ckptaudit.recipe import Job
 from ckptaudit.store import layout
 from ckptaudit.store.checkpoint import KEYS, CheckpointLoadError, LoadedCheckpoint, has_state

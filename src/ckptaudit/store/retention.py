@@ -17,7 +17,7 @@ import os
 import shutil
 from collections.abc import Iterable
 
-from ckptaudit.formats import manifest as mf
+from ckptaudit.ondisk import manifest as mf
 from ckptaudit.store import layout
 
 __all__ = ["apply_retention", "plan_retention"]

@@ -48,7 +48,7 @@ from torch import nn
 from ckptaudit import __version__
 from ckptaudit.catalogue import finding
 from ckptaudit.checks.artifact import HASH_PREFIX, manifest_hash
-from ckptaudit.model import Finding, Report
+from ckptaudit.findings import Finding, Report
 from ckptaudit.store import layout
 from ckptaudit.store.gate import GateResult, GateThresholds, compare_outputs, judge, next_token_targets, output_kind
 

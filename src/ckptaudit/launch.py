@@ -1,7 +1,8 @@
 """Run a function on several real ``torch.distributed`` processes and collect what each returns.
 
-This is the one place where ckptaudit starts processes. Every other distributed part (the demo, the
-resume experiment, the probe's CLI, the tests) calls :func:`launch`.
+This is the one place where ckptaudit starts the ranks of a distributed job: every distributed part (the demo,
+the resume experiment, the probe's CLI, the tests) calls :func:`launch`. (The guard's background audit is one
+plain child process, started by :mod:`ckptaudit.integrations.guard`.)
 
 Order of events:
 
@@ -227,7 +228,7 @@ def _default_backend(world_size: int) -> str:
 
         if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
             return "nccl"
-    except Exception:  # noqa: BLE001 - no CUDA means gloo
+    except Exception:  # noqa: BLE001, S110 - no CUDA means gloo
         pass
     return "gloo"
 

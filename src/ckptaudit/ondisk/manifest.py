@@ -6,7 +6,7 @@ commit (the rename). It records:
 - ``files``: every file of the checkpoint but itself, with its size and xxh3-128 (``.metadata`` included);
 - ``tensors``: per tensor, the dtype and global shape, and per stored shard its offsets, sizes, place in the
   file (``file``, ``offset``, ``length``), the xxh3-128 of its stored bytes and of its values
-  (``content_xxh3_128``, the hash :class:`~ckptaudit.model.TensorRecord` uses, computed from the tensor in
+  (``content_xxh3_128``, the hash :class:`~ckptaudit.findings.TensorRecord` uses, computed from the tensor in
   memory before it was written);
 - ``objects``: the same for non-tensor items (scheduler fields, step, per-rank RNG and data progress);
 - ``components``: the inventory the writer saved (model, optimizer, scheduler, rng, data-progress, step,
@@ -30,9 +30,9 @@ from typing import Any
 import xxhash
 
 from ckptaudit.catalogue import finding
+from ckptaudit.findings import HASH_ALGORITHM, Finding
 from ckptaudit.formats.safeio import LimitExceeded, open_regular
 from ckptaudit.formats.safejson import read_json_limited
-from ckptaudit.model import HASH_ALGORITHM, Finding
 
 ReadInto = Callable[[str, memoryview, int], int]
 """``read_into(path, buf, offset) -> bytes read``: a positional reader of files by path."""
