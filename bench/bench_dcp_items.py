@@ -7,8 +7,8 @@
 For each DCP directory, in one process, rounds alternate between: a plain read of the bytes the reader needs
 of every item (each data file opened once; an item of up to 8 KiB whole, a longer one's first and last 4 KiB:
 the floor, the reader's own ``pread`` calls and nothing else), every item read as ``read_dcp`` reads it
-(:class:`ckptaudit.formats.torchzip.TorchZipFiles`: each data file opened once, every archive checked, tensors
-located), and :func:`ckptaudit.formats.torchzip.read_torch_zip` once per item (opens the file per call). The
+(:class:`ckptaudit.formats.zip.archive.TorchZipFiles`: each data file opened once, every archive checked, tensors
+located), and :func:`ckptaudit.formats.zip.archive.read_torch_zip` once per item (opens the file per call). The
 ``.metadata`` parse is left out (``bench_realistic.py --open-only`` times the whole open). Each figure is the
 best round's CPU time (``time.process_time``) per item, with the load average, and the ratio to the plain read.
 Every item is read once before the rounds: the pickles of items of one shape are scanned and loaded once per
@@ -28,8 +28,8 @@ from collections.abc import Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from ckptaudit.formats.dcp_metadata import load_dcp_metadata  # noqa: E402
-from ckptaudit.formats.torchzip import TorchZipFiles, read_torch_zip  # noqa: E402
+from ckptaudit.formats.dcp.metadata import load_dcp_metadata  # noqa: E402
+from ckptaudit.formats.zip.archive import TorchZipFiles, read_torch_zip  # noqa: E402
 
 
 def write_dcp(path: str, tensors: int) -> None:

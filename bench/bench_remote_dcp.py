@@ -63,8 +63,8 @@ def main() -> None:
 
 def run(local: str, url: str, items: int) -> None:
     from ckptaudit.audit import audit
-    from ckptaudit.formats import open_checkpoint, remote_dcp
-
+    from ckptaudit.formats import open_checkpoint
+    from ckptaudit.formats.remote import dcp as remote_dcp
     staged: dict[str, int] = {}
     real = remote_dcp.stage_dcp
 

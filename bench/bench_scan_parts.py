@@ -20,7 +20,7 @@ chunk of the same bytes:
 - ``pread + xxh3``: the two together, chunk by chunk (what the scan does to every chunk of a genuine fp32 tensor
   after its first where the file cannot be leased, and did everywhere before);
 - ``leased map + xxh3``: each 8 MiB chunk hashed where it lies in the page cache, under a read lease
-  (:mod:`ckptaudit.formats.leased`: what the scan does to those chunks where it can; Linux);
+  (:mod:`ckptaudit.formats.io.leased`: what the scan does to those chunks where it can; Linux);
 - ``scan_tensor``: the whole scan of the file as one tensor (read + hash + precision).
 
 Prints CPU s/GB for each (best of ``--repeat``) and the load average at the start: on a loaded machine CPU time
@@ -51,15 +51,15 @@ sys.path.insert(0, _SRC)
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
-from ckptaudit.formats.tensors import DTYPES, FileMaps, Piece, TensorData  # noqa: E402
+from ckptaudit.formats.io.tensors import DTYPES, FileMaps, Piece, TensorData  # noqa: E402
 from ckptaudit.records import _Fp32State, scan_tensor  # noqa: E402
 
 try:  # absent before the scan reused its buffers: this script also measures earlier commits' src
-    from ckptaudit.formats.tensors import scratch_buffer
+    from ckptaudit.formats.io.tensors import scratch_buffer
 except ImportError:
     scratch_buffer = None
 try:  # absent before chunks were hashed in the page cache under a lease
-    from ckptaudit.formats.leased import LeasedFile, mapped_reads_enabled
+    from ckptaudit.formats.io.leased import LeasedFile, mapped_reads_enabled
     from ckptaudit.records import MAPPED_CHUNK_BYTES
 except ImportError:
     LeasedFile = None  # type: ignore[assignment,misc]
@@ -118,7 +118,7 @@ def parts(path: str, lo: int, hi: int, chunk: int, mm: mmap.mmap, fd: int) -> di
 
     def leased_hash() -> None:
         # What the scan does to the chunks of a tensor once its precision is decided: each 8 MiB chunk hashed
-        # where it lies in the page cache, under the file's read lease (formats/leased.py).
+        # where it lies in the page cache, under the file's read lease (formats/io/leased.py).
         lf = LeasedFile(fd)
         step = MAPPED_CHUNK_BYTES
         h = xxhash.xxh3_128()

@@ -39,7 +39,7 @@ def _serve(headroom_mib: int) -> None:
     import io
     import resource
 
-    import ckptaudit.formats.safeio  # noqa: F401 - import everything the audit needs before limiting memory
+    import ckptaudit.formats.io.safeio  # noqa: F401 - import everything the audit needs before limiting memory
     from ckptaudit.audit import audit
     from ckptaudit.cli import main
     from ckptaudit.report import OutputFormat, render

@@ -160,8 +160,7 @@ def test_the_garbage_collector_is_left_as_the_caller_had_it(tmp_path: Path) -> N
     and paused during the open itself."""
     import gc
 
-    from ckptaudit.formats import dcp
-
+    from ckptaudit.formats.dcp import reader as dcp
     ckpt = trained(tmp_path / "ckpt.pt")
     seen: list[bool] = []
     real = dcp.read_dcp

@@ -10,7 +10,7 @@ import pytest
 
 from ckptaudit.audit import AuditOptions, audit
 from ckptaudit.findings import ComponentKind, Precision, Report, Severity
-from ckptaudit.formats.dcp import check_metadata_safe
+from ckptaudit.formats.dcp.reader import check_metadata_safe
 from ckptaudit.formats.torchload import safe_torch_load
 
 pytestmark = pytest.mark.dist

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptaudit.compare.elementwise import compare_streams, paired_chunks
-from ckptaudit.formats.tensors import DTYPES
+from ckptaudit.formats.io.tensors import DTYPES
 
 
 def raw(t: torch.Tensor) -> np.ndarray:

@@ -168,7 +168,7 @@ def test_dcp_really_casts_silently_on_load(fsdp_run: dict[str, Any]) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from ckptaudit.formats.dcp import check_metadata_safe
+    from ckptaudit.formats.dcp.reader import check_metadata_safe
 
     d = fsdp_run["dir"]
     check_metadata_safe(str(d / "low-precision-masters"))

@@ -14,7 +14,7 @@ consumer (``torch._C.PyTorchFileReader`` and ``torch.load(weights_only=True)``; 
   wherever a marker appears, ckptaudit must have reported an error for that file.
 
 Thousands of cases a run (``CKPTAUDIT_DIFF_SEED`` picks another seed); it fails when any one of the checks of
-:mod:`ckptaudit.formats.miniz` and :mod:`ckptaudit.formats.torchzip` that keep the two readings one is removed.
+:mod:`ckptaudit.formats.zip.miniz` and :mod:`ckptaudit.formats.zip.archive` that keep the two readings one is removed.
 Run it alone::
 
     .venv/bin/python -m pytest -q tests/test_differential.py
@@ -45,8 +45,8 @@ import xxhash
 from ckptaudit.findings import Severity
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.base import walk
-from ckptaudit.formats.dcp import read_dcp
-from ckptaudit.formats.tensors import TensorData
+from ckptaudit.formats.dcp.reader import read_dcp
+from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.records import scan_tensor
 from zip_mutants import Reduce, Zip, members_of, payload, stored, torch_pickle, torch_save_bytes
 
@@ -567,7 +567,7 @@ def _torch_dcp(root: Path) -> tuple[str, dict[tuple[Any, ...], Any] | None]:
 
 
 def _ours_dcp(root: Path) -> tuple[bool, bool, tuple[str, ...], dict[tuple[Any, ...], Any] | None]:
-    from ckptaudit.formats.tensors import FileMaps
+    from ckptaudit.formats.io.tensors import FileMaps
 
     read = read_dcp(str(root))
     problems = _problems(read.findings)
@@ -605,7 +605,7 @@ print("done")
 def test_dcp_mutants_read_as_dcp_reads_them(dcp_base: Path, tmp_path: Path) -> None:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe
+    from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_safe
 
     rng = random.Random(SEED + 1)
     md, items = _dcp_items(dcp_base)

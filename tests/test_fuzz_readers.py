@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 
 import real_checkpoints as rc
 from audit_worker import AuditWorker
-from ckptaudit.formats.dcp_metadata import dcp_metadata_loads
+from ckptaudit.formats.dcp.metadata import dcp_metadata_loads
 
 EXAMPLES_PER_KIND = 6
 """Hypothesis inputs per kind of damage and file (about 60 kinds; 0.1 s each on a loaded 2-core machine)."""
@@ -624,7 +624,7 @@ def test_structure_aware_metadata_and_manifests_never_crash(
     """DCP ``.metadata`` built by torch's own classes and our manifests, each with one field set to an arbitrary
     value: the audit returns a report and ``check_metadata_safe`` either accepts or raises
     ``UnsafeCheckpointError``, never anything else."""
-    from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe
+    from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_safe
     from ckptaudit.store import save_checkpoint
 
     dcp_root = bases["dcp"].root

@@ -30,7 +30,7 @@ from audit_worker import AuditWorker
 from ckptaudit.audit import audit
 from ckptaudit.cli import main
 from ckptaudit.findings import Precision, Report, Severity
-from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe
+from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_safe
 from ckptaudit.formats.torchload import safe_dcp_load, safe_torch_load
 from ckptaudit.report import OutputFormat, render
 

@@ -26,10 +26,10 @@ import real_checkpoints as rc
 from audit_worker import AuditWorker
 from ckptaudit.audit import audit
 from ckptaudit.cli import main
-from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe
-from ckptaudit.formats.pickle_scan import UnsafeGlobalError
+from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_safe
+from ckptaudit.formats.pickle.scan import UnsafeGlobalError
+from ckptaudit.formats.pickle.unpickler import RestrictedUnpickler, base_table
 from ckptaudit.formats.torchload import safe_dcp_load
-from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
 
 M61 = (1 << 61) - 1
 """Python hashes an int ``n`` to ``n mod M61``: every multiple of it hashes to 0."""

@@ -10,7 +10,7 @@ import torch
 from ckptaudit.audit import audit
 from ckptaudit.findings import Severity
 from ckptaudit.formats import open_checkpoint
-from ckptaudit.formats.unpickler import Opaque
+from ckptaudit.formats.pickle.unpickler import Opaque
 from inert_objects import ModelConfig, Payload
 
 

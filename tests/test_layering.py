@@ -125,7 +125,7 @@ def test_the_stated_directions_hold() -> None:
 
 @pytest.mark.parametrize(("importer", "imported"), [
     ("checks/manifest.py", "from ckptaudit.store import layout"),
-    ("formats/tensors.py", "from ckptaudit.checks.precision import check_precision"),
+    ("formats/io/tensors.py", "from ckptaudit.checks.precision import check_precision"),
     ("findings.py", "import ckptaudit.catalogue"),
     ("report/table.py", "from ckptaudit import cli"),
     ("checks/precision.py", "def f():\n    from ckptaudit.report import json"),

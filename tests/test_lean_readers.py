@@ -1,9 +1,9 @@
 """The fast paths of the readers agree with the general ones they shortcut, on real archives and damaged copies.
 
-- :func:`ckptaudit.formats.zipdir.lean_directory` (the central directory of a ``torch.save`` archive or a DCP item,
+- :func:`ckptaudit.formats.zip.central.lean_directory` (the central directory of a ``torch.save`` archive or a DCP item,
   from one tail read) gives exactly ``zipfile``'s members, or ``None`` (then ``zipfile`` reads the archive): never
   members ``zipfile`` would not give.
-- :func:`ckptaudit.formats.pickle_scan.scan` walks an in-memory pickle by index; the result (globals, verdicts,
+- :func:`ckptaudit.formats.pickle.scan.scan` walks an in-memory pickle by index; the result (globals, verdicts,
   error, its offset, limits) equals the stream walk's on real pickles and on every mutation of them.
 """
 
@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 import real_checkpoints as rc
-from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
-from ckptaudit.formats.dcp_metadata import load_dcp_metadata
-from ckptaudit.formats.pickle_scan import PickleScan, opcode_limit, scan
-from ckptaudit.formats.zipdir import TAIL_BYTES, Member, Region, lean_directory
+from ckptaudit.formats.dcp.metadata import load_dcp_metadata
+from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
+from ckptaudit.formats.pickle.scan import PickleScan, opcode_limit, scan
+from ckptaudit.formats.zip.central import TAIL_BYTES, Member, Region, lean_directory
 
 
 @pytest.fixture(scope="module")
@@ -142,9 +142,9 @@ def test_scan_of_bytes_equals_the_stream_walk(saved: dict[str, Path], seed: int)
 def _general_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     """Route every archive through zipfile and every in-memory pickle through the stream walk (the readers' general
     paths, which the fast ones shortcut), with the memo caches emptied."""
-    import ckptaudit.formats.pickle_walk as pickle_walk
-    import ckptaudit.formats.torchzip as torchzip
-    import ckptaudit.formats.ziplayout as ziplayout
+    import ckptaudit.formats.pickle.walk as pickle_walk
+    import ckptaudit.formats.zip.archive as torchzip
+    import ckptaudit.formats.zip.memo as ziplayout
 
     monkeypatch.setattr(torchzip, "lean_directory", lambda region, tail: None)
     monkeypatch.setattr(ziplayout, "match", lambda length, head, tail: None)
@@ -185,8 +185,8 @@ def test_a_torch_save_of_many_tensors_is_not_refused_for_its_size(tmp_path: Path
     import torch
 
     from ckptaudit.audit import audit
-    from ckptaudit.formats import unpickler
-    from ckptaudit.formats.pickle_scan import build_budget
+    from ckptaudit.formats.pickle import unpickler
+    from ckptaudit.formats.pickle.scan import build_budget
 
     path = tmp_path / "experts.pt"
     torch.save({"model": {f"layers.{i // 64}.experts.{i % 64}.w": torch.full((4,), float(i)) for i in range(3000)}},

@@ -1,4 +1,4 @@
-"""Chunks hashed where they lie in the page cache, under a read lease (:mod:`ckptaudit.formats.leased`).
+"""Chunks hashed where they lie in the page cache, under a read lease (:mod:`ckptaudit.formats.io.leased`).
 
 What users rely on: the mapped path gives the same hashes and precisions as positional reads (in every layout it
 takes: one run of bytes, DCP row shards), it is really taken where it can be, and a file truncated by another
@@ -23,7 +23,7 @@ import xxhash
 
 from ckptaudit import records
 from ckptaudit.findings import Precision
-from ckptaudit.formats.leased import MIN_MAPPED_BYTES, mapped_reads_enabled
+from ckptaudit.formats.io.leased import MIN_MAPPED_BYTES, mapped_reads_enabled
 from ckptaudit.launch import launch
 from ckptaudit.scanning import plan_scan, scan_items
 
@@ -129,7 +129,7 @@ def _child(script: str, *args: str, env: dict[str, str] | None = None) -> dict[s
 _TRUNCATE_DURING_A_CHUNK = """
     import fcntl, json, os, subprocess, sys, time
     import xxhash
-    from ckptaudit.formats.leased import LeasedFile
+    from ckptaudit.formats.io.leased import LeasedFile
 
     path = sys.argv[1]
     size = os.path.getsize(path)
@@ -221,7 +221,7 @@ def test_audits_survive_a_file_rewritten_in_place_under_them(tmp_path: Path) -> 
 def test_no_mapped_reads_where_this_process_handles_sigurg_or_they_are_switched_off() -> None:
     script = """
         import json, signal
-        from ckptaudit.formats.leased import mapped_reads_enabled
+        from ckptaudit.formats.io.leased import mapped_reads_enabled
         default = mapped_reads_enabled()
         signal.signal(signal.SIGURG, lambda *a: None)
         print(json.dumps({"default": default, "handled": mapped_reads_enabled()}))
@@ -233,7 +233,7 @@ def test_no_mapped_reads_where_this_process_handles_sigurg_or_they_are_switched_
 def test_chunks_below_the_floor_are_not_mapped(tmp_path: Path) -> None:
     path = tmp_path / "data.bin"
     path.write_bytes(b"x" * (2 * MIN_MAPPED_BYTES))
-    from ckptaudit.formats.leased import LeasedFile
+    from ckptaudit.formats.io.leased import LeasedFile
 
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -24,8 +24,8 @@ import pytest
 from ckptaudit.audit import audit, scan_checkpoint
 from ckptaudit.compare import compare
 from ckptaudit.findings import ComponentKind, Report, Severity
-from ckptaudit.formats.deepspeed_zero import _blocks
-from ckptaudit.formats.tensors import iter_chunks
+from ckptaudit.formats.deepspeed.zero import _blocks
+from ckptaudit.formats.io.tensors import iter_chunks
 from ckptaudit.store.latest import latest_report
 
 pytestmark = pytest.mark.libs

@@ -18,7 +18,7 @@ import pytest
 from ckptaudit.audit import audit
 from ckptaudit.findings import ComponentKind, Report, Severity
 from ckptaudit.formats.torchload import safe_torch_load
-from ckptaudit.formats.torchzip import read_torch_zip
+from ckptaudit.formats.zip.archive import read_torch_zip
 
 pytestmark = pytest.mark.libs
 

@@ -20,9 +20,10 @@ import pytest
 
 from ckptaudit.audit import audit
 from ckptaudit.findings import ComponentKind, Precision, Severity
-from ckptaudit.formats.dcp import check_metadata_safe
-from ckptaudit.formats.dcp_metadata import load_dcp_metadata
-from ckptaudit.formats.pickles import DCP_METADATA_GLOBALS, dcp_metadata_loads, scan
+from ckptaudit.formats.dcp.metadata import dcp_metadata_loads, load_dcp_metadata
+from ckptaudit.formats.dcp.reader import check_metadata_safe
+from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
+from ckptaudit.formats.pickle.scan import scan
 from ckptaudit.launch import launch
 from ckptaudit.store.latest import find_latest, latest_report
 

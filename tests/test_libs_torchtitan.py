@@ -16,9 +16,9 @@ import pytest
 
 from ckptaudit.audit import audit
 from ckptaudit.findings import ComponentKind, Precision, Severity
-from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
-from ckptaudit.formats.dcp_metadata import load_dcp_metadata
-from ckptaudit.formats.pickle_scan import opcode_limit, scan
+from ckptaudit.formats.dcp.metadata import load_dcp_metadata
+from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
+from ckptaudit.formats.pickle.scan import opcode_limit, scan
 from ckptaudit.launch import launch
 
 pytestmark = pytest.mark.dist

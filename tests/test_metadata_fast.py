@@ -1,6 +1,6 @@
 """DCP ``.metadata`` loads through the C unpickler when the scan proved it plain, and only then.
 
-The fast load (:func:`ckptaudit.formats.dcp_metadata.load_dcp_metadata` with the scan's result) must give what the
+The fast load (:func:`ckptaudit.formats.dcp.metadata.load_dcp_metadata` with the scan's result) must give what the
 restricted unpickler gives on every real save, and must never accept what the restricted unpickler refuses:
 the scan's ``plain`` proof (string or record keys, one ``BUILD`` on each ``NEWOBJ`` result, the build budget),
 the charged calls and the bounded rebuild each stand for one of the restricted unpickler's defences, and each
@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 
 import real_checkpoints as rc
-from ckptaudit.formats import dcp_metadata as dm
-from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
-from ckptaudit.formats.dcp import MAX_METADATA_BYTES
-from ckptaudit.formats.dcp_metadata import load_dcp_metadata
-from ckptaudit.formats.pickle_scan import (
+from ckptaudit.formats.dcp import metadata as dm
+from ckptaudit.formats.dcp.metadata import load_dcp_metadata
+from ckptaudit.formats.dcp.reader import MAX_METADATA_BYTES
+from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
+from ckptaudit.formats.pickle.scan import (
     BUILD_BUDGET_BASE,
     BUILD_BUDGET_FACTOR,
     MAX_NODES,
@@ -32,7 +32,7 @@ from ckptaudit.formats.pickle_scan import (
     opcode_limit,
     scan,
 )
-from ckptaudit.formats.pickle_walk import Walker
+from ckptaudit.formats.pickle.walk import Walker
 
 M61 = (1 << 61) - 1
 

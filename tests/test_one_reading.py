@@ -23,10 +23,11 @@ from typing import Any
 import pytest
 import torch
 
-from ckptaudit.formats import open_checkpoint, ziplayout
-from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe, read_dcp
+from ckptaudit.formats import open_checkpoint
+from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_safe, read_dcp
 from ckptaudit.formats.torchload import safe_dcp_load, safe_dcp_reader, safe_torch_load
-from ckptaudit.formats.torchzip import TorchZipError, TorchZipFile, read_torch_zip_bytes
+from ckptaudit.formats.zip import memo as ziplayout
+from ckptaudit.formats.zip.archive import TorchZipError, TorchZipFile, read_torch_zip_bytes
 from zip_mutants import Zip, members_of, payload, stored, torch_pickle, torch_save_bytes
 
 

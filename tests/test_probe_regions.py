@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptaudit.formats import open_checkpoint
-from ckptaudit.formats.tensors import DTYPES, FileMaps, Piece, TensorData
+from ckptaudit.formats.io.tensors import DTYPES, FileMaps, Piece, TensorData
 from ckptaudit.probe.regions import Region, combine, hash_saved_region, hash_tensor_region
 from ckptaudit.probe.wrappers import clean_fqn
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckptaudit.findings import Precision
-from ckptaudit.formats.tensors import DTYPES, FileMaps, Piece, TensorData
+from ckptaudit.formats.io.tensors import DTYPES, FileMaps, Piece, TensorData
 from ckptaudit.records import MIN_INFORMATIVE, scan_tensor
 
 
@@ -126,11 +126,11 @@ def test_wrapper_segments_are_stripped_as_whole_components() -> None:
 
 def test_a_file_cut_short_after_it_was_opened_gives_the_short_read_message(tmp_path: Path) -> None:
     """A ``torch.save`` file truncated between the open and the scan: each tensor past the end is an error with
-    the message of :func:`~ckptaudit.formats.tensors.iter_chunks` (one whole contiguous tensor is read by the
+    the message of :func:`~ckptaudit.formats.io.tensors.iter_chunks` (one whole contiguous tensor is read by the
     scan's own loop, which must say the same), never bytes hashed from beyond the end."""
     import os
 
-    from ckptaudit.formats.tensors import iter_chunks
+    from ckptaudit.formats.io.tensors import iter_chunks
     from ckptaudit.scanning import plan_scan, scan_items
 
     path = tmp_path / "cut.pt"

@@ -231,8 +231,8 @@ def test_a_remote_dcp_is_audited_in_bounded_memory_with_its_data_never_staged(s3
 
 
 def test_ranged_reads_are_coalesced_bounded_and_never_repeated(s3: dict[str, Any], tmp_path: Path) -> None:
-    from ckptaudit.formats.remote import _Remote
-    from ckptaudit.formats.remote_dcp import COALESCE_GAP, MAX_READ_BYTES, RangeStager
+    from ckptaudit.formats.remote.dcp import COALESCE_GAP, MAX_READ_BYTES, RangeStager
+    from ckptaudit.formats.remote.staging import _Remote
 
     src = s3["files"]["big-dcp"] / "__0_0.distcp"
     size = src.stat().st_size
@@ -289,7 +289,7 @@ def test_compare_reads_urls_too(s3: dict[str, Any]) -> None:
 
 
 def test_url_forms() -> None:
-    from ckptaudit.formats.remote import is_url, local_path
+    from ckptaudit.formats.remote.staging import is_url, local_path
 
     assert is_url("s3://b/k") and is_url("gs://b/k") and is_url("https://h/x.pt")
     assert not is_url("/tmp/x.pt") and not is_url("file:///tmp/x.pt") and not is_url("C://x")

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptaudit.findings import Precision, PrecisionStats
-from ckptaudit.formats.tensors import DTYPES, FileMaps, Piece, TensorData, scratch_buffer
+from ckptaudit.formats.io.tensors import DTYPES, FileMaps, Piece, TensorData, scratch_buffer
 from ckptaudit.records import INFORMATIVE_CAP, TensorScan, classify, scan_tensor
 
 CHUNK_BYTES = (16, 64, 1000, 1024, 4096, 1 << 20)

@@ -21,7 +21,7 @@ from ckptaudit.audit import AuditOptions, audit, scan_checkpoint
 from ckptaudit.checks.artifact import HASH_PREFIX, manifest_hash
 from ckptaudit.cli import SERVING_DTYPES, main
 from ckptaudit.formats import open_checkpoint
-from ckptaudit.formats.dcp import check_metadata_safe
+from ckptaudit.formats.dcp.reader import check_metadata_safe
 from ckptaudit.formats.torchload import materialize
 from ckptaudit.layouts import interpret
 from ckptaudit.store.gate import GateThresholds, compare_logits, judge, next_token_targets

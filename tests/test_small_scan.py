@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ckptaudit.audit import _all_zero, scalar_value
-from ckptaudit.formats.tensors import DTYPES, FileMaps, Piece, TensorData, iter_chunks
+from ckptaudit.formats.io.tensors import DTYPES, FileMaps, Piece, TensorData, iter_chunks
 from ckptaudit.records import SMALL_TENSOR_BYTES, TensorScan, _Budget, scan_small, scan_tensor
 
 
@@ -194,8 +194,8 @@ def test_numpy_objects_in_pickles_are_rebuilt_on_demand(tmp_path: Path) -> None:
     import torch
 
     from ckptaudit.formats import open_checkpoint
-    from ckptaudit.formats.pickle_scan import UnsafeGlobalError
-    from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
+    from ckptaudit.formats.pickle.scan import UnsafeGlobalError
+    from ckptaudit.formats.pickle.unpickler import RestrictedUnpickler, base_table
 
     state = np.random.RandomState(0).get_state()
     arr = np.arange(5, dtype=np.int16)

@@ -87,8 +87,8 @@ def test_compare_of_torch_save_and_dcp_does_not_import_torch(scale_checkpoints: 
 
 ALWAYS_LAZY = {"numpy", "rich", "concurrent.futures", "logging", "tempfile",
                "ckptaudit.layouts.megatron", "ckptaudit.layouts.deepspeed"}
-LAZY_FOR_FILES = {"ckptaudit.formats.dcp", "ckptaudit.formats.dcp_metadata", "ckptaudit.formats.deepspeed"}
-"""(A directory is told from a DeepSpeed one by its file names, in ``ckptaudit.formats.deepspeed``.)"""
+LAZY_FOR_FILES = {"ckptaudit.formats.dcp.reader", "ckptaudit.formats.dcp.metadata", "ckptaudit.formats.deepspeed.reader"}
+"""(A directory is told from a DeepSpeed one by its file names, in ``ckptaudit.formats.deepspeed.reader``.)"""
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_small_audit_imports_only_what_the_checkpoint_needs(small_training_state
     modules, stdout = _run_cli("audit", str(path), "--format", "json")
     lazy = ALWAYS_LAZY | (LAZY_FOR_FILES if fmt != "dcp" else set())
     if fmt == "safetensors":  # a JSON header: no pickle reader at all
-        lazy |= {"ckptaudit.formats.unpickler", "ckptaudit.formats.torchzip"}
+        lazy |= {"ckptaudit.formats.pickle.unpickler", "ckptaudit.formats.zip.archive"}
     assert {m.split(".")[0] if m.split(".")[0] in ("numpy", "rich") else m for m in modules} & lazy == set()
     # The same report as the audit in this process, where NumPy is imported and every tensor takes its path.
     assert "numpy" in sys.modules

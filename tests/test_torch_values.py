@@ -1,5 +1,5 @@
 """torch's plain values in pickles (dtypes, devices, sizes) read through the torch-free stand-ins of
-``ckptaudit.formats.torch_values``: the same objects, to every reader and renderer, as torch's own, and at least
+``ckptaudit.formats.pickle.torch_values``: the same objects, to every reader and renderer, as torch's own, and at least
 as strict. The references are torch itself: the real classes in the unpickler's table (what ``base_table`` held
 before the stand-ins), and ``torch.save`` / ``pickle`` of real torch objects."""
 
@@ -15,9 +15,9 @@ import torch
 
 from ckptaudit.audit import audit
 from ckptaudit.formats import open_checkpoint
-from ckptaudit.formats.allowlist import TORCH_DTYPES
-from ckptaudit.formats.torch_values import TorchDevice, TorchDtype, TorchSize
-from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
+from ckptaudit.formats.pickle.allowlist import TORCH_DTYPES
+from ckptaudit.formats.pickle.torch_values import TorchDevice, TorchDtype, TorchSize
+from ckptaudit.formats.pickle.unpickler import RestrictedUnpickler, base_table
 
 
 def _torch_table() -> dict[str, Any]:

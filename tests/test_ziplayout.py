@@ -1,4 +1,4 @@
-"""The memoised zip layout of DCP items (``formats/ziplayout.py``) and the one-open-per-file reader.
+"""The memoised zip layout of DCP items (``formats/zip/memo.py``) and the one-open-per-file reader.
 
 An archive that matches a learnt layout skips the full structural read; these tests hold that shortcut to the full
 read: on real DCP items written by ``torch.distributed.checkpoint.save`` and on damaged copies of them, the reader
@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.formats import ziplayout
-from ckptaudit.formats.dcp import read_dcp
-from ckptaudit.formats.dcp_metadata import load_dcp_metadata
-from ckptaudit.formats.tensors import TensorData
-from ckptaudit.formats.torchzip import TorchZipError, TorchZipFile, TorchZipFiles, read_torch_zip
+from ckptaudit.formats.dcp.metadata import load_dcp_metadata
+from ckptaudit.formats.dcp.reader import read_dcp
+from ckptaudit.formats.io.tensors import TensorData
+from ckptaudit.formats.zip import memo as ziplayout
+from ckptaudit.formats.zip.archive import TorchZipError, TorchZipFile, TorchZipFiles, read_torch_zip
 
 
 def _items(dcp: Path) -> list[bytes]:

@@ -22,7 +22,7 @@ from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_steps, may_all_b
 from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract
 from ckptaudit.findings import ComponentKind, Contract, Finding, Precision, Report, Severity, TensorRecord
 from ckptaudit.formats.base import Checkpoint, walk
-from ckptaudit.formats.tensors import (
+from ckptaudit.formats.io.tensors import (
     DEFAULT_CHUNK_BYTES,
     FileMaps,
     TensorData,

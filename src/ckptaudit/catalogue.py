@@ -95,7 +95,7 @@ _RULES: tuple[Rule, ...] = (
          "executed; re-save it with a current torch.save."),
     Rule("security.not-loaded", W, "A pickle of a well-known, harmless framework object (e.g. Hugging Face "
          "TrainingArguments) that needs arbitrary code to load; skipped, never executed."),
-    # DeepSpeed (formats/deepspeed.py, formats/deepspeed_zero.py)
+    # DeepSpeed (formats/deepspeed/reader.py, formats/deepspeed/zero.py)
     Rule("deepspeed.masters-missing", E, "A DeepSpeed tag folder whose fp32 masters cannot be found: optimizer "
          "shards (*_optim_states.pt) missing or unreadable, or their partitions do not add up; a resume would fail or "
          "rebuild the masters from the bf16/fp16 module weights."),

@@ -355,7 +355,7 @@ def _audit_distributed(args: argparse.Namespace, rank: int, world_size: int, std
 
 def _exists(path: str) -> bool:
     """Local paths (and ``file://`` URLs) are checked here; other URLs when they are opened."""
-    from ckptaudit.formats.remote import is_url, local_path
+    from ckptaudit.formats.remote.staging import is_url, local_path
 
     return is_url(path) or os.path.exists(local_path(path))
 
@@ -452,7 +452,7 @@ def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
 
 
 def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from ckptaudit.formats.remote import is_url, local_path
+    from ckptaudit.formats.remote.staging import is_url, local_path
     from ckptaudit.store.latest import latest_report
 
     if is_url(args.root):

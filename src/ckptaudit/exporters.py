@@ -294,7 +294,7 @@ def documented_load(job: Job, path: str, ctx: Any = None) -> None:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from ckptaudit.formats.dcp import check_metadata_safe
+    from ckptaudit.formats.dcp.reader import check_metadata_safe
     from ckptaudit.formats.torchload import safe_dcp_load
 
     check_metadata_safe(path)

@@ -1,6 +1,6 @@
 """From lazy tensors to :class:`~ckptaudit.findings.TensorRecord`: content hash and effective precision.
 
-One streaming pass per tensor, one bounded chunk at a time (see :mod:`ckptaudit.formats.tensors`): the hash
+One streaming pass per tensor, one bounded chunk at a time (see :mod:`ckptaudit.formats.io.tensors`): the hash
 sees every byte; the precision test works on the raw fp32 bits and stops as soon as a value needs the low
 mantissa bits (the common case for a genuine fp32 tensor is decided by its first chunk).
 
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from ckptaudit.findings import Precision, PrecisionStats
-from ckptaudit.formats.leased import MIN_MAPPED_BYTES
-from ckptaudit.formats.tensors import (
+from ckptaudit.formats.io.leased import MIN_MAPPED_BYTES
+from ckptaudit.formats.io.tensors import (
     DEFAULT_CHUNK_BYTES,
     FileMaps,
     TensorData,
@@ -209,7 +209,7 @@ def scan_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHU
                 buffer: np.ndarray | None = None) -> TensorScan:
     """Hash every byte of ``data`` and work out its effective precision, streaming.
 
-    ``buffer``: a :func:`~ckptaudit.formats.tensors.scratch_buffer` of this thread to read into (one per
+    ``buffer``: a :func:`~ckptaudit.formats.io.tensors.scratch_buffer` of this thread to read into (one per
     thread, reused across tensors). Raises ``ValueError`` (bad shard layout) or ``OSError`` (unreadable file);
     callers turn these into findings.
     """
@@ -250,7 +250,7 @@ def scan_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHU
 
 
 MAPPED_CHUNK_BYTES = 8 << 20
-"""Once a tensor's precision is decided, a chunk read through a leased map (:mod:`ckptaudit.formats.leased`) is
+"""Once a tensor's precision is decided, a chunk read through a leased map (:mod:`ckptaudit.formats.io.leased`) is
 this long: nothing reads it after the hash, so it need not stay in cache, and fewer chunks mean fewer lease and
 ``madvise`` calls (two threads, five interleaved rounds: 1 MiB 11.4, 8 MiB 12.1, 32 MiB 12.7 GB/s, medians).
 Resident memory: this much mapped per thread, at most."""
@@ -258,7 +258,7 @@ Resident memory: this much mapped per thread, at most."""
 
 def _spans(data: TensorData) -> list[tuple[str, int, int]] | None:
     """``(file, offset of the first byte, bytes)`` of the runs of bytes whose concatenation is the tensor in
-    row-major order, in the order :func:`~ckptaudit.formats.tensors.iter_chunks` reads them: one run for a tensor
+    row-major order, in the order :func:`~ckptaudit.formats.io.tensors.iter_chunks` reads them: one run for a tensor
     stored whole and contiguous (nearly every tensor of a ``torch.save`` or safetensors file), one per shard for a
     tensor split along its first dimension into contiguous shards (DCP saves of FSDP/DDP). ``None`` for anything
     else (strided or re-assembled pieces, pieces that do not tile the tensor: ``iter_chunks`` reads and judges
@@ -281,7 +281,7 @@ def _spans(data: TensorData) -> list[tuple[str, int, int]] | None:
 def _scan_span(span: tuple[str, int, int], itemsize: int, maps: FileMaps, chunk_bytes: int,
                buffer: np.ndarray | None, h: xxhash.xxh3_128, state: _Fp32State | None) -> None:
     """:func:`scan_tensor`'s pass over one run of a tensor's bytes (:func:`_spans`): the chunks
-    :func:`~ckptaudit.formats.tensors.iter_chunks` yields (``chunk_bytes // itemsize`` elements each, read with
+    :func:`~ckptaudit.formats.io.tensors.iter_chunks` yields (``chunk_bytes // itemsize`` elements each, read with
     one positional read each into ``buffer``, the same short-read error), without its per-tensor and per-chunk
     set-up: a checkpoint of a thousand small tensors spends more on that than on their bytes.
 

@@ -25,7 +25,7 @@ from ckptaudit.checks.optimizer import Attachment, check_attachment
 from ckptaudit.findings import ComponentKind, Finding, Precision, TensorRecord
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.base import Checkpoint, Unreadable, gc_paused
-from ckptaudit.formats.tensors import (
+from ckptaudit.formats.io.tensors import (
     DEFAULT_CHUNK_BYTES,
     FileMaps,
     TensorData,

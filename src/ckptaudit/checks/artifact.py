@@ -21,7 +21,7 @@ import xxhash
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import ComponentKind, Finding, TensorRecord
 from ckptaudit.formats.base import Checkpoint
-from ckptaudit.formats.safejson import loads_limited
+from ckptaudit.formats.io.safejson import loads_limited
 from ckptaudit.layouts import View
 
 __all__ = ["HASH_PREFIX", "SERVING_KEYS", "check_artifact", "manifest_hash"]

@@ -31,7 +31,7 @@ from typing import Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import Finding, Severity
-from ckptaudit.formats.tensors import TensorData
+from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts import ModelView, OptimizerView, TensorRef, View, normalize_fqn
 
 __all__ = [

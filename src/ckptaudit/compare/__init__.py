@@ -28,7 +28,7 @@ from ckptaudit.compare.judge import component_findings, pair_findings, pair_json
 from ckptaudit.compare.matching import Entry, Side, align_ranks, entries_of, open_side
 from ckptaudit.compare.pairs import STATUSES, Pair, classify, find_moment_sources, hash_entry
 from ckptaudit.findings import Finding, Report
-from ckptaudit.formats.tensors import DEFAULT_CHUNK_BYTES
+from ckptaudit.formats.io.tensors import DEFAULT_CHUNK_BYTES
 
 __all__ = ["ROUNDINGS", "STATUSES", "CompareOptions", "DiffStats", "Pair", "compare"]
 

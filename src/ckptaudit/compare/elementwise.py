@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ckptaudit.formats.tensors import DType
+from ckptaudit.formats.io.tensors import DType
 
 __all__ = [
     "ROUNDINGS",
@@ -299,7 +299,7 @@ def _all_or_nan(ok: np.ndarray, nan_ok: Callable[[], np.ndarray]) -> bool:
 class Classifier:
     """Phase 1 over one tensor pair: which of equal / bf16-rounded / fp16-rounded still fits.
 
-    Feed equal-length raw chunks (as :func:`~ckptaudit.formats.tensors.iter_chunks` yields them) with
+    Feed equal-length raw chunks (as :func:`~ckptaudit.formats.io.tensors.iter_chunks` yields them) with
     :meth:`update`; it returns ``False`` once nothing but *different* is possible (stop reading then), or
     when :attr:`restart` is set: read again from the start with :meth:`successor`.
 

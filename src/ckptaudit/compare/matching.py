@@ -27,7 +27,7 @@ from typing import Any
 from ckptaudit.checks.optimizer import Attachment
 from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
-from ckptaudit.formats.tensors import TensorData
+from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts import (
     DATA_KEYS,
     MODEL_KEYS,

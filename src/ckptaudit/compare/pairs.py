@@ -23,7 +23,7 @@ import xxhash
 from ckptaudit.compare.elementwise import Classifier, DiffAccumulator, DiffStats, Pool, compare_streams, paired_chunks
 from ckptaudit.compare.matching import Entry
 from ckptaudit.formats.base import Unreadable
-from ckptaudit.formats.tensors import FileMaps, TensorData, iter_chunks
+from ckptaudit.formats.io.tensors import FileMaps, TensorData, iter_chunks
 from ckptaudit.scanning import scalar_value
 
 __all__ = ["STATUSES", "Pair", "classify", "classify_tensors", "compare_values", "find_moment_sources", "hash_entry",

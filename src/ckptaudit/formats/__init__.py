@@ -1,8 +1,7 @@
 """Readers: turn a path (file or directory) into a :class:`Checkpoint` of parts, executing nothing.
 
-One module per container format (:mod:`.torchzip`, :mod:`.safetensors`, :mod:`.dcp`, plain pickles here), and
-:mod:`.deepspeed` for DeepSpeed's ``global_stepN/`` folders (its ``torch.save`` files read here, its flat ZeRO
-partitions mapped back to parameters there);
+One package per container (:mod:`.zip` for ``torch.save`` archives, :mod:`.dcp`, :mod:`.deepspeed` for DeepSpeed's
+``global_stepN/`` folders, :mod:`.pickle` for the pickles inside them all), :mod:`.safetensors`, plain pickles here;
 :func:`open_checkpoint` picks the readers by looking at the path. Every failure of a reader becomes a
 finding on the checkpoint; only a path that does not exist raises (``FileNotFoundError``).
 
@@ -12,21 +11,21 @@ extension and magic bytes for safetensors and ``torch.save``), so that auditing 
 
 from __future__ import annotations
 
-import io
 import os
 import stat
+from io import RawIOBase
 from typing import TYPE_CHECKING, Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import Finding
-from ckptaudit.formats.allowlist import WRITER_DECLARED_SAFE
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
-from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, describe_kind, open_regular, read_limited
-from ckptaudit.formats.safejson import JsonLimitError, loads_limited
-from ckptaudit.formats.tensors import TensorData
+from ckptaudit.formats.io.safeio import LimitExceeded, NotRegularFile, describe_kind, open_regular, read_limited
+from ckptaudit.formats.io.safejson import JsonLimitError, loads_limited
+from ckptaudit.formats.io.tensors import TensorData
+from ckptaudit.formats.pickle.allowlist import WRITER_DECLARED_SAFE
 
 if TYPE_CHECKING:
-    from ckptaudit.formats.pickle_scan import PickleScan
+    from ckptaudit.formats.pickle.scan import PickleScan
 
 __all__ = ["Checkpoint", "Part", "TensorData", "Unreadable", "open_checkpoint", "walk"]
 
@@ -43,9 +42,9 @@ def open_checkpoint(path: str) -> Checkpoint:
     finding. Nothing but regular files is ever opened.
 
     ``path`` may be an fsspec URL (``s3://bucket/ckpt.pt``): the readers then parse a local stand-in holding the
-    metadata bytes, and tensor data is streamed with ranged reads (:mod:`ckptaudit.formats.remote`).
+    metadata bytes, and tensor data is streamed with ranged reads (:mod:`ckptaudit.formats.remote.staging`).
     """
-    from ckptaudit.formats.remote import is_url, local_path
+    from ckptaudit.formats.remote.staging import is_url, local_path
 
     if is_url(path):
         return _open_remote(path)
@@ -57,8 +56,8 @@ def open_checkpoint(path: str) -> Checkpoint:
     files: dict[str, int] = {}
     parts: list[Part] = []
     if os.path.isdir(path):
-        from ckptaudit.formats.dcp import is_dcp_dir, read_dcp
-        from ckptaudit.formats.deepspeed import is_deepspeed_root, is_deepspeed_step_dir
+        from ckptaudit.formats.dcp.reader import is_dcp_dir, read_dcp
+        from ckptaudit.formats.deepspeed.reader import is_deepspeed_root, is_deepspeed_step_dir
 
         if is_deepspeed_step_dir(path) or is_deepspeed_root(path):
             fmt = "deepspeed"
@@ -119,7 +118,7 @@ def open_checkpoint(path: str) -> Checkpoint:
 
 def _read_deepspeed(path: str, findings: list[Finding], files: dict[str, int]) -> Part:
     """A DeepSpeed tag folder, or the root ``save_checkpoint`` wrote (its ``latest`` tag resolved)."""
-    from ckptaudit.formats.deepspeed import is_deepspeed_step_dir, read_deepspeed, resolve_tag
+    from ckptaudit.formats.deepspeed.reader import is_deepspeed_step_dir, read_deepspeed, resolve_tag
 
     step_dir, prefix = path, ""
     if not is_deepspeed_step_dir(path):
@@ -136,7 +135,7 @@ def _read_deepspeed(path: str, findings: list[Finding], files: dict[str, int]) -
 
 
 def _open_remote(url: str) -> Checkpoint:
-    from ckptaudit.formats.remote import stage
+    from ckptaudit.formats.remote.staging import stage
 
     local, remote = stage(url)
     try:
@@ -247,9 +246,9 @@ def _corrupt_pickle(subject: str, result: PickleScan, findings: list[Finding]) -
 
 
 def _read_pickled(full: str, name: str, subject: str, findings: list[Finding]) -> Part | None:
-    from ckptaudit.formats.object_tree import check_tree
-    from ckptaudit.formats.pickle_scan import PickleLimitError, scan
-    from ckptaudit.formats.unpickler import RestrictedUnpickler, base_table
+    from ckptaudit.formats.pickle.object_tree import check_tree
+    from ckptaudit.formats.pickle.scan import PickleLimitError, scan
+    from ckptaudit.formats.pickle.unpickler import RestrictedUnpickler, base_table
 
     with open_regular(full) as fh:
         size = os.fstat(fh.fileno()).st_size
@@ -258,7 +257,7 @@ def _read_pickled(full: str, name: str, subject: str, findings: list[Finding]) -
         findings.append(finding("integrity.corrupt", subject, f"{subject} is empty (0 bytes)", offset=0))
         return None
     if head == b"PK\x03\x04":
-        from ckptaudit.formats.torchzip import TorchZipError, read_torch_zip
+        from ckptaudit.formats.zip.archive import TorchZipError, read_torch_zip
 
         try:
             # Inert: globals outside the allowlist become placeholders, so the rest (the tensors) is still audited.
@@ -312,7 +311,7 @@ def _read_pickled(full: str, name: str, subject: str, findings: list[Finding]) -
 
 
 def _read_legacy(full: str, name: str, subject: str, findings: list[Finding]) -> Part | None:
-    from ckptaudit.formats.torchzip import scan_legacy
+    from ckptaudit.formats.zip.archive import scan_legacy
 
     with open_regular(full) as fh:
         # magic, protocol, sys info, object tree, storage keys: torch.load unpickles all five
@@ -352,7 +351,7 @@ def _torch_reads_as_tar(full: str) -> bool:
     return True
 
 
-class _Capped(io.RawIOBase):
+class _Capped(RawIOBase):
     """A file read through at most ``cap`` bytes in all (tarfile reads what hostile headers declare)."""
 
     def __init__(self, fh: Any, cap: int) -> None:
@@ -384,8 +383,8 @@ def _read_legacy_tar(full: str, name: str, subject: str, findings: list[Finding]
     at the start of its members are scanned to name what they reference."""
     import tarfile
 
-    from ckptaudit.formats.pickle_scan import PickleScan
-    from ckptaudit.formats.torchzip import scan_legacy
+    from ckptaudit.formats.pickle.scan import PickleScan
+    from ckptaudit.formats.zip.archive import scan_legacy
 
     names: list[str] = []
     unsafe: list[str] = []
@@ -415,7 +414,7 @@ def _read_legacy_tar(full: str, name: str, subject: str, findings: list[Finding]
 
 
 def _small_pickle_value(fh: Any, end: int) -> Any:
-    from ckptaudit.formats.unpickler import RestrictedUnpickler
+    from ckptaudit.formats.pickle.unpickler import RestrictedUnpickler
 
     if end > 4096:
         return None

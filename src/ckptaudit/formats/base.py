@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptaudit.findings import Finding
-from ckptaudit.formats.tensors import FileMaps
+from ckptaudit.formats.io.tensors import FileMaps
 
 __all__ = ["Checkpoint", "Part", "Unreadable", "walk"]
 
@@ -58,7 +58,7 @@ class Checkpoint:
     maps: FileMaps = field(default_factory=FileMaps)
     local_path: str = ""
     """The local path the files were read from, when ``path`` is a URL (its stand-in, see
-    :mod:`ckptaudit.formats.remote`); ``""`` otherwise. Use :attr:`read_path` for file paths."""
+    :mod:`ckptaudit.formats.remote.staging`); ``""`` otherwise. Use :attr:`read_path` for file paths."""
 
     _names: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
     _is_dir: bool | None = field(default=None, init=False, repr=False, compare=False)

@@ -12,9 +12,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ckptaudit.formats.safeio import open_regular
-from ckptaudit.formats.safejson import loads_limited
-from ckptaudit.formats.tensors import DTYPES, Piece, TensorData
+from ckptaudit.formats.io.safeio import open_regular
+from ckptaudit.formats.io.safejson import loads_limited
+from ckptaudit.formats.io.tensors import DTYPES, Piece, TensorData
 
 __all__ = ["SafetensorsError", "SafetensorsFile", "read_safetensors"]
 

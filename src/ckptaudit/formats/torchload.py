@@ -7,7 +7,7 @@ One reading: what torch loads is what ckptaudit vetted, from the same open file.
   allowlist scan, then the restricted unpickler and its limits), through one open descriptor, then loaded with
   ``torch.load(weights_only=True, mmap=True)`` from that same descriptor (``/proc/self/fd``: a file renamed over
   the path in between is not what torch reads) and only the NumPy globals RNG states need added.
-- :func:`safe_dcp_load`: :func:`ckptaudit.formats.dcp.check_metadata_safe` first (``.metadata`` and every
+- :func:`safe_dcp_load`: :func:`ckptaudit.formats.dcp.reader.check_metadata_safe` first (``.metadata`` and every
   non-tensor item are pickles that ``torch.distributed.checkpoint.load`` unpickles without restriction), then
   ``torch.distributed.checkpoint.load`` through :func:`safe_dcp_reader`, a storage reader that serves the
   metadata the check rebuilt as plain data (converted to torch's classes here), never the pickle itself, and
@@ -24,18 +24,18 @@ from __future__ import annotations
 import os
 from typing import IO, Any, cast
 
-from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe
-from ckptaudit.formats.dcp_metadata import BytesMeta, DcpMetadata, TensorMeta
-from ckptaudit.formats.safeio import NotRegularFile
-from ckptaudit.formats.tensors import TensorData
-from ckptaudit.formats.torchzip import (
+from ckptaudit.formats.dcp.metadata import BytesMeta, DcpMetadata, TensorMeta
+from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_safe
+from ckptaudit.formats.io.safeio import NotRegularFile
+from ckptaudit.formats.io.tensors import TensorData
+from ckptaudit.formats.zip.archive import (
     RegionStream,
     TorchZip,
     TorchZipError,
     TorchZipFile,
     read_torch_zip_bytes,
 )
-from ckptaudit.formats.zipdir import Region
+from ckptaudit.formats.zip.central import Region
 
 __all__ = ["safe_dcp_load", "safe_dcp_reader", "safe_torch_load", "to_torch_metadata"]
 
@@ -59,7 +59,7 @@ def _numpy_globals() -> list[Any]:
 def safe_torch_load(path: str | os.PathLike[str]) -> Any:
     """Load a ``torch.save`` zip archive without executing anything outside the allowlist.
 
-    The archive is first read exactly as the offline audit reads it (:meth:`~ckptaudit.formats.torchzip.
+    The archive is first read exactly as the offline audit reads it (:meth:`~ckptaudit.formats.zip.archive.
     TorchZipFile.read`: torch's zip reading restated, every opcode scanned against the allowlist, then
     ``data.pkl`` built by the restricted unpickler under its limits: colliding-hash keys, the built-size budget,
     tensors addressing more than the archive; docs/security.md), so ``torch.load`` only ever sees a pickle the
@@ -102,14 +102,14 @@ def _vetted(what: str, read: Any, *args: Any) -> TorchZip:
 
 
 def materialize(data: Any, maps: Any) -> Any:
-    """Read a lazy :class:`~ckptaudit.formats.tensors.TensorData` into a real CPU tensor of its stored dtype.
+    """Read a lazy :class:`~ckptaudit.formats.io.tensors.TensorData` into a real CPU tensor of its stored dtype.
 
     Only for tensors that fit in memory by design (loading weights into a live model); the audit never does this.
     """
     import numpy as np
     import torch
 
-    from ckptaudit.formats.tensors import iter_chunks
+    from ckptaudit.formats.io.tensors import iter_chunks
 
     parts = [np.array(c, copy=True) for c in iter_chunks(data, maps)]
     flat = np.concatenate(parts) if parts else np.empty(0, dtype=data.dtype.numpy)
@@ -162,7 +162,7 @@ def to_torch_metadata(md: DcpMetadata) -> Any:
 
 def safe_dcp_reader(path: str | os.PathLike[str]) -> Any:
     """A ``torch.distributed.checkpoint.FileSystemReader`` of ``path`` whose ``read_metadata`` returns the
-    metadata :func:`~ckptaudit.formats.dcp.check_metadata_safe` vetted (raises :class:`UnsafeCheckpointError`
+    metadata :func:`~ckptaudit.formats.dcp.reader.check_metadata_safe` vetted (raises :class:`UnsafeCheckpointError`
     when it refuses ``path``): ``.metadata`` is never unpickled by torch. Its ``read_data`` reads every item
     itself (:func:`_read_vetted`): what torch unpickles is what ckptaudit checked, byte for byte.
 
@@ -186,7 +186,7 @@ def safe_dcp_reader(path: str | os.PathLike[str]) -> Any:
 
 def _read_vetted(root: str, storage_data: dict[Any, Any], plan: Any, planner: Any) -> Any:
     """``FileSystemReader.read_data``, each item checked first and handed to torch from what was checked: a
-    non-tensor item's bytes are read once, read as the audit reads an item (:func:`~ckptaudit.formats.torchzip.
+    non-tensor item's bytes are read once, read as the audit reads an item (:func:`~ckptaudit.formats.zip.archive.
     read_torch_zip_bytes`: torch's zip reading, the allowlist, the restricted load) and those very bytes given to
     ``planner.load_bytes`` (which unpickles them with ``weights_only=False`` in the default planner); a
     tensor item is checked through one open descriptor and ``torch.load(weights_only=True)`` reads it through the
@@ -199,7 +199,7 @@ def _read_vetted(root: str, storage_data: dict[Any, Any], plan: Any, planner: An
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.futures import Future
 
-    from ckptaudit.formats.dcp import _path_problem
+    from ckptaudit.formats.dcp.reader import _path_problem
 
     per_file: dict[str, list[Any]] = {}
     for item in plan.items:
@@ -259,7 +259,7 @@ def _pread_all(fd: int, offset: int, length: int) -> bytes:
 
 def safe_dcp_load(state_dict: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load(state_dict, checkpoint_id=path, **kwargs)``, but only after
-    :func:`~ckptaudit.formats.dcp.check_metadata_safe` accepted ``path`` (raises
+    :func:`~ckptaudit.formats.dcp.reader.check_metadata_safe` accepted ``path`` (raises
     :class:`UnsafeCheckpointError` otherwise, before anything of the checkpoint is unpickled), and through the
     metadata that check vetted (:func:`safe_dcp_reader`), never a second reading of the pickle.
 

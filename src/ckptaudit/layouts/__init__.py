@@ -14,7 +14,7 @@ Readers say *what is in the files*; this module says *what it means*, for the la
 - Megatron-Core ``torch_dist`` (``metadata.json``, ``common.pt``, DCP keyed by each ShardedTensor's flat key;
   optimizer state under ``optimizer.state.<name>.<key>``, the distributed optimizer's under
   ``optimizer.distributed.dp_group_idx_<g>.*``; see :func:`_megatron`);
-- DeepSpeed ``global_stepN/`` and its root (read by :mod:`ckptaudit.formats.deepspeed`): the fp32 masters
+- DeepSpeed ``global_stepN/`` and its root (read by :mod:`ckptaudit.formats.deepspeed.reader`): the fp32 masters
   rebuilt from the ZeRO partitions are the model's parameters, the bf16/fp16 ``module`` weights their compute
   copies, the moments keyed by parameter name, ``lr_scheduler``, ``client_state`` and ``global_steps``;
 - plain dicts (``model``/``state_dict``/``module``, ``optimizer``/``optim``, ``scheduler``/``lr_scheduler``,

@@ -10,7 +10,7 @@ from typing import Any
 
 from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
-from ckptaudit.formats.tensors import TensorData
+from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.huggingface import _layout_name, file_rule
 from ckptaudit.layouts.keyed import _classify_keys, _optimizer_view
 from ckptaudit.layouts.precision import scaler_record, training_args_record

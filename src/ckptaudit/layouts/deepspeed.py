@@ -1,4 +1,4 @@
-"""DeepSpeed ``global_stepN/`` and its root (read by :mod:`ckptaudit.formats.deepspeed`): the fp32 masters
+"""DeepSpeed ``global_stepN/`` and its root (read by :mod:`ckptaudit.formats.deepspeed.reader`): the fp32 masters
 rebuilt from the ZeRO partitions are the model's parameters, the bf16/fp16 ``module`` weights their compute
 copies, the moments keyed by parameter name, ``lr_scheduler``, ``client_state`` and ``global_steps``.
 
@@ -11,14 +11,14 @@ from typing import Any
 
 from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable
-from ckptaudit.formats.tensors import TensorData
+from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.keyed import _optimizer_view
 from ckptaudit.layouts.precision import deepspeed_record
 from ckptaudit.layouts.view import DATA_KEYS, RNG_KEYS, STEP_KEYS, View, _as_int, _label, is_step_key
 
 
 def _deepspeed(part: Part, tree: dict[str, Any], view: View, found: Any, add_model: Any, ckpt: Checkpoint) -> None:
-    """DeepSpeed (:mod:`ckptaudit.formats.deepspeed`): the fp32 masters are the model's parameters, the bf16/fp16
+    """DeepSpeed (:mod:`ckptaudit.formats.deepspeed.reader`): the fp32 masters are the model's parameters, the bf16/fp16
     module weights their compute copies; moments keyed by parameter name; scheduler, client_state and DeepSpeed's
     own step counters for the rest of the inventory."""
     facts: dict[str, Any] = tree["deepspeed"] if isinstance(tree.get("deepspeed"), dict) else {}

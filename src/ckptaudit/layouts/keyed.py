@@ -12,7 +12,7 @@ from typing import Any
 
 from ckptaudit.findings import ComponentKind, text
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable
-from ckptaudit.formats.tensors import TensorData
+from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.precision import LIGHTNING_SCALER_KEYS, scaler_record
 from ckptaudit.layouts.view import (
     DATA_KEYS,

@@ -12,7 +12,7 @@ from typing import Any
 
 from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
-from ckptaudit.formats.tensors import TensorData
+from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.keyed import _clean_groups
 from ckptaudit.layouts.precision import megatron_record
 from ckptaudit.layouts.view import (

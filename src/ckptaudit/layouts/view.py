@@ -13,7 +13,7 @@ from typing import Any
 
 from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
-from ckptaudit.formats.tensors import TensorData
+from ckptaudit.formats.io.tensors import TensorData
 
 MODEL_KEYS = ("model", "state_dict", "module", "model_state_dict", "model_state", "net", "network")
 OPTIMIZER_KEYS = ("optimizer", "optim", "optimizer_states", "optimizer_state_dict", "optimizer_state", "opt")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import re
 
-from ckptaudit.formats.safeio import open_regular
+from ckptaudit.formats.io.safeio import open_regular
 
 __all__ = [
     "MANIFEST",

@@ -31,8 +31,8 @@ import xxhash
 
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import HASH_ALGORITHM, Finding
-from ckptaudit.formats.safeio import LimitExceeded, open_regular
-from ckptaudit.formats.safejson import read_json_limited
+from ckptaudit.formats.io.safeio import LimitExceeded, open_regular
+from ckptaudit.formats.io.safejson import read_json_limited
 
 ReadInto = Callable[[str, memoryview, int], int]
 """``read_into(path, buf, offset) -> bytes read``: a positional reader of files by path."""
@@ -69,7 +69,7 @@ def hash_file(path: str, ranges: Sequence[tuple[int, int]] = (), read_into: Read
     without being read (``SEEK_DATA``). Regular files only, opened without blocking.
 
     ``read_into(path, buf, offset)``, when given, reads the bytes instead (every byte, holes included): a URL's
-    stand-in file, whose bytes are in the object store (:meth:`ckptaudit.formats.tensors.FileMaps.read_into`).
+    stand-in file, whose bytes are in the object store (:meth:`ckptaudit.formats.io.tensors.FileMaps.read_into`).
     """
     with open_regular(path) as fh:
         return _hash_fd(fh.fileno(), ranges, None if read_into is None else functools.partial(read_into, path))

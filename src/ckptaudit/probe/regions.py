@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ckptaudit.formats.tensors import DEFAULT_CHUNK_BYTES, FileMaps, Piece, TensorData, iter_chunks
+from ckptaudit.formats.io.tensors import DEFAULT_CHUNK_BYTES, FileMaps, Piece, TensorData, iter_chunks
 
 __all__ = [
     "Region",

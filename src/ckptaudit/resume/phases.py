@@ -165,7 +165,7 @@ def default_load(job: Any, path: str, ctx: Any = None) -> None:
     if os.path.isfile(os.path.join(path, ".metadata")):
         from torch.distributed.checkpoint import FileSystemReader
 
-        from ckptaudit.formats.dcp import check_metadata_safe
+        from ckptaudit.formats.dcp.reader import check_metadata_safe
 
         check_metadata_safe(path)
         keys = FileSystemReader(path).read_metadata().state_dict_metadata
@@ -230,7 +230,7 @@ def load_weights(job: Any, path: str, ctx: Any = None) -> None:
     )
 
     from ckptaudit.formats import open_checkpoint
-    from ckptaudit.formats.tensors import TensorData
+    from ckptaudit.formats.io.tensors import TensorData
     from ckptaudit.formats.torchload import materialize
     from ckptaudit.layouts import interpret, normalize_fqn
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import ComponentKind, Finding, Report, Severity
-from ckptaudit.formats.safeio import open_regular
+from ckptaudit.formats.io.safeio import open_regular
 from ckptaudit.ondisk import manifest as mf
 from ckptaudit.ondisk import quarantine
 from ckptaudit.store import layout
@@ -109,8 +109,8 @@ def _mtime(path: str) -> float:
 
 
 def _classify(path: str, name: str) -> Candidate | None:
-    from ckptaudit.formats.dcp import is_dcp_dir
-    from ckptaudit.formats.deepspeed import is_deepspeed_step_dir
+    from ckptaudit.formats.dcp.reader import is_dcp_dir
+    from ckptaudit.formats.deepspeed.reader import is_deepspeed_step_dir
 
     original = quarantine.quarantined_original(os.path.basename(os.path.normpath(path)))
     if original is not None and os.path.exists(path):
@@ -248,7 +248,7 @@ def _read_and_check(c: Candidate, verify: str, require: Collection[ComponentKind
     if verify in ("quick", "full"):
         from ckptaudit.audit import AuditOptions, judge
         from ckptaudit.checks.manifest import check_manifest
-        from ckptaudit.formats.tensors import DEFAULT_CHUNK_BYTES
+        from ckptaudit.formats.io.tensors import DEFAULT_CHUNK_BYTES
         from ckptaudit.scanning import default_jobs, scan_checkpoint
 
         quick = verify == "quick"

@@ -159,7 +159,7 @@ def load_checkpoint(
         raise CheckpointLoadError(f"{ckpt} does not match its manifest: {'; '.join(all_problems[:5])}"
                                   + (f" (and {len(all_problems) - 5} more)" if len(all_problems) > 5 else "")
                                   + "; resume from an older checkpoint (`ckptaudit latest` lists them)")
-    from ckptaudit.formats.dcp import UnsafeCheckpointError
+    from ckptaudit.formats.dcp.reader import UnsafeCheckpointError
     from ckptaudit.formats.torchload import safe_dcp_reader
 
     try:

@@ -357,7 +357,7 @@ def _find_ref(params: dict[str, Any], key: str) -> Any:
 def _load_and_convert(recipe: Any, scanned: Any, storage: torch.dtype, options: ExportOptions
                       ) -> tuple[nn.Module, dict[str, torch.Tensor], list[str], list[str]]:
     """Read each model tensor once: copy it into the fp32 reference model, convert it for the export."""
-    from ckptaudit.formats.tensors import TensorData
+    from ckptaudit.formats.io.tensors import TensorData
     from ckptaudit.formats.torchload import materialize
     from ckptaudit.layouts import normalize_fqn
 
@@ -428,7 +428,7 @@ def _convert(options: ExportOptions, key: str, value: torch.Tensor, storage: tor
 
 def _eval_batch(recipe: Any, options: ExportOptions) -> tuple[Any, str]:
     if options.eval_batch:
-        from ckptaudit.formats.dcp import UnsafeCheckpointError
+        from ckptaudit.formats.dcp.reader import UnsafeCheckpointError
         from ckptaudit.formats.torchload import safe_torch_load
 
         path = options.eval_batch

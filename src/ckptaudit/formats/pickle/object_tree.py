@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ckptaudit.formats.pickle_scan import MAX_DEPTH, MAX_NODES
+from ckptaudit.formats.pickle.scan import MAX_DEPTH, MAX_NODES
 
 __all__ = ["check_tree"]
 
@@ -16,7 +16,7 @@ _LEAF_TYPES = frozenset({str, bytes, bytearray, int, float, complex, bool, type(
 def _unpickled_types() -> Any:
     """The unpickler's module (its ``Opaque`` and ``PickledRecord``), or ``None`` when it was never imported: then
     no such object exists, and a JSON tree (safetensors headers) is checked without importing it."""
-    return sys.modules.get("ckptaudit.formats.unpickler")
+    return sys.modules.get("ckptaudit.formats.pickle.unpickler")
 
 
 def _children(value: Any, unpickled: Any) -> list[Any] | tuple[Any, ...] | None:

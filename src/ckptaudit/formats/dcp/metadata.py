@@ -1,13 +1,13 @@
 """DCP ``.metadata``, read as plain data: one view that every check and every loader share.
 
 ``.metadata`` is a pickle of ``torch.distributed.checkpoint.metadata.Metadata``. It is never unpickled into
-torch's classes. The restricted unpickler builds torch-free stand-ins (:class:`~ckptaudit.formats.unpickler.
+torch's classes. The restricted unpickler builds torch-free stand-ins (:class:`~ckptaudit.formats.pickle.unpickler.
 PickledRecord`: declared fields only, no ``__dict__``, built once), and :func:`load_dcp_metadata` rebuilds from
 them, walking the data itself (``dict.items(d)``, never a method the pickle could have shadowed), a
 :class:`DcpMetadata` of frozen, slotted records holding only ``str``, ``int``, ``bool`` and tuples of them.
 
-Everything downstream reads that record: the audit (:func:`ckptaudit.formats.dcp.read_dcp`), the guard
-(:func:`ckptaudit.formats.dcp.check_metadata_safe`) and the live loader
+Everything downstream reads that record: the audit (:func:`ckptaudit.formats.dcp.reader.read_dcp`), the guard
+(:func:`ckptaudit.formats.dcp.reader.check_metadata_safe`) and the live loader
 (:func:`ckptaudit.formats.torchload.safe_dcp_load`), which converts it to torch's classes and hands them to
 ``torch.distributed.checkpoint.load`` instead of letting torch unpickle the file. So what is loaded is exactly
 what was vetted. This module imports nothing of torch.
@@ -23,16 +23,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS, TORCH_DTYPES
-from ckptaudit.formats.object_tree import check_tree
-from ckptaudit.formats.pickle_scan import (
+from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS, TORCH_DTYPES
+from ckptaudit.formats.pickle.object_tree import check_tree
+from ckptaudit.formats.pickle.scan import (
     CALL_BUDGET_FACTOR,
     MAX_NODES,
     PickleLimitError,
     PickleScan,
     UnsafeGlobalError,
 )
-from ckptaudit.formats.unpickler import PickledRecord, RestrictedUnpickler
+from ckptaudit.formats.pickle.unpickler import PickledRecord, RestrictedUnpickler
 
 __all__ = [
     "BytesMeta",
@@ -334,7 +334,7 @@ class _Expansion:
     """What :func:`rebuild` has made so far, shared sub-objects counted every time they are reached (a pickle can
     reference one list of a million chunks from a million entries through its memo): each distinct chunk list
     is converted once, and the expanded count is bounded by :data:`MAX_NODES`, as
-    :func:`~ckptaudit.formats.object_tree.check_tree` bounds it, so every consumer's walk stays bounded."""
+    :func:`~ckptaudit.formats.pickle.object_tree.check_tree` bounds it, so every consumer's walk stays bounded."""
 
     __slots__ = ("chunks", "props", "total")
 
@@ -477,7 +477,7 @@ _SIZED = frozenset({str, bytes, tuple, list, dict})
 
 class _Charged:
     """A function of the table as the C unpickler calls it (``REDUCE``): every call is charged against the
-    load's call budget, as :class:`~ckptaudit.formats.unpickler.RestrictedUnpickler` charges its calls (so a
+    load's call budget, as :class:`~ckptaudit.formats.pickle.unpickler.RestrictedUnpickler` charges its calls (so a
     small pickle cannot make huge strings by joining one shared path a million times)."""
 
     __slots__ = ("_fn", "_left")
@@ -497,7 +497,7 @@ class _Charged:
 
 class _PlainLoader(pickle.Unpickler):
     """The C unpickler, resolving globals only through the fast table (:func:`_fast_table`). Used only on a
-    pickle the scan proved plain (:attr:`~ckptaudit.formats.pickle_scan.PickleScan.plain`)."""
+    pickle the scan proved plain (:attr:`~ckptaudit.formats.pickle.scan.PickleScan.plain`)."""
 
     def __init__(self, data: bytes, table: dict[str, Any]) -> None:
         super().__init__(io.BytesIO(data))
@@ -525,15 +525,15 @@ def _fast_table(size: int) -> dict[str, Any]:
 
 def load_dcp_metadata(data: bytes, scanned: PickleScan | None = None) -> DcpMetadata:
     """Unpickle a DCP ``.metadata`` file through the DCP allowlist into torch-free stand-ins and rebuild it as
-    plain data. Call :func:`~ckptaudit.formats.pickle_scan.scan` first for a report, and pass its result as
-    ``scanned``: when the scan proved the pickle plain (:attr:`~ckptaudit.formats.pickle_scan.PickleScan.plain`,
+    plain data. Call :func:`~ckptaudit.formats.pickle.scan.scan` first for a report, and pass its result as
+    ``scanned``: when the scan proved the pickle plain (:attr:`~ckptaudit.formats.pickle.scan.PickleScan.plain`,
     true of what ``torch.distributed.checkpoint`` writes), the C unpickler loads it with the same table, about
     ten times faster than the pure-Python restricted unpickler; whatever that fast load refuses, the restricted
     unpickler loads again and decides, so both paths give the same result and the same errors (but for values
     nested past ``MAX_DEPTH`` or cyclic in fields the rebuild never reads: only the restricted path's tree
     check refuses those; see docs/security.md).
 
-    Raises :class:`~ckptaudit.formats.pickle_scan.UnsafeGlobalError` for anything outside the allowlist,
+    Raises :class:`~ckptaudit.formats.pickle.scan.UnsafeGlobalError` for anything outside the allowlist,
     :class:`PickleLimitError` past a limit, :class:`MetadataShapeError` for metadata of the wrong shape, and
     ``pickle.UnpicklingError`` or ``ValueError``/``EOFError``/``TypeError`` for malformed data.
     """

@@ -1,4 +1,4 @@
-"""ZeRO's partition arithmetic for :mod:`ckptaudit.formats.deepspeed`: every parameter's fp32 master and moments
+"""ZeRO's partition arithmetic for :mod:`ckptaudit.formats.deepspeed.reader`: every parameter's fp32 master and moments
 rebuilt from the data-parallel ranks' flat partitions (ZeRO-1/2 ``single_partition_of_fp32_groups``, ZeRO-3
 ``fp32_flat_groups``) as lazy :class:`TensorData` whose pieces point into those partitions, the way DeepSpeed's
 ``deepspeed/utils/zero_to_fp32.py`` does, and the frozen parameters' fragments likewise.
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptaudit.formats.base import Part, Unreadable
-from ckptaudit.formats.tensors import Piece, TensorData
+from ckptaudit.formats.io.tensors import Piece, TensorData
 
 _MAX_RANK_DIMS = 32
 

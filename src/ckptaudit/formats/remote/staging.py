@@ -4,12 +4,12 @@ The readers work on local paths. For a URL, :func:`stage` builds a *stand-in*: a
 with the remote files' names and sizes, where only the bytes the readers parse are filled in (fetched with
 ranged reads): a safetensors header; a ``torch.save`` archive's central directory, local headers and small
 members (``data.pkl``, ``byteorder``...); a JSON index. Tensor data is never staged: :class:`RemoteFiles` maps
-each stand-in file to its remote object, and :class:`~ckptaudit.formats.tensors.FileMaps` streams a tensor's
+each stand-in file to its remote object, and :class:`~ckptaudit.formats.io.tensors.FileMaps` streams a tensor's
 bytes from there with one ranged read per chunk, so memory stays bounded by the chunk as for local files and
 local disk holds only metadata (plus the span of the rare strided tensor, which is staged before it is viewed).
 
 ``file://`` URLs and plain paths keep the local fast path. A DCP directory (a prefix holding ``.metadata`` or
-``.distcp`` objects, at the top or one level down) is staged by :mod:`ckptaudit.formats.remote_dcp`:
+``.distcp`` objects, at the top or one level down) is staged by :mod:`ckptaudit.formats.remote.dcp`:
 ``.metadata`` whole, then each item's archive metadata at the byte ranges ``.metadata`` records (the items'
 members carry their sizes only after their data, so the data files cannot be walked from the front), and the
 stand-in is read by the same DCP reader as a local directory. Other sub-prefixes are left empty, as the readers
@@ -208,7 +208,7 @@ def _stage_dir(fs: Any, root: str, url: str, local_root: str, remote: RemoteFile
         files[safe] = (str(entry["name"]), size, local)
         _stage_file(fs, str(entry["name"]), size, local, remote, budget)
     if dcp:
-        from ckptaudit.formats.remote_dcp import stage_dcp
+        from ckptaudit.formats.remote.dcp import stage_dcp
 
         stage_dcp(files, lambda path, size: _Remote(fs, path, size), budget.take)
 

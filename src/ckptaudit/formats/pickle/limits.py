@@ -1,5 +1,5 @@
-"""The limits a pickle is read within, shared by the opcode scan (:mod:`ckptaudit.formats.pickle_scan`) and the
-restricted unpickler (:mod:`ckptaudit.formats.unpickler`), and the errors that name them."""
+"""The limits a pickle is read within, shared by the opcode scan (:mod:`ckptaudit.formats.pickle.scan`) and the
+restricted unpickler (:mod:`ckptaudit.formats.pickle.unpickler`), and the errors that name them."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def opcode_limit(size: int) -> int:
     """Opcodes walked in an in-memory pickle of ``size`` bytes (a DCP ``.metadata``, a ``torch.save``
     ``data.pkl``): :data:`MAX_OPCODES`, or as many as it has bytes where that is more (every opcode takes at least
     one), so no real file is refused for its count: its size is the bound (``dcp.MAX_METADATA_BYTES``,
-    ``torchzip.MAX_PICKLE_BYTES``).
+    ``zip.archive.MAX_PICKLE_BYTES``).
 
     A fixed count refused the saves of large jobs: a real ``.metadata`` holds 70-110 opcodes per tensor shard
     (the realistic benchmark's 8-rank save: 535,239 for 7301 shards), so the earlier 20,000,000 stopped at about

@@ -1,10 +1,10 @@
 """DCP directories behind URLs: stage ``.metadata`` and each item's archive metadata with batched ranged reads.
 
-Called by :func:`ckptaudit.formats.remote.stage` (one process, the caller's thread) for a prefix holding
+Called by :func:`ckptaudit.formats.remote.staging.stage` (one process, the caller's thread) for a prefix holding
 ``.metadata`` or ``.distcp`` objects. The stand-in it builds is read by the same DCP reader as a local directory
-(:func:`ckptaudit.formats.dcp.read_dcp`: the ``.metadata`` opcode scan and torch-free rebuild, path escapes,
+(:func:`ckptaudit.formats.dcp.reader.read_dcp`: the ``.metadata`` opcode scan and torch-free rebuild, path escapes,
 item bounds against the file size, chunks tiling each tensor, each item's archive checked by
-:func:`ckptaudit.formats.torchzip.read_torch_zip`), so a remote DCP directory is judged by the same code.
+:func:`ckptaudit.formats.zip.archive.read_torch_zip`), so a remote DCP directory is judged by the same code.
 
 What is staged, per item that ``.metadata`` places inside a data file (offset + length): the first and last
 4 KiB (the pickle, ``byteorder`` and the tensor member's local header; the central directory and end records),
@@ -13,7 +13,7 @@ directory, a zip64 record, a long local header, a large ``data.pkl``). Each roun
 per data file: neighbouring ranges are coalesced (the tail of one item and the head of the next are one read),
 no read exceeds :data:`MAX_READ_BYTES` and no batch holds more than :data:`MAX_IN_FLIGHT_BYTES`, so a data file
 is never downloaded whole and memory stays bounded. Tensor data is not staged: it streams through
-:class:`~ckptaudit.formats.remote.RemoteFiles` when it is hashed.
+:class:`~ckptaudit.formats.remote.staging.RemoteFiles` when it is hashed.
 
 The ``.metadata`` parsed here only to plan reads goes through the same scan and restricted rebuild as the reader
 (nothing is unpickled otherwise); when it is hostile or malformed, nothing more is staged and the reader reports
@@ -28,10 +28,10 @@ import zipfile
 from collections.abc import Iterable
 from typing import Any
 
-from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
-from ckptaudit.formats.dcp import MAX_BYTES_ITEM, MAX_METADATA_BYTES, METADATA
-from ckptaudit.formats.dcp_metadata import BytesMeta, DcpMetadata, load_dcp_metadata
-from ckptaudit.formats.pickle_scan import opcode_limit, scan
+from ckptaudit.formats.dcp.metadata import BytesMeta, DcpMetadata, load_dcp_metadata
+from ckptaudit.formats.dcp.reader import MAX_BYTES_ITEM, MAX_METADATA_BYTES, METADATA
+from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
+from ckptaudit.formats.pickle.scan import opcode_limit, scan
 
 __all__ = ["COALESCE_GAP", "MAX_IN_FLIGHT_BYTES", "MAX_READ_BYTES", "RangeStager", "stage_dcp"]
 
@@ -53,7 +53,7 @@ _ZIP64_LOCATOR = 20
 class RangeStager:
     """Fills byte ranges of one stand-in file from its remote object, each byte fetched at most once.
 
-    ``remote`` is a :class:`~ckptaudit.formats.remote._Remote` (filesystem, path, size); ``take(n)`` charges the
+    ``remote`` is a :class:`~ckptaudit.formats.remote.staging._Remote` (filesystem, path, size); ``take(n)`` charges the
     staged-metadata budget before anything is fetched.
     """
 
@@ -166,7 +166,7 @@ def item_ranges(md: DcpMetadata, sizes: dict[str, int]) -> dict[str, list[tuple[
 
     Left out, as the reader leaves them unread: malformed entries, files not in ``sizes`` (missing, nested or
     escaping names), items past the end of their file, items stored through transforms, and non-tensor items
-    over :data:`~ckptaudit.formats.dcp.MAX_BYTES_ITEM`.
+    over :data:`~ckptaudit.formats.dcp.reader.MAX_BYTES_ITEM`.
     """
     out: dict[str, list[tuple[int, int]]] = {}
     for index, info in md.storage_data.items():
@@ -182,7 +182,7 @@ def item_ranges(md: DcpMetadata, sizes: dict[str, int]) -> dict[str, list[tuple[
 
 
 def stage_items(stager: RangeStager, items: list[tuple[int, int]]) -> None:
-    """Stage what :func:`~ckptaudit.formats.torchzip.read_torch_zip` reads of each item (see the module
+    """Stage what :func:`~ckptaudit.formats.zip.archive.read_torch_zip` reads of each item (see the module
     docstring), in four rounds of batched reads for all the items of one file."""
     items = sorted(set(items))
     # 1. Both ends of every item.

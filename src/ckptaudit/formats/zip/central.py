@@ -1,10 +1,10 @@
 """A lean reader of one zip archive's central directory, for the archives ``torch.save`` writes.
 
-:func:`ckptaudit.formats.torchzip.read_torch_zip` opens one archive per ``torch.save`` file and one per DCP item
+:func:`ckptaudit.formats.zip.archive.read_torch_zip` opens one archive per ``torch.save`` file and one per DCP item
 (thousands per checkpoint). :func:`lean_directory` reads the end records and the central directory of the
 canonical layout ``torch.save`` writes (no archive comment, no extra fields, ASCII names, the directory right
 before the end records, nothing torch's zip reader refuses) from one tail read, and answers ``None`` for anything
-else, so that the caller reads it with :func:`ckptaudit.formats.miniz.directory`, the general restatement of
+else, so that the caller reads it with :func:`ckptaudit.formats.zip.miniz.directory`, the general restatement of
 torch's reader, and its errors. Where it answers, it gives the same members, names, offsets, sizes, methods and
 CRCs as ``zipfile.ZipFile(...).infolist()`` and as miniz (``tests/test_lean_readers.py`` compares them); every
 check the caller makes afterwards (the count, names, local headers one to one, sizes, overlaps) is unchanged.
@@ -132,7 +132,7 @@ def lean_directory(region: Region, tail: bytes) -> list[Member] | None:
         if f[0] != b"PK\x01\x02" or extra_len or comment_len or f[3] > _MAX_EXTRACT_VERSION:
             return None
         if f[5] & _REFUSED_FLAGS or f[15] not in (0, 1) or f[17] & 0x10 or f[18] + 30 + f[10] > length:
-            return None  # what torch's zip reader refuses: ckptaudit.formats.miniz says why
+            return None  # what torch's zip reader refuses: ckptaudit.formats.zip.miniz says why
         raw = directory[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len]
         if len(raw) != name_len or not raw.isascii() or b"\0" in raw:
             return None  # cp437, UTF-8 flags and NUL truncation: zipfile's rules

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ckptaudit.formats.object_tree import check_tree
-from ckptaudit.formats.safeio import read_limited
+from ckptaudit.formats.io.safeio import read_limited
+from ckptaudit.formats.pickle.object_tree import check_tree
 
 __all__ = ["MAX_JSON_CONTAINERS", "MAX_JSON_DEPTH", "JsonLimitError", "loads_limited", "read_json_limited"]
 
@@ -68,6 +68,6 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def read_json_limited(path: str, max_bytes: int, what: str, *, max_depth: int = MAX_JSON_DEPTH,
                       max_containers: int = MAX_JSON_CONTAINERS) -> Any:
     """The parsed JSON of a regular file of at most ``max_bytes`` (opened without blocking, size checked first,
-    see :func:`~ckptaudit.formats.safeio.read_limited`), within :func:`loads_limited`'s limits."""
+    see :func:`~ckptaudit.formats.io.safeio.read_limited`), within :func:`loads_limited`'s limits."""
     return loads_limited(read_limited(path, max_bytes, what), what, max_depth=max_depth,
                          max_containers=max_containers)

@@ -1,4 +1,4 @@
-"""The opcode tables and symbolic values of the pickle walk (:mod:`ckptaudit.formats.pickle_walk`): what each
+"""The opcode tables and symbolic values of the pickle walk (:mod:`ckptaudit.formats.pickle.walk`): what each
 opcode pops and pushes, what it may build, and which opcodes a plain pickle may use."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ _FAST_GENERIC: list[tuple[int, bool, int, tuple[Any, ...], int] | None] = [
     (0 if op.arg is None else op.arg.n, *g, _PLAIN_CHARGE.get(op.name, -1))
     for op, g in zip(_OPS, _GENERIC, strict=True)
 ]
-"""For :meth:`ckptaudit.formats.pickle_walk.Walker._run_buffer`: the generic opcodes whose argument, if any, has a fixed size (its value is
+"""For :meth:`ckptaudit.formats.pickle.walk.Walker._run_buffer`: the generic opcodes whose argument, if any, has a fixed size (its value is
 not needed: they push constants or unknowns), with their :data:`_PLAIN_CHARGE`."""
 PLAIN_OPCODES = frozenset(
     "PROTO FRAME STOP MARK MEMOIZE BINGET LONG_BINGET SHORT_BINUNICODE BINUNICODE GLOBAL "

@@ -1,6 +1,6 @@
 """Memoised zip layouts: the structure that the DCP items of one shape share, checked once and matched per item.
 
-:func:`ckptaudit.formats.torchzip.read_torch_zip` checks an archive in full (end records, central directory, local
+:func:`ckptaudit.formats.zip.archive.read_torch_zip` checks an archive in full (end records, central directory, local
 headers one to one, names, ``byteorder``, the CRC of ``data.pkl``, storages inside the archive). DCP writes
 thousands of items whose archives agree byte for byte in everything but their CRCs and their data: same length,
 same member names, sizes, offsets and local headers (``torch.save`` writes zero timestamps). After a full read
@@ -21,7 +21,7 @@ length (both in the key), or is checked per archive here (the two CRCs, the byte
 pickle's scan and load, keyed on its bytes; the storages the pickle uses against the sizes recorded here). Where
 anything differs, :func:`match` answers ``None`` and the caller reads the archive in full, so every refusal is
 the full read's, with its message. :func:`learn` records only the canonical layout ``torch.save`` writes (what
-:func:`ckptaudit.formats.zipdir.lean_directory` answers for, end records whose counts need no zip64 lookup, the
+:func:`ckptaudit.formats.zip.central.lean_directory` answers for, end records whose counts need no zip64 lookup, the
 checked local headers and the small members inside the archive's first bytes); other archives are always read
 in full.
 """
@@ -33,8 +33,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptaudit.formats.pickle_scan import may_name_global
-from ckptaudit.formats.zipdir import Member
+from ckptaudit.formats.pickle.scan import may_name_global
+from ckptaudit.formats.zip.central import Member
 
 __all__ = ["Layout", "Matched", "clear", "learn", "match"]
 
@@ -82,7 +82,7 @@ class Layout:
     free: tuple[tuple[int, int, int], ...]
     """Records whose bytes differ from archive to archive (``.data/serialization_id``): (start, end, CRC index); a
     matching
-    archive's must not be able to name a global (:func:`~ckptaudit.formats.pickle_scan.may_name_global`), else the
+    archive's must not be able to name a global (:func:`~ckptaudit.formats.pickle.scan.may_name_global`), else the
     full read scans them."""
     located: dict[bytes, tuple[object, tuple[tuple[int, int], ...] | None]] = field(default_factory=dict)
     """Memo of :meth:`relocate`: ``data.pkl`` bytes -> (the ``used`` it was asked about, its answer)."""
@@ -174,7 +174,7 @@ def _slice(length: int, head: bytes, tail: bytes, start: int, end: int) -> bytes
 
 def learn(length: int, head: bytes, tail: bytes, members: list[Member], prefix: str) -> None:
     """Record the layout of an archive the full read just accepted (``members`` from
-    :func:`~ckptaudit.formats.zipdir.lean_directory`, ``prefix`` the folder of its ``data.pkl``), if it is the
+    :func:`~ckptaudit.formats.zip.central.lean_directory`, ``prefix`` the folder of its ``data.pkl``), if it is the
     canonical one :func:`match` can compare; otherwise do nothing."""
     at = len(tail) - 22
     if at < 76 or len(tail) > length:

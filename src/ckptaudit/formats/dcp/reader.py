@@ -1,16 +1,16 @@
 """``torch.distributed.checkpoint`` directories: ``.metadata`` plus ``__<rank>_<n>.distcp`` data files.
 
 ``.metadata`` is a pickle; :func:`read_dcp` scans it and unpickles it only through the DCP allowlist into
-plain data (:func:`ckptaudit.formats.dcp_metadata.load_dcp_metadata`), never with plain :mod:`pickle` as
+plain data (:func:`ckptaudit.formats.dcp.metadata.load_dcp_metadata`), never with plain :mod:`pickle` as
 ``FileSystemReader.read_metadata`` does. :func:`check_metadata_safe` is the same guard for callers that are
-about to load the directory; it returns the vetted :class:`~ckptaudit.formats.dcp_metadata.DcpMetadata`, which
+about to load the directory; it returns the vetted :class:`~ckptaudit.formats.dcp.metadata.DcpMetadata`, which
 :func:`ckptaudit.formats.torchload.safe_dcp_load` hands to ``torch.distributed.checkpoint.load`` (so the loader
 reads exactly what was checked, never the pickle again).
 
 Every item named in the metadata is located (file inside the directory, offset + length inside the file)
 before it is read; each item is itself a ``torch.save`` archive, read with
-:func:`ckptaudit.formats.torchzip.read_torch_zip`'s checks (through
-:class:`~ckptaudit.formats.torchzip.TorchZipFiles`, which opens each data file once for all its items).
+:func:`ckptaudit.formats.zip.archive.read_torch_zip`'s checks (through
+:class:`~ckptaudit.formats.zip.archive.TorchZipFiles`, which opens each data file once for all its items).
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from typing import Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import Finding
-from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.base import Part, Unreadable
-from ckptaudit.formats.dcp_metadata import (
+from ckptaudit.formats.dcp.metadata import (
     BytesMeta,
     DcpMetadata,
     IndexKey,
@@ -34,16 +33,17 @@ from ckptaudit.formats.dcp_metadata import (
     TensorMeta,
     load_dcp_metadata,
 )
-from ckptaudit.formats.pickle_scan import (
+from ckptaudit.formats.io.safeio import LimitExceeded, NotRegularFile, file_kind, read_limited
+from ckptaudit.formats.io.tensors import DTYPES, Piece, TensorData
+from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
+from ckptaudit.formats.pickle.scan import (
     PickleLimitError,
     PickleScan,
     UnsafeBuildError,
     opcode_limit,
     scan,
 )
-from ckptaudit.formats.safeio import LimitExceeded, NotRegularFile, file_kind, read_limited
-from ckptaudit.formats.tensors import DTYPES, Piece, TensorData
-from ckptaudit.formats.torchzip import TorchZipError, TorchZipFiles, read_torch_zip
+from ckptaudit.formats.zip.archive import TorchZipError, TorchZipFiles, read_torch_zip
 
 __all__ = ["DcpRead", "UnsafeCheckpointError", "check_metadata_safe", "is_dcp_dir", "read_dcp"]
 

@@ -30,7 +30,7 @@ and keyed by parameter name. The result is one :class:`Part` (format ``deepspeed
 
 The files themselves are read by the caller's ``read_file`` (the ordinary restricted ``torch.save`` reader,
 which reports DeepSpeed's pickled classes as not loaded); this module only interprets their trees (the ZeRO partition arithmetic is
-:mod:`ckptaudit.formats.deepspeed_zero`). Pure.
+:mod:`ckptaudit.formats.deepspeed.zero`). Pure.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import Finding
 from ckptaudit.formats.base import Part, Unreadable
-from ckptaudit.formats.deepspeed_zero import (
+from ckptaudit.formats.deepspeed.zero import (
     _add_optimizer,
     _LayoutError,
     _shape,
@@ -54,7 +54,7 @@ from ckptaudit.formats.deepspeed_zero import (
     _zero12,
     _zero12_frozen,
 )
-from ckptaudit.formats.tensors import TensorData
+from ckptaudit.formats.io.tensors import TensorData
 
 __all__ = [
     "DeepSpeedRead",

@@ -4,7 +4,7 @@
 implementation (the allowlist is checked a second time), which refuses ``EXT``/``INST``/``OBJ``, lets ``BUILD``
 touch only instances of vetted classes with vetted state, and charges every call against a budget proportional
 to the pickle's size (so a small pickle cannot make a huge object by calling allowed functions in a loop).
-:func:`ckptaudit.formats.object_tree.check_tree` then bounds the depth and the expanded size of what was loaded (no cycles, no exponential
+:func:`ckptaudit.formats.pickle.object_tree.check_tree` then bounds the depth and the expanded size of what was loaded (no cycles, no exponential
 sharing), so every later recursive walk is safe.
 """
 
@@ -18,15 +18,15 @@ import sys
 from collections.abc import Callable, Collection, Iterable
 from typing import IO, Any, ClassVar
 
-from ckptaudit.formats.allowlist import global_name
-from ckptaudit.formats.numpy_pickles import (
+from ckptaudit.formats.pickle.allowlist import global_name
+from ckptaudit.formats.pickle.numpy_values import (
     NUMPY_ON_DEMAND,
     NdarrayShell,
     dtype_from_state,
     ndarray_from_state,
     numpy_table,
 )
-from ckptaudit.formats.pickle_scan import (
+from ckptaudit.formats.pickle.scan import (
     BUILD_BUDGET_BASE,
     BUILD_BUDGET_FACTOR,
     CALL_BUDGET_FACTOR,
@@ -38,7 +38,7 @@ from ckptaudit.formats.pickle_scan import (
     UnsafeGlobalError,
     build_budget,
 )
-from ckptaudit.formats.torch_values import torch_values_table
+from ckptaudit.formats.pickle.torch_values import torch_values_table
 
 __all__ = ["BUILD_ATTRIBUTES", "Opaque", "PickledRecord", "RestrictedUnpickler", "base_table"]
 
@@ -546,8 +546,8 @@ def _safe_codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict
 
 def base_table() -> dict[str, Any]:
     """Harmless builtins and containers shared by every restricted unpickler, torch's plain values (dtypes,
-    ``torch.device``, ``torch.Size``) as the torch-free stand-ins of :mod:`ckptaudit.formats.torch_values`, and
-    NumPy's arrays, scalars and dtypes (:func:`~ckptaudit.formats.numpy_pickles.numpy_table`, made on demand)."""
+    ``torch.device``, ``torch.Size``) as the torch-free stand-ins of :mod:`ckptaudit.formats.pickle.torch_values`, and
+    NumPy's arrays, scalars and dtypes (:func:`~ckptaudit.formats.pickle.numpy_values.numpy_table`, made on demand)."""
     table: dict[str, Any] = {
         "collections.OrderedDict": collections.OrderedDict,
         "_codecs.encode": _safe_codecs_encode,

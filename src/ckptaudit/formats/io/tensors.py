@@ -4,7 +4,7 @@ Readers never materialise a tensor. They describe it (:class:`Piece`, :class:`Te
 stream its elements in row-major order through :func:`iter_chunks`, one chunk of at most ``chunk_bytes`` at a
 time: contiguous pieces with positional reads into a reused buffer, strided ones from a read-only memory map.
 The scan's own fast path (:func:`ckptaudit.records.scan_tensor`) hashes whole chunks where they lie in the page
-cache, under a read lease (:meth:`FileMaps.leased`, :mod:`ckptaudit.formats.leased`). Mapped pages already
+cache, under a read lease (:meth:`FileMaps.leased`, :mod:`ckptaudit.formats.io.leased`). Mapped pages already
 scanned are dropped with ``madvise(MADV_DONTNEED)``, so resident memory stays bounded by the chunks, not by
 the checkpoint.
 """
@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptaudit.formats.leased import LeasedFile, mapped_reads_enabled
-from ckptaudit.formats.safeio import open_regular
+from ckptaudit.formats.io.leased import LeasedFile, mapped_reads_enabled
+from ckptaudit.formats.io.safeio import open_regular
 
 if TYPE_CHECKING:
     import numpy as np
@@ -184,7 +184,7 @@ class FileMaps:
         self._mapped_reads: bool | None = None
         self._lock = threading.Lock()
         self.remote: Any = None
-        """For a checkpoint behind a URL: the :class:`~ckptaudit.formats.remote.RemoteFiles` its stand-in files
+        """For a checkpoint behind a URL: the :class:`~ckptaudit.formats.remote.staging.RemoteFiles` its stand-in files
         read their data from (ranged reads); ``None`` for local checkpoints."""
 
     def fd(self, path: str) -> int:
@@ -199,7 +199,7 @@ class FileMaps:
         return int(fh.fileno())
 
     def leased(self, path: str) -> LeasedFile | None:
-        """The :class:`~ckptaudit.formats.leased.LeasedFile` of a local ``path`` (hashing its chunks in place,
+        """The :class:`~ckptaudit.formats.io.leased.LeasedFile` of a local ``path`` (hashing its chunks in place,
         under a read lease), or ``None`` where chunks are read with :meth:`read_into` (remote files, mapped reads
         off or unavailable in this process)."""
         try:

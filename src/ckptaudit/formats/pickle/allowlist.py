@@ -1,8 +1,8 @@
 """The pickle allowlist: every global a pickle may reference, and how each may be used.
 
 An allowlist, not a denylist: anything nobody vetted (``io.open``, ``torch.storage._load_from_bytes``,
-``os.system``) is refused by construction. :mod:`ckptaudit.formats.pickle_scan` checks names against these sets
-at the opcode level; :mod:`ckptaudit.formats.unpickler` maps each allowed name to a vetted implementation.
+``os.system``) is refused by construction. :mod:`ckptaudit.formats.pickle.scan` checks names against these sets
+at the opcode level; :mod:`ckptaudit.formats.pickle.unpickler` maps each allowed name to a vetted implementation.
 """
 
 from __future__ import annotations

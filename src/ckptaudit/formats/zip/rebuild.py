@@ -1,9 +1,9 @@
 """The tensor side of the restricted unpickler of ``data.pkl``: storages and tensor rebuilds, torch-free.
 
-:func:`ckptaudit.formats.torchzip.read_torch_zip` unpickles a scanned ``data.pkl`` with
-:class:`~ckptaudit.formats.unpickler.RestrictedUnpickler` and the table :func:`torch_table` gives: each storage
+:func:`ckptaudit.formats.zip.archive.read_torch_zip` unpickles a scanned ``data.pkl`` with
+:class:`~ckptaudit.formats.pickle.unpickler.RestrictedUnpickler` and the table :func:`torch_table` gives: each storage
 reference becomes a :class:`StorageRef` (located and checked inside the archive by the caller's
-``persistent_load``), each tensor rebuild a :class:`~ckptaudit.formats.tensors.TensorData` whose view is checked
+``persistent_load``), each tensor rebuild a :class:`~ckptaudit.formats.io.tensors.TensorData` whose view is checked
 against its storage and charged to a :class:`ViewBudget`, so overlapping views cannot turn a small archive into an
 endless scan. Nothing here imports torch.
 """
@@ -15,9 +15,9 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
-from ckptaudit.formats.pickle_scan import PickleLimitError
-from ckptaudit.formats.tensors import DTYPES, DType, Piece, TensorData
-from ckptaudit.formats.unpickler import base_table
+from ckptaudit.formats.io.tensors import DTYPES, DType, Piece, TensorData
+from ckptaudit.formats.pickle.scan import PickleLimitError
+from ckptaudit.formats.pickle.unpickler import base_table
 
 __all__ = ["VIEW_BUDGET_FACTOR", "StorageRef", "StorageType", "ViewBudget", "torch_table"]
 

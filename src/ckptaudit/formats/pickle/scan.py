@@ -2,12 +2,12 @@
 
 :func:`scan` walks the opcodes (decoding, never executing) with a symbolic stack and memo, so it resolves every
 global the pickle references, also through ``STACK_GLOBAL`` and memo indirections, and reports those outside the
-allowlist (:mod:`ckptaudit.formats.allowlist`). Declared lengths are checked against the bytes that remain before
+allowlist (:mod:`ckptaudit.formats.pickle.allowlist`). Declared lengths are checked against the bytes that remain before
 anything is read (a ``BINBYTES8`` claiming terabytes is an error, not an allocation), long byte strings are
 skipped rather than read, memo indices may not run ahead of the opcodes, and opcode count and stack depth have
-hard limits (:mod:`ckptaudit.formats.pickle_limits`, shared with the restricted unpickler,
-:mod:`ckptaudit.formats.unpickler`, and re-exported here). The walk itself is :mod:`ckptaudit.formats.pickle_walk`,
-its opcode tables :mod:`ckptaudit.formats.pickle_ops`.
+hard limits (:mod:`ckptaudit.formats.pickle.limits`, shared with the restricted unpickler,
+:mod:`ckptaudit.formats.pickle.unpickler`, and re-exported here). The walk itself is :mod:`ckptaudit.formats.pickle.walk`,
+its opcode tables :mod:`ckptaudit.formats.pickle.ops`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import IO
 
-from ckptaudit.formats.allowlist import ALL_SAFE, HARMLESS_GLOBALS
-from ckptaudit.formats.pickle_limits import (
+from ckptaudit.formats.pickle.allowlist import ALL_SAFE, HARMLESS_GLOBALS
+from ckptaudit.formats.pickle.limits import (
     BUILD_BUDGET_BASE,
     BUILD_BUDGET_CAP,
     BUILD_BUDGET_FACTOR,
@@ -38,8 +38,8 @@ from ckptaudit.formats.pickle_limits import (
     build_budget,
     opcode_limit,
 )
-from ckptaudit.formats.pickle_ops import PLAIN_OPCODES
-from ckptaudit.formats.pickle_walk import ScanError, Walker
+from ckptaudit.formats.pickle.ops import PLAIN_OPCODES
+from ckptaudit.formats.pickle.walk import ScanError, Walker
 
 __all__ = [
     "BUILD_BUDGET_BASE",
@@ -93,7 +93,7 @@ class PickleScan:
     a global, and ``BUILD`` once on each object ``NEWOBJ`` made; whose dict keys are all strings or objects
     ``NEWOBJ`` made (so no key hash can be steered into collisions); and whose objects, estimated at CPython's
     sizes, stay within the build budget. Such a pickle may be loaded by the C unpickler with a restricted
-    ``find_class`` (:func:`ckptaudit.formats.dcp_metadata.load_dcp_metadata`): every other defence of the
+    ``find_class`` (:func:`ckptaudit.formats.dcp.metadata.load_dcp_metadata`): every other defence of the
     restricted unpickler is then already guaranteed by the walk."""
 
     @property

@@ -2,7 +2,7 @@
 
 ``torch.save`` pickles ``torch.bfloat16`` as the global ``torch.bfloat16``, ``torch.device("cuda", 1)`` as a call
 of ``torch.device`` and ``torch.Size([2, 3])`` as a call of ``torch.Size``. The restricted unpickler's table
-(:func:`ckptaudit.formats.unpickler.base_table`) maps those names here instead of importing torch, which costs
+(:func:`ckptaudit.formats.pickle.unpickler.base_table`) maps those names here instead of importing torch, which costs
 ~200 MiB and seconds of start-up for a 4-element file: the offline paths (``audit``, ``compare``, ``latest``) never
 import torch.
 
@@ -21,7 +21,7 @@ import pickle
 import re
 from typing import Any, ClassVar
 
-from ckptaudit.formats.allowlist import TORCH_DTYPES
+from ckptaudit.formats.pickle.allowlist import TORCH_DTYPES
 
 __all__ = ["DEVICE_TYPES", "DTYPE_ALIASES", "MAX_DEVICE_INDEX", "TorchDevice", "TorchDtype", "TorchSize",
            "torch_values_table"]
@@ -163,7 +163,7 @@ def _short(value: Any) -> str:
 
 
 def torch_values_table() -> dict[str, Any]:
-    """``torch.Size``, ``torch.device`` and every dtype of :data:`~ckptaudit.formats.allowlist.TORCH_DTYPES`,
+    """``torch.Size``, ``torch.device`` and every dtype of :data:`~ckptaudit.formats.pickle.allowlist.TORCH_DTYPES`,
     by the global name a pickle uses, for the restricted unpickler's table."""
     table: dict[str, Any] = {"torch.Size": TorchSize, "torch.device": TorchDevice}
     for d in TORCH_DTYPES:

@@ -1,5 +1,5 @@
 """The pickle walk: one pass over a pickle's opcodes with a symbolic stack and memo, never executing anything
-(:func:`ckptaudit.formats.pickle_scan.scan` runs it and reports what it found)."""
+(:func:`ckptaudit.formats.pickle.scan.scan` runs it and reports what it found)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pickletools
 import struct
 from typing import IO, Any
 
-from ckptaudit.formats.allowlist import HARMLESS_GLOBALS, global_name
-from ckptaudit.formats.pickle_limits import MAX_INLINE, MAX_LINE, MAX_STACK
-from ckptaudit.formats.pickle_ops import (
+from ckptaudit.formats.pickle.allowlist import HARMLESS_GLOBALS, global_name
+from ckptaudit.formats.pickle.limits import MAX_INLINE, MAX_LINE, MAX_STACK
+from ckptaudit.formats.pickle.ops import (
     _CONST,
     _CONST_OPS,
     _CONST_TYPES,

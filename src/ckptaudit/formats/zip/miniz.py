@@ -24,7 +24,7 @@ miniz does (this module) and refuses the archive wherever the two readings could
 :func:`end_records` and :func:`directory` raise :class:`ZipReadError` wherever miniz refuses the archive, and
 :func:`check_members` wherever the readings could differ; the records torch reads besides ``data.pkl``
 (``version``, ``byteorder``, ``.storage_alignment``, ``constants.pkl``) are checked by
-:func:`check_records`. The caller is :mod:`ckptaudit.formats.torchzip`.
+:func:`check_records`. The caller is :mod:`ckptaudit.formats.zip.archive`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ckptaudit.formats.zipdir import Member
+from ckptaudit.formats.zip.central import Member
 
 __all__ = ["MAX_FILE_FORMAT_VERSION", "EndRecords", "ZipReadError", "check_members", "check_records", "directory",
            "end_records", "version_problem"]

@@ -11,7 +11,7 @@ import math
 import pickle
 from typing import Any
 
-from ckptaudit.formats.allowlist import NUMPY_DTYPE_CLASSES
+from ckptaudit.formats.pickle.allowlist import NUMPY_DTYPE_CLASSES
 
 __all__ = ["NUMPY_ON_DEMAND", "NdarrayShell", "dtype_from_state", "ndarray_from_state", "numpy_module", "numpy_table"]
 

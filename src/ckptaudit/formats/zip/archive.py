@@ -5,10 +5,10 @@ A ``torch.save`` file is a zip of ``<name>/data.pkl`` (the object tree, a pickle
 ``torch.distributed.checkpoint`` is the same kind of archive, at an offset inside the file, so this reader
 works on a byte region of a file.
 
-The archive is read the way torch reads it (:mod:`ckptaudit.formats.miniz`: the zip signature at byte 0, the end
+The archive is read the way torch reads it (:mod:`ckptaudit.formats.zip.miniz`: the zip signature at byte 0, the end
 records and central directory as miniz finds them, names looked up ignoring case under the first member's folder,
 the records torch checks), and refused wherever the two readings could part; every member but ``data.pkl`` and its
-storages is scanned as a pickle too. The pickle is scanned first (:func:`ckptaudit.formats.pickle_scan.scan`); only
+storages is scanned as a pickle too. The pickle is scanned first (:func:`ckptaudit.formats.pickle.scan.scan`); only
 a pickle whose every global is
 allowed is unpickled, through a restricted unpickler that turns each tensor into a :class:`TensorData`
 pointing into the file. Storage sizes and tensor views are checked against the archive before anything is
@@ -19,8 +19,8 @@ dtype (torch types a storage by its first reference), and the tensors of one arc
 at most a few times the archive's bytes (overlapping views cannot turn a small file into an endless scan).
 
 :class:`TorchZipFile` opens a file once for many archives (the items of a ``.distcp`` file; the restricted
-unpickler's tensor table is :mod:`ckptaudit.formats.tensor_rebuild`). An archive whose structure equals one
-read in full before, CRCs and data aside (:mod:`ckptaudit.formats.ziplayout`), is compared with it instead of
+unpickler's tensor table is :mod:`ckptaudit.formats.zip.rebuild`). An archive whose structure equals one
+read in full before, CRCs and data aside (:mod:`ckptaudit.formats.zip.memo`), is compared with it instead of
 being parsed again; its pickle is scanned and loaded once per distinct pickle (memoised by its bytes).
 """
 
@@ -35,14 +35,14 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from ckptaudit.formats import miniz, ziplayout
-from ckptaudit.formats.object_tree import check_tree
-from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, may_name_global, opcode_limit, scan
-from ckptaudit.formats.safeio import open_regular, open_regular_fd
-from ckptaudit.formats.tensor_rebuild import VIEW_BUDGET_FACTOR, StorageRef, StorageType, ViewBudget, torch_table
-from ckptaudit.formats.tensors import DType, Piece, TensorData
-from ckptaudit.formats.unpickler import RestrictedUnpickler
-from ckptaudit.formats.zipdir import HEAD_BYTES, TAIL_BYTES, Member, Region, lean_directory
+from ckptaudit.formats.io.safeio import open_regular, open_regular_fd
+from ckptaudit.formats.io.tensors import DType, Piece, TensorData
+from ckptaudit.formats.pickle.object_tree import check_tree
+from ckptaudit.formats.pickle.scan import PickleLimitError, PickleScan, may_name_global, opcode_limit, scan
+from ckptaudit.formats.pickle.unpickler import RestrictedUnpickler
+from ckptaudit.formats.zip import memo, miniz
+from ckptaudit.formats.zip.central import HEAD_BYTES, TAIL_BYTES, Member, Region, lean_directory
+from ckptaudit.formats.zip.rebuild import VIEW_BUDGET_FACTOR, StorageRef, StorageType, ViewBudget, torch_table
 
 __all__ = ["RegionStream", "TorchZip", "TorchZipError", "TorchZipFile", "TorchZipFiles", "is_zip", "read_torch_zip",
            "read_torch_zip_bytes", "scan_legacy"]
@@ -185,7 +185,7 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
     big-endian data, storages or views larger than the archive, a truncated pickle, and for archives past a
     safety limit (``limit=True``). A pickle that references globals outside the allowlist is returned
     unloaded (``loaded=False``), even when it is also truncated (``scan.error``) -- unless ``inert``: then its
-    outside globals become :class:`~ckptaudit.formats.unpickler.Opaque` records (nothing is imported or run) and the
+    outside globals become :class:`~ckptaudit.formats.pickle.unpickler.Opaque` records (nothing is imported or run) and the
     rest of the tree, tensors included, is returned (``loaded=True``; ``scan.unsafe`` still names them). An inert
     load that fails for any reason falls back to unloaded. Many archives of one file (the items of a ``.distcp``
     file): :class:`TorchZipFile`, which opens the file once.
@@ -196,7 +196,7 @@ def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, loa
 
 WHOLE_BYTES = HEAD_BYTES + TAIL_BYTES
 """An archive of at most this many bytes (most DCP items) is read with one ``pread``; a longer one, its first
-:data:`~ckptaudit.formats.zipdir.HEAD_BYTES` and last :data:`~ckptaudit.formats.zipdir.TAIL_BYTES` (then what
+:data:`~ckptaudit.formats.zip.central.HEAD_BYTES` and last :data:`~ckptaudit.formats.zip.central.TAIL_BYTES` (then what
 its directory says)."""
 
 
@@ -205,7 +205,7 @@ class TorchZipFile:
     per DCP item), opened, checked to be a regular file and sized once; :meth:`read` reads one archive, as
     :func:`read_torch_zip` does. Runs in the caller's thread; one instance is not shared between threads.
 
-    An archive whose structure matches one already read in full (:mod:`ckptaudit.formats.ziplayout`: DCP items of
+    An archive whose structure matches one already read in full (:mod:`ckptaudit.formats.zip.memo`: DCP items of
     one shape differ only in CRCs and data) and whose pickle was scanned and loaded before is checked against that
     layout and rebound to its own bytes; anything else, and anything that does not match, is read in full.
     """
@@ -253,7 +253,7 @@ class TorchZipFile:
             tail = os.pread(fd, TAIL_BYTES, offset + length - TAIL_BYTES)
             complete = len(head) == HEAD_BYTES and len(tail) == TAIL_BYTES
         if complete and head[:4] == _ZIP_MAGIC:  # the common case first: a DCP item of a learnt layout
-            hit = ziplayout.match(length, head, tail)
+            hit = memo.match(length, head, tail)
             if hit is not None:
                 known = _from_layout(hit, self._abspath, offset, length, load)
                 if known is not None:
@@ -282,7 +282,7 @@ def _read_archive(region: Region, path: str, head: bytes, tail: bytes, complete:
     if head[:4] != _ZIP_MAGIC:
         raise _not_a_zip(region, head)
     if complete:
-        hit = ziplayout.match(length, head, tail)
+        hit = memo.match(length, head, tail)
         if hit is not None:
             known = _from_layout(hit, path, offset, length, load)
             if known is not None:
@@ -385,7 +385,7 @@ class TorchZipFiles:
         self.close()
 
 
-def _from_layout(hit: ziplayout.Matched, path: str, offset: int, length: int, load: bool) -> TorchZip | None:
+def _from_layout(hit: memo.Matched, path: str, offset: int, length: int, load: bool) -> TorchZip | None:
     """The archive that matched a learnt layout, from the memoised scan and load of its (CRC-checked) pickle;
     ``None`` where either is not memoised, the pickle is not loadable, or its storages or views do not fit this
     archive (then the full read decides)."""
@@ -413,7 +413,7 @@ def _zip_error(exc: miniz.ZipReadError, offset: int) -> TorchZipError:
 
 def _read_full(region: Region, path: str, tail: bytes, load: bool, inert: bool) -> TorchZip:
     """Every check on the archive in ``region`` (``tail``: its last ``min(length, TAIL_BYTES)`` bytes), read the
-    way torch reads it (:mod:`ckptaudit.formats.miniz`); learns its layout when it is the canonical one."""
+    way torch reads it (:mod:`ckptaudit.formats.zip.miniz`); learns its layout when it is the canonical one."""
     offset, length = region.start, region.length
 
     def read_rel(at: int, n: int) -> bytes:
@@ -537,14 +537,14 @@ def _read_full(region: Region, path: str, tail: bytes, load: bool, inert: bool) 
 
 def _learn(region: Region, tail: bytes, lean: list[Member] | None, names: miniz.Names) -> None:
     """Every check passed on an archive of the canonical layout: archives of this layout need only be compared
-    with it (:mod:`ckptaudit.formats.ziplayout`)."""
+    with it (:mod:`ckptaudit.formats.zip.memo`)."""
     head = region.head
     if lean is not None and head is not None:
-        ziplayout.learn(region.length, head, tail, lean, names.top)
+        memo.learn(region.length, head, tail, lean, names.top)
 
 
 def _scan_members(region: Region, names: miniz.Names, pkl: Member, storages: dict[str, Any] | None) -> None:
-    """The records torch reads besides ``data.pkl`` (:func:`ckptaudit.formats.miniz.check_records`), then, in
+    """The records torch reads besides ``data.pkl`` (:func:`ckptaudit.formats.zip.miniz.check_records`), then, in
     defense in depth: every member besides ``data.pkl`` and the storages it references (raw tensor bytes, never
     unpickled by torch) is scanned as a pickle; one that references a global is refused, whatever its name or
     position (torch.load never unpickles it, but no torch.save archive holds one, and another reader may).
