@@ -12,7 +12,7 @@ same size as ``torch.save`` files:
 - ``identical``: the same values -- the hashes decide, no element-wise pass.
 
 Then, each in a fresh child process (so that peak memory is the measurement's own): a plain sequential read of
-both checkpoints' files (1 MiB ``readinto``, what ``cat > /dev/null`` does) and ``ckptaudit.compare.compare``.
+both checkpoints' files (1 MiB ``readinto``, what ``cat > /dev/null`` does) and ``ckptaudit.comparing.compare``.
 Both read from the page cache (the files were just written), so the ratio compares CPU work, not the disk.
 Prints throughput over the bytes of both checkpoints, the ratio, and the growth of peak RSS (``VmHWM``) and of
 anonymous memory (``RssAnon``, sampled every 5 ms: mapped file pages are reclaimable, anonymous ones are not)
@@ -93,7 +93,7 @@ def child_read(ref: str, cand: str) -> dict[str, Any]:
 
 
 def child_compare(ref: str, cand: str, threads: int) -> dict[str, Any]:
-    from ckptaudit.compare import CompareOptions, compare
+    from ckptaudit.comparing import CompareOptions, compare
 
     # First-call imports (torch.distributed for DCP, NumPy tables) happen here, not in the timed run.
     warm = os.path.join(os.path.dirname(cand), "warm")

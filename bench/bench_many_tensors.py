@@ -83,7 +83,7 @@ def child_load(kind: str, path: str) -> dict[str, Any]:
 
 def child_audit(kind: str, path: str) -> dict[str, Any]:
     sys.path.insert(0, SRC)
-    from ckptaudit.audit import audit
+    from ckptaudit.auditing.judge import audit
 
     warm = tempfile.mkdtemp(prefix="ckptaudit-bench-warm-")
     try:

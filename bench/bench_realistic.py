@@ -22,14 +22,14 @@ the host's drifting CPU speed mostly cancels out of):
 
 - ``read``: every 8-byte word xor-reduced by NumPy over read-only memory maps, the bytes split between 2
   threads: what reading the bytes costs at best;
-- ``audit -j N``: :func:`ckptaudit.audit.audit` in-process (imports and first-call set-up excluded), with N
+- ``audit -j N``: :func:`ckptaudit.auditing.judge.audit` in-process (imports and first-call set-up excluded), with N
   threads, and its peak anonymous memory (``RssAnon`` sampled every 5 ms) over the child's baseline;
-- ``open``: :func:`ckptaudit.scanning.plan_scan` (open, parse metadata, interpret; no tensor data), per DCP item;
+- ``open``: :func:`ckptaudit.auditing.scan.plan_scan` (open, parse metadata, interpret; no tensor data), per DCP item;
   ``--open-only`` measures only this, as the CPU time of a fresh process, best of ``--repeat``;
 - CLI start-up: ``ckptaudit audit`` of a 4-element file (torch.save, safetensors, DCP) as a whole process
   (``/usr/bin/time``), bytecode compiled: wall, CPU and max RSS;
 - distributed: ``torchrun --standalone --nproc-per-node R -m``-style ranks (1, 2, 4) auditing the 8-rank DCP
-  save through :func:`ckptaudit.distaudit.audit_distributed`, timed on rank 0 from the call (rendezvous
+  save through :func:`ckptaudit.auditing.distributed.audit_distributed`, timed on rank 0 from the call (rendezvous
   included) to the report.
 """
 
@@ -235,7 +235,7 @@ def _warm_up(tmp: str) -> None:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from ckptaudit.audit import audit
+    from ckptaudit.auditing.judge import audit
 
     torch.save({"model": {"w": torch.ones(4)}}, os.path.join(tmp, "warm.pt"))
     save_file({"w": torch.ones(4)}, os.path.join(tmp, "warm.safetensors"))
@@ -248,7 +248,7 @@ def _warm_up(tmp: str) -> None:
 
 def child_audit(path: str, jobs: int) -> dict[str, Any]:
     """The open (plan) phase alone (:func:`child_open`), then the whole audit with ``jobs`` threads."""
-    from ckptaudit.audit import AuditOptions, audit
+    from ckptaudit.auditing.judge import AuditOptions, audit
 
     opened = child_open(path)
     base = proc_status("RssAnon")
@@ -263,7 +263,7 @@ def child_audit(path: str, jobs: int) -> dict[str, Any]:
 
 def child_open(path: str) -> dict[str, Any]:
     """The open (plan) phase alone, as CPU time of this process (steadier than wall time on a shared machine)."""
-    from ckptaudit.scanning import plan_scan
+    from ckptaudit.auditing.scan import plan_scan
 
     tmp = tempfile.mkdtemp(prefix="ckptaudit-warm-")
     try:
@@ -282,9 +282,9 @@ def child_dist(path: str) -> dict[str, Any] | None:
     """(each rank, under torchrun) The distributed audit, timed on rank 0."""
     import torch.distributed  # noqa: F401 - imported before the clock starts, as the readers' first calls are
 
-    from ckptaudit.audit import AuditOptions
-    from ckptaudit.distaudit import audit_distributed, torchrun_rank
-    from ckptaudit.scanning import default_jobs
+    from ckptaudit.auditing.distributed import audit_distributed, torchrun_rank
+    from ckptaudit.auditing.judge import AuditOptions
+    from ckptaudit.auditing.scan import default_jobs
 
     place = torchrun_rank()
     assert place is not None

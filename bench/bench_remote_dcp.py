@@ -62,7 +62,7 @@ def main() -> None:
 
 
 def run(local: str, url: str, items: int) -> None:
-    from ckptaudit.audit import audit
+    from ckptaudit.auditing.judge import audit
     from ckptaudit.formats import open_checkpoint
     from ckptaudit.formats.remote import dcp as remote_dcp
     staged: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""Where the scan's time goes: CPU seconds per GB of each part of :func:`ckptaudit.records.scan_tensor`, on one thread.
+"""Where the scan's time goes: CPU seconds per GB of each part of :func:`ckptaudit.auditing.tensor_scan.scan_tensor`, on one thread.
 
     .venv/bin/python bench/bench_scan_parts.py                 # 1 GiB of genuine fp32, then of bf16-rounded fp32
     .venv/bin/python bench/bench_scan_parts.py --mib 512 --repeat 5
@@ -51,16 +51,16 @@ sys.path.insert(0, _SRC)
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
+from ckptaudit.auditing.tensor_scan import _Fp32State, scan_tensor  # noqa: E402
 from ckptaudit.formats.io.tensors import DTYPES, FileMaps, Piece, TensorData  # noqa: E402
-from ckptaudit.records import _Fp32State, scan_tensor  # noqa: E402
 
 try:  # absent before the scan reused its buffers: this script also measures earlier commits' src
     from ckptaudit.formats.io.tensors import scratch_buffer
 except ImportError:
     scratch_buffer = None
 try:  # absent before chunks were hashed in the page cache under a lease
+    from ckptaudit.auditing.tensor_scan import MAPPED_CHUNK_BYTES
     from ckptaudit.formats.io.leased import LeasedFile, mapped_reads_enabled
-    from ckptaudit.records import MAPPED_CHUNK_BYTES
 except ImportError:
     LeasedFile = None  # type: ignore[assignment,misc]
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from ckptaudit.audit import audit
+from ckptaudit.auditing.judge import audit
 from ckptaudit.checks import optimizer as optcheck
 from ckptaudit.checks.optimizer import assign_by_order
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.audit import AuditOptions, audit
+from ckptaudit.auditing.judge import AuditOptions, audit
 from ckptaudit.findings import ComponentKind, Precision, Report, Severity
 from ckptaudit.formats.dcp.reader import check_metadata_safe
 from ckptaudit.formats.torchload import safe_torch_load

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptaudit.audit import audit
+from ckptaudit.auditing.judge import audit
 from ckptaudit.catalogue import CATALOGUE, finding
 from ckptaudit.cli import main
 from ckptaudit.findings import Report, Severity
@@ -142,7 +142,7 @@ def test_the_probe_says_what_it_saw_not_which_exporter_did_it() -> None:
 
 
 def test_compare_calls_bf16_stored_parameters_what_audit_calls_them(tmp_path: Path) -> None:
-    from ckptaudit.compare import compare
+    from ckptaudit.comparing import compare
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(16, 8, generator=g)

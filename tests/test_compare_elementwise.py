@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptaudit.compare.elementwise import compare_streams, paired_chunks
+from ckptaudit.comparing.elementwise import compare_streams, paired_chunks
 from ckptaudit.formats.io.tensors import DTYPES
 
 

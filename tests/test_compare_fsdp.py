@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.audit import audit
+from ckptaudit.auditing.judge import audit
 from ckptaudit.cli import main
-from ckptaudit.compare import CompareOptions, compare
+from ckptaudit.comparing import CompareOptions, compare
 from ckptaudit.findings import Report, Severity
 from ckptaudit.formats.torchload import safe_torch_load
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ckptaudit.compare import compare
+from ckptaudit.comparing import compare
 
 
 def training_state(seed: int = 0) -> dict[str, Any]:
@@ -85,7 +85,7 @@ def test_a_tensor_over_many_chunks_that_differs_only_in_its_last_element_is_diff
     """The multi-chunk route: the first chunks are bitwise equal (the pass switches to hashing only), so only the
     digests, taken over every chunk, can see the last element; with 64-byte chunks a 4096-element tensor is 256
     chunks on each side."""
-    from ckptaudit.compare import CompareOptions
+    from ckptaudit.comparing import CompareOptions
 
     ref = training_state()
     big = torch.randn(64, 64, generator=torch.Generator().manual_seed(7))

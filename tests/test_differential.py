@@ -42,12 +42,12 @@ import pytest
 import torch
 import xxhash
 
+from ckptaudit.auditing.tensor_scan import scan_tensor
 from ckptaudit.findings import Severity
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.base import walk
 from ckptaudit.formats.dcp.reader import read_dcp
 from ckptaudit.formats.io.tensors import TensorData
-from ckptaudit.records import scan_tensor
 from zip_mutants import Reduce, Zip, members_of, payload, stored, torch_pickle, torch_save_bytes
 
 SEED = int(os.environ.get("CKPTAUDIT_DIFF_SEED", "20250"))

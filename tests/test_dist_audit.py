@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from ckptaudit.auditing.distributed import partition, shares_of, torchrun_rank
 from ckptaudit.cli import main
-from ckptaudit.distaudit import partition, shares_of, torchrun_rank
 
 TORCHRUN_TIMEOUT_S = 240
 

@@ -27,7 +27,7 @@ import pytest
 import hostile_files as hf
 import real_checkpoints as rc
 from audit_worker import AuditWorker
-from ckptaudit.audit import audit
+from ckptaudit.auditing.judge import audit
 from ckptaudit.cli import main
 from ckptaudit.findings import Precision, Report, Severity
 from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_safe
@@ -649,7 +649,7 @@ def test_serving_metadata_that_is_not_what_it_claims_is_a_finding(gate: str, bas
                                                                   tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from ckptaudit.audit import AuditOptions
+    from ckptaudit.auditing.judge import AuditOptions
 
     path = tmp_path / "model.safetensors"
     save_file(load_file(str(bases["st"])), str(path), metadata={"artifact": "serving", "quality_gate": gate})

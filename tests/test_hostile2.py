@@ -24,7 +24,7 @@ import pytest
 import hostile_files as hf
 import real_checkpoints as rc
 from audit_worker import AuditWorker
-from ckptaudit.audit import audit
+from ckptaudit.auditing.judge import audit
 from ckptaudit.cli import main
 from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_safe
 from ckptaudit.formats.pickle.scan import UnsafeGlobalError

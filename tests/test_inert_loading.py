@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ckptaudit.audit import audit
+from ckptaudit.auditing.judge import audit
 from ckptaudit.findings import Severity
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.pickle.unpickler import Opaque

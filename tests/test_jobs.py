@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from ckptaudit.audit import AuditOptions, audit
+from ckptaudit.auditing.judge import AuditOptions, audit
 from ckptaudit.cli import main
 from real_checkpoints import chunked_training_state
 

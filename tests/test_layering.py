@@ -26,16 +26,13 @@ LAYERS: dict[str, int] = {
     "recipes": 2,
     "ondisk": 3,
     "layouts": 3,
-    "records": 3,
     "exporters": 3,
     # pure checks over records, and the renderers: neither imports the other
     "checks": 4,
     "report": 4,
-    # the scan phase (plan, threads, records), then the audit that judges it
-    "scanning": 5,
-    "audit": 6,
-    "distaudit": 7,
-    "compare": 6,
+    # the audit engine (plan, scan, per-tensor records, judge, distributed), then the compare engine on it
+    "auditing": 5,
+    "comparing": 6,
     "probe": 6,
     "store": 7,
     "api": 7,
@@ -114,11 +111,10 @@ def test_the_stated_directions_hold() -> None:
     """The directions ``shared/ARCHITECTURE.md`` names, spelled out, so that a change of LAYERS cannot lose them."""
     below = {unit for unit, layer in LAYERS.items() if layer < LAYERS["formats"]}
     assert LAYERS["findings"] == 0 and not {u for u, lv in LAYERS.items() if lv < 0}
-    assert {"checks", "report", "cli", "store", "audit"}.isdisjoint(below)
-    for low, high in (("formats", "checks"), ("formats", "report"), ("formats", "store"), ("formats", "audit"),
+    assert {"checks", "report", "cli", "store", "auditing"}.isdisjoint(below)
+    for low, high in (("formats", "checks"), ("formats", "report"), ("formats", "store"), ("formats", "auditing"),
                       ("checks", "store"), ("checks", "cli"), ("report", "cli"), ("layouts", "checks"),
-                      ("audit", "store"), ("audit", "cli"), ("checks", "scanning"), ("scanning", "audit"),
-                      ("scanning", "distaudit")):
+                      ("auditing", "store"), ("auditing", "cli"), ("checks", "auditing"), ("auditing", "comparing")):
         assert LAYERS[low] < LAYERS[high], (low, high)
     assert LAYERS["checks"] == LAYERS["report"]  # neither imports the other
 

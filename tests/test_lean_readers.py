@@ -163,7 +163,7 @@ def _general_paths(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_records_and_findings_are_those_of_the_general_paths(
     which: str, scale_checkpoints: dict[str, Path], fsdp_run: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckptaudit.audit import audit
+    from ckptaudit.auditing.judge import audit
 
     path = str(scale_checkpoints["dcp"] if which.startswith("single") else fsdp_run["dir"] / "faithful")
     assert os.path.isfile(os.path.join(path, ".metadata"))
@@ -184,7 +184,7 @@ def test_a_torch_save_of_many_tensors_is_not_refused_for_its_size(tmp_path: Path
     # 100x as many reaches: within both limits, with a quarter of the build budget to spare.
     import torch
 
-    from ckptaudit.audit import audit
+    from ckptaudit.auditing.judge import audit
     from ckptaudit.formats.pickle import unpickler
     from ckptaudit.formats.pickle.scan import build_budget
 

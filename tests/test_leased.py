@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import xxhash
 
-from ckptaudit import records
+from ckptaudit.auditing import tensor_scan as records
+from ckptaudit.auditing.scan import plan_scan, scan_items
 from ckptaudit.findings import Precision
 from ckptaudit.formats.io.leased import MIN_MAPPED_BYTES, mapped_reads_enabled
 from ckptaudit.launch import launch
-from ckptaudit.scanning import plan_scan, scan_items
 
 pytestmark = pytest.mark.skipif(not mapped_reads_enabled(), reason="no file leases on this host")
 
@@ -190,7 +190,7 @@ print(n)
 
 _AUDIT_WHILE_REWRITTEN = """
     import json, subprocess, sys, time
-    from ckptaudit.audit import AuditOptions, audit
+    from ckptaudit.auditing.judge import AuditOptions, audit
 
     path, seconds, rewriter = sys.argv[1:4]
     writer = subprocess.Popen([sys.executable, "-c", rewriter, path, seconds], stdout=subprocess.PIPE, text=True)
@@ -250,7 +250,7 @@ def test_chunks_below_the_floor_are_not_mapped(tmp_path: Path) -> None:
 
 _PEAK = """
 import json, sys
-from ckptaudit.audit import AuditOptions, audit
+from ckptaudit.auditing.judge import AuditOptions, audit
 
 def status(key):
     with open("/proc/self/status") as fh:

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ckptaudit.audit import audit, scan_checkpoint
-from ckptaudit.compare import compare
+from ckptaudit.auditing.judge import audit, scan_checkpoint
+from ckptaudit.comparing import compare
 from ckptaudit.findings import ComponentKind, Report, Severity
 from ckptaudit.formats.deepspeed.zero import _blocks
 from ckptaudit.formats.io.tensors import iter_chunks

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.audit import audit
+from ckptaudit.auditing.judge import audit
 from ckptaudit.findings import ComponentKind, Report, Severity
 from ckptaudit.formats.torchload import safe_torch_load
 from ckptaudit.formats.zip.archive import read_torch_zip
@@ -426,7 +426,7 @@ def test_an_export_cast_to_bf16_where_nothing_records_the_masters_is_a_warning_n
     # A Trainer run without fp16 (no GradScaler): training_args.bin says bf16=False, fp16=False, which leaves the
     # masters to the dtype the model was loaded in. The all-bf16 export then looks like a bf16 run: said, not
     # called clean or broken; declared, it is an error.
-    from ckptaudit.audit import AuditOptions
+    from ckptaudit.auditing.judge import AuditOptions
 
     ckpt = _export_cast_to_bf16(hf / "trainer-safetensors" / "checkpoint-2", tmp_path / "export", "optimizer.pt")
     report = audit(str(ckpt))

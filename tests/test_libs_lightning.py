@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.audit import AuditOptions, audit
+from ckptaudit.auditing.judge import AuditOptions, audit
 from ckptaudit.findings import ComponentKind, Report, Severity
 from ckptaudit.formats.torchload import safe_torch_load
 

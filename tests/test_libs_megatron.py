@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.audit import audit
+from ckptaudit.auditing.judge import audit
 from ckptaudit.findings import ComponentKind, Precision, Severity
 from ckptaudit.formats.dcp.metadata import dcp_metadata_loads, load_dcp_metadata
 from ckptaudit.formats.dcp.reader import check_metadata_safe

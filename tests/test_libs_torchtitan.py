@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.audit import audit
+from ckptaudit.auditing.judge import audit
 from ckptaudit.findings import ComponentKind, Precision, Severity
 from ckptaudit.formats.dcp.metadata import load_dcp_metadata
 from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS

@@ -377,7 +377,7 @@ def s3_env() -> Iterator[Any]:
 
 
 def test_the_prefixed_dcp_item_is_refused_behind_s3_too(dcp_dir: Path, tmp_path: Path, s3_env: Any) -> None:
-    from ckptaudit.audit import audit
+    from ckptaudit.auditing.judge import audit
 
     evil = tmp_path / "evil"
     _rewrite_item(dcp_dir, evil, "step", payload(tmp_path / "never") + _item_bytes(dcp_dir, "step"))

@@ -85,7 +85,7 @@ def test_saved_pieces_and_live_tensor_hash_alike(tmp_path: Path, case: tuple, dt
 
 
 def test_whole_region_hash_is_the_audit_hash(tmp_path: Path) -> None:
-    from ckptaudit.records import scan_tensor
+    from ckptaudit.auditing.tensor_scan import scan_tensor
 
     t = torch.randn(5, 3)
     torch.save({"w": t}, tmp_path / "w.pt")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from ckptaudit.auditing.tensor_scan import MIN_INFORMATIVE, scan_tensor
 from ckptaudit.findings import Precision
 from ckptaudit.formats.io.tensors import DTYPES, FileMaps, Piece, TensorData
-from ckptaudit.records import MIN_INFORMATIVE, scan_tensor
 
 
 def fp32_tensor(tmp_path: Path, values: np.ndarray, name: str = "t.bin") -> TensorData:
@@ -130,8 +130,8 @@ def test_a_file_cut_short_after_it_was_opened_gives_the_short_read_message(tmp_p
     scan's own loop, which must say the same), never bytes hashed from beyond the end."""
     import os
 
+    from ckptaudit.auditing.scan import plan_scan, scan_items
     from ckptaudit.formats.io.tensors import iter_chunks
-    from ckptaudit.scanning import plan_scan, scan_items
 
     path = tmp_path / "cut.pt"
     torch.save({"a": torch.randn(64, 1024), "b": torch.randn(64, 1024), "c": torch.randn(64, 1024)}, path)
@@ -158,7 +158,7 @@ def test_each_record_names_its_data_file_relative_to_the_checkpoint(tmp_path: Pa
 
     import torch.distributed.checkpoint as dcp
 
-    from ckptaudit.audit import audit
+    from ckptaudit.auditing.judge import audit
 
     single = tmp_path / "ckpt.pt"
     torch.save({"model": {"w": torch.randn(8, 4)}}, single)

@@ -147,7 +147,7 @@ def _dcp_variants(local: Path, single: Path, fsdp: Path) -> dict[str, Path]:
 
 _PEAK_CHILD = """
 import json, sys
-from ckptaudit.audit import audit
+from ckptaudit.auditing.judge import audit
 
 def status(key):
     with open("/proc/self/status") as fh:

@@ -1,4 +1,4 @@
-"""The optimised scan (:func:`ckptaudit.records.scan_tensor`) equals a straightforward reference, bit for bit.
+"""The optimised scan (:func:`ckptaudit.auditing.tensor_scan.scan_tensor`) equals a straightforward reference, bit for bit.
 
 The reference reads the whole tensor into memory and works out, chunk by chunk as the streaming scan sees the
 chunks, the same precision evidence with whole-chunk NumPy expressions and no shortcuts: no prefix test, no
@@ -18,9 +18,9 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ckptaudit.auditing.tensor_scan import INFORMATIVE_CAP, TensorScan, classify, scan_tensor
 from ckptaudit.findings import Precision, PrecisionStats
 from ckptaudit.formats.io.tensors import DTYPES, FileMaps, Piece, TensorData, scratch_buffer
-from ckptaudit.records import INFORMATIVE_CAP, TensorScan, classify, scan_tensor
 
 CHUNK_BYTES = (16, 64, 1000, 1024, 4096, 1 << 20)
 
@@ -182,7 +182,7 @@ def test_threads_each_read_into_their_own_buffer(tmp_path: Path) -> None:
     """Many multi-chunk tensors on 4 threads: a buffer shared between threads would mix their chunks."""
     from safetensors.numpy import save_file
 
-    from ckptaudit.audit import plan_scan, scan_items
+    from ckptaudit.auditing.judge import plan_scan, scan_items
 
     rng = np.random.default_rng(3)
     # 128 KiB each: over audit.BATCH_BYTES, so each tensor is its own unit of work, shared between the threads.

@@ -1,5 +1,5 @@
-"""How :func:`ckptaudit.scanning.scan_items` shares a checkpoint's tensors between threads: large tensors largest
-first, small ones (up to :data:`~ckptaudit.scanning.BATCH_BYTES`) in batches, the first thread on the batches
+"""How :func:`ckptaudit.auditing.scan.scan_items` shares a checkpoint's tensors between threads: large tensors largest
+first, small ones (up to :data:`~ckptaudit.auditing.scan.BATCH_BYTES`) in batches, the first thread on the batches
 while the others stream the large tensors; the outcomes are those of one thread, whatever the schedule.
 
 The checkpoint is a real ``torch.save`` of a training-like state (many small biases and step counters, a few
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import xxhash
 
+from ckptaudit.auditing.scan import BATCH_BYTES, BATCH_COUNT, ScanOutcome, plan_scan, scan_items
+from ckptaudit.auditing.tensor_scan import scan_tensor
 from ckptaudit.findings import Precision
-from ckptaudit.records import scan_tensor
-from ckptaudit.scanning import BATCH_BYTES, BATCH_COUNT, ScanOutcome, plan_scan, scan_items
 
 CHUNK = 16 << 10
 """Chunk size of these scans: the large tensors span several chunks."""

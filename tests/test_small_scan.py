@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptaudit.audit import _all_zero, scalar_value
+from ckptaudit.auditing.judge import _all_zero, scalar_value
+from ckptaudit.auditing.tensor_scan import SMALL_TENSOR_BYTES, TensorScan, _Budget, scan_small, scan_tensor
 from ckptaudit.formats.io.tensors import DTYPES, FileMaps, Piece, TensorData, iter_chunks
-from ckptaudit.records import SMALL_TENSOR_BYTES, TensorScan, _Budget, scan_small, scan_tensor
 
 
 def _numpy_scan(data: TensorData, maps: FileMaps, chunk_bytes: int) -> TensorScan:

@@ -59,8 +59,9 @@ def test_audit_and_compare_of_safetensors_do_not_import_torch(small_safetensors:
 
 
 def test_offline_modules_do_not_import_torch() -> None:
-    modules = ["ckptaudit.cli", "ckptaudit.audit", "ckptaudit.compare", "ckptaudit.store.latest", "ckptaudit.report",
-               "ckptaudit.records", "ckptaudit.layouts", "ckptaudit.formats", "ckptaudit.distaudit"]
+    modules = ["ckptaudit.cli", "ckptaudit.auditing.judge", "ckptaudit.comparing", "ckptaudit.store.latest",
+               "ckptaudit.report", "ckptaudit.auditing.tensor_scan", "ckptaudit.layouts", "ckptaudit.formats",
+               "ckptaudit.auditing.distributed"]
     code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -137,4 +138,4 @@ def test_small_audit_imports_only_what_the_checkpoint_needs(small_training_state
 
 def test_help_imports_no_engine() -> None:
     modules, _ = _run_cli("--help")
-    assert modules & {"ckptaudit.audit", "ckptaudit.formats", "ckptaudit.findings", "numpy", "rich", "xxhash"} == set()
+    assert modules & {"ckptaudit.auditing", "ckptaudit.formats", "ckptaudit.findings", "numpy", "rich", "xxhash"} == set()

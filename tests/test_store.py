@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptaudit.audit import audit
+from ckptaudit.auditing.judge import audit
 from ckptaudit.cli import main
 from ckptaudit.findings import Severity
 from ckptaudit.launch import RankContext

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptaudit.audit import audit
+from ckptaudit.auditing.judge import audit
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.pickle.allowlist import TORCH_DTYPES
 from ckptaudit.formats.pickle.torch_values import TorchDevice, TorchDtype, TorchSize
@@ -160,7 +160,7 @@ def test_compare_names_torch_values_as_torch_writes_them(tmp_path: Path) -> None
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
     torch.save({"model": {"w": torch.ones(3)}, "config": {"dtype": torch.bfloat16}}, a)
     torch.save({"model": {"w": torch.ones(3)}, "config": {"dtype": torch.float16}}, b)
-    from ckptaudit.compare import compare
+    from ckptaudit.comparing import compare
 
     report = compare(str(a), str(b))
     text = " ".join(f.message for f in report.findings)

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.audit import audit
+from ckptaudit.auditing.judge import audit
 from ckptaudit.findings import Precision, Report, Severity
 
 pytestmark = pytest.mark.libs
@@ -120,7 +120,7 @@ def test_model_only_bf16_checkpoint_has_an_unknown_contract_and_no_contradictory
 
 
 def _options(master: str) -> Any:
-    from ckptaudit.audit import AuditOptions
+    from ckptaudit.auditing.judge import AuditOptions
 
     return AuditOptions(master_dtype=master)
 
@@ -234,7 +234,7 @@ def test_compare_pairs_the_step_across_spellings(dcp_jobs: Path, tmp_path: Path)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from ckptaudit.compare import compare
+    from ckptaudit.comparing import compare
 
     src = dcp_jobs / "finetune-lr0"
     dcp_to_torch_save(str(src), str(tmp_path / "flat.pt"))

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
-import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -45,20 +43,3 @@ def __getattr__(name: str) -> Any:
     if name == "Report":
         return _api().Report
     raise AttributeError(f"module 'ckptaudit' has no attribute {name!r}")
-
-
-class _Package(types.ModuleType):
-    """Keeps ``ckptaudit.audit`` and ``ckptaudit.compare`` the public functions.
-
-    The engine lives in the modules ``ckptaudit.audit`` and ``ckptaudit.compare``; importing a submodule makes
-    Python set it as an attribute of its package, which would replace the function of the same name. Those
-    modules stay importable by name (``from ckptaudit.audit import AuditOptions``; ``sys.modules``).
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("audit", "compare") and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -198,14 +198,14 @@ def audit(path: str | os.PathLike[str], **options: Any) -> Report:
     - ``ignore``: finding codes or families to acknowledge (``["security.not-loaded", "optimizer"]`` or
       ``"security.not-loaded,optimizer"``): kept in the report, marked ``ignored``, counted toward nothing;
     - ``quick``: the in-loop mode (first chunk of each tensor, no content hashes; see
-      :attr:`ckptaudit.audit.AuditOptions.quick` for what it cannot see);
+      :attr:`ckptaudit.auditing.judge.AuditOptions.quick` for what it cannot see);
     - ``chunk_bytes``: bytes read per chunk.
 
     Raises ``FileNotFoundError`` when ``path`` does not exist, ``TypeError`` / ``ValueError`` for a bad option.
     A checkpoint that cannot be read is a finding in the report, not an exception.
     """
-    from ckptaudit.audit import AuditOptions
-    from ckptaudit.audit import audit as run_audit
+    from ckptaudit.auditing.judge import AuditOptions
+    from ckptaudit.auditing.judge import audit as run_audit
 
     opts = _resolve("ckptaudit.audit", options, AUDIT_OPTIONS)
     where = _path("ckptaudit.audit", "path", path)
@@ -231,8 +231,8 @@ def compare(reference: str | os.PathLike[str], candidate: str | os.PathLike[str]
     Raises ``FileNotFoundError`` when either path does not exist, ``TypeError`` / ``ValueError`` for a bad
     option.
     """
-    from ckptaudit.compare import CompareOptions
-    from ckptaudit.compare import compare as run_compare
+    from ckptaudit.comparing import CompareOptions
+    from ckptaudit.comparing import compare as run_compare
 
     opts = _resolve("ckptaudit.compare", options, COMPARE_OPTIONS)
     ref = _path("ckptaudit.compare", "reference", reference)

@@ -304,9 +304,9 @@ def _progress(enabled: bool, stderr: TextIO):  # type: ignore[no-untyped-def]
 
 
 def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from ckptaudit.audit import AuditOptions, audit
-    from ckptaudit.distaudit import torchrun_rank
-    from ckptaudit.scanning import default_jobs
+    from ckptaudit.auditing.distributed import torchrun_rank
+    from ckptaudit.auditing.judge import AuditOptions, audit
+    from ckptaudit.auditing.scan import default_jobs
 
     try:
         place = torchrun_rank()
@@ -330,9 +330,9 @@ def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 def _audit_distributed(args: argparse.Namespace, rank: int, world_size: int, stdout: TextIO) -> int:
     """Under torchrun: every rank scans its share; rank 0 prints the one report, the others print nothing.
     (No existence check before joining: a rank that returned early would leave the others waiting.)"""
-    from ckptaudit.audit import AuditOptions
-    from ckptaudit.distaudit import DistributedAuditError, audit_distributed
-    from ckptaudit.scanning import default_jobs
+    from ckptaudit.auditing.distributed import DistributedAuditError, audit_distributed
+    from ckptaudit.auditing.judge import AuditOptions
+    from ckptaudit.auditing.scan import default_jobs
 
     if not args.dist_timeout > 0:
         raise UsageError(f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
@@ -433,8 +433,8 @@ def _cmd_export_serving(args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 
 
 def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from ckptaudit.compare import CompareOptions, compare
-    from ckptaudit.scanning import default_jobs
+    from ckptaudit.auditing.scan import default_jobs
+    from ckptaudit.comparing import CompareOptions, compare
 
     for role, path in (("reference", args.reference), ("candidate", args.candidate)):
         if not _exists(path):

@@ -36,7 +36,7 @@ def run_demo(out_dir: str, *, nproc: int = 2, steps: int = 8, out: TextIO = sys.
     Exit code 0 when the story holds (the faithful checkpoint is clean and resumes bit-identically; the lossy
     one is flagged by the audit and drifts in the resume test), 1 otherwise.
     """
-    from ckptaudit.audit import audit
+    from ckptaudit.auditing.judge import audit
     from ckptaudit.probe.run import run_probe
     from ckptaudit.report import OutputFormat, render
     from ckptaudit.report.html import render_page

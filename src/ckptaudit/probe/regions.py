@@ -12,7 +12,7 @@ one rank are comparable bit for bit:
   (:func:`hash_saved_region`), or out of an in-memory state dict (:func:`hash_tensor_region`).
 
 The hash is :data:`ckptaudit.findings.HASH_ALGORITHM` (xxh3-128) over the region's elements' little-endian bytes
-in row-major order, as :mod:`ckptaudit.records` hashes whole tensors; a region covering the whole tensor hashes
+in row-major order, as :mod:`ckptaudit.auditing.tensor_scan` hashes whole tensors; a region covering the whole tensor hashes
 to the audit's hash. The combined hash of a parameter is xxh3-128 over the per-rank digests in rank order
 (:func:`combine`).
 """

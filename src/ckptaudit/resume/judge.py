@@ -263,7 +263,7 @@ def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any
 def _forensics(workdir: str, cfg: ResumeConfig, i: int) -> tuple[str, list[Finding]]:
     """The offline comparison of a candidate with the reference: its summary, and its misattached moments
     (the comparison names swapped parameters exactly; the trajectory only shows where drift is largest)."""
-    from ckptaudit.compare import compare
+    from ckptaudit.comparing import compare
 
     path = os.path.join(workdir, cfg.candidate_name(i))
     if not os.path.exists(path):

@@ -11,10 +11,10 @@ looking inside. Here every candidate, newest first, is validated until one passe
   Trainer's ``trainer_state.json``, written last), every file the metadata references present with its recorded
   size, the manifest's hashes where there is one, the components the format's contract requires (model and
   optimizer, plus ``require``, plus what the manifest lists), and, by default (``verify="quick"``), a quick audit
-  (:attr:`ckptaudit.audit.AuditOptions.quick`): every tensor's precision judged from its first chunk, against the
+  (:attr:`ckptaudit.auditing.judge.AuditOptions.quick`): every tensor's precision judged from its first chunk, against the
   contract, and the optimizer state's attachment, so a checkpoint of bf16-rounded masters is never the one named.
   ``verify="hashes"`` is integrity only (no precision is judged), ``verify="sizes"`` also skips the manifest's
-  hashes, ``verify="full"`` runs the whole :func:`ckptaudit.audit.audit`.
+  hashes, ``verify="full"`` runs the whole :func:`ckptaudit.auditing.judge.audit`.
 
 A candidate is resumable when no finding is an error (findings acknowledged by ``ignore`` do not count). The root's pointer, when there is one (ours: ``latest``;
 Megatron-LM's ``latest_checkpointed_iteration.txt``), is compared with the newest resumable candidate.
@@ -246,10 +246,10 @@ def validate(c: Candidate, *, verify: str = DEFAULT_VERIFY, require: Collection[
 def _read_and_check(c: Candidate, verify: str, require: Collection[ComponentKind],
                     ignore: tuple[str, ...], master_dtype: str) -> list[Finding]:
     if verify in ("quick", "full"):
-        from ckptaudit.audit import AuditOptions, judge
+        from ckptaudit.auditing.judge import AuditOptions, judge
+        from ckptaudit.auditing.scan import default_jobs, scan_checkpoint
         from ckptaudit.checks.manifest import check_manifest
         from ckptaudit.formats.io.tensors import DEFAULT_CHUNK_BYTES
-        from ckptaudit.scanning import default_jobs, scan_checkpoint
 
         quick = verify == "quick"
         options = AuditOptions(require=frozenset(require), jobs=default_jobs(), quick=quick, ignore=ignore,

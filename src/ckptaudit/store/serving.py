@@ -5,7 +5,7 @@ safetensors behind an output-quality gate, and marked so that nobody resumes tra
 
 What runs (one process, no process group):
 
-1. scan the training checkpoint once (:func:`ckptaudit.scanning.scan_checkpoint`: every tensor hashed, streaming)
+1. scan the training checkpoint once (:func:`ckptaudit.auditing.scan.scan_checkpoint`: every tensor hashed, streaming)
    and derive its content hash from the per-tensor hashes;
 2. load the model weights tensor by tensor into the recipe's unwrapped model in fp32 (the full-precision
    reference): a DCP checkpoint is consolidated one tensor at a time from its shards and the optimizer state is
@@ -248,7 +248,7 @@ def export_serving(source: str, options: ExportOptions, *, log: Callable[[str], 
     Raises :class:`ExportError` when the export cannot run, ``FileNotFoundError`` when ``source`` does not exist.
     A failed gate is not an exception: the result says so, and nothing was written unless ``options.force``.
     """
-    from ckptaudit.scanning import scan_checkpoint
+    from ckptaudit.auditing.scan import scan_checkpoint
 
     say = log or (lambda _msg: None)
     if not os.path.exists(source):

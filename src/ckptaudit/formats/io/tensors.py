@@ -3,7 +3,7 @@
 Readers never materialise a tensor. They describe it (:class:`Piece`, :class:`TensorData`) and the checks
 stream its elements in row-major order through :func:`iter_chunks`, one chunk of at most ``chunk_bytes`` at a
 time: contiguous pieces with positional reads into a reused buffer, strided ones from a read-only memory map.
-The scan's own fast path (:func:`ckptaudit.records.scan_tensor`) hashes whole chunks where they lie in the page
+The scan's own fast path (:func:`ckptaudit.auditing.tensor_scan.scan_tensor`) hashes whole chunks where they lie in the page
 cache, under a read lease (:meth:`FileMaps.leased`, :mod:`ckptaudit.formats.io.leased`). Mapped pages already
 scanned are dropped with ``madvise(MADV_DONTNEED)``, so resident memory stays bounded by the chunks, not by
 the checkpoint.

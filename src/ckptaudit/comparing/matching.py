@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ckptaudit.auditing.scan import open_interpreted
 from ckptaudit.checks.optimizer import Attachment
 from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
@@ -41,7 +42,6 @@ from ckptaudit.layouts import (
     normalize_fqn,
 )
 from ckptaudit.layouts import file_rule as _layout_file_rule
-from ckptaudit.scanning import open_interpreted
 
 __all__ = ["Entry", "Side", "align_ranks", "entries_of", "key_text", "open_side"]
 
@@ -65,7 +65,7 @@ class Side:
 
 
 def open_side(path: str) -> Side:
-    """Open and interpret ``path`` (:func:`ckptaudit.scanning.open_interpreted`, the audit's open), without scanning.
+    """Open and interpret ``path`` (:func:`ckptaudit.auditing.scan.open_interpreted`, the audit's open), without scanning.
     Raises ``FileNotFoundError``."""
     ckpt, view, attachment = open_interpreted(path)
     known = set(attachment.mapping.values())

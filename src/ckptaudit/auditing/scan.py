@@ -3,9 +3,9 @@ the records assembled in the plan's order.
 
 files -> readers (:mod:`ckptaudit.formats`) -> interpretation (:mod:`ckptaudit.layouts`) -> :func:`plan_scan`
 (each tensor's component, role and parameter; the optimizer's attachment) -> :func:`scan_items` (one streaming
-pass per tensor, :mod:`ckptaudit.records`, on ``jobs`` threads of this process) -> :func:`assemble` (the
-records, in the plan's order). :func:`ckptaudit.audit.judge` runs the checks on the result;
-:mod:`ckptaudit.distaudit` runs the same three steps with the scan shared between ranks; ``compare`` and the
+pass per tensor, :mod:`ckptaudit.auditing.tensor_scan`, on ``jobs`` threads of this process) -> :func:`assemble` (the
+records, in the plan's order). :func:`ckptaudit.auditing.judge.judge` runs the checks on the result;
+:mod:`ckptaudit.auditing.distributed` runs the same three steps with the scan shared between ranks; ``compare`` and the
 serving export start from :func:`scan_checkpoint`.
 """
 
@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ckptaudit.auditing.tensor_scan import SMALL_TENSOR_BYTES, TensorScan, scan_first_chunk, scan_tensor
 from ckptaudit.catalogue import finding
 from ckptaudit.checks.optimizer import Attachment, check_attachment
 from ckptaudit.findings import ComponentKind, Finding, Precision, TensorRecord
@@ -35,7 +36,6 @@ from ckptaudit.formats.io.tensors import (
     small_read_plan,
 )
 from ckptaudit.layouts import TensorRef, View, interpret
-from ckptaudit.records import SMALL_TENSOR_BYTES, TensorScan, scan_first_chunk, scan_tensor
 
 __all__ = ["BATCH_BYTES", "BATCH_COUNT", "SERIAL_BYTES", "Progress", "ScanOutcome", "ScanPlan", "ScannedCheckpoint",
            "assemble", "default_jobs", "plan_scan", "scalar_value", "scan_checkpoint", "scan_items"]
@@ -85,7 +85,7 @@ class ScanPlan:
     """A checkpoint opened and interpreted, with every tensor's place in the report: the work to scan.
 
     ``items[i]`` is ``(ref, component, role, param)``; the records come out in this order whatever order the
-    tensors are scanned in, and on whichever rank (see :mod:`ckptaudit.distaudit`).
+    tensors are scanned in, and on whichever rank (see :mod:`ckptaudit.auditing.distributed`).
     """
 
     ckpt: Checkpoint

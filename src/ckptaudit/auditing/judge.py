@@ -1,9 +1,9 @@
 """``ckptaudit audit``: read a checkpoint, scan every tensor once, run the checks, return a :class:`Report`.
 
 files -> readers (:mod:`ckptaudit.formats`) -> interpretation (:mod:`ckptaudit.layouts`) -> records
-(:mod:`ckptaudit.scanning`: one streaming pass per tensor, on threads) -> checks (:mod:`ckptaudit.checks`,
+(:mod:`ckptaudit.auditing.scan`: one streaming pass per tensor, on threads) -> checks (:mod:`ckptaudit.checks`,
 :func:`judge`) -> Report. The scan phase's names (:func:`plan_scan`, :func:`scan_items`, :func:`scan_checkpoint`,
-:func:`default_jobs`...) live in :mod:`ckptaudit.scanning` and are importable from here too.
+:func:`default_jobs`...) live in :mod:`ckptaudit.auditing.scan` and are importable from here too.
 """
 
 from __future__ import annotations
@@ -12,6 +12,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptaudit.auditing.scan import (
+    Progress,
+    ScannedCheckpoint,
+    ScanOutcome,
+    ScanPlan,
+    assemble,
+    default_jobs,
+    plan_scan,
+    scalar_value,
+    scan_checkpoint,
+    scan_items,
+)
+from ckptaudit.auditing.tensor_scan import SMALL_TENSOR_BYTES
 from ckptaudit.catalogue import finding, finding_order, ignore_note, mark_ignored, parse_ignore
 from ckptaudit.checks.artifact import check_artifact
 from ckptaudit.checks.components import check_components
@@ -31,19 +44,6 @@ from ckptaudit.formats.io.tensors import (
     small_read_plan,
 )
 from ckptaudit.layouts import SCHEDULER_KEYS, View, file_rule
-from ckptaudit.records import SMALL_TENSOR_BYTES
-from ckptaudit.scanning import (
-    Progress,
-    ScannedCheckpoint,
-    ScanOutcome,
-    ScanPlan,
-    assemble,
-    default_jobs,
-    plan_scan,
-    scalar_value,
-    scan_checkpoint,
-    scan_items,
-)
 
 __all__ = ["AuditOptions", "Progress", "ScanOutcome", "ScanPlan", "ScannedCheckpoint", "assemble", "audit",
            "default_jobs", "judge", "plan_scan", "scalar_value", "scan_checkpoint", "scan_items"]

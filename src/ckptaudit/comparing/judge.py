@@ -1,6 +1,6 @@
 """From classified pairs to what a person and a machine read: findings, the summary line, tables, JSON.
 
-Pure functions over :class:`~ckptaudit.compare.pairs.Pair` lists; nothing here reads a checkpoint.
+Pure functions over :class:`~ckptaudit.comparing.pairs.Pair` lists; nothing here reads a checkpoint.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ckptaudit.catalogue import finding
-from ckptaudit.compare.matching import Entry, key_text
-from ckptaudit.compare.pairs import Pair, is_moment
+from ckptaudit.comparing.matching import Entry, key_text
+from ckptaudit.comparing.pairs import Pair, is_moment
 from ckptaudit.findings import ComponentKind, Finding, Severity, printable
 
 __all__ = ["component_findings", "group_of", "pair_findings", "pair_json", "sections", "summary"]

@@ -2,9 +2,9 @@
 
 Tensors are read once, both sides together in equal-length chunks, and each chunk does all its work while
 it is in cache: the content hash of both sides (xxh3-128, as the audit computes it) and the element-wise
-:class:`~ckptaudit.compare.elementwise.Classifier`. The hash is the cheap test for the common case: when the
+:class:`~ckptaudit.comparing.elementwise.Classifier`. The hash is the cheap test for the common case: when the
 first chunk is bitwise equal, the rest is only hashed and the digests decide ``identical``. A pair found
-*different* is measured (:class:`~ckptaudit.compare.elementwise.DiffAccumulator`) from that chunk on, in the
+*different* is measured (:class:`~ckptaudit.comparing.elementwise.DiffAccumulator`) from that chunk on, in the
 same pass. Rare cases read again: digests that differ after an equal first chunk, a preferred hypothesis
 failing late, the chunks before a pair turned out different. Plain values (scheduler fields, step counters,
 RNG tuples, optimizer hyperparameters) are compared directly.
@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ckptaudit.compare.elementwise import Classifier, DiffAccumulator, DiffStats, Pool, compare_streams, paired_chunks
-from ckptaudit.compare.matching import Entry
+from ckptaudit.auditing.scan import scalar_value
+from ckptaudit.comparing.elementwise import Classifier, DiffAccumulator, DiffStats, Pool, compare_streams, paired_chunks
+from ckptaudit.comparing.matching import Entry
 from ckptaudit.formats.base import Unreadable
 from ckptaudit.formats.io.tensors import FileMaps, TensorData, iter_chunks
-from ckptaudit.scanning import scalar_value
 
 __all__ = ["STATUSES", "Pair", "classify", "classify_tensors", "compare_values", "find_moment_sources", "hash_entry",
            "is_moment"]

@@ -23,10 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ckptaudit.catalogue import finding, finding_order, ignore_note, mark_ignored, parse_ignore
-from ckptaudit.compare.elementwise import ROUNDINGS, DiffStats, Pool
-from ckptaudit.compare.judge import component_findings, pair_findings, pair_json, sections, summary
-from ckptaudit.compare.matching import Entry, Side, align_ranks, entries_of, open_side
-from ckptaudit.compare.pairs import STATUSES, Pair, classify, find_moment_sources, hash_entry
+from ckptaudit.comparing.elementwise import ROUNDINGS, DiffStats, Pool
+from ckptaudit.comparing.judge import component_findings, pair_findings, pair_json, sections, summary
+from ckptaudit.comparing.matching import Entry, Side, align_ranks, entries_of, open_side
+from ckptaudit.comparing.pairs import STATUSES, Pair, classify, find_moment_sources, hash_entry
 from ckptaudit.findings import Finding, Report
 from ckptaudit.formats.io.tensors import DEFAULT_CHUNK_BYTES
 
