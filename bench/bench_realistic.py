@@ -24,7 +24,7 @@ the host's drifting CPU speed mostly cancels out of):
   threads: what reading the bytes costs at best;
 - ``audit -j N``: :func:`ckptaudit.auditing.judge.audit` in-process (imports and first-call set-up excluded), with N
   threads, and its peak anonymous memory (``RssAnon`` sampled every 5 ms) over the child's baseline;
-- ``open``: :func:`ckptaudit.auditing.scan.plan_scan` (open, parse metadata, interpret; no tensor data), per DCP item;
+- ``open``: :func:`ckptaudit.auditing.plan.plan_scan` (open, parse metadata, interpret; no tensor data), per DCP item;
   ``--open-only`` measures only this, as the CPU time of a fresh process, best of ``--repeat``;
 - CLI start-up: ``ckptaudit audit`` of a 4-element file (torch.save, safetensors, DCP) as a whole process
   (``/usr/bin/time``), bytecode compiled: wall, CPU and max RSS;
@@ -263,7 +263,7 @@ def child_audit(path: str, jobs: int) -> dict[str, Any]:
 
 def child_open(path: str) -> dict[str, Any]:
     """The open (plan) phase alone, as CPU time of this process (steadier than wall time on a shared machine)."""
-    from ckptaudit.auditing.scan import plan_scan
+    from ckptaudit.auditing.plan import plan_scan
 
     tmp = tempfile.mkdtemp(prefix="ckptaudit-warm-")
     try:

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from ckptaudit.auditing.judge import audit
-from ckptaudit.checks import optimizer as optcheck
-from ckptaudit.checks.optimizer import assign_by_order
+from ckptaudit.layouts import attachment as optcheck
+from ckptaudit.layouts.attachment import assign_by_order
 
 Shape = tuple[int, ...]
 

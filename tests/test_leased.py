@@ -22,7 +22,8 @@ import pytest
 import xxhash
 
 from ckptaudit.auditing import tensor_scan as records
-from ckptaudit.auditing.scan import plan_scan, scan_items
+from ckptaudit.auditing.plan import plan_scan
+from ckptaudit.auditing.scan import scan_items
 from ckptaudit.findings import Precision
 from ckptaudit.formats.io.leased import MIN_MAPPED_BYTES, mapped_reads_enabled
 from ckptaudit.launch import launch

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ckptaudit.auditing.judge import audit, scan_checkpoint
+from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.scan import scan_checkpoint
 from ckptaudit.comparing import compare
 from ckptaudit.findings import ComponentKind, Report, Severity
 from ckptaudit.formats.deepspeed.zero import _blocks

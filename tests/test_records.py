@@ -130,7 +130,8 @@ def test_a_file_cut_short_after_it_was_opened_gives_the_short_read_message(tmp_p
     scan's own loop, which must say the same), never bytes hashed from beyond the end."""
     import os
 
-    from ckptaudit.auditing.scan import plan_scan, scan_items
+    from ckptaudit.auditing.plan import plan_scan
+    from ckptaudit.auditing.scan import scan_items
     from ckptaudit.formats.io.tensors import iter_chunks
 
     path = tmp_path / "cut.pt"

@@ -182,7 +182,8 @@ def test_threads_each_read_into_their_own_buffer(tmp_path: Path) -> None:
     """Many multi-chunk tensors on 4 threads: a buffer shared between threads would mix their chunks."""
     from safetensors.numpy import save_file
 
-    from ckptaudit.auditing.judge import plan_scan, scan_items
+    from ckptaudit.auditing.plan import plan_scan
+    from ckptaudit.auditing.scan import scan_items
 
     rng = np.random.default_rng(3)
     # 128 KiB each: over audit.BATCH_BYTES, so each tensor is its own unit of work, shared between the threads.

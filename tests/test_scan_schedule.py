@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from ckptaudit.auditing.scan import BATCH_BYTES, BATCH_COUNT, ScanOutcome, plan_scan, scan_items
+from ckptaudit.auditing.plan import plan_scan
+from ckptaudit.auditing.scan import BATCH_BYTES, BATCH_COUNT, ScanOutcome, scan_items
 from ckptaudit.auditing.tensor_scan import scan_tensor
 from ckptaudit.findings import Precision
 

@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ckptaudit.auditing.judge import AuditOptions, audit, scan_checkpoint
+from ckptaudit.auditing.judge import AuditOptions, audit
+from ckptaudit.auditing.scan import scan_checkpoint
 from ckptaudit.checks.artifact import HASH_PREFIX, manifest_hash
 from ckptaudit.cli import SERVING_DTYPES, main
 from ckptaudit.formats import open_checkpoint

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptaudit.auditing.judge import _all_zero, scalar_value
+from ckptaudit.auditing.judge import _all_zero
+from ckptaudit.auditing.scan import scalar_value
 from ckptaudit.auditing.tensor_scan import SMALL_TENSOR_BYTES, TensorScan, _Budget, scan_small, scan_tensor
 from ckptaudit.formats.io.tensors import DTYPES, FileMaps, Piece, TensorData, iter_chunks
 

@@ -8,7 +8,7 @@ Order of events (every rank runs the same command on the same path, on a filesys
 
 1. (all ranks) join the process group (gloo over TCP, the ``env://`` rendezvous torchrun set up) with a
    bounded timeout;
-2. (all ranks) open and interpret the checkpoint (:func:`ckptaudit.auditing.scan.plan_scan`): metadata only, no
+2. (all ranks) open and interpret the checkpoint (:func:`ckptaudit.auditing.plan.plan_scan`): metadata only, no
    tensor data;
 3. (all ranks) split the tensors into ``world_size`` shares of about equal bytes (:func:`partition`: the same
    deterministic split on every rank, largest tensors first), and scan their own share on ``jobs`` threads,
@@ -33,7 +33,8 @@ from typing import Any
 import xxhash
 
 from ckptaudit.auditing.judge import AuditOptions, judge
-from ckptaudit.auditing.scan import ScanOutcome, ScanPlan, assemble, plan_scan, scan_items
+from ckptaudit.auditing.plan import ScanPlan, plan_scan
+from ckptaudit.auditing.scan import ScanOutcome, assemble, scan_items
 from ckptaudit.auditing.tensor_scan import TensorScan
 from ckptaudit.findings import Precision, PrecisionStats, Report
 

@@ -1,9 +1,8 @@
-"""``ckptaudit audit``: read a checkpoint, scan every tensor once, run the checks, return a :class:`Report`.
+"""The judgement of an audit: the checks run on a scanned checkpoint, and the :class:`Report`.
 
 files -> readers (:mod:`ckptaudit.formats`) -> interpretation (:mod:`ckptaudit.layouts`) -> records
-(:mod:`ckptaudit.auditing.scan`: one streaming pass per tensor, on threads) -> checks (:mod:`ckptaudit.checks`,
-:func:`judge`) -> Report. The scan phase's names (:func:`plan_scan`, :func:`scan_items`, :func:`scan_checkpoint`,
-:func:`default_jobs`...) live in :mod:`ckptaudit.auditing.scan` and are importable from here too.
+(:mod:`ckptaudit.auditing.plan`, :mod:`ckptaudit.auditing.scan`: one streaming pass per tensor, on threads) ->
+checks (:mod:`ckptaudit.checks`, :func:`judge`) -> Report.
 """
 
 from __future__ import annotations
@@ -12,18 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptaudit.auditing.scan import (
-    Progress,
-    ScannedCheckpoint,
-    ScanOutcome,
-    ScanPlan,
-    assemble,
-    default_jobs,
-    plan_scan,
-    scalar_value,
-    scan_checkpoint,
-    scan_items,
-)
+from ckptaudit.auditing.scan import Progress, ScannedCheckpoint, scan_checkpoint
 from ckptaudit.auditing.tensor_scan import SMALL_TENSOR_BYTES
 from ckptaudit.catalogue import finding, finding_order, ignore_note, mark_ignored, parse_ignore
 from ckptaudit.checks.artifact import check_artifact
@@ -31,7 +19,7 @@ from ckptaudit.checks.components import check_components
 from ckptaudit.checks.integrity import check_indexes
 from ckptaudit.checks.lr_history import deepspeed_zero_lr_steps, zero_lr_groups
 from ckptaudit.checks.manifest import check_manifest
-from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_steps, may_all_be_unattached, never_updated
+from ckptaudit.checks.optimizer import check_steps, may_all_be_unattached, never_updated
 from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract
 from ckptaudit.findings import ComponentKind, Contract, Finding, Precision, Report, Severity, TensorRecord
 from ckptaudit.formats.base import Checkpoint, walk
@@ -44,9 +32,9 @@ from ckptaudit.formats.io.tensors import (
     small_read_plan,
 )
 from ckptaudit.layouts import SCHEDULER_KEYS, View, file_rule
+from ckptaudit.layouts.attachment import ELEMENTWISE_STATE
 
-__all__ = ["AuditOptions", "Progress", "ScanOutcome", "ScanPlan", "ScannedCheckpoint", "assemble", "audit",
-           "default_jobs", "judge", "plan_scan", "scalar_value", "scan_checkpoint", "scan_items"]
+__all__ = ["AuditOptions", "audit", "before_first_update", "judge", "scheduler_steps", "scheduler_trees"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,7 +47,7 @@ class AuditOptions:
     """Components whose absence is an error, beyond model and optimizer."""
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     jobs: int = 1
-    """Threads scanning tensors at once (the CLI's default: every core available, :func:`default_jobs`). The
+    """Threads scanning tensors at once (the CLI's default: every core available, :func:`~ckptaudit.auditing.scan.default_jobs`). The
     report is the same whatever the number."""
     master_dtype_from: str = ""
     """Who declared ``master_dtype``, in words, when it was not the user: the guards pass the running job's evidence
@@ -173,7 +161,7 @@ _FROZEN_WHY = {
     "ambiguous": "no order-consistent assignment of the index-keyed optimizer state gives it an entry",
     "unknown-order": "no entry of the index-keyed optimizer state has its shape",
 }
-"""How :func:`~ckptaudit.checks.optimizer.check_attachment` decided, by its status, that a model tensor carries no
+"""How :func:`~ckptaudit.layouts.attachment.attach` decided, by its status, that a model tensor carries no
 optimizer state."""
 
 

@@ -6,7 +6,7 @@ checkpoints of the same training state share whatever their format:
 - model tensors: ``("model", fqn)`` with the FQN normalised (:func:`ckptaudit.layouts.normalize_fqn` strips
   ``module.``, ``_orig_mod.``, FSDP1 wrappers);
 - optimizer state: ``("optimizer", "state", fqn, name)`` through the attachment mapping (index-keyed state
-  mapped to FQNs by :func:`ckptaudit.checks.optimizer.check_attachment`; unmapped entries keep ``#<index>``),
+  mapped to FQNs by :func:`ckptaudit.layouts.attachment.attach`; unmapped entries keep ``#<index>``),
   hyperparameters as ``("optimizer", "param_groups", i, field)`` (the ``params`` lists are the attachment's
   business, not compared);
 - everything else by component and path under the component: ``("scheduler", "last_epoch")``,
@@ -24,8 +24,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptaudit.auditing.scan import open_interpreted
-from ckptaudit.checks.optimizer import Attachment
+from ckptaudit.auditing.plan import open_interpreted
 from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.io.tensors import TensorData
@@ -42,6 +41,7 @@ from ckptaudit.layouts import (
     normalize_fqn,
 )
 from ckptaudit.layouts import file_rule as _layout_file_rule
+from ckptaudit.layouts.attachment import Attachment
 
 __all__ = ["Entry", "Side", "align_ranks", "entries_of", "key_text", "open_side"]
 
@@ -65,7 +65,7 @@ class Side:
 
 
 def open_side(path: str) -> Side:
-    """Open and interpret ``path`` (:func:`ckptaudit.auditing.scan.open_interpreted`, the audit's open), without scanning.
+    """Open and interpret ``path`` (:func:`ckptaudit.auditing.plan.open_interpreted`, the audit's open), without scanning.
     Raises ``FileNotFoundError``."""
     ckpt, view, attachment = open_interpreted(path)
     known = set(attachment.mapping.values())
