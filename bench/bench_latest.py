@@ -9,7 +9,7 @@ written as the only candidate under a run directory, once as ``torch.save`` (``s
 file) and once as a single-process DCP directory (``step-1/``), one format at a time. Measured in a fresh child
 process per format, right after the write (so from the page cache where memory holds the files), in ``--repeat``
 rounds of: ``read`` (every byte xor-reduced through read-only maps by 2 threads: what reading the bytes costs at
-best), then :func:`ckptaudit.store.latest.find_latest` with ``verify`` ``sizes``, ``hashes`` (integrity only;
+best), then :func:`ckptaudit.latest.find_latest` with ``verify`` ``sizes``, ``hashes`` (integrity only;
 without a ckptaudit manifest there are no hashes to verify, so no tensor byte is read), ``quick`` (the default: a
 quick audit, the first 64 KiB of every tensor) and ``full`` (the whole audit). Each level's figure is the median
 of the rounds' ratios to that round's read (the host's drifting speed mostly cancels out of it), with the best
@@ -41,7 +41,7 @@ NAMES = {"torch.save": "step=1.ckpt", "dcp-1": "step-1"}
 
 def child(root: str, candidate: str, repeat: int) -> dict[str, Any]:
     """(fresh process) ``repeat`` rounds of the read and every level; the rounded copy on defaults."""
-    from ckptaudit.store.latest import find_latest
+    from ckptaudit.latest import find_latest
 
     find_latest(root, verify="quick")  # first-call imports and set-up, outside the timed rounds
     rounds = []
@@ -57,7 +57,7 @@ def child(root: str, candidate: str, repeat: int) -> dict[str, Any]:
 
 
 def rounded_rejected(root: str) -> bool:
-    from ckptaudit.store.latest import find_latest
+    from ckptaudit.latest import find_latest
 
     return find_latest(root).latest is None
 

@@ -28,7 +28,7 @@ LAYER_MIB = 16
 def build(mib: int) -> Any:
     import torch
 
-    from ckptaudit.recipe import Job
+    from ckptaudit.recipes import Job
 
     n = max(1, mib // LAYER_MIB)
     side = int((LAYER_MIB * 2**20 / 4) ** 0.5)
@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from ckptaudit.store import find_latest, load_checkpoint, save_checkpoint
+    from ckptaudit.latest import find_latest
+    from ckptaudit.store import load_checkpoint, save_checkpoint
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     torch.set_num_threads(1)

@@ -30,8 +30,8 @@ import torch
 
 from ckptaudit.launch import RankContext
 from ckptaudit.recipes.tinygpt import GPTConfig, TinyGPTRecipe
-from ckptaudit.store.gate import GateThresholds, judge
-from ckptaudit.store.serving import ExportOptions, export_serving
+from ckptaudit.serving.export import ExportOptions, export_serving
+from ckptaudit.serving.gate import GateThresholds, judge
 
 tiny = TinyGPTRecipe(name="tinygpt-plain", wrap="none", param_dtype=None)
 wide = TinyGPTRecipe(name="widegpt-plain", wrap="none", param_dtype=None, lr=1e-3, total_steps=400,

@@ -8,6 +8,7 @@ from typing import Any
 from ckptaudit import exporters
 from ckptaudit.exporters import capture_and_export
 from ckptaudit.launch import RankContext
+from ckptaudit.recipes.rng import rng_state
 
 
 def write_variants(ctx: RankContext, out_dir: str, steps: int) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def write_torch_save_copy(job: Any, path: str, ctx: RankContext) -> None:
 
     model = exporters.full_model_state(job.model)
     optim = exporters.full_optimizer_state(job.model, job.optimizer)
-    mine = {"rng": exporters.rng_state(), "data": job.data.state_dict() if job.data is not None else None}
+    mine = {"rng": rng_state(), "data": job.data.state_dict() if job.data is not None else None}
     every: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(every, mine)
     if ctx.rank == 0:

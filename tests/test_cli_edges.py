@@ -25,7 +25,7 @@ from ckptaudit.catalogue import CATALOGUE, finding
 from ckptaudit.cli import main
 from ckptaudit.findings import Report, Severity
 from ckptaudit.launch import RankContext
-from ckptaudit.recipe import Job
+from ckptaudit.recipes import Job
 from ckptaudit.recipes.tinygpt import plain_recipe
 from ckptaudit.report.table import render_table
 
@@ -170,7 +170,7 @@ def test_compare_calls_bf16_stored_parameters_what_audit_calls_them(tmp_path: Pa
 
 @pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_the_serving_artifact_honours_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
-    from ckptaudit.store.serving import write_artifact
+    from ckptaudit.serving.export import write_artifact
 
     old = os.umask(umask)
     try:

@@ -105,7 +105,7 @@ def test_the_recipe_page_example_runs_and_resumes_bit_identically(tmp_path: Path
     import torch
 
     from ckptaudit.launch import RankContext
-    from ckptaudit.recipe import load_recipe
+    from ckptaudit.recipes import load_recipe
     from ckptaudit.store import load_checkpoint, save_checkpoint
 
     page = (DOCS / "recipes.md").read_text()

@@ -528,7 +528,7 @@ def test_a_file_linked_from_outside_is_read_and_reported(bases: dict[str, Path],
 
 
 def test_latest_never_judges_a_candidate_that_links_elsewhere(bases: dict[str, Path], tmp_path: Path) -> None:
-    from ckptaudit.store import find_latest
+    from ckptaudit.latest import find_latest
 
     elsewhere = tmp_path / "other-run" / "step-000099"
     shutil.copytree(bases["dcp"], elsewhere)

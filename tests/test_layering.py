@@ -20,28 +20,29 @@ LAYERS: dict[str, int] = {
     "launch": 0,
     "catalogue": 1,
     "schema": 1,
-    "recipe": 1,
-    # one reader per on-disk format (the store's manifest and layout names included)
+    "recipes": 1,
+    # one reader per on-disk format, and the on-disk conventions of the store and the guard
     "formats": 2,
-    "recipes": 2,
     "ondisk": 3,
     "layouts": 3,
-    "exporters": 3,
     # pure checks over records, and the renderers: neither imports the other
     "checks": 4,
     "report": 4,
     # the audit engine (plan, scan, per-tensor records, judge, distributed), then the compare engine on it
     "auditing": 5,
     "comparing": 6,
-    "probe": 6,
-    "store": 7,
     "api": 7,
-    "resume": 7,
-    "demo": 8,
-    "integrations": 8,
-    "testing": 8,
-    "cli": 9,
-    "__main__": 10,
+    "latest": 7,
+    "store": 8,
+    "exporters": 9,
+    "serving": 9,
+    "probe": 10,
+    "resume": 10,
+    "demo": 11,
+    "integrations": 11,
+    "testing": 11,
+    "cli": 12,
+    "__main__": 13,
 }
 """Top-level unit of ``ckptaudit`` -> its layer. A module may import a unit of a strictly lower layer, or its own unit."""
 
@@ -120,7 +121,7 @@ def test_the_stated_directions_hold() -> None:
 
 
 @pytest.mark.parametrize(("importer", "imported"), [
-    ("checks/manifest.py", "from ckptaudit.store import layout"),
+    ("checks/manifest.py", "from ckptaudit.store import durable"),
     ("formats/io/tensors.py", "from ckptaudit.checks.precision import check_precision"),
     ("findings.py", "import ckptaudit.catalogue"),
     ("report/table.py", "from ckptaudit import cli"),

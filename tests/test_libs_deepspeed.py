@@ -27,7 +27,7 @@ from ckptaudit.comparing import compare
 from ckptaudit.findings import ComponentKind, Report, Severity
 from ckptaudit.formats.deepspeed.zero import _blocks
 from ckptaudit.formats.io.tensors import iter_chunks
-from ckptaudit.store.latest import latest_report
+from ckptaudit.latest import latest_report
 
 pytestmark = pytest.mark.libs
 

@@ -24,8 +24,8 @@ from ckptaudit.formats.dcp.metadata import dcp_metadata_loads, load_dcp_metadata
 from ckptaudit.formats.dcp.reader import check_metadata_safe
 from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.pickle.scan import scan
+from ckptaudit.latest import find_latest, latest_report
 from ckptaudit.launch import launch
-from ckptaudit.store.latest import find_latest, latest_report
 
 pytestmark = pytest.mark.dist
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ckptaudit.cli import main
-from ckptaudit.recipe import load_object
+from ckptaudit.recipes import load_object
 
 USER = str(Path(__file__).with_name("resume_user_code.py"))
 

@@ -25,8 +25,7 @@ from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.dcp.reader import check_metadata_safe
 from ckptaudit.formats.torchload import materialize
 from ckptaudit.layouts import interpret
-from ckptaudit.store.gate import GateThresholds, compare_logits, judge, next_token_targets
-from ckptaudit.store.serving import (
+from ckptaudit.serving.export import (
     EXPORT_DTYPES,
     INDEX_FILE,
     ExportError,
@@ -36,6 +35,7 @@ from ckptaudit.store.serving import (
     plan_shards,
     write_artifact,
 )
+from ckptaudit.serving.gate import GateThresholds, compare_logits, judge, next_token_targets
 
 RECIPE = "ckptaudit.recipes.tinygpt:recipe"
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckptaudit.cli import main
-from ckptaudit.store.gate import GateThresholds, compare_outputs, judge, output_kind
+from ckptaudit.serving.gate import GateThresholds, compare_outputs, judge, output_kind
 
 RECIPES = '''
 import torch
@@ -93,7 +93,7 @@ CASES = {"regression": ("values", True), "embedding": ("embedding", False), "cla
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The recipes file and, per recipe, a training checkpoint (model and optimizer state, ``torch.save``)."""
-    from ckptaudit.recipe import load_object
+    from ckptaudit.recipes import load_object
 
     root = tmp_path_factory.mktemp("any-model")
     (root / "recipes_any.py").write_text(RECIPES)

@@ -59,7 +59,7 @@ def test_audit_and_compare_of_safetensors_do_not_import_torch(small_safetensors:
 
 
 def test_offline_modules_do_not_import_torch() -> None:
-    modules = ["ckptaudit.cli", "ckptaudit.auditing.judge", "ckptaudit.comparing", "ckptaudit.store.latest",
+    modules = ["ckptaudit.cli", "ckptaudit.auditing.judge", "ckptaudit.comparing", "ckptaudit.latest",
                "ckptaudit.report", "ckptaudit.auditing.tensor_scan", "ckptaudit.layouts", "ckptaudit.formats",
                "ckptaudit.auditing.distributed"]
     code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"

@@ -22,13 +22,13 @@ import torch
 from ckptaudit.auditing.judge import audit
 from ckptaudit.cli import main
 from ckptaudit.findings import Severity
+from ckptaudit.latest import find_latest
 from ckptaudit.launch import RankContext
-from ckptaudit.recipe import Job
+from ckptaudit.recipes import Job
 from ckptaudit.recipes.tinygpt import plain_recipe
 from ckptaudit.store import (
     CheckpointLoadError,
     CheckpointSaveError,
-    find_latest,
     load_checkpoint,
     plan_retention,
     save_checkpoint,
@@ -93,7 +93,7 @@ def test_resume_restores_everything_bit_identically(tmp_path: Path) -> None:
 
 
 def test_the_writer_as_a_resume_test_exporter(tmp_path: Path) -> None:
-    from ckptaudit.store.exporter import resumable
+    from ckptaudit.exporters.store import resumable
 
     job = trained(3)
     resumable(job, str(tmp_path))

@@ -20,8 +20,8 @@ import torch
 
 import store_jobs
 from ckptaudit.cli import main
+from ckptaudit.latest import find_latest
 from ckptaudit.launch import DistributedError, launch
-from ckptaudit.store import find_latest
 
 pytestmark = pytest.mark.dist
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ckptaudit.recipe import Job
+from ckptaudit.recipes import Job
 
 SIDE, CLASSES = 12, 4
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ckptaudit.recipe import Job
+from ckptaudit.recipes import Job
 
 
 class ToyClassification:

@@ -113,7 +113,7 @@ _RULES: tuple[Rule, ...] = (
     Rule("artifact.no-quality-gate", W, "A serving artifact that records no output-quality gate."),
     Rule("artifact.gate-failed", E, "A serving artifact whose recorded quality gate failed."),
     Rule("artifact.not-serving", E, "--expect serving, but the checkpoint is not marked as a serving artifact."),
-    # serving export (ckptaudit export-serving, ckptaudit.store.serving) and its audit (checks/artifact.py)
+    # serving export (ckptaudit export-serving, ckptaudit.serving.export) and its audit (checks/artifact.py)
     Rule("artifact.mixed-shards", E, "The shards of a serving artifact carry different serving metadata (dtype, "
          "source, weights hash or quality gate): they come from different exports, so no one gate covers them."),
     Rule("artifact.weights-changed", E, "A serving artifact's weights no longer hash to the weights_hash its quality "

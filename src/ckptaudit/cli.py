@@ -178,7 +178,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 SERVING_DTYPES = ["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"]
-"""``ckptaudit.store.serving.EXPORT_DTYPES`` (listed here so that parsing arguments does not import torch)."""
+"""``ckptaudit.serving.export.EXPORT_DTYPES`` (listed here so that parsing arguments does not import torch)."""
 
 
 def _jobs(text: str) -> int:
@@ -361,7 +361,7 @@ def _exists(path: str) -> bool:
 
 
 def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from ckptaudit.recipe import RecipeError, load_object, load_recipe
+    from ckptaudit.recipes import RecipeError, load_object, load_recipe
     from ckptaudit.resume import DEFAULT_EXPORTER, ResumeConfig, ResumeError, run_resume_test
 
     exporters = tuple(args.exporters or (DEFAULT_EXPORTER,))
@@ -402,9 +402,9 @@ def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
 
 
 def _cmd_export_serving(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from ckptaudit.recipe import load_object
-    from ckptaudit.store.gate import GateThresholds
-    from ckptaudit.store.serving import ExportError, ExportOptions, export_serving, parse_size
+    from ckptaudit.recipes import load_object
+    from ckptaudit.serving.export import ExportError, ExportOptions, export_serving, parse_size
+    from ckptaudit.serving.gate import GateThresholds
 
     if not os.path.exists(args.path):
         raise UsageError(f"{args.path}: no such file or directory; give the path of a training checkpoint")
@@ -453,7 +453,7 @@ def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
 
 def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from ckptaudit.formats.remote.staging import is_url, local_path
-    from ckptaudit.store.latest import latest_report
+    from ckptaudit.latest import latest_report
 
     if is_url(args.root):
         raise UsageError(f"{args.root}: latest reads a local directory (or a mounted bucket); it does not list "

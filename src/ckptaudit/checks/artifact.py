@@ -1,7 +1,7 @@
 """Training checkpoint or serving artifact: the two are kept apart by the ``artifact`` metadata mark.
 
 ckptaudit's serving export writes safetensors with ``artifact=serving`` and the quality gate it passed (or
-failed) in every shard's metadata; see :mod:`ckptaudit.store.serving` for the whole contract. Here:
+failed) in every shard's metadata; see :mod:`ckptaudit.serving.export` for the whole contract. Here:
 
 - offered as a training checkpoint, a marked file is ``artifact.serving`` (error);
 - with ``--expect serving``: a gate that passed is clean, a failed one ``artifact.gate-failed``, none at all

@@ -11,7 +11,7 @@ from ckptaudit.catalogue import finding
 from ckptaudit.findings import ComponentKind, Finding, TensorRecord
 from ckptaudit.formats.base import Checkpoint
 from ckptaudit.layouts import View
-from ckptaudit.ondisk import layout as layout
+from ckptaudit.ondisk import layout
 from ckptaudit.ondisk import manifest as mf
 
 __all__ = ["check_manifest", "uncommitted"]

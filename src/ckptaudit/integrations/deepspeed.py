@@ -66,6 +66,6 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], tag: str | No
 
 def _point_latest(save_dir: str, tag: str) -> None:
     """(rank 0, guard worker) ``save_dir/latest`` := ``tag``, atomically (DeepSpeed reads it whole)."""
-    from ckptaudit.store.layout import write_durably
+    from ckptaudit.store.durable import write_durably
 
     write_durably(os.path.join(save_dir, "latest"), tag.encode())

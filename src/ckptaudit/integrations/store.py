@@ -47,7 +47,8 @@ def save_checkpoint(job: Any, root: str | os.PathLike[str], *, guard: Guard, kee
     """(all ranks, collective) :func:`ckptaudit.store.save_checkpoint` with the audit before ``latest`` advances
     and before retention; other keywords go to the writer. Returns its ``SavedCheckpoint`` (``deleted`` is
     empty: retention runs after the audit)."""
-    from ckptaudit.store import layout
+    from ckptaudit.ondisk import layout
+    from ckptaudit.store import durable
     from ckptaudit.store import save_checkpoint as store_save
 
     if keep_last is not None and keep_last < 1:
@@ -61,7 +62,7 @@ def save_checkpoint(job: Any, root: str | os.PathLike[str], *, guard: Guard, kee
     pointer = os.path.join(root, layout.POINTER)
     # The writer moved `latest` at its commit point; it stays on the previous checkpoint until this one passes.
     if previous is not None:
-        layout.write_durably(pointer, (previous + "\n").encode())
+        durable.write_durably(pointer, (previous + "\n").encode())
     elif os.path.exists(pointer):
         os.remove(pointer)
     name = os.path.basename(saved.path)
@@ -69,7 +70,7 @@ def save_checkpoint(job: Any, root: str | os.PathLike[str], *, guard: Guard, kee
     def passed(path: str) -> None:
         from ckptaudit.store.retention import apply_retention
 
-        layout.write_durably(pointer, (name + "\n").encode())
+        durable.write_durably(pointer, (name + "\n").encode())
         if keep_last is not None:
             apply_retention(root, keep_last, protect=(name,))
 

@@ -1,6 +1,6 @@
 """The layout on disk of a checkpoint root written by :mod:`ckptaudit.store`: the names (which directory is
 committed, which is a temporary one, the ``latest`` pointer) and how to read them. Pure; no writes here (the
-durable-write primitives live with the writer, in :mod:`ckptaudit.store.layout`).
+durable-write primitives live with the writer, in :mod:`ckptaudit.store.durable`).
 
 ::
 

@@ -32,12 +32,12 @@ DEFAULT_EXPORTER = "ckptaudit.exporters:documented"
 
 def armed_eval_forward(probe: Any, job: Any, recipe: Any) -> None:
     """(all ranks) One forward with the probe armed, in eval mode, without gradients, on the held-out batch
-    (:func:`ckptaudit.recipe.eval_forward`: the recipe's ``eval_batch`` through its ``forward``, any model).
+    (:func:`ckptaudit.recipes.eval_forward`: the recipe's ``eval_batch`` through its ``forward``, any model).
 
     Falls back to one training step when the recipe has no ``eval_batch``; the compute copies then predate that
     step's update, which the report flags as ``probe.compute-not-master``.
     """
-    from ckptaudit.recipe import eval_forward
+    from ckptaudit.recipes import eval_forward
 
     if not hasattr(recipe, "eval_batch"):
         probe.arm()
@@ -67,7 +67,7 @@ def prepared_probe(recipe: Any, ctx: RankContext, steps: int) -> tuple[Any, Any]
 def probe_job(ctx: RankContext, recipe_spec: str, exporter_spec: str, steps: int, path: str) -> ProbeResult | None:
     """(all ranks) Steps 1-7 of the module docstring; rank 0 returns the result, the others ``None``."""
     from ckptaudit.exporters import capture_and_export
-    from ckptaudit.recipe import load_object, load_recipe
+    from ckptaudit.recipes import load_object, load_recipe
 
     recipe = load_recipe(recipe_spec)
     exporter = load_object(exporter_spec)
@@ -86,7 +86,7 @@ def run_probe(recipe: str = DEFAULT_RECIPE, exporter: str = DEFAULT_EXPORTER, *,
     starts) and :class:`~ckptaudit.launch.DistributedError` when a rank fails.
     """
     from ckptaudit.probe.verdict import judge
-    from ckptaudit.recipe import load_object, load_recipe
+    from ckptaudit.recipes import load_object, load_recipe
 
     load_recipe(recipe)
     if not callable(load_object(exporter)):

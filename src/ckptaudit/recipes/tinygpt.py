@@ -136,7 +136,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The built-in recipe (see ckptaudit.recipe for the protocol)
+# The built-in recipe (see ckptaudit.recipes for the protocol)
 
 
 class SyntheticTokens:
@@ -209,7 +209,7 @@ class TinyGPTRecipe:
     global_batch_size: int | None = 8
 
     def setup(self, ctx: Any) -> Any:
-        from ckptaudit.recipe import Job
+        from ckptaudit.recipes import Job
 
         torch.manual_seed(self.seed)
         base = TinyGPT(self.cfg)

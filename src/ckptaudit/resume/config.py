@@ -21,7 +21,7 @@ COMPONENTS = ("parameters", "optimizer moments", "optimizer step", "optimizer hy
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ResumeConfig:
     recipe: str = DEFAULT_RECIPE
-    """``module:attr`` or ``path.py:attr`` of a :class:`ckptaudit.recipe.Recipe`."""
+    """``module:attr`` or ``path.py:attr`` of a :class:`ckptaudit.recipes.Recipe`."""
     exporters: tuple[str, ...] = (DEFAULT_EXPORTER,)
     """The exporters under test, ``module:attr`` or ``path.py:attr`` each."""
     nproc: int = 2
@@ -111,5 +111,5 @@ class _Failed:
     ``internal``: ckptaudit's own restore of the reference failed in an export phase)."""
 
     stage: str
-    failure: Any  # ckptaudit.recipe.UserFailure (imported lazily: it imports torch)
+    failure: Any  # ckptaudit.recipes.UserFailure (imported lazily: it imports torch)
     rank: int

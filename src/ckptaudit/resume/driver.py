@@ -41,8 +41,8 @@ def _crash_text(failures: list[Any]) -> str:
 
 
 def _export_crash(spec: str, failures: list[Any], timeout_s: float) -> Any:
-    """The :class:`~ckptaudit.recipe.UserFailure` of an exporter whose processes died or hung."""
-    from ckptaudit.recipe import UserFailure
+    """The :class:`~ckptaudit.recipes.UserFailure` of an exporter whose processes died or hung."""
+    from ckptaudit.recipes import UserFailure
 
     detail = _crash_text(failures)
     if any(f.reason == "timeout" for f in failures):
@@ -65,11 +65,11 @@ def run_resume_test(cfg: ResumeConfig, *, log: Callable[[str], None] | None = No
     run on it) and, when that wrote something, the candidate's resume. No phase runs two users' functions
     that could spoil each other.
 
-    Raises :class:`ckptaudit.recipe.RecipeError` when the recipe fails (a usage error: its function, the rule
+    Raises :class:`ckptaudit.recipes.RecipeError` when the recipe fails (a usage error: its function, the rule
     it broke, its frames) and :class:`ResumeError` when a phase crashes outside user code. A candidate that
     cannot be written, restored or stepped becomes its own ``resume.candidate-failed``; the rest are judged.
     """
-    from ckptaudit.recipe import RecipeError
+    from ckptaudit.recipes import RecipeError
 
     say = log or (lambda _msg: None)
     own = cfg.workdir is None

@@ -23,7 +23,7 @@ def _run_steps(recipe: Any, job: Any, steps: int, full: bool) -> Trajectory:
     import torch
     import torch.distributed as dist
 
-    from ckptaudit.recipe import checked_step
+    from ckptaudit.recipes import checked_step
 
     traj = Trajectory(full=full)
     values, norms = _snapshot(job, full)
@@ -57,7 +57,7 @@ def _train_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str) -> Any:
     after the last step (what changed in between is what the steps consume); a recipe failure is a
     :class:`_Failed`."""
     from ckptaudit import exporters
-    from ckptaudit.recipe import RecipeError, checked_setup, checked_step, load_recipe
+    from ckptaudit.recipes import RecipeError, checked_setup, checked_step, load_recipe
 
     try:
         recipe = load_recipe(cfg.recipe)
@@ -83,7 +83,7 @@ def _export_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str, which: int)
     ``_Failed("export")``, the recipe's ``_Failed("recipe")``, ckptaudit's own restore ``_Failed("internal")``."""
     from ckptaudit import exporters
     from ckptaudit.exporters import capture_and_export
-    from ckptaudit.recipe import (
+    from ckptaudit.recipes import (
         RecipeError,
         checked_setup,
         describe_function,
@@ -182,7 +182,7 @@ def _resume_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str, kind: str, 
     as a :class:`_Failed` (``recipe`` for the reference and the control; ``load`` or ``steps`` for a candidate).
     """
     from ckptaudit import exporters
-    from ckptaudit.recipe import RecipeError, checked_setup, describe_function, load_object, load_recipe, user_failure
+    from ckptaudit.recipes import RecipeError, checked_setup, describe_function, load_object, load_recipe, user_failure
 
     try:
         recipe = load_recipe(cfg.recipe)

@@ -1,11 +1,13 @@
-"""Writers. Resumable checkpoints that survive a dying rank (:mod:`ckptaudit.store.writer` saves through the two-phase
-commit of :mod:`ckptaudit.store.commit`, :mod:`ckptaudit.store.loader` restores), ``ckptaudit latest``
-(:mod:`ckptaudit.store.latest`) and retention (:mod:`ckptaudit.store.retention`); the serving export behind a quality gate
-(:mod:`ckptaudit.store.serving`, :mod:`ckptaudit.store.gate`).
+"""The writer library: resumable checkpoints that are complete or visibly not, and survive a dying rank.
 
-The manifest format and the names of the on-disk layout live below both the writer and the offline checks, in
-:mod:`ckptaudit.ondisk.manifest` and :mod:`ckptaudit.ondisk.layout`. The public names here are imported
-lazily, so that ``import ckptaudit.store`` does not import ``torch.distributed``.
+:func:`save_checkpoint` (:mod:`~ckptaudit.store.writer`, through the two-phase commit of
+:mod:`~ckptaudit.store.commit`), :func:`load_checkpoint` (:mod:`~ckptaudit.store.loader`), retention
+(:mod:`~ckptaudit.store.retention`), with their DCP extensions (:mod:`~ckptaudit.store.dcpio`), collectives
+(:mod:`~ckptaudit.store.collective`), durable writes (:mod:`~ckptaudit.store.durable`) and fault points
+(:mod:`~ckptaudit.store.faults`). The manifest format and the names of the on-disk layout live below the writer, the
+offline checks and ``ckptaudit latest`` (which the loader asks for the newest resumable checkpoint under a root):
+:mod:`ckptaudit.ondisk`. The public names here are imported lazily, so that ``import ckptaudit.store`` does not
+import ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ __all__ = [
     "LoadedCheckpoint",
     "SavedCheckpoint",
     "apply_retention",
-    "find_latest",
     "load_checkpoint",
     "plan_retention",
     "save_checkpoint",
@@ -31,7 +32,6 @@ _WHERE = {
     "SavedCheckpoint": "checkpoint",
     "load_checkpoint": "loader",
     "save_checkpoint": "writer",
-    "find_latest": "latest",
     "apply_retention": "retention",
     "plan_retention": "retention",
 }

@@ -15,8 +15,9 @@ import torch
 
 from ckptaudit import __version__
 from ckptaudit.findings import HASH_ALGORITHM
+from ckptaudit.ondisk import layout
 from ckptaudit.ondisk import manifest as mf
-from ckptaudit.store import layout
+from ckptaudit.store import durable
 from ckptaudit.store.checkpoint import COMPONENT_OF_KEY, dtype_name
 from ckptaudit.store.dcpio import item_offsets
 from ckptaudit.store.faults import FaultHook
@@ -57,9 +58,9 @@ def prepare(root: str, step: int, overwrite: bool) -> tuple[str, str]:
             # A 'replaced' directory is the only copy of its step until the replacement is in place.
             if parsed[1] in ("partial", "deleting") or committed_twin:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        tmp_name = layout.partial_name(step, layout.nonce())
+        tmp_name = layout.partial_name(step, durable.nonce())
         os.makedirs(os.path.join(root, tmp_name))
-        layout.fsync_dir(root)
+        durable.fsync_dir(root)
     except OSError as exc:
         return ("error", f"cannot prepare {root} for step {step}: {exc.strerror or exc} ({exc.filename or root})")
     return ("ok", tmp_name)
@@ -138,7 +139,7 @@ def write_manifest(tmp: str, manifest: dict[str, Any]) -> None:
         fh.write(json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode("utf-8"))
         fh.flush()
         os.fsync(fh.fileno())
-    layout.fsync_dir(tmp)
+    durable.fsync_dir(tmp)
 
 
 def _commit(root: str, tmp_name: str, final_name: str) -> None:
@@ -147,10 +148,10 @@ def _commit(root: str, tmp_name: str, final_name: str) -> None:
     final = os.path.join(root, final_name)
     aside = None
     if os.path.exists(final):
-        aside = os.path.join(root, f"{final_name}.replaced-{layout.nonce()}")
+        aside = os.path.join(root, f"{final_name}.replaced-{durable.nonce()}")
         os.rename(final, aside)
     os.rename(os.path.join(root, tmp_name), final)
-    layout.fsync_dir(root)
+    durable.fsync_dir(root)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
@@ -169,7 +170,7 @@ def commit_and_tidy(root: str, tmp_name: str, final_name: str, keep_last: int | 
         hook("commit.renamed")
     notes: list[str] = []
     try:
-        layout.write_durably(os.path.join(root, layout.POINTER), (final_name + "\n").encode())
+        durable.write_durably(os.path.join(root, layout.POINTER), (final_name + "\n").encode())
     except OSError as exc:
         notes.append(f"committed, but the {layout.POINTER} pointer was not updated ({exc.strerror or exc}); "
                         "`ckptaudit latest` finds the checkpoint without it")

@@ -11,10 +11,10 @@ from typing import Any, Literal, overload
 
 import torch
 
-from ckptaudit.exporters import rng_state, set_rng_state
+from ckptaudit.ondisk import layout
 from ckptaudit.ondisk import manifest as mf
-from ckptaudit.recipe import Job
-from ckptaudit.store import layout
+from ckptaudit.recipes import Job
+from ckptaudit.recipes.rng import rng_state, set_rng_state
 from ckptaudit.store.checkpoint import KEYS, CheckpointLoadError, LoadedCheckpoint, has_state
 from ckptaudit.store.collective import CollectiveError, Group
 from ckptaudit.store.dcpio import dcp_failures, load_planner, safe_loads, single_process_quiet
@@ -26,7 +26,7 @@ __all__ = ["load_checkpoint"]
 def _resolve(path: str) -> tuple[str, str]:
     """(coordinator) A checkpoint directory, or the newest resumable one under a root; ``("missing", why)`` when
     there is nothing to resume yet (no such directory, or no committed checkpoint in it)."""
-    from ckptaudit.store.latest import find_latest
+    from ckptaudit.latest import find_latest
 
     if os.path.isfile(os.path.join(path, layout.MANIFEST)):
         return ("ok", path)

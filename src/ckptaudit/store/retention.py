@@ -17,8 +17,9 @@ import os
 import shutil
 from collections.abc import Iterable
 
+from ckptaudit.ondisk import layout
 from ckptaudit.ondisk import manifest as mf
-from ckptaudit.store import layout
+from ckptaudit.store import durable
 
 __all__ = ["apply_retention", "plan_retention"]
 
@@ -69,9 +70,9 @@ def apply_retention(root: str, keep_last: int, *, protect: Iterable[str] = ()) -
     for name in plan_retention(root, keep_last, protect=protect):
         parsed = layout.parse_step_name(name)
         assert parsed is not None
-        aside = os.path.join(root, f"{name}.deleting-{layout.nonce()}")
+        aside = os.path.join(root, f"{name}.deleting-{durable.nonce()}")
         os.rename(os.path.join(root, name), aside)
-        layout.fsync_dir(root)
+        durable.fsync_dir(root)
         shutil.rmtree(aside, ignore_errors=True)
         deleted.append(name)
     return deleted

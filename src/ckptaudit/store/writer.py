@@ -5,7 +5,7 @@ Built on ``get_state_dict`` + ``torch.distributed.checkpoint`` (DCP). DCP alone 
 even when a rank died before the job agreed the save was done. Here every save goes into a temporary sibling
 directory and becomes ``ROOT/step-NNNNNN`` only by the coordinator's atomic rename, after every rank has
 written, fsynced and hashed its files, the coordinator has written ``manifest.json``, and every rank has voted
-to commit. See :func:`save_checkpoint` for the order of events, :mod:`ckptaudit.store.layout` for the layout
+to commit. See :func:`save_checkpoint` for the order of events, :mod:`ckptaudit.ondisk.layout` for the layout
 and :mod:`ckptaudit.store.faults` for the points where faults can be injected.
 
 Every collective is bounded by the process group's timeout: a rank whose peer died ends with
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ckptaudit.exporters import rng_state
-from ckptaudit.recipe import Job
-from ckptaudit.store import layout
+from ckptaudit.ondisk import layout
+from ckptaudit.recipes import Job
+from ckptaudit.recipes.rng import rng_state
 from ckptaudit.store.checkpoint import (
     KEYS,
     CheckpointLoadError,
@@ -145,7 +145,7 @@ def save_checkpoint(
 
     Saves the model and the optimizer (``get_state_dict``: sharded, FQN-keyed), the scheduler, the step
     (``step``, default ``job.step``), per rank the RNG state (Python, NumPy, torch CPU, CUDA where initialised)
-    and the data progress (``job.data.state_dict()``: a :class:`~ckptaudit.recipe.DataSource` or torchdata's
+    and the data progress (``job.data.state_dict()``: a :class:`~ckptaudit.recipes.DataSource` or torchdata's
     ``StatefulDataLoader``), and ``extras`` (JSON values, the same on every rank).
 
     Order of events:

@@ -1,26 +1,13 @@
 """The durable-write primitives of :mod:`ckptaudit.store` (fsync a directory, replace a file atomically, a random tag
-for temporary names), with the names of the on-disk layout re-exported from :mod:`ckptaudit.ondisk.layout`,
-where the offline checks read them too."""
+for temporary names). The names of the layout they write (``step-N``, the ``latest`` pointer, ``manifest.json``) are
+in :mod:`ckptaudit.ondisk.layout`, where the offline checks and ``latest`` read them too."""
 
 from __future__ import annotations
 
 import os
 import secrets
 
-from ckptaudit.ondisk.layout import MANIFEST, POINTER, parse_step_name, partial_name, read_pointer, step_name
-
-__all__ = [
-    "MANIFEST",
-    "POINTER",
-    "file_mode",
-    "fsync_dir",
-    "nonce",
-    "parse_step_name",
-    "partial_name",
-    "read_pointer",
-    "step_name",
-    "write_durably",
-]
+__all__ = ["file_mode", "fsync_dir", "nonce", "write_durably"]
 
 
 def nonce() -> str:

@@ -10,7 +10,7 @@ What runs (one process, no process group):
 2. load the model weights tensor by tensor into the recipe's unwrapped model in fp32 (the full-precision
    reference): a DCP checkpoint is consolidated one tensor at a time from its shards and the optimizer state is
    never loaded; convert each floating tensor to the export dtype, except those matching a ``--keep-fp32`` glob;
-3. quality gate (:mod:`ckptaudit.store.gate`): both models on the evaluation batch, on the same device, through
+3. quality gate (:mod:`ckptaudit.serving.gate`): both models on the evaluation batch, on the same device, through
    the recipe's ``forward`` (and ``eval_loss``); the exported model's floating inputs are cast to its compute
    dtype as a serving runtime's would be (integer inputs such as token ids are left alone), and its floating
    outputs upcast to fp32 (exactly) for the comparison and the recipe's loss;
@@ -24,7 +24,7 @@ The metadata contract (each shard's safetensors ``__metadata__``; the index's ``
 (Hugging Face ``from_pretrained`` refuses safetensors without it).
 
 One module though just over ~600 lines: the steps above are one linear pipeline sharing :class:`ExportOptions`,
-:class:`ExportError` and the recipe's model, and the gate's metrics already live in :mod:`ckptaudit.store.gate`.
+:class:`ExportError` and the recipe's model, and the gate's metrics already live in :mod:`ckptaudit.serving.gate`.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from ckptaudit import __version__
 from ckptaudit.catalogue import finding
 from ckptaudit.checks.artifact import HASH_PREFIX, manifest_hash
 from ckptaudit.findings import Finding, Report
-from ckptaudit.store import layout
-from ckptaudit.store.gate import GateResult, GateThresholds, compare_outputs, judge, next_token_targets, output_kind
+from ckptaudit.serving.gate import GateResult, GateThresholds, compare_outputs, judge, next_token_targets, output_kind
+from ckptaudit.store import durable
 
 __all__ = [
     "EXPORT_DTYPES",
@@ -89,7 +89,7 @@ class ExportError(ValueError):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExportOptions:
     recipe: str
-    """``module:attr`` or ``path.py:attr`` of a recipe with ``build_model()`` (see :mod:`ckptaudit.recipe`)."""
+    """``module:attr`` or ``path.py:attr`` of a recipe with ``build_model()`` (see :mod:`ckptaudit.recipes`)."""
     out: str
     """The artifact directory to create; it must not exist, or be empty. Never overwritten."""
     dtype: str = "bfloat16"
@@ -318,7 +318,7 @@ def _check_out(out: str) -> None:
 
 
 def _load_serving_recipe(spec: str) -> Any:
-    from ckptaudit.recipe import load_object
+    from ckptaudit.recipes import load_object
 
     try:
         obj = load_object(spec)
@@ -328,7 +328,7 @@ def _load_serving_recipe(spec: str) -> Any:
         obj = obj()
     if not callable(getattr(obj, "build_model", None)):
         raise ExportError(f"--recipe {spec!r} has no build_model(): the serving gate needs the recipe's unwrapped "
-                          "model to evaluate (add build_model() -> nn.Module; see ckptaudit.recipe)")
+                          "model to evaluate (add build_model() -> nn.Module; see ckptaudit.recipes)")
     return obj
 
 
@@ -515,7 +515,7 @@ def _cast_outputs(dtype: torch.dtype) -> Callable[..., Any]:
 
 
 def _outputs(recipe: Any, model: nn.Module, batch: Any) -> torch.Tensor:
-    from ckptaudit.recipe import model_forward
+    from ckptaudit.recipes import model_forward
 
     with torch.no_grad():
         out = model_forward(recipe, model, batch)
@@ -546,7 +546,7 @@ def _loss(recipe: Any, model: nn.Module, batch: Any) -> float | None:
 
 def _run_gate(recipe: Any, reference: nn.Module, exported: dict[str, torch.Tensor], batch: Any,
               options: ExportOptions) -> GateResult:
-    from ckptaudit.recipe import to_device
+    from ckptaudit.recipes import to_device
 
     device = torch.device(options.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -616,7 +616,7 @@ def write_artifact(out: str, exported: dict[str, torch.Tensor], metadata: dict[s
         for fname, keys in zip(names, shards, strict=True):
             path = os.path.join(tmp, fname)
             save_file({k: exported[k] for k in keys}, path, metadata=metadata)
-            os.chmod(path, layout.file_mode())  # safetensors creates 0600 files, unreadable to a server's user
+            os.chmod(path, durable.file_mode())  # safetensors creates 0600 files, unreadable to a server's user
             _fsync(path)
             files.append(WrittenFile(fname, len(keys), os.path.getsize(path)))
         if len(shards) > 1:

@@ -1,4 +1,4 @@
-"""The writer as an exporter of the resume test (``--exporter ckptaudit.store.exporter:resumable``).
+"""The writer as an exporter of the resume test (``--exporter ckptaudit.exporters.store:resumable``).
 
 An exporter is ``export(job, path, ctx)`` with an optional ``load(job, path, ctx)`` (see
 :mod:`ckptaudit.exporters`); here ``path`` is the checkpoint root, and ``load`` restores the newest resumable
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptaudit.recipe import Job
+from ckptaudit.recipes import Job
 from ckptaudit.store.loader import load_checkpoint
 from ckptaudit.store.writer import save_checkpoint
 

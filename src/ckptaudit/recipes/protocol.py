@@ -197,10 +197,10 @@ class RecipeError(Exception):
 
 _SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__,)) + tuple(
     os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "platstdlib"))
-_RUNNER = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("resume" + os.sep, "recipe.py", "launch.py"))
-
-
-_RUNNER_FUNCTIONS = ((os.path.join(os.path.dirname(__file__), "exporters.py"), "capture_and_export"),)
+_PACKAGE = os.path.dirname(os.path.dirname(__file__))
+_RUNNER = (os.path.join(_PACKAGE, "resume") + os.sep, __file__, os.path.join(_PACKAGE, "launch.py"))
+"""ckptaudit's own code that runs user code: never the user's frames (the shipped recipes are user code)."""
+_RUNNER_FUNCTIONS = ((os.path.join(_PACKAGE, "exporters", "__init__.py"), "capture_and_export"),)
 """ckptaudit's own functions that call user code from a module that also holds shipped user-facing code."""
 
 
@@ -250,7 +250,7 @@ def checked_setup(recipe: Any, ctx: RankContext) -> Job:
             getattr(job, "optimizer", None), torch.optim.Optimizer):
         raise RecipeError(user_failure(
             describe_function(fn), "setup must return a Job(model=<nn.Module>, optimizer=<torch.optim.Optimizer>, "
-            f"scheduler=..., data=...) (from ckptaudit.recipe); it returned {type(job).__name__}"))
+            f"scheduler=..., data=...) (from ckptaudit.recipes); it returned {type(job).__name__}"))
     return job
 
 

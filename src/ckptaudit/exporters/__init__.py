@@ -17,16 +17,15 @@ returns hooks to arm before the next step. Exporters are named ``module:attr``, 
 from __future__ import annotations
 
 import os
-import random
 import re
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ckptaudit.recipe import Job
+from ckptaudit.recipes import Job
+from ckptaudit.recipes.rng import rng_state, set_rng_state
 
 __all__ = [
     "ComputeCopyCapture",
@@ -37,8 +36,6 @@ __all__ = [
     "fp16_copy",
     "full_model_state",
     "full_optimizer_state",
-    "rng_state",
-    "set_rng_state",
     "swapped_moments",
 ]
 
@@ -73,33 +70,6 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     state = {fqn: {k: (_full(v).clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
              for fqn, entry in osd["state"].items()}
     return {"state": state, "param_groups": osd["param_groups"]}
-
-
-def rng_state() -> dict[str, Any]:
-    """This rank's RNG state: Python, NumPy, torch CPU and (where present) CUDA."""
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_as_tuple(state["python"]))
-    np.random.set_state(_as_tuple(state["numpy"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _as_tuple(v: Any) -> Any:
-    # Round trips through torch.save/DCP may turn tuples into lists.
-    if isinstance(v, list):
-        return tuple(_as_tuple(x) for x in v)
-    return v
 
 
 def _rank() -> int:
@@ -178,11 +148,11 @@ def prepare_compute_copy(job: Job) -> ComputeCopyCapture:
 def capture_and_export(job: Any, exporter: Callable[..., None], path: str, ctx: Any, recipe: Any) -> None:
     """(all ranks) Run ``exporter``; if it has ``prepare``, first arm it and run one forward in eval mode.
 
-    The capture forward is :func:`ckptaudit.recipe.eval_forward`: eval mode, no gradients, the recipe's held-out
+    The capture forward is :func:`ckptaudit.recipes.eval_forward`: eval mode, no gradients, the recipe's held-out
     ``eval_batch(job)`` through its ``forward(model, batch)`` (or ``model(batch)``), whatever kind of model it
     is; it takes no RNG draws and does not update anything.
     """
-    from ckptaudit.recipe import eval_forward
+    from ckptaudit.recipes import eval_forward
 
     prepare = getattr(exporter, "prepare", None)
     if prepare is None:

@@ -31,9 +31,8 @@ from typing import Any
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import ComponentKind, Finding, Report, Severity
 from ckptaudit.formats.io.safeio import open_regular
+from ckptaudit.ondisk import layout, quarantine
 from ckptaudit.ondisk import manifest as mf
-from ckptaudit.ondisk import quarantine
-from ckptaudit.store import layout
 
 __all__ = ["Candidate", "Checked", "LatestResult", "discover", "find_latest", "latest_report", "validate"]
 
