@@ -95,7 +95,7 @@ def test_a_guard_judges_an_export_cast_to_bf16_with_the_live_contract(tmp_path: 
     # A master_dtype the user gave the guard is theirs to keep.
     own = Guard(master_dtype="bfloat16")
     declare_live_contract(own, opt)
-    assert own.audit_options == {"master_dtype": "bfloat16"}
+    assert own.audit_options == {"jobs": 1, "master_dtype": "bfloat16"}  # and one thread, beside training
     own.close()
 
 

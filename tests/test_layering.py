@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "recipes": 1,
     # one reader per on-disk format, and the on-disk conventions of the store and the guard
     "formats": 2,
+    "options": 2,
     "ondisk": 3,
     "layouts": 3,
     # pure checks over records, and the renderers: neither imports the other

@@ -17,17 +17,20 @@ raises ``TypeError`` / ``ValueError`` naming the option, the value and the fix.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptaudit.findings import ComponentKind, Finding, Severity
 from ckptaudit.findings import Report as RawReport
+from ckptaudit.options import AUDIT_OPTIONS, COMPARE_OPTIONS, resolve, signature
 
-__all__ = ["AUDIT_OPTIONS", "COMPARE_OPTIONS", "Report", "audit", "compare"]
+if TYPE_CHECKING:
+    from ckptaudit.auditing.judge import AuditOptions
+
+__all__ = ["Report", "audit", "audit_options", "compare"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,89 +91,6 @@ class Report:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Options: one table per function; each entry checks a value and says what it should be.
-
-
-@dataclass(frozen=True, slots=True)
-class _Option:
-    default: Any
-    check: Callable[[Any], bool]
-    expected: str
-    """What a valid value is, for the error message."""
-
-
-def _choice(*values: str) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, str) and v in values
-
-
-def _components(v: Any) -> bool:
-    if isinstance(v, str):
-        v = [s for s in v.split(",") if s.strip()]
-    try:
-        return all(isinstance(s, str | ComponentKind) and ComponentKind(str(s).strip()) for s in v)
-    except (TypeError, ValueError):
-        return False
-
-
-def _ignore(v: Any) -> bool:
-    from ckptaudit.catalogue import parse_ignore
-
-    if not isinstance(v, str) and not isinstance(v, list | tuple | set | frozenset):
-        return False
-    try:
-        parse_ignore(v)
-    except ValueError:
-        return False
-    return True
-
-
-def _int_at_least(low: int, high: int | None = None) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
-
-
-_FAIL_ON = _Option("error", _choice("error", "warning", "info"), "one of 'error', 'warning', 'info'")
-_IGNORE = _Option((), _ignore, "finding codes or families from docs/catalogue.md (an iterable or a comma-separated "
-                  "string, e.g. 'security.not-loaded,optimizer.index-keyed')")
-AUDIT_OPTIONS: Mapping[str, _Option] = {
-    "master_dtype": _Option("auto", _choice("auto", "float32", "bfloat16", "float16"),
-                            "one of 'auto', 'float32', 'bfloat16', 'float16'"),
-    "expect": _Option("training", _choice("training", "serving"), "'training' or 'serving'"),
-    "require": _Option((), _components,
-                       "component names: an iterable or a comma-separated string of "
-                       + ", ".join(repr(k.value) for k in ComponentKind)),
-    "master_dtype_from": _Option("", lambda v: isinstance(v, str), "a string: who declared master_dtype"),
-    "fail_on": _FAIL_ON,
-    "ignore": _IGNORE,
-    "quick": _Option(False, lambda v: isinstance(v, bool), "True or False"),
-    "chunk_bytes": _Option(1 << 20, _int_at_least(64), "an int >= 64 (bytes read per chunk)"),
-}
-"""``ckptaudit.audit``'s keyword options and their defaults (see :func:`audit`)."""
-
-COMPARE_OPTIONS: Mapping[str, _Option] = {
-    "fail_on": _FAIL_ON,
-    "ignore": _IGNORE,
-    "threads": _Option(2, _int_at_least(1, 64), "an int from 1 to 64"),
-    "chunk_bytes": _Option(1 << 20, _int_at_least(64), "an int >= 64 (bytes read per chunk and side)"),
-    "max_moment_checks": _Option(256, _int_at_least(0), "an int >= 0"),
-}
-"""``ckptaudit.compare``'s keyword options and their defaults (see :func:`compare`)."""
-
-
-def _resolve(func: str, given: Mapping[str, Any], table: Mapping[str, _Option]) -> dict[str, Any]:
-    out = {name: opt.default for name, opt in table.items()}
-    for name, value in given.items():
-        opt = table.get(name)
-        if opt is None:
-            close = difflib.get_close_matches(name, list(table), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise TypeError(f"{func}: unknown option {name!r}; {hint}the options are: {', '.join(table)}")
-        if not opt.check(value):
-            raise ValueError(f"{func}: option {name}={value!r} is not valid; pass {opt.expected}")
-        out[name] = value
-    return out
-
-
 def _path(func: str, name: str, value: Any) -> str:
     if not isinstance(value, str | os.PathLike):
         raise TypeError(f"{func}: {name} must be a path (str or os.PathLike), not {type(value).__name__}")
@@ -185,7 +105,8 @@ def _path(func: str, name: str, value: Any) -> str:
 def audit(path: str | os.PathLike[str], **options: Any) -> Report:
     """Audit the checkpoint at ``path`` (a file or directory in any layout ``ckptaudit audit`` reads).
 
-    Options (keywords; defaults in :data:`AUDIT_OPTIONS`):
+    Options (keywords; names, types and defaults in :data:`ckptaudit.options.AUDIT_OPTIONS`, which the command
+    line's flags are derived from too):
 
     - ``master_dtype``: ``"auto"`` (read the contract from the checkpoint), ``"float32"``, ``"bfloat16"``,
       ``"float16"``;
@@ -199,48 +120,69 @@ def audit(path: str | os.PathLike[str], **options: Any) -> Report:
       ``"security.not-loaded,optimizer"``): kept in the report, marked ``ignored``, counted toward nothing;
     - ``quick``: the in-loop mode (first chunk of each tensor, no content hashes; see
       :attr:`ckptaudit.auditing.judge.AuditOptions.quick` for what it cannot see);
+    - ``jobs``: threads scanning tensors at once; ``None`` (default) is every core this process may use, as on
+      the command line (the report is the same whatever the number);
     - ``chunk_bytes``: bytes read per chunk.
 
-    Raises ``FileNotFoundError`` when ``path`` does not exist, ``TypeError`` / ``ValueError`` for a bad option.
-    A checkpoint that cannot be read is a finding in the report, not an exception.
+    Everything runs in the calling process, on ``jobs`` threads. Raises ``FileNotFoundError`` when ``path`` does
+    not exist, ``TypeError`` / ``ValueError`` for a bad option. A checkpoint that cannot be read is a finding in
+    the report, not an exception.
     """
-    from ckptaudit.auditing.judge import AuditOptions
     from ckptaudit.auditing.judge import audit as run_audit
 
-    opts = _resolve("ckptaudit.audit", options, AUDIT_OPTIONS)
+    opts = resolve("ckptaudit.audit", options, AUDIT_OPTIONS)
     where = _path("ckptaudit.audit", "path", path)
+    return Report(run_audit(where, audit_options(opts)), Severity.parse(opts["fail_on"]))
+
+
+def audit_options(opts: Mapping[str, Any]) -> AuditOptions:
+    """The engine's :class:`~ckptaudit.auditing.judge.AuditOptions` for resolved options (:func:`ckptaudit.options.
+    resolve` of :data:`~ckptaudit.options.AUDIT_OPTIONS`): the one translation the API, the guards, ``ckptaudit
+    .testing`` and the command line share."""
+    from ckptaudit.auditing.judge import AuditOptions
+    from ckptaudit.auditing.scan import default_jobs
+
     require = opts["require"]
     if isinstance(require, str):
         require = [s for s in require.split(",") if s.strip()]
-    raw = run_audit(where, AuditOptions(master_dtype=opts["master_dtype"], expect=opts["expect"],
-                                        require=frozenset(ComponentKind(str(s).strip()) for s in require),
-                                        chunk_bytes=opts["chunk_bytes"], quick=opts["quick"],
-                                        master_dtype_from=opts["master_dtype_from"],
-                                        ignore=_ignored(opts["ignore"])))
-    return Report(raw, Severity.parse(opts["fail_on"]))
+    return AuditOptions(master_dtype=opts["master_dtype"], expect=opts["expect"],
+                        require=frozenset(ComponentKind(str(s).strip()) for s in require),
+                        chunk_bytes=opts["chunk_bytes"], quick=opts["quick"],
+                        jobs=opts["jobs"] or default_jobs(), master_dtype_from=opts["master_dtype_from"],
+                        ignore=_ignored(opts["ignore"]))
 
 
 def compare(reference: str | os.PathLike[str], candidate: str | os.PathLike[str], **options: Any) -> Report:
     """Compare ``candidate`` with ``reference`` tensor by tensor (is it the reference's training state?).
 
-    Options (keywords; defaults in :data:`COMPARE_OPTIONS`): ``fail_on`` and ``ignore`` (as for :func:`audit`),
-    ``threads``
-    (tensor pairs compared at once), ``chunk_bytes``, ``max_moment_checks`` (value comparisons per state name
-    and shape when looking for the source of a mismatched optimizer moment).
+    Options (keywords; :data:`ckptaudit.options.COMPARE_OPTIONS`): ``fail_on`` and ``ignore`` (as for
+    :func:`audit`), ``jobs`` (tensor pairs compared at once; ``None``, the default, is every core this process
+    may use, at most 64; ``threads`` is its older name), ``chunk_bytes``, ``max_moment_checks`` (value
+    comparisons per state name and shape when looking for the source of a mismatched optimizer moment).
 
     Raises ``FileNotFoundError`` when either path does not exist, ``TypeError`` / ``ValueError`` for a bad
     option.
     """
+    from ckptaudit.auditing.scan import default_jobs
     from ckptaudit.comparing import CompareOptions
     from ckptaudit.comparing import compare as run_compare
 
-    opts = _resolve("ckptaudit.compare", options, COMPARE_OPTIONS)
+    opts = resolve("ckptaudit.compare", options, COMPARE_OPTIONS)
+    if opts["jobs"] is not None and opts["threads"] is not None and opts["jobs"] != opts["threads"]:
+        raise ValueError(f"ckptaudit.compare: jobs={opts['jobs']} and threads={opts['threads']} disagree; threads "
+                         "is the older name of jobs: pass jobs alone")
     ref = _path("ckptaudit.compare", "reference", reference)
     cand = _path("ckptaudit.compare", "candidate", candidate)
-    raw = run_compare(ref, cand, CompareOptions(chunk_bytes=opts["chunk_bytes"], threads=opts["threads"],
+    threads = opts["jobs"] or opts["threads"] or min(64, default_jobs())
+    raw = run_compare(ref, cand, CompareOptions(chunk_bytes=opts["chunk_bytes"], threads=threads,
                                                 max_moment_checks=opts["max_moment_checks"],
                                                 ignore=_ignored(opts["ignore"])))
     return Report(raw, Severity.parse(opts["fail_on"]))
+
+
+audit.__signature__ = signature((("path", "str | os.PathLike[str]"),), AUDIT_OPTIONS, Report)  # type: ignore[attr-defined]
+compare.__signature__ = signature((("reference", "str | os.PathLike[str]"), ("candidate", "str | os.PathLike[str]")),  # type: ignore[attr-defined]
+                                  COMPARE_OPTIONS, Report)
 
 
 def _ignored(value: Any) -> tuple[str, ...]:

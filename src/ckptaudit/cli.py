@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ckptaudit import __version__
+from ckptaudit.options import AUDIT_OPTIONS, COMPARE_OPTIONS, FAIL_ON, IGNORE, MASTER_DTYPES, Option, resolve
 
 if TYPE_CHECKING:  # imported by the commands that run: ``--help`` needs none of it
     from ckptaudit.findings import ComponentKind, Report
@@ -67,14 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     a = sub.add_parser("audit", help="audit a checkpoint offline (file or directory)")
     a.add_argument("path", help="checkpoint file or directory")
     _output_args(a)
-    a.add_argument("--master-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the master dtype parameters are held to (auto: read it from the checkpoint)")
-    a.add_argument("--expect", default="training", choices=["training", "serving"],
-                   help="what the checkpoint is meant to be (default: training)")
-    a.add_argument("--require", default="",
-                   help="comma-separated components whose absence is an error: scheduler,rng,data-progress")
-    _ignore_arg(a)
-    _jobs_arg(a)
+    _option_args(a, AUDIT_OPTIONS)
     a.add_argument("--dist-timeout", type=float, default=1800.0, metavar="SECONDS",
                    help="under torchrun: how long ranks wait for each other (default 1800)")
 
@@ -133,8 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("reference", help="the reference checkpoint (e.g. saved the documented way)")
     c.add_argument("candidate", help="the checkpoint to judge against it (any layout the audit reads)")
     _output_args(c)
-    _ignore_arg(c)
-    _jobs_arg(c)
+    _option_args(c, COMPARE_OPTIONS)
 
     lt = sub.add_parser("latest", help="the newest resumable checkpoint under a directory, and why newer ones "
                         "are rejected")
@@ -148,12 +141,12 @@ def _parser() -> argparse.ArgumentParser:
                     "run the whole audit on each candidate")
     lt.add_argument("--require", default="",
                     help="comma-separated components whose absence rejects a candidate: scheduler,rng,data-progress")
-    lt.add_argument("--master-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    lt.add_argument("--master-dtype", default="auto", choices=MASTER_DTYPES,
                     help="the master dtype the quick and full audits hold parameters to (auto: read it from each "
                     "candidate); a mixed-precision run's is float32")
     lt.add_argument("--all", action="store_true", help="validate every candidate, not only down to the latest")
     lt.add_argument("--verbose", "-v", action="store_true", help="list every finding")
-    lt.add_argument("--fail-on", choices=["error", "warning", "info"],
+    lt.add_argument("--fail-on", choices=FAIL_ON.choices,
                     help="also exit 1 when a finding (a rejected candidate, a stale pointer) reaches this severity; "
                     "without it, exit 1 only when no checkpoint is resumable")
     lt.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
@@ -191,16 +184,26 @@ def _jobs(text: str) -> int:
     return n
 
 
-def _jobs_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--jobs", "-j", type=_jobs, default=None, metavar="N",
-                   help="threads scanning tensors at once (default: every core this process may use); "
-                   "the report is the same whatever N")
+def _option_args(p: argparse.ArgumentParser, table: Mapping[str, Option]) -> None:
+    """The flags of the option table's command-line options (:mod:`ckptaudit.options`: name, choices, default,
+    help); ``--fail-on`` comes with the output flags. The values are checked again by the table when they are
+    resolved (:func:`_resolved`)."""
+    for opt in table.values():
+        if not opt.cli or opt.name == "fail_on":
+            continue
+        if opt.name == "jobs":
+            p.add_argument(opt.flag, "-j", type=_jobs, default=None, metavar="N", help=opt.help)
+        elif opt.annotation == "bool":
+            p.add_argument(opt.flag, action="store_true", help=opt.help)
+        elif opt.choices:
+            p.add_argument(opt.flag, default=opt.default, choices=opt.choices, help=opt.help)
+        else:  # a list: comma-separated on the command line
+            p.add_argument(opt.flag, default="", metavar="CODE[,CODE...]" if opt.name == "ignore" else None,
+                           help=opt.help)
 
 
 def _ignore_arg(p: argparse.ArgumentParser, more: str = "") -> None:
-    p.add_argument("--ignore", default="", metavar="CODE[,CODE...]",
-                   help="acknowledge findings by code (security.not-loaded) or family (optimizer): they stay in the "
-                   "report, marked ignored, and count toward no verdict or exit code" + more)
+    p.add_argument("--ignore", default="", metavar="CODE[,CODE...]", help=IGNORE.help + more)
 
 
 def _ignore(text: str) -> tuple[str, ...]:
@@ -215,10 +218,27 @@ def _ignore(text: str) -> tuple[str, ...]:
 def _output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="table", choices=["table", "json", "html"], help="report format")
     p.add_argument("--output", "-o", help="write the report to this file instead of stdout")
-    p.add_argument("--fail-on", default="error", choices=["error", "warning", "info"],
+    p.add_argument("--fail-on", default=FAIL_ON.default, choices=FAIL_ON.choices,
                    help="exit 1 when a finding reaches this severity (default: error)")
     p.add_argument("--verbose", "-v", action="store_true", help="list every finding and tensor")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _resolved(args: argparse.Namespace, table: Mapping[str, Option]) -> dict[str, Any]:
+    """The table's options (:func:`ckptaudit.options.resolve`) from the command line's flags: the lists parsed
+    with the command line's messages first, every value then checked by the table as the API checks it."""
+    given: dict[str, Any] = {}
+    for opt in table.values():
+        if opt.cli:
+            given[opt.name] = getattr(args, opt.name)
+    if "require" in given:
+        given["require"] = sorted(_require(given["require"]))
+    if "ignore" in given:
+        given["ignore"] = _ignore(given["ignore"])
+    try:
+        return resolve(f"ckptaudit {args.command}", given, table)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _require(text: str) -> frozenset[ComponentKind]:
@@ -304,9 +324,9 @@ def _progress(enabled: bool, stderr: TextIO):  # type: ignore[no-untyped-def]
 
 
 def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from ckptaudit.api import audit_options
     from ckptaudit.auditing.distributed import torchrun_rank
-    from ckptaudit.auditing.judge import AuditOptions, audit
-    from ckptaudit.auditing.scan import default_jobs
+    from ckptaudit.auditing.judge import audit
 
     try:
         place = torchrun_rank()
@@ -316,8 +336,7 @@ def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         return _audit_distributed(args, place.rank, place.world_size, stdout)
     if not _exists(args.path):
         raise UsageError(f"{args.path}: no such file or directory; give the path of a checkpoint file or directory")
-    options = AuditOptions(master_dtype=args.master_dtype, expect=args.expect, require=_require(args.require),
-                           jobs=args.jobs or default_jobs(), ignore=_ignore(args.ignore))
+    options = audit_options(_resolved(args, AUDIT_OPTIONS))
     prog, update = _progress(not args.no_progress, stderr)
     if prog is not None:
         with prog:
@@ -330,19 +349,21 @@ def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
 def _audit_distributed(args: argparse.Namespace, rank: int, world_size: int, stdout: TextIO) -> int:
     """Under torchrun: every rank scans its share; rank 0 prints the one report, the others print nothing.
     (No existence check before joining: a rank that returned early would leave the others waiting.)"""
+    from ckptaudit.api import audit_options
     from ckptaudit.auditing.distributed import DistributedAuditError, audit_distributed
-    from ckptaudit.auditing.judge import AuditOptions
     from ckptaudit.auditing.scan import default_jobs
 
     if not args.dist_timeout > 0:
         raise UsageError(f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
+    if args.quick:
+        raise UsageError("--quick audits in one process: run it without torchrun (a distributed audit is a full one)")
     # Ranks on one node share its cores.
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     except ValueError:
         local = 1
-    options = AuditOptions(master_dtype=args.master_dtype, expect=args.expect, require=_require(args.require),
-                           jobs=args.jobs or max(1, default_jobs() // max(1, local)), ignore=_ignore(args.ignore))
+    values = _resolved(args, AUDIT_OPTIONS)
+    options = audit_options({**values, "jobs": values["jobs"] or max(1, default_jobs() // max(1, local))})
     try:
         report = audit_distributed(args.path, options, rank=rank, world_size=world_size,
                                    timeout_s=args.dist_timeout)
@@ -440,8 +461,9 @@ def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         if not _exists(path):
             raise UsageError(f"{role} {path}: no such file or directory; give the path of a checkpoint file or "
                              "directory")
-    options = CompareOptions(verbose=args.verbose, threads=min(64, args.jobs or default_jobs()),
-                             ignore=_ignore(args.ignore))
+    values = _resolved(args, COMPARE_OPTIONS)
+    options = CompareOptions(verbose=args.verbose, threads=values["jobs"] or min(64, default_jobs()),
+                             ignore=_ignore(values["ignore"]))
     prog, update = _progress(not args.no_progress, stderr)
     if prog is not None:
         with prog:

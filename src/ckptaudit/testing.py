@@ -107,11 +107,11 @@ def assert_resumes_faithfully(recipe: str, exporter: str, **options: Any) -> Rep
     ``export_timeout_s``, ``workdir`` (see :class:`ckptaudit.resume.ResumeConfig`), and ``fail_on`` (default
     ``"error"``).
     """
-    from ckptaudit.api import _resolve
+    from ckptaudit.options import FAIL_ON, resolve
     from ckptaudit.resume import ResumeConfig, run_resume_test
 
     fail_on = options.pop("fail_on", "error")
-    _resolve("assert_resumes_faithfully", {"fail_on": fail_on}, {"fail_on": _fail_on_option()})
+    resolve("assert_resumes_faithfully", {"fail_on": fail_on}, {"fail_on": FAIL_ON})
     unknown = sorted(set(options) - set(_RESUME_OPTIONS))
     if unknown:
         raise TypeError(f"assert_resumes_faithfully: unknown option(s) {', '.join(map(repr, unknown))}; the "
@@ -143,8 +143,3 @@ def _resume_failure(report: Report) -> type[ResumeFailed]:
         return NoPower
     return ResumeFailed
 
-
-def _fail_on_option() -> Any:
-    from ckptaudit.api import AUDIT_OPTIONS
-
-    return AUDIT_OPTIONS["fail_on"]

@@ -10,7 +10,7 @@ multiprocessing's spawn would), it imports no torch: the audit reads files with 
 Cheap by construction for the training process beside it: before it imports anything else, the worker lowers
 itself to the lowest CPU priority (:func:`lower_priority`: ``nice`` 19 and, on Linux, ``SCHED_IDLE``, so it
 runs only on CPU time nothing else wants) and to the idle I/O class (Linux ``ioprio_set``, best effort), and it
-scans with one thread (``AuditOptions.jobs`` is 1; the guard starts it with ``OMP_NUM_THREADS=1`` and the like,
+scans with one thread (the guard passes ``jobs=1`` unless told otherwise, and starts it with ``OMP_NUM_THREADS=1`` and the like,
 so no numerical library starts a thread pool of its own).
 """
 

@@ -109,7 +109,7 @@ class Guard:
     """
 
     def __init__(self, *, on_failure: str = "warn", background: str = "process", **audit_options: Any) -> None:
-        from ckptaudit.api import AUDIT_OPTIONS, _resolve
+        from ckptaudit.options import AUDIT_OPTIONS, resolve
 
         if on_failure not in ON_FAILURE:
             raise ValueError(f"ckptaudit guard: on_failure={on_failure!r} is not valid; pass 'warn' (log and "
@@ -117,10 +117,11 @@ class Guard:
         if background not in BACKGROUNDS:
             raise ValueError(f"ckptaudit guard: background={background!r} is not valid; pass 'thread' or "
                              "'process'")
-        _resolve("ckptaudit guard", audit_options, AUDIT_OPTIONS)
+        resolve("ckptaudit guard", audit_options, AUDIT_OPTIONS)
         self.on_failure = on_failure
         self.background = background
-        self.audit_options = dict(audit_options)
+        # One scanning thread unless told otherwise: the audit runs beside training, which owns the cores.
+        self.audit_options = {"jobs": 1, **audit_options}
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._cond = threading.Condition()
         self._pending = 0
