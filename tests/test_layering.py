@@ -7,6 +7,7 @@ Run: ``.venv/bin/python -m pytest -q tests/test_layering.py``
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -14,38 +15,27 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "ckptaudit"
 
-LAYERS: dict[str, int] = {
-    # data model and the standalone multi-process harness: import nothing of ours
-    "findings": 0,
-    "launch": 0,
-    "catalogue": 1,
-    "schema": 1,
-    "recipes": 1,
-    # one reader per on-disk format, and the on-disk conventions of the store and the guard
-    "formats": 2,
-    "options": 2,
-    "ondisk": 3,
-    "layouts": 3,
-    # pure checks over records, and the renderers: neither imports the other
-    "checks": 4,
-    "report": 4,
-    # the audit engine (plan, scan, per-tensor records, judge, distributed), then the compare engine on it
-    "auditing": 5,
-    "comparing": 6,
-    "api": 7,
-    "latest": 7,
-    "store": 8,
-    "exporters": 9,
-    "serving": 9,
-    "probe": 10,
-    "resume": 10,
-    "demo": 11,
-    "integrations": 11,
-    "testing": 11,
-    "cli": 12,
-    "__main__": 13,
+TIERS: dict[str, dict[str, int]] = {
+    # the vocabulary: findings and report types, the multi-process harness, codes, schema, the job protocol, options
+    "foundation": {"findings": 0, "launch": 0, "catalogue": 1, "schema": 1, "recipes": 1, "options": 2},
+    # one reader per container
+    "readers": {"formats": 3},
+    # what the bytes mean (on-disk conventions, library layouts), what is wrong (checks), how it is rendered;
+    # checks and report import neither the other
+    "interpretation": {"ondisk": 4, "layouts": 4, "checks": 5, "report": 5},
+    # the audit engine (plan, scan, per-tensor scan, judge, distributed), then the compare engine on it
+    "engine": {"auditing": 6, "comparing": 7},
+    # what a user runs or calls, built on the engine
+    "commands": {"api": 8, "latest": 8, "store": 9, "exporters": 10, "serving": 10, "probe": 11, "resume": 11,
+                 "demo": 12},
+    # how users come in
+    "doors": {"integrations": 13, "testing": 13, "cli": 14, "__main__": 15},
 }
-"""Top-level unit of ``ckptaudit`` -> its layer. A module may import a unit of a strictly lower layer, or its own unit."""
+"""Tier (the names of ``docs/architecture.md``) -> top-level unit of ``ckptaudit`` -> its layer. A module may import a
+unit of a strictly lower layer, or its own unit; every layer of a tier is below every layer of the next tier."""
+
+LAYERS: dict[str, int] = {unit: layer for units in TIERS.values() for unit, layer in units.items()}
+TIER_OF: dict[str, str] = {unit: tier for tier, units in TIERS.items() for unit in units}
 
 
 def _unit(module: str) -> str:
@@ -98,10 +88,11 @@ def upward_arrows(root: Path = SRC) -> list[str]:
                 continue
             for unit in (src, dst):
                 if unit not in LAYERS:
-                    bad.append(f"{where}: {unit} is not in tests/test_layering.py's LAYERS; give it its layer")
+                    bad.append(f"{where}: {unit} is not in tests/test_layering.py's TIERS; give it its tier and layer")
             if src in LAYERS and dst in LAYERS and LAYERS[dst] >= LAYERS[src]:
-                bad.append(f"{where}: {importer} (layer {LAYERS[src]}, {src}) imports {imported} "
-                           f"(layer {LAYERS[dst]}, {dst}): that arrow runs upward; move the shared part below both")
+                bad.append(f"{where}: {importer} ({TIER_OF[src]} tier, layer {LAYERS[src]}, {src}) imports "
+                           f"{imported} ({TIER_OF[dst]} tier, layer {LAYERS[dst]}, {dst}): that arrow runs upward; "
+                           "move the shared part below both")
     return bad
 
 
@@ -119,6 +110,27 @@ def test_the_stated_directions_hold() -> None:
                       ("auditing", "store"), ("auditing", "cli"), ("checks", "auditing"), ("auditing", "comparing")):
         assert LAYERS[low] < LAYERS[high], (low, high)
     assert LAYERS["checks"] == LAYERS["report"]  # neither imports the other
+
+
+def test_the_tiers_are_ordered_and_cover_the_package() -> None:
+    """Every layer of a tier lies below every layer of the next one, and every top-level unit has its tier."""
+    tiers = list(TIERS.values())
+    for lower, upper in itertools.pairwise(tiers):
+        assert max(lower.values()) < min(upper.values()), (lower, upper)
+    units = {p.stem for p in PACKAGE.glob("*.py")} | {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert units - {"__init__"} == set(LAYERS)
+
+
+def test_the_architecture_page_names_the_same_tiers() -> None:
+    """``docs/architecture.md``'s table: one row per tier, in order, listing exactly that tier's units."""
+    import re
+
+    page = (SRC.parent / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| \*\*(\w+)\*\* \| (.*?) \|", page, flags=re.M)
+    assert [name for name, _ in rows] == list(TIERS)
+    for name, cell in rows:
+        listed = {re.sub(r"\.py$|/$", "", u) for u in re.findall(r"`([\w/.]+)`", cell)} - {"__init__"}
+        assert listed == set(TIERS[name]), name
 
 
 @pytest.mark.parametrize(("importer", "imported"), [
