@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from ckptaudit.formats.dcp.metadata import load_dcp_metadata  # noqa: E402
 from ckptaudit.formats.zip.archive import TorchZipFiles, read_torch_zip  # noqa: E402

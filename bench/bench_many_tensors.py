@@ -36,7 +36,6 @@ import warnings
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(HERE, "..", "src")
 
 
 def state(tensors: int) -> dict[str, Any]:
@@ -82,7 +81,6 @@ def child_load(kind: str, path: str) -> dict[str, Any]:
 
 
 def child_audit(kind: str, path: str) -> dict[str, Any]:
-    sys.path.insert(0, SRC)
     from ckptaudit.auditing.judge import audit
 
     warm = tempfile.mkdtemp(prefix="ckptaudit-bench-warm-")
@@ -107,7 +105,7 @@ def run_child(*argv: str) -> dict[str, Any]:
 
 def cli(path: str) -> dict[str, Any]:
     """``ckptaudit audit --format json`` as a whole process: wall time and peak RSS."""
-    env = dict(os.environ, PYTHONPATH=SRC)
+    env = dict(os.environ)
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "ckptaudit", "audit", path, "--format", "json"], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)

@@ -1,7 +1,7 @@
 """What the live probe costs a training step: without the probe, attached but unarmed, and armed every step.
 
-    /work/main/.venv/bin/python bench/bench_probe.py --d-model 192 --layers 3 --steps 150   # 2 gloo ranks
-    /work/main/.venv/bin/python bench/bench_probe.py --nproc 1 --d-model 192 --layers 3 --steps 200
+    .venv/bin/python bench/bench_probe.py --d-model 192 --layers 3 --steps 150   # 2 gloo ranks
+    .venv/bin/python bench/bench_probe.py --nproc 1 --d-model 192 --layers 3 --steps 200
 
 One run, FSDP2 + bf16 MixedPrecisionPolicy. The modes are interleaved step by step (their order rotating every
 round) so that the noise of a shared machine hits all of them alike. Each step is timed on rank 0 between a
@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import resource
 import statistics
 import sys
 import time
 from typing import Any
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from ckptaudit.launch import RankContext, launch
 

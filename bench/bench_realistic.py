@@ -108,7 +108,6 @@ def write(fmt: str, path: str, scale: float) -> None:
     import torch
 
     if fmt == "dcp-8":
-        sys.path.insert(0, os.path.join(HERE, "..", "src"))
         from ckptaudit.launch import launch
 
         launch(_rank_save, 8, (path, scale), timeout_s=3600, backend="gloo", env={"OMP_NUM_THREADS": "1"})
@@ -306,7 +305,7 @@ def run_child(*argv: str, torchrun: int = 0) -> dict[str, Any]:
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}",
                "--monitor-interval=0.2", os.path.abspath(__file__), "--child", *argv]
-    env = {**os.environ, "PYTHONPATH": os.path.join(HERE, "..", "src")}
+    env = dict(os.environ)
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, timeout=3600)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     result: dict[str, Any] = json.loads(lines[-1])
@@ -333,7 +332,7 @@ def cli_startup(tmp: str, repeat: int) -> dict[str, dict[str, float]]:
     save_file({"w": torch.arange(4.0)}, small_st)
     dcp.save({"w": torch.arange(4.0)}, checkpoint_id=small_dcp)
     out = {}
-    env = {**os.environ, "PYTHONPATH": os.path.join(HERE, "..", "src")}
+    env = dict(os.environ)
     for label, argv in (("torch.save", ["audit", small_pt, "--no-progress"]),
                         ("safetensors", ["audit", small_st, "--no-progress"]),
                         ("DCP directory", ["audit", small_dcp, "--no-progress"]), ("--help", ["--help"])):
