@@ -3,7 +3,7 @@
 Everything that takes these options derives from here, so they cannot drift: the keyword parameters of
 :func:`ckptaudit.audit` / :func:`ckptaudit.compare` (their checks, their error messages and the signature ``help()``
 shows), the command line's flags (``ckptaudit audit --master-dtype``: name, choices, default, help), the guards'
-validation before training starts (:class:`ckptaudit.integrations.Guard`) and :mod:`ckptaudit.testing`. The typed
+validation before training starts (:class:`ckptaudit.integrations.guard.Guard`) and :mod:`ckptaudit.testing`. The typed
 stub ``ckptaudit/__init__.pyi`` spells the same parameters for type checkers; ``tests/test_options.py`` holds it to
 this table.
 
