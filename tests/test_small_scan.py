@@ -1,4 +1,4 @@
-"""The NumPy-free scan of small tensors (``records.scan_small``, ``audit.scalar_value``, ``audit._all_zero``) gives
+"""The NumPy-free scan of small tensors (``auditing.tensor_scan.scan_small``, ``auditing.scan.scalar_value``, ``auditing.judge._all_zero``) gives
 the same result as the NumPy path, bit for bit: hash, effective precision and the precision evidence, on random
 and crafted values of every dtype, in every layout the small path takes, and with chunks small enough that the
 evidence is gathered over many chunks (the deferred fp16 recheck included).
