@@ -13,7 +13,7 @@ Readers say *what is in the files*; this module says *what it means*, for the la
 - Lightning ``.ckpt`` (``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``loops``, ``global_step``);
 - Megatron-Core ``torch_dist`` (``metadata.json``, ``common.pt``, DCP keyed by each ShardedTensor's flat key;
   optimizer state under ``optimizer.state.<name>.<key>``, the distributed optimizer's under
-  ``optimizer.distributed.dp_group_idx_<g>.*``; see :func:`_megatron`);
+  ``optimizer.distributed.dp_group_idx_<g>.*``; see :func:`megatron_view`);
 - DeepSpeed ``global_stepN/`` and its root (read by :mod:`ckptaudit.formats.deepspeed.reader`): the fp32 masters
   rebuilt from the ZeRO partitions are the model's parameters, the bf16/fp16 ``module`` weights their compute
   copies, the moments keyed by parameter name, ``lr_scheduler``, ``client_state`` and ``global_steps``;

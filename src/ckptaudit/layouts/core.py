@@ -11,8 +11,8 @@ from typing import Any
 from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.io.tensors import TensorData
-from ckptaudit.layouts.huggingface import _layout_name, file_rule
-from ckptaudit.layouts.keyed import _classify_keys, _optimizer_view
+from ckptaudit.layouts.huggingface import file_rule, layout_name
+from ckptaudit.layouts.keyed import classify_keys, optimizer_view
 from ckptaudit.layouts.precision import scaler_record, training_args_record
 from ckptaudit.layouts.view import (
     DATA_KEYS,
@@ -23,22 +23,22 @@ from ckptaudit.layouts.view import (
     ModelView,
     TensorRef,
     View,
-    _as_int,
-    _is_state_dict,
-    _label,
-    _leaf_file,
+    as_int,
+    is_state_dict,
+    leaf_file,
+    part_label,
 )
 
 
 def interpret(ckpt: Checkpoint) -> View:
     """Map the parts of ``ckpt`` to checkpoint components (see :mod:`ckptaudit.layouts` for the layouts)."""
     # The Megatron rule (and the DeepSpeed one below) is imported only where it may apply: a DCP directory with
-    # Megatron-Core's metadata.json or common.pt (what _is_megatron looks for).
+    # Megatron-Core's metadata.json or common.pt (what is_megatron looks for).
     if ckpt.format == "dcp" and any(p.name in ("metadata.json", "common.pt") for p in ckpt.parts):
-        from ckptaudit.layouts.megatron import _is_megatron, _megatron
+        from ckptaudit.layouts.megatron import is_megatron, megatron_view
 
-        if _is_megatron(ckpt):
-            return _megatron(ckpt)
+        if is_megatron(ckpt):
+            return megatron_view(ckpt)
     view = View(layout=ckpt.format, model=None, optimizer=None)
     model_params: dict[str, TensorRef] = {}
     model_aliases: dict[str, str] = {}
@@ -57,7 +57,7 @@ def interpret(ckpt: Checkpoint) -> View:
         for path, leaf in walk(tree):
             if isinstance(leaf, TensorData | Unreadable):
                 fqn = ".".join(str(p) for p in path)
-                ref = TensorRef(_label(part, *prefix, fqn), leaf, _leaf_file(ckpt, part, leaf))
+                ref = TensorRef(part_label(part, *prefix, fqn), leaf, leaf_file(ckpt, part, leaf))
                 model_params[fqn] = ref
                 seen_tensors.add(id(leaf))
                 if isinstance(leaf, TensorData) and leaf.numel > 0:
@@ -92,21 +92,21 @@ def interpret(ckpt: Checkpoint) -> View:
         if part.format == "safetensors":
             view.metadata.update(part.metadata)
         if part.format == "deepspeed" and isinstance(tree, dict):
-            from ckptaudit.layouts.deepspeed import _deepspeed
+            from ckptaudit.layouts.deepspeed import deepspeed_view
 
-            _deepspeed(part, tree, view, found, add_model, ckpt)
+            deepspeed_view(part, tree, view, found, add_model, ckpt)
             continue
         if isinstance(rule, ComponentKind) and rule is not ComponentKind.MODEL:
             where = part.name
             if rule is ComponentKind.OPTIMIZER:
                 if tree is not None:
-                    opt = _optimizer_view(part, tree, where, ckpt)
+                    opt = optimizer_view(part, tree, where, ckpt)
                     if opt is not None and view.optimizer is None:
                         view.optimizer = opt
                 found(rule, where)
             elif rule is ComponentKind.DATA_PROGRESS and part.name.endswith("trainer_state.json"):
                 if isinstance(tree, dict) and "global_step" in tree:
-                    view.step = _as_int(tree.get("global_step"))
+                    view.step = as_int(tree.get("global_step"))
                 found(rule, where, "Trainer global_step/epoch (the sampler is re-seeded and skipped forward)")
             else:
                 found(rule, where)
@@ -115,14 +115,14 @@ def interpret(ckpt: Checkpoint) -> View:
             continue
         if not isinstance(tree, dict):
             continue
-        matched = _classify_keys(part, tree, view, found, add_model, ckpt)
-        if not matched and _is_state_dict(tree):
+        matched = classify_keys(part, tree, view, found, add_model, ckpt)
+        if not matched and is_state_dict(tree):
             add_model(part, {k: v for k, v in tree.items() if isinstance(v, TensorData | Unreadable)},
-                      _label(part), ())
+                      part_label(part), ())
 
     if model_params:
         view.model = ModelView(model_params, model_where, order_known, model_aliases)
-    view.layout = _layout_name(ckpt, view)
+    view.layout = layout_name(ckpt, view)
     # Every tensor, model first, each labelled with the component it belongs to.
     for ref in model_params.values():
         view.tensors.append((ref, ComponentKind.MODEL.value))
@@ -140,7 +140,7 @@ def interpret(ckpt: Checkpoint) -> View:
             if isinstance(leaf, TensorData | Unreadable) and id(leaf) not in seen_tensors:
                 seen_tensors.add(id(leaf))
                 view.tensors.append(
-                    (TensorRef(_label(part, *path), leaf, _leaf_file(ckpt, part, leaf)), comp(path))
+                    (TensorRef(part_label(part, *path), leaf, leaf_file(ckpt, part, leaf)), comp(path))
                 )
     return view
 

@@ -12,28 +12,28 @@ from typing import Any
 from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable
 from ckptaudit.formats.io.tensors import TensorData
-from ckptaudit.layouts.keyed import _optimizer_view
+from ckptaudit.layouts.keyed import optimizer_view
 from ckptaudit.layouts.precision import deepspeed_record
-from ckptaudit.layouts.view import DATA_KEYS, RNG_KEYS, STEP_KEYS, View, _as_int, _label, is_step_key
+from ckptaudit.layouts.view import DATA_KEYS, RNG_KEYS, STEP_KEYS, View, as_int, is_step_key, part_label
 
 
-def _deepspeed(part: Part, tree: dict[str, Any], view: View, found: Any, add_model: Any, ckpt: Checkpoint) -> None:
+def deepspeed_view(part: Part, tree: dict[str, Any], view: View, found: Any, add_model: Any, ckpt: Checkpoint) -> None:
     """DeepSpeed (:mod:`ckptaudit.formats.deepspeed.reader`): the fp32 masters are the model's parameters, the bf16/fp16
     module weights their compute copies; moments keyed by parameter name; scheduler, client_state and DeepSpeed's
     own step counters for the rest of the inventory."""
     facts: dict[str, Any] = tree["deepspeed"] if isinstance(tree.get("deepspeed"), dict) else {}
     stage, dtype = facts.get("zero_stage"), facts.get("dtype", "?")
-    record = deepspeed_record(facts.get("ds_config"), str(facts.get("ds_config_where", _label(part, "ds_config"))))
+    record = deepspeed_record(facts.get("ds_config"), str(facts.get("ds_config_where", part_label(part, "ds_config"))))
     if record is not None:
         view.contract_records.append(record)
     masters: dict[Any, Any] = tree["fp32_masters"] if isinstance(tree.get("fp32_masters"), dict) else {}
     if masters:
-        add_model(part, masters, f"{facts.get('masters_where', _label(part, 'fp32_masters'))}: fp32 masters "
+        add_model(part, masters, f"{facts.get('masters_where', part_label(part, 'fp32_masters'))}: fp32 masters "
                   f"(ZeRO stage {stage}, {dtype} engine)", ("fp32_masters",))
     for key in ("buffers", "frozen"):
         extra = tree.get(key)
         if isinstance(extra, dict) and extra:
-            add_model(part, extra, _label(part, "module") + f" ({key})", ("module",))
+            add_model(part, extra, part_label(part, "module") + f" ({key})", ("module",))
             if key == "buffers":
                 view.roles.update((id(leaf), ("buffer", fqn)) for fqn, leaf in extra.items())
     module: dict[Any, Any] = tree["module"] if isinstance(tree.get("module"), dict) else {}
@@ -41,37 +41,37 @@ def _deepspeed(part: Part, tree: dict[str, Any], view: View, found: Any, add_mod
     if copies and not masters:
         # The masters are gone or not read (a finding says which): the compute copies are all the model there is.
         unread = bool(facts.get("masters_unread"))
-        found(ComponentKind.MODEL, _label(part, "module"), f"{dtype} compute copies only; the fp32 masters are "
+        found(ComponentKind.MODEL, part_label(part, "module"), f"{dtype} compute copies only; the fp32 masters are "
               + ("present but not read" if unread else "missing"))
         if unread:
-            found(ComponentKind.OPTIMIZER, _label(part, "optimizer"), "present, layout not read (not judged)")
+            found(ComponentKind.OPTIMIZER, part_label(part, "optimizer"), "present, layout not read (not judged)")
     for fqn, leaf in copies:
         view.roles[id(leaf)] = ("compute-copy", fqn)
     opt_tree = tree.get("optimizer")
     if isinstance(opt_tree, dict):
-        opt = _optimizer_view(part, opt_tree, _label(part, "optimizer"), ckpt)
+        opt = optimizer_view(part, opt_tree, part_label(part, "optimizer"), ckpt)
         if opt is not None:
             view.optimizer = view.optimizer or opt
             found(ComponentKind.OPTIMIZER, facts.get("masters_where", opt.where),
                   "fp32 masters and moments in the flat partitions, keyed here by parameter name")
     sched = tree.get("lr_scheduler")
     if sched not in (None, [], {}):
-        found(ComponentKind.SCHEDULER, _label(part, "lr_scheduler"), "DeepSpeed lr_scheduler state")
+        found(ComponentKind.SCHEDULER, part_label(part, "lr_scheduler"), "DeepSpeed lr_scheduler state")
     client: dict[Any, Any] = tree["client_state"] if isinstance(tree.get("client_state"), dict) else {}
     for key in client:
         k = str(key)
         if k in RNG_KEYS and client[key] not in (None, [], {}):
-            found(ComponentKind.RNG, _label(part, "client_state", k))
+            found(ComponentKind.RNG, part_label(part, "client_state", k))
     data_keys = [str(k) for k in client if str(k) in DATA_KEYS or str(k) in STEP_KEYS or is_step_key(k)]
-    steps = _as_int(facts.get("global_steps"))
+    steps = as_int(facts.get("global_steps"))
     view.step = steps if view.step is None else view.step
     if facts.get("data_sampler"):
-        found(ComponentKind.DATA_PROGRESS, _label(part, "data_sampler"), "DeepSpeed data_sampler state")
+        found(ComponentKind.DATA_PROGRESS, part_label(part, "data_sampler"), "DeepSpeed data_sampler state")
     elif data_keys:
-        found(ComponentKind.DATA_PROGRESS, _label(part, "client_state"),
+        found(ComponentKind.DATA_PROGRESS, part_label(part, "client_state"),
               f"client_state ({', '.join(data_keys)}), global_steps {steps}")
     elif steps is not None:
-        found(ComponentKind.DATA_PROGRESS, _label(part, "global_steps"),
+        found(ComponentKind.DATA_PROGRESS, part_label(part, "global_steps"),
               f"step counter only (global_steps {steps}, global_samples {facts.get('global_samples')}); no "
               "data-loader position: DeepSpeed saves its data_sampler only for its own data-efficiency sampler; "
               "save the loader's state in client_state" + (f" (client_state holds {', '.join(map(str, client))})"

@@ -46,7 +46,7 @@ def file_rule(name: str) -> ComponentKind | str | None:
     return None
 
 
-def _layout_name(ckpt: Checkpoint, view: View) -> str:
+def layout_name(ckpt: Checkpoint, view: View) -> str:
     names = {os.path.basename(p.name) for p in ckpt.parts}
     if ckpt.format == "deepspeed":
         return "deepspeed"

@@ -24,43 +24,43 @@ from ckptaudit.layouts.view import (
     OptimizerView,
     TensorRef,
     View,
-    _label,
-    _leaf_file,
-    _present,
-    _unreadable_detail,
     find_step,
+    holds_value,
     is_step_key,
+    leaf_file,
+    part_label,
+    unreadable_detail,
 )
 
 
-def _classify_keys(part: Part, tree: dict[str, Any], view: View, found: Any, add_model: Any,
+def classify_keys(part: Part, tree: dict[str, Any], view: View, found: Any, add_model: Any,
                    ckpt: Checkpoint) -> bool:
     matched = False
     top_tensors = {k: v for k, v in tree.items() if isinstance(v, TensorData | Unreadable)}
     for key, value in tree.items():
         k = str(key)
-        where = _label(part, k)
+        where = part_label(part, k)
         if k in MODEL_KEYS and isinstance(value, dict):
             add_model(part, value, where, (k,))
             matched = True
         elif k in OPTIMIZER_KEYS:
             matched = True
-            opt = _optimizer_view(part, value, where, ckpt)
+            opt = optimizer_view(part, value, where, ckpt)
             if opt is not None:
                 if view.optimizer is None:
                     view.optimizer = opt
                 found(ComponentKind.OPTIMIZER, where)
         elif k in SCHEDULER_KEYS:
             matched = True
-            if _present(value):
-                found(ComponentKind.SCHEDULER, where, _unreadable_detail(where, value))
+            if holds_value(value):
+                found(ComponentKind.SCHEDULER, where, unreadable_detail(where, value))
         elif k in RNG_KEYS:
             matched = True
-            if _present(value):
-                found(ComponentKind.RNG, where, _unreadable_detail(where, value))
+            if holds_value(value):
+                found(ComponentKind.RNG, where, unreadable_detail(where, value))
         elif k in DATA_KEYS:
             matched = True
-            if _present(value):
+            if holds_value(value):
                 found(ComponentKind.DATA_PROGRESS, where)
         elif k in STEP_KEYS or is_step_key(k) or (isinstance(value, dict) and find_step({k: value})):
             matched = True
@@ -81,7 +81,7 @@ def _classify_keys(part: Part, tree: dict[str, Any], view: View, found: Any, add
         str(k) in MODEL_KEYS for k in tree
     ):
         # torchtitan: model FQNs at the top level beside optimizer/lr_scheduler/...
-        add_model(part, top_tensors, _label(part) + " (top-level keys)", ())
+        add_model(part, top_tensors, part_label(part) + " (top-level keys)", ())
     return matched
 
 
@@ -93,7 +93,7 @@ def _data_detail(tree: dict[str, Any], step_key: str | None) -> str:
         fit = loops.get("fit_loop")
         fit_state = fit.get("state_dict") if isinstance(fit, dict) else None
         where = f"epoch {text(tree.get('epoch'))}, global step {text(tree.get('global_step'))}"
-        if isinstance(fit_state, dict) and _present(fit_state.get("combined_loader")):
+        if isinstance(fit_state, dict) and holds_value(fit_state.get("combined_loader")):
             return f"Lightning loop progress ({where}) with data-loader state (loops/fit_loop/state_dict/combined_loader)"
         return (f"Lightning loop progress ({where}); no data-loader state (Lightning saves it only for stateful "
                 "data loaders), so a mid-epoch resume restarts the epoch's data")
@@ -106,7 +106,7 @@ def _data_detail(tree: dict[str, Any], step_key: str | None) -> str:
             return (f"torchtitan data-loader state for dp rank(s) {', '.join(ranks)}"
                     + (f" of world size {world}" if isinstance(world, int) else "")
                     + (f"; rank(s) {', '.join(lost)} unreadable (see the integrity findings)" if lost else ""))
-    present = [k for k in tree if k in DATA_KEYS and _present(tree[k])]
+    present = [k for k in tree if k in DATA_KEYS and holds_value(tree[k])]
     if present:
         return f"data-loader / loop state ({', '.join(map(str, present))})"
     if step_key is not None or any(k in tree for k in STEP_KEYS):
@@ -119,7 +119,7 @@ _TITAN_STATE = re.compile(r"^state\.(?P<fqn>.+)\.(?P<name>[^.]+)$")
 _TITAN_GROUP = re.compile(r"^param_groups\.(?P<fqn>.+)\.(?P<name>[^.]+)$")
 
 
-def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> OptimizerView | None:
+def optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> OptimizerView | None:
     count = 1
     if isinstance(tree, list):  # Lightning: optimizer_states is a list, one per optimizer
         count = len(tree)
@@ -132,7 +132,7 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
 
     def ref(path: tuple[Any, ...], leaf: Any) -> Any:
         if isinstance(leaf, TensorData | Unreadable):
-            return TensorRef(_label(part, *where_keys, *path), leaf, _leaf_file(ckpt, part, leaf))
+            return TensorRef(part_label(part, *where_keys, *path), leaf, leaf_file(ckpt, part, leaf))
         return leaf
 
     where_keys = tuple(where.split("/")[1:]) if part.name else tuple(where.split("/"))
@@ -140,7 +140,7 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
         where_keys = ()
     if "state" in tree:
         raw_state = tree.get("state")
-        groups = _clean_groups(tree.get("param_groups"))
+        groups = clean_groups(tree.get("param_groups"))
         state: dict[Any, dict[str, Any]] = {}
         items: list[tuple[Any, Any]]
         if isinstance(raw_state, dict):
@@ -174,7 +174,7 @@ def _optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Opti
     return None
 
 
-def _clean_groups(raw: Any) -> list[dict[str, Any]]:
+def clean_groups(raw: Any) -> list[dict[str, Any]]:
     """``param_groups`` as real optimizers save them: dicts whose ``params`` list holds ints or FQN strings.
 
     Anything else a (damaged or hostile) file puts there is dropped, so the checks never meet unhashable keys.

@@ -1,6 +1,6 @@
 """Megatron-Core ``torch_dist`` (``metadata.json``, ``common.pt``, DCP keyed by each ShardedTensor's flat key;
 optimizer state under ``optimizer.state.<name>.<key>``, the distributed optimizer's under
-``optimizer.distributed.dp_group_idx_<g>.*``; see :func:`_megatron`).
+``optimizer.distributed.dp_group_idx_<g>.*``; see :func:`megatron_view`).
 
 Pure: no I/O.
 """
@@ -13,7 +13,7 @@ from typing import Any
 from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.io.tensors import TensorData
-from ckptaudit.layouts.keyed import _clean_groups
+from ckptaudit.layouts.keyed import clean_groups
 from ckptaudit.layouts.precision import megatron_record
 from ckptaudit.layouts.view import (
     RNG_KEYS,
@@ -21,11 +21,11 @@ from ckptaudit.layouts.view import (
     OptimizerView,
     TensorRef,
     View,
-    _as_int,
-    _label,
-    _leaf_file,
-    _present,
-    _unreadable_detail,
+    as_int,
+    holds_value,
+    leaf_file,
+    part_label,
+    unreadable_detail,
 )
 
 MEGATRON_MASTERS = frozenset({"fp32_param", "param"})
@@ -38,7 +38,7 @@ _SHARD_SUFFIX = re.compile(r"/shard_[\d.]+_[\d.]+$")
 """How Megatron names the DCP item of one rank's ``ShardedObject``: ``<key>/shard_<offset>_<global shape>``."""
 
 
-def _is_megatron(ckpt: Checkpoint) -> bool:
+def is_megatron(ckpt: Checkpoint) -> bool:
     """A DCP directory with Megatron-Core's ``metadata.json`` (``sharded_backend``) or its ``common.pt``."""
     if ckpt.format != "dcp":
         return False
@@ -50,7 +50,7 @@ def _is_megatron(ckpt: Checkpoint) -> bool:
     return False
 
 
-def _megatron(ckpt: Checkpoint) -> View:
+def megatron_view(ckpt: Checkpoint) -> View:
     """Megatron-Core ``dist_checkpointing`` (``torch_dist``): every ShardedTensor is a DCP item under its flat key
     (``decoder.layers.mlp.linear_fc1.weight``), each rank's ShardedObject an item ``<key>/shard_<o>_<s>``;
     ``common.pt`` holds the rest (``iteration``, ``args``, optimizer ``param_groups``, ``opt_param_scheduler``).
@@ -93,23 +93,23 @@ def _megatron(ckpt: Checkpoint) -> View:
         if k.startswith("optimizer."):
             m, b = _MEGATRON_STATE.match(k), _MEGATRON_BUCKET.match(k)
             if is_tensor and m:
-                state.setdefault(m["fqn"], {})[m["name"]] = TensorRef(k, leaf, _leaf_file(ckpt, dcp_part, leaf))
+                state.setdefault(m["fqn"], {})[m["name"]] = TensorRef(k, leaf, leaf_file(ckpt, dcp_part, leaf))
             elif is_tensor and b:
-                ref = TensorRef(k, leaf, _leaf_file(ckpt, dcp_part, leaf))
+                ref = TensorRef(k, leaf, leaf_file(ckpt, dcp_part, leaf))
                 buckets.setdefault(b["bucket"], {})[b["name"]] = ref
             elif is_tensor:
-                others.append((TensorRef(k, leaf, _leaf_file(ckpt, dcp_part, leaf)), ComponentKind.OPTIMIZER.value))
+                others.append((TensorRef(k, leaf, leaf_file(ckpt, dcp_part, leaf)), ComponentKind.OPTIMIZER.value))
             continue
         if head in RNG_KEYS:  # Megatron-LM's rng_state: one ShardedObject per rank
-            if _present(leaf) and base not in view.components.get(ComponentKind.RNG, []):
-                found(ComponentKind.RNG, base, _unreadable_detail(base, leaf))
+            if holds_value(leaf) and base not in view.components.get(ComponentKind.RNG, []):
+                found(ComponentKind.RNG, base, unreadable_detail(base, leaf))
             for path, inner in walk(leaf):
                 if isinstance(inner, TensorData | Unreadable):
-                    ref = TensorRef(_label(dcp_part, k, *path), inner, _leaf_file(ckpt, dcp_part, inner))
+                    ref = TensorRef(part_label(dcp_part, k, *path), inner, leaf_file(ckpt, dcp_part, inner))
                     others.append((ref, ComponentKind.RNG.value))
             continue
         if is_tensor:
-            params[k] = TensorRef(k, leaf, _leaf_file(ckpt, dcp_part, leaf))
+            params[k] = TensorRef(k, leaf, leaf_file(ckpt, dcp_part, leaf))
     if params:
         view.model = ModelView(params, ["(sharded tensors)"], order_known=False)
         found(ComponentKind.MODEL, "(sharded tensors)")
@@ -119,10 +119,10 @@ def _megatron(ckpt: Checkpoint) -> View:
     if record is not None:
         view.contract_records.append(record)
     iteration = common.get("iteration")
-    view.step = _as_int(iteration)
+    view.step = as_int(iteration)
     common_opt = common.get("optimizer")
     groups_tree = common_opt.get("optimizer", common_opt) if isinstance(common_opt, dict) else None
-    groups = _clean_groups(groups_tree.get("param_groups")) if isinstance(groups_tree, dict) else []
+    groups = clean_groups(groups_tree.get("param_groups")) if isinstance(groups_tree, dict) else []
     if state or buckets or groups:
         where = "optimizer.state" if state else "optimizer.distributed" if buckets else "common.pt/optimizer"
         masters = [ref for entry in buckets.values() for n, ref in entry.items() if n in MEGATRON_MASTERS]
@@ -133,11 +133,11 @@ def _megatron(ckpt: Checkpoint) -> View:
     for entry in buckets.values():
         for ref in entry.values():
             others.append((ref, ComponentKind.OPTIMIZER.value))
-    if _present(common.get("opt_param_scheduler")):
+    if holds_value(common.get("opt_param_scheduler")):
         found(ComponentKind.SCHEDULER, "common.pt/opt_param_scheduler")
     if view.step is not None:
         found(ComponentKind.DATA_PROGRESS, "common.pt/iteration", _megatron_data_detail(common))
-    if common_part is not None and _present(common.get("rng_state")):
+    if common_part is not None and holds_value(common.get("rng_state")):
         found(ComponentKind.RNG, "common.pt/rng_state")
 
     for ref in params.values():
@@ -156,7 +156,7 @@ def _megatron(ckpt: Checkpoint) -> View:
         for path, leaf in walk(part.tree):
             if isinstance(leaf, TensorData | Unreadable) and id(leaf) not in seen:
                 seen.add(id(leaf))
-                view.tensors.append((TensorRef(_label(part, *path), leaf, _leaf_file(ckpt, part, leaf)), "other"))
+                view.tensors.append((TensorRef(part_label(part, *path), leaf, leaf_file(ckpt, part, leaf)), "other"))
     return view
 
 

@@ -84,7 +84,7 @@ class OptimizerView:
     """Parameter key (FQN or int) -> state name -> :class:`TensorRef` or plain value."""
     groups: list[dict[str, Any]]
     """``param_groups``, each with a ``params`` list of FQNs or ints whatever the file held (see
-    :func:`_clean_groups`), and ``param_names`` if saved."""
+    :func:`clean_groups`), and ``param_names`` if saved."""
     count: int = 1
     """How many optimizers the checkpoint holds (only the first is checked)."""
     masters: frozenset[str] = frozenset()
@@ -140,13 +140,13 @@ class View:
     DeepSpeed's bf16 module weights are ``compute-copy`` records of the parameter whose master is audited."""
 
 
-def _label(part: Part, *keys: Any) -> str:
+def part_label(part: Part, *keys: Any) -> str:
     bits = [part.name] if part.name else []
     bits += [str(k) for k in keys]
     return "/".join(bits) if bits else "(root)"
 
 
-def _is_state_dict(tree: Any) -> bool:
+def is_state_dict(tree: Any) -> bool:
     """A flat mapping whose values are mostly tensors: a model state dict."""
     if not isinstance(tree, dict) or not tree:
         return False
@@ -154,7 +154,7 @@ def _is_state_dict(tree: Any) -> bool:
     return tensors > 0 and tensors >= len(tree) / 2
 
 
-def _leaf_file(ckpt: Checkpoint, part: Part, leaf: Any) -> str:
+def leaf_file(ckpt: Checkpoint, part: Part, leaf: Any) -> str:
     if isinstance(leaf, TensorData) and leaf.pieces:
         return ckpt.file_name(leaf.pieces[0].file)
     if isinstance(leaf, Unreadable) and leaf.file:
@@ -165,7 +165,7 @@ def _leaf_file(ckpt: Checkpoint, part: Part, leaf: Any) -> str:
     return part.name or os.path.basename(ckpt.path)
 
 
-def _unreadable_detail(where: str, value: Any) -> str:
+def unreadable_detail(where: str, value: Any) -> str:
     """A note for a component whose every value is unreadable (e.g. its DCP data file is lost), else ``""``."""
     leaves = [leaf for _, leaf in walk(value)]
     if leaves and all(isinstance(leaf, Unreadable) for leaf in leaves):
@@ -192,13 +192,13 @@ def find_step(tree: dict[Any, Any]) -> tuple[str, int] | None:
     found: list[tuple[int, int, str, int]] = []
     for key, value in tree.items():
         k = str(key)
-        if is_step_key(k) and _as_int(value) is not None:
+        if is_step_key(k) and as_int(value) is not None:
             parts = _step_parts(k)
             found.append((STEP_NAMES.index(parts[-1]), len(parts), k, value))
         elif isinstance(value, dict) and _step_parts(k) and all(p in STEP_SCOPES for p in _step_parts(k)):
             for inner, v in value.items():
                 parts = [*_step_parts(k), *_step_parts(inner)]
-                if is_step_key("/".join(parts)) and _as_int(v) is not None:
+                if is_step_key("/".join(parts)) and as_int(v) is not None:
                     found.append((STEP_NAMES.index(parts[-1]), len(parts), f"{k}/{inner}", v))
     if not found:
         return None
@@ -206,7 +206,7 @@ def find_step(tree: dict[Any, Any]) -> tuple[str, int] | None:
     return where, step
 
 
-def _present(value: Any) -> bool:
+def holds_value(value: Any) -> bool:
     """Whether a state value holds something: not ``None`` nor an empty list/dict/tuple/string. Never the value's
     own truth (``bool(numpy_array)`` raises, and a pickle decides what its objects say)."""
     if value is None:
@@ -216,5 +216,5 @@ def _present(value: Any) -> bool:
     return True
 
 
-def _as_int(v: Any) -> int | None:
+def as_int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
