@@ -28,7 +28,12 @@ def _launch(fn: Callable[..., Any], nproc: int, args: tuple[Any, ...], cfg: Resu
         reported = [v for _, v in sorted(exc.results.items()) if isinstance(v, _Failed)]
         if reported:
             return None, reported[0], ""
-        return None, None, "\n".join(f"rank {f.rank}: {f.reason}:\n{f.detail.strip()}" for f in exc.failures)
+        # Each rank's stderr tail (why a rank killed by a signal died) before its detail, whose last line stays
+        # the crash text's last line: the one-line summary of a crashed exporter.
+        return None, None, "\n".join(
+            f"rank {f.rank}: {f.reason}:"
+            + (f"\nlast lines of rank {f.rank}'s stderr:\n{f.stderr.rstrip()}" if f.stderr.strip() else "")
+            + f"\n{f.detail.strip()}" for f in exc.failures)
     reported = [v for v in results if isinstance(v, _Failed)]
     if reported:
         return None, reported[0], ""
