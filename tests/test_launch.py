@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import launch_jobs
 import pytest
 
+import launch_jobs
 from ckptaudit.dist.launch import DistributedError, launch
 
 pytestmark = pytest.mark.dist
