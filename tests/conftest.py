@@ -26,6 +26,10 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
     os.path.expanduser("~"), ".cache", "ckptaudit-torch-extensions",
     hashlib.blake2b(sys.prefix.encode(), digest_size=6).hexdigest()))
 
+# DeepSpeed runs on the CPU everywhere in the suite (its writers, and its converters and schedulers in this process):
+# without this it probes for accelerators at import and warns.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
 # Every JSON report the suite renders, here or in a child process, is validated against the shipped schema
 # (ckptaudit/schema/report.schema.json) before it is returned.
 os.environ["CKPTAUDIT_VALIDATE_REPORTS"] = "1"

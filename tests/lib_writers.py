@@ -397,7 +397,7 @@ def write_dcp(out: str) -> None:
 
 DEEPSPEED_VARIANTS = [("s0-bf16", 0, "bf16"), ("s1-bf16", 1, "bf16"), ("s2-bf16", 2, "bf16"), ("s3-bf16", 3, "bf16"),
                       ("s2-fp16", 2, "fp16"), ("s2-bf16-rounded", 2, "bf16"), ("s0-fp32", 0, "fp32"),
-                      ("s1-bf16-warmup0", 1, "bf16")]
+                      ("s1-bf16-warmup0", 1, "bf16"), ("s2-bf16-aligned", 2, "bf16")]
 """(name, ZeRO stage, engine dtype) of every DeepSpeed configuration; each is its own 2-rank launch."""
 
 
@@ -434,7 +434,10 @@ def _deepspeed_rank(ctx: Any, out: str, name: str, stage: int, dtype: str) -> di
 
     The model's sizes are odd on purpose (91, 13 and 4 elements): ZeRO-1/2 pads each group's flat buffer and
     ZeRO-3 pads each parameter's partition, so a reader that ignores padding misplaces every later parameter.
-    ``s1-bf16`` is saved at steps 2 and 4 (``latest`` names ``global_step4``). ``s2-bf16-rounded`` rounds the fp32
+    ``s2-bf16-aligned`` sets ``zero_optimization.parameter_alignment``: DeepSpeed then pads every parameter but the
+    last to a multiple of 8 bf16 elements inside the flat buffer (``param_alignment_paddings``), so the padding
+    sits between parameters, not only at the end. ``s1-bf16`` is saved at steps 2 and 4 (``latest`` names
+    ``global_step4``). ``s2-bf16-rounded`` rounds the fp32
     masters to bf16 values in the engine's own optimizer before saving: the true positive. ``s1-bf16-warmup0``
     keeps DeepSpeed's default ``warmup_min_lr`` 0, so its first two steps apply lr 0: saved after steps 1 and 2
     (masters still the bf16 initial weights, moments non-zero: done right) and 4, its masters rounded to bf16
@@ -462,7 +465,7 @@ def _deepspeed_rank(ctx: Any, out: str, name: str, stage: int, dtype: str) -> di
            if "warmup0" in name else {}),  # DeepSpeed's default warmup_min_lr: 0
         **({dtype: {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})}}
            if dtype != "fp32" else {}),
-        "zero_optimization": {"stage": stage}}
+        "zero_optimization": {"stage": stage, **({"parameter_alignment": True} if "aligned" in name else {})}}
     try:
         engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                        config=config)

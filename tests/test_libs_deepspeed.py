@@ -2,13 +2,13 @@
 
 The writer (``lib_writers.py deepspeed``, a fresh interpreter) trains a tiny model with odd-sized parameters under
 ``deepspeed.initialize`` on 2 real CPU ranks (``DS_ACCELERATOR=cpu``, gloo) for ZeRO stages 0-3 with a bf16 engine,
-ZeRO-2 with an fp16 engine, and ZeRO-2 with its fp32 masters rounded to bf16 before saving (the true positive); each
-configuration is its own launch and ``save_checkpoint``s once per session. DeepSpeed refuses an fp16 engine on a
-CPU whose oneDNN has no fp16 kernels (its CPU accelerator's ``is_fp16_supported()``): there the fp16
-configuration's tests are skipped with DeepSpeed's reason and every other configuration is still written and
-tested (``CKPTAUDIT_TEST_CPU=avx2`` runs the suite as on such a CPU). Beside each ZeRO root, rank 0 saves
-DeepSpeed's own ``zero_to_fp32`` consolidation of the masters (``<root>.zero_to_fp32.pt``): the independent truth
-the rebuilt masters must equal bit for bit.
+ZeRO-2 with an fp16 engine, ZeRO-2 with DeepSpeed's parameter alignment (padding between parameters), and ZeRO-2
+with its fp32 masters rounded to bf16 before saving (the true positive); each configuration is its own launch and
+``save_checkpoint``s once per session. DeepSpeed refuses an fp16 engine on a CPU whose oneDNN has no fp16 kernels
+(its CPU accelerator's ``is_fp16_supported()``): there the fp16 configuration's tests are skipped with DeepSpeed's
+reason and every other configuration is still written and tested (``CKPTAUDIT_TEST_CPU=avx2`` runs the suite as on
+such a CPU). Beside each ZeRO root, rank 0 saves DeepSpeed's own ``zero_to_fp32`` consolidation of the masters
+(``<root>.zero_to_fp32.pt``): the independent truth the rebuilt masters must equal bit for bit.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from configurations import Written
 # first.
 pytestmark = [pytest.mark.libs, pytest.mark.timeout(900)]
 
-ZERO = ("s1-bf16", "s2-bf16", "s3-bf16", "s2-fp16")
+ZERO = ("s1-bf16", "s2-bf16", "s3-bf16", "s2-fp16", "s2-bf16-aligned")
 ALL = ("s0-bf16", *ZERO, "s0-fp32")
 
 

@@ -46,7 +46,7 @@ def test_depths_the_parser_accepts_are_refused_after_parsing(kind: str) -> None:
 
 
 def test_nesting_past_the_recursion_limit_is_the_same_error_not_a_traceback() -> None:
-    with pytest.raises(JsonLimitError, match="manifest.json nests deeper than the reader's limit"):
+    with pytest.raises(JsonLimitError, match=r"manifest\.json nests deeper than the reader's limit"):
         loads_limited("[" * 100_000 + "]" * 100_000, "manifest.json")
 
 
