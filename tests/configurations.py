@@ -127,3 +127,17 @@ class Written:
 
     def __str__(self) -> str:
         return str(self.out)
+
+
+def fixture_launch(fixture: str, fn: Callable[..., Any], world_size: int, args: tuple[Any, ...],
+                   **options: Any) -> list[Any]:
+    """(test process) ``ckptaudit.dist.launch`` for a session fixture whose ranks write one run: its failure names
+    the fixture and the job (and, through :func:`configuration`, the configuration each rank was in), with each
+    failed rank's stderr tail, in the first error every test that uses the fixture reports."""
+    from ckptaudit.dist.launch import DistributedError, launch
+
+    try:
+        return launch(fn, world_size, args, **options)
+    except DistributedError as exc:
+        raise RuntimeError(f"fixture {fixture}: the {world_size}-rank job {fn.__module__}.{fn.__name__} failed, so "
+                           f"every test that uses {fixture} errors with this message:\n{exc}") from exc

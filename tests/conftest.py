@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import cpu_features
-from ckptaudit.dist.launch import DistributedError, launch
+from configurations import fixture_launch
 
 # CKPTAUDIT_TEST_CPU=avx2: this machine as a CPU without oneDNN's fp16/bf16 kernels (see cpu_features.py). Set
 # before anything in this process starts oneDNN; every process the tests start inherits it.
@@ -35,16 +35,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ["CKPTAUDIT_VALIDATE_REPORTS"] = "1"
 
 FSDP_FAST: dict[str, Any] = {"start_method": "forkserver", "preload": ("torch", "torch.distributed.fsdp", "fsdp_jobs")}
-
-
-def fixture_launch(fixture: str, fn: Any, world_size: int, args: tuple[Any, ...], **options: Any) -> list[Any]:
-    """(test process) ``launch`` for a session fixture: its failure names the fixture and the job that failed, with
-    each failed rank's stderr tail, in the first error every test that uses the fixture reports."""
-    try:
-        return launch(fn, world_size, args, **options)
-    except DistributedError as exc:
-        raise RuntimeError(f"fixture {fixture}: the {world_size}-rank job {fn.__module__}.{fn.__name__} failed, so "
-                           f"every test that uses {fixture} errors with this message:\n{exc}") from exc
 
 
 @pytest.fixture(scope="session")
