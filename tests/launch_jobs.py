@@ -48,3 +48,15 @@ def hang_on_rank_1(ctx: RankContext, seconds: float) -> None:
 
 def _stuck_here(seconds: float) -> None:
     time.sleep(seconds)
+
+
+def abort_inside_a_configuration(ctx: RankContext) -> None:
+    """(2 ranks) Rank 1 dies by SIGABRT while writing configuration ``s2-fp16``; rank 0 raises inside
+    ``faithful.pt``."""
+    from configurations import configuration
+
+    if ctx.rank == 1:
+        with configuration("s2-fp16"):
+            os.abort()
+    with configuration("faithful.pt"):
+        dist.barrier()
