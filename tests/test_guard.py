@@ -150,6 +150,46 @@ def test_saves_during_an_audit_queue_in_order_and_are_logged(tmp_path: Path,
     assert "audit(s) are pending; queued behind them" in caplog.text
 
 
+class _RewrittenDuringItsAudit(Guard):
+    """A Guard whose checkpoint is replaced by a newer, good one while its audit runs, as Lightning rewrites
+    ``last.ckpt`` at the next save: ``how`` is ``"in place"`` (the same file rewritten) or ``"renamed"`` (a new
+    file moved over it, as atomic savers do). The audit itself is the real one, on the file as it was."""
+
+    def __init__(self, how: str, **options: Any) -> None:
+        super().__init__(**options)
+        self.how = how
+
+    def _run_audit(self, checkpoint: str, where: str) -> dict[str, Any]:
+        result = super()._run_audit(checkpoint, where)
+        if self.how == "in place":
+            trained(Path(checkpoint))
+        else:
+            os.replace(trained(Path(checkpoint + ".tmp")), checkpoint)
+        return result
+
+
+@pytest.mark.parametrize("how", ["in place", "renamed"])
+def test_a_checkpoint_replaced_before_its_verdict_is_not_quarantined(tmp_path: Path, how: str,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    last = trained(tmp_path / "last.ckpt", rounded=True)
+    guard = _RewrittenDuringItsAudit(how, on_failure="stop", background="thread")
+    with caplog.at_level(logging.WARNING, logger="ckptaudit.guard"):
+        guard.submit(str(last), step=4)
+        assert guard.close(120)
+    (v,) = guard.verdicts
+    # The file that was audited failed, and says so; the newer, good checkpoint at its path stays where it is.
+    assert v.ok is False and set(v.codes) == {"precision.bf16-rounded"}
+    assert v.quarantined_to is None and not Path(str(last) + ".quarantined").exists()
+    assert last.exists() and _audits_clean(last)
+    assert "it was replaced since it was saved; the new one is not quarantined for it" in caplog.text
+
+
+def _audits_clean(path: Path) -> bool:
+    from ckptaudit import audit
+
+    return not [f for f in audit(str(path)).findings if f.code == "precision.bf16-rounded"]
+
+
 def test_guard_options_are_checked_before_training() -> None:
     with pytest.raises(ValueError, match="on_failure='halt' is not valid; pass 'warn'"):
         Guard(on_failure="halt")
