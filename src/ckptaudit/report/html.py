@@ -11,6 +11,7 @@ from typing import Any, TextIO
 
 from ckptaudit import __version__
 from ckptaudit.model import Precision, Report, Severity
+from ckptaudit.report.text import clean
 
 __all__ = ["render_html", "render_page"]
 
@@ -45,7 +46,8 @@ def render_page(reports: Sequence[Report], out: TextIO, *, title: str = "ckptaud
 
 
 def _e(text: Any) -> str:
-    return html.escape(str(text))
+    # Untrusted names: bidi controls and line separators shown as escapes, then HTML-escaped.
+    return html.escape(clean(text))
 
 
 def _report(r: Report) -> str:
