@@ -99,6 +99,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
+def ds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoints DeepSpeed itself writes (``lib_writers.py deepspeed``: ZeRO stages 0-3, 2 CPU ranks), once
+    per session, shared by test_libs_deepspeed.py and the hostile DeepSpeed tests. Read-only."""
+    pytest.importorskip("deepspeed")
+    import lib_writers
+
+    out = tmp_path_factory.mktemp("deepspeed")
+    lib_writers.run_writer("deepspeed", str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
 def scale_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One training state with multi-chunk tensors as torch.save, single-process DCP and safetensors (model),
     written once (see ``real_checkpoints.chunked_checkpoints``). Read-only."""

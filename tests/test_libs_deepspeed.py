@@ -34,14 +34,7 @@ ZERO = ("s1-bf16", "s2-bf16", "s3-bf16", "s2-fp16")
 ALL = ("s0-bf16", *ZERO, "s0-fp32")
 
 
-@pytest.fixture(scope="session")
-def ds(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("deepspeed")
-    import lib_writers
-
-    out = tmp_path_factory.mktemp("deepspeed")
-    lib_writers.run_writer("deepspeed", str(out))
-    return out
+# ``ds`` (the DeepSpeed checkpoints, written once per session) is a fixture of conftest.py.
 
 
 def truth(ds: Path) -> dict[str, Any]:
