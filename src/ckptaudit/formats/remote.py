@@ -128,6 +128,8 @@ class _Remote:
     path: str
     size: int
     guard: _Guard = field(default_factory=_Guard)
+    pin: tuple[tuple[str, str], str] | None = None
+    """S3: (bucket, key) and the ETag staged, which must still be the one every read sends."""
 
     def read(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the object (clipped to its size): exactly those, or :class:`RemoteReadError`."""
@@ -136,6 +138,12 @@ class _Remote:
     def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
         """:meth:`read` of each ``(start, end)``, concurrently where the filesystem can (``cat_ranges``)."""
         self.guard.check()
+        if self.pin is not None:
+            with _S3_LOCK:
+                now = _S3_PINS.get(self.pin[0])
+            if now is None or now[0] != self.pin[1]:
+                raise ObjectChanged(f"{self.path} changed since it was staged (ETag {self.pin[1]} then, "
+                                    f"{now[0] if now else 'unknown'} when staged again since)")
         spans = [(s, max(s, min(self.size, e))) for s, e in ranges]
         todo = [(s, e) for s, e in spans if e > s]
         datas: list[Any]
@@ -185,6 +193,8 @@ class RemoteFiles:
         self._files: dict[str, _Remote] = {}
         self._staged: set[tuple[str, int, int]] = set()
         self._lock = threading.Lock()
+        self.on_close: list[Any] = []
+        """Called by :meth:`close` (the S3 pins released)."""
 
     def add(self, local: str, remote: _Remote) -> None:
         self._files[local] = remote
@@ -215,11 +225,14 @@ class RemoteFiles:
     def close(self) -> None:
         import shutil
 
+        for release in self.on_close:
+            release()
+        self.on_close = []
         shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _fs(url: str) -> tuple[Any, str]:
-    """The filesystem of ``url`` (a private instance: its S3 client carries this checkpoint's pins) and the
+    """The filesystem of ``url`` (HTTP: a private instance holding this checkpoint's pins) and the
     path in it. Configuration the storage library refuses is a :class:`RemoteError`."""
     try:
         import fsspec
@@ -232,7 +245,7 @@ def _fs(url: str) -> tuple[Any, str]:
             from ckptaudit.formats.remote_http import BoundedHTTPFileSystem
 
             return BoundedHTTPFileSystem(skip_instance_cache=True), url
-        options: dict[str, Any] = {"skip_instance_cache": True}
+        options: dict[str, Any] = {}
         if protocol in ("s3", "s3a") and "config_kwargs" not in fsspec.config.conf.get("s3", {}):
             # botocore's own per-request bounds (connect, and each wait for bytes), few retries
             options["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout,
@@ -250,42 +263,67 @@ def _fs(url: str) -> tuple[Any, str]:
     return fs, path
 
 
-def _pin_s3(fs: Any, pins: dict[tuple[str, str], str]) -> None:
-    """Send the ETag read at staging as ``IfMatch`` with every ``GetObject`` of a pinned key (botocore's event
-    hook on this checkpoint's own client): S3 answers 412 once the object was replaced."""
-    client = getattr(fs, "s3", None)
-    events = getattr(getattr(client, "meta", None), "events", None)
-    if events is None:
-        return
+_S3_PINS: dict[tuple[str, str], tuple[str, int]] = {}
+"""(bucket, key) -> (the ETag staged, how many live stagings hold it): what every ``GetObject`` of the key sends
+as ``IfMatch``. Process-wide, as the S3 filesystem (and its client) is fsspec's cached instance."""
+_S3_LOCK = threading.Lock()
 
-    def pin(params: dict[str, Any], **_: Any) -> None:
-        etag = pins.get((str(params.get("Bucket")), str(params.get("Key"))))
-        if etag is not None and "IfMatch" not in params and "VersionId" not in params:
-            params["IfMatch"] = etag
 
-    events.register("before-parameter-build.s3.GetObject", pin, unique_id="ckptaudit-pin-etag")
+def _inject_if_match(params: dict[str, Any], **_: Any) -> None:
+    """botocore's ``before-parameter-build.s3.GetObject`` event: a pinned key is read only as it was staged."""
+    with _S3_LOCK:
+        pin = _S3_PINS.get((str(params.get("Bucket")), str(params.get("Key"))))
+    if pin is not None and "IfMatch" not in params and "VersionId" not in params:
+        params["IfMatch"] = pin[0]
 
 
 class _Pins:
-    """The identity of each staged object (ETag), recorded from ``info``/``ls`` and enforced by the
-    filesystem's own requests (S3: ``IfMatch``; HTTP: ``If-Match`` and the replies' ETag)."""
+    """The identity of each staged object (its ETag), recorded from ``info``/``ls`` and enforced by the
+    filesystem's own requests: S3 sends it as ``IfMatch`` with every ``GetObject`` (botocore's event hook on the
+    filesystem's client) and answers 412 once the object was replaced; HTTP sends ``If-Match`` and checks the
+    replies' ETag (:mod:`ckptaudit.formats.remote_http`). Other filesystems: not pinned (sizes still checked)."""
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
-        self.s3: dict[tuple[str, str], str] | None = None
-        if hasattr(fs, "split_path") and getattr(fs, "protocol", None) in ("s3", ("s3", "s3a"), ["s3", "s3a"]):
-            self.s3 = {}
-            _pin_s3(fs, self.s3)
+        self.s3 = False
+        self.held: list[tuple[tuple[str, str], str]] = []
+        if hasattr(fs, "split_path") and "s3" in (fs.protocol if isinstance(fs.protocol, tuple | list) else
+                                                  (fs.protocol,)):
+            events = getattr(getattr(getattr(fs, "s3", None), "meta", None), "events", None)
+            if events is not None:
+                events.register("before-parameter-build.s3.GetObject", _inject_if_match,
+                                unique_id="ckptaudit-pin-etag")  # once per client
+                self.s3 = True
 
-    def add(self, path: str, info: dict[str, Any]) -> None:
+    def add(self, path: str, info: dict[str, Any]) -> tuple[tuple[str, str], str] | None:
+        """Pin ``path`` as ``info`` describes it; the S3 pin (key, ETag) to check before each read, if any."""
         pin = getattr(self.fs, "pin", None)
         if pin is not None:
             pin(path, info)
-            return
+            return None
         etag = info.get("ETag") or info.get("etag")
-        if self.s3 is not None and isinstance(etag, str) and etag:
-            bucket, key = self.fs.split_path(path)[:2]
-            self.s3[(bucket, key)] = etag
+        if not self.s3 or not isinstance(etag, str) or not etag:
+            return None
+        bucket, key = self.fs.split_path(path)[:2]
+        with _S3_LOCK:
+            old = _S3_PINS.get((bucket, key))
+            # Another live staging pinned another ETag: the object changed between the two; its reads now fail
+            # their check in _Remote.read_many, and this staging pins what it saw.
+            holders = old[1] + 1 if old is not None and old[0] == etag else 1
+            _S3_PINS[(bucket, key)] = (etag, holders)
+        self.held.append(((bucket, key), etag))
+        return (bucket, key), etag
+
+    def release(self) -> None:
+        with _S3_LOCK:
+            for key, etag in self.held:
+                pin = _S3_PINS.get(key)
+                if pin is not None and pin[0] == etag:
+                    if pin[1] <= 1:
+                        del _S3_PINS[key]
+                    else:
+                        _S3_PINS[key] = (etag, pin[1] - 1)
+        self.held = []
 
 
 _FILL_PIECE = 8 << 20
@@ -334,6 +372,7 @@ def stage(url: str) -> tuple[str, RemoteFiles]:
     remote = RemoteFiles(tmp)
     budget = _Budget(url)
     ctx = _Staging(fs, _Guard(), _Pins(fs), remote, budget)
+    remote.on_close.append(ctx.pins.release)
     try:
         base = _safe_name(os.path.basename(root.rstrip("/"))) or "checkpoint"
         if info.get("type") == "directory":
@@ -365,8 +404,7 @@ class _Staging:
     budget: _Budget
 
     def handle(self, path: str, size: int, info: dict[str, Any]) -> _Remote:
-        self.pins.add(path, info)
-        return _Remote(self.fs, path, size, self.guard)
+        return _Remote(self.fs, path, size, self.guard, self.pins.add(path, info))
 
 
 def _size(entry: dict[str, Any], url: str) -> int:
