@@ -326,3 +326,25 @@ def test_an_absurd_zero3_shape_under_torchrun_is_the_single_process_report(ds: P
     assert json.loads(run.stdout) == json.loads(out.getvalue())
     # torchrun prints its own ChildFailedError traceback for exit code 1; no frame of ours may appear.
     assert not re.search(r'File ".*ckptaudit', run.stderr), run.stderr[-3000:]
+
+
+def test_absurd_numbers_in_the_model_states_record_are_rendered_not_raised(ds: Path, tmp_path: Path) -> None:
+    """global_steps, global_samples, skipped_steps, dp_world_size and the scheduler's iteration past Python's
+    int-to-string limit: the audit judges the masters as usual and every renderer prints the report."""
+    from ckptaudit.report import OutputFormat, render
+
+    def edit(state: dict[str, Any], name: str) -> None:
+        for key in ("global_steps", "global_samples", "skipped_steps", "dp_world_size"):
+            state[key] = 10**5000
+        state["lr_scheduler"] = {"last_batch_iteration": 10**5000}
+
+    step = mutated(ds, "s2-bf16", tmp_path / "s2", edit, "*model_states.pt")
+    report = audit(str(step))
+    intact = audit(str(tag(ds, "s2-bf16")))
+    assert [(t.name, t.hash) for t in report.tensors if t.role == "parameter"] == [
+        (t.name, t.hash) for t in intact.tensors if t.role == "parameter"]
+    for fmt in OutputFormat:
+        out = io.StringIO()
+        render(report, fmt, out, verbose=True)
+        if fmt is OutputFormat.JSON:
+            assert json.loads(out.getvalue())["extra"]["step"] == "<integer of about 5001 digits>"

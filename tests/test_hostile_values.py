@@ -56,3 +56,27 @@ def test_step_tensors_holding_nan_and_infinity_audit_the_same_under_torchrun(tmp
     assert json.loads(run.stdout) == single
     assert "optimizer.step-mismatch" in {f["code"] for f in single["findings"]}
     assert not re.search(r'File ".*ckptaudit', run.stderr), run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("step", [10**400, 10**5000], ids=["10**400", "10**5000"])
+def test_plain_number_step_counters_past_float_and_str_are_a_finding_not_a_traceback(step: int,
+                                                                                     tmp_path: Path) -> None:
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    state["state"][0]["step"] = step  # a Python int, as capturable=False optimizers may store
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "optimizer": state}, path)
+    report = audit(str(path))
+    (odd,) = [f for f in report.findings if f.code == "optimizer.step-mismatch"]
+    assert "disagree" in odd.message
+    for fmt in ("json", "table", "html"):
+        out, err = io.StringIO(), io.StringIO()
+        assert main(["audit", str(path), "--no-progress", "--format", fmt], stdout=out, stderr=err) == 0, \
+            err.getvalue()  # a warning: not at the default fail level
+        if fmt == "json":
+            assert json.loads(out.getvalue())["findings"]
