@@ -347,4 +347,4 @@ def test_absurd_numbers_in_the_model_states_record_are_rendered_not_raised(ds: P
         out = io.StringIO()
         render(report, fmt, out, verbose=True)
         if fmt is OutputFormat.JSON:
-            assert json.loads(out.getvalue())["extra"]["step"] == "<integer of about 5001 digits>"
+            assert json.loads(out.getvalue())["step"] == "<integer of about 5001 digits>"
