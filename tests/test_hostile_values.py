@@ -80,3 +80,12 @@ def test_plain_number_step_counters_past_float_and_str_are_a_finding_not_a_trace
             err.getvalue()  # a warning: not at the default fail level
         if fmt == "json":
             assert json.loads(out.getvalue())["findings"]
+
+
+def test_megatron_iteration_past_the_int_to_string_limit_is_spelled_not_raised() -> None:
+    from ckptaudit.layouts.megatron import _megatron_data_detail
+
+    huge = 10**5000
+    assert "<integer of about 5001 digits>" in _megatron_data_detail({"iteration": huge,
+                                                                     "args": {"consumed_train_samples": huge}})
+    assert "<integer of about 5001 digits>" in _megatron_data_detail({"iteration": huge})
