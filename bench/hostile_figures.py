@@ -91,7 +91,7 @@ def _row(worker: AuditWorker, name: str, path: Path) -> None:
 
 
 _CHILD = """
-import json, os, resource, sys, time
+import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 what, path = sys.argv[2], sys.argv[3]
 from ckptaudit.audit import audit
@@ -109,7 +109,8 @@ else:
     except OSError as exc:
         out["error"] = str(exc)[:120]
 out["seconds"] = time.perf_counter() - start
-out["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+with open("/proc/self/status") as fh:  # VmHWM: this process's own peak (ru_maxrss keeps the parent's across exec)
+    out["maxrss_mib"] = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
 print(json.dumps(out))
 """
 

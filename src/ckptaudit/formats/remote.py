@@ -413,7 +413,9 @@ def _size(entry: dict[str, Any], url: str) -> int:
     if size is None:
         return 0
     if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size < 1 << 50:
-        raise RemoteError(f"{url}: the store lists {entry.get('name', 'an object')} with size {size!r}")
+        shown = (type(size).__name__ if isinstance(size, bool) or not isinstance(size, int) else
+                 "a negative number" if size < 0 else "more than 2**50 bytes")
+        raise RemoteError(f"{url}: the store lists {str(entry.get('name', 'an object'))[:200]} with size {shown}")
     return size
 
 
