@@ -124,6 +124,9 @@ def s3(big_pt: Path) -> Iterator[dict[str, Any]]:
     endpoint = f"http://127.0.0.1:{server._server.server_port}"
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
     saved = {k: os.environ.get(k) for k in (*env, "AWS_ENDPOINT_URL")}
+    # ckptaudit reads through fsspec's cached S3 filesystem, whose client keeps the endpoint it was made with:
+    # another module's server (tests/test_remote.py) must not be the one reached here, nor ours there.
+    s3fs.S3FileSystem.clear_instance_cache()
     try:
         os.environ.update(env, AWS_ENDPOINT_URL=endpoint)
         fs = s3fs.S3FileSystem(skip_instance_cache=True)
@@ -136,6 +139,7 @@ def s3(big_pt: Path) -> Iterator[dict[str, Any]]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
 
 
