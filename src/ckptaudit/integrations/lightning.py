@@ -35,6 +35,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from ckptaudit.integrations.guard import Guard, Verdict, quarantine_name
+from ckptaudit.integrations.live_contract import declare_live_contract
 
 __all__ = ["AuditCallback"]
 
@@ -49,7 +50,8 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
     ``on_failure``: ``"warn"`` (log and quarantine) or ``"stop"`` (also ``trainer.should_stop`` at the first
     batch end after the failing audit finishes). ``background``: ``"process"`` (default) or ``"thread"``.
     ``wait_at_end``: seconds to wait at the end of fitting for the audits still queued (``None``: no limit).
-    Other keywords are options of :func:`ckptaudit.audit` (``quick=True``, ``fail_on``, ``master_dtype``...).
+    Other keywords are options of :func:`ckptaudit.audit` (``quick=True``, ``fail_on``, ``ignore``...); without a
+    ``master_dtype`` the audits hold the parameters to the live run's (the dtype of what the optimizer steps).
     """
 
     def __init__(self, on_failure: str = "warn", *, background: str = "process",
@@ -72,6 +74,9 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
         def save_checkpoint(filepath: Any, weights_only: bool | None = None, storage_options: Any = None) -> None:
             original(filepath, weights_only, storage_options)
             if trainer.is_global_zero:
+                if trainer.optimizers:
+                    declare_live_contract(self.guard, trainer.optimizers[0],
+                                          f"Lightning precision={trainer.precision}")
                 self._saved(os.fspath(filepath), trainer.global_step, bool(weights_only))
 
         trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]  # an instance attribute over the method: removed at teardown

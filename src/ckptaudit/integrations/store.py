@@ -2,6 +2,7 @@
 See ``docs/integrations/store.md``.
 
     from ckptaudit.integrations.guard import Guard, stop_requested
+from ckptaudit.integrations.live_contract import declare_live_contract
     from ckptaudit.integrations.store import save_checkpoint
 
     guard = Guard(on_failure="stop")                                  # on every rank; only rank 0 audits
@@ -30,6 +31,7 @@ import os
 from typing import Any
 
 from ckptaudit.integrations.guard import Guard, stop_requested
+from ckptaudit.integrations.live_contract import declare_live_contract
 
 __all__ = ["save_checkpoint", "stop_requested"]
 
@@ -71,5 +73,6 @@ def save_checkpoint(job: Any, root: str | os.PathLike[str], *, guard: Guard, kee
         if keep_last is not None:
             apply_retention(root, keep_last, protect=(name,))
 
+    declare_live_contract(guard, job.optimizer, "ckptaudit.store")
     guard.submit(saved.path, step=saved.step, on_pass=passed)
     return saved

@@ -28,6 +28,7 @@ import shutil
 from typing import Any
 
 from ckptaudit.integrations.guard import REPORT_SUFFIX, Guard, quarantine_name, stop_requested
+from ckptaudit.integrations.live_contract import declare_live_contract
 
 __all__ = ["guard_checkpoint_manager", "quarantine", "stop_requested"]
 
@@ -51,6 +52,9 @@ def guard_checkpoint_manager(manager: Any, guard: Guard) -> Any:
                 log.info("ckptaudit guard: the last save of step %d is model-only (last_save_model_only / "
                          "last_save_in_hf), not a training checkpoint; not audited", curr_step)
             else:
+                states = getattr(manager, "states", None)
+                if isinstance(states, dict) and states.get("optimizer") is not None:
+                    declare_live_contract(guard, states["optimizer"], "torchtitan")
                 # Asynchronous modes: rank 0's future completes once every rank has written and rank 0 (the
                 # coordinator) has written .metadata; synchronous: None, the files are complete.
                 guard.submit(os.path.join(manager.folder, f"step-{curr_step}"), step=curr_step,

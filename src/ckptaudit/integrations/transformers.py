@@ -28,6 +28,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ckptaudit.integrations.guard import Guard, Verdict, stop_requested
+from ckptaudit.integrations.live_contract import declare_live_contract
 
 __all__ = ["AuditCallback"]
 
@@ -40,7 +41,8 @@ class AuditCallback(TrainerCallback):  # type: ignore[misc]
     ``on_failure``: ``"warn"`` (log and quarantine) or ``"stop"`` (also ``control.should_training_stop`` at the
     first step end after the failing audit finishes). ``background``: ``"process"`` (default) or ``"thread"``.
     ``wait_at_end``: seconds to wait at the end of training for the audits still queued (``None``: no limit).
-    Other keywords are options of :func:`ckptaudit.audit` (``quick=True``, ``fail_on``, ``master_dtype``...).
+    Other keywords are options of :func:`ckptaudit.audit` (``quick=True``, ``fail_on``, ``ignore``...); without a
+    ``master_dtype`` the audits hold the parameters to the live run's (the dtype of what the optimizer steps).
     """
 
     def __init__(self, on_failure: str = "warn", *, background: str = "process",
@@ -63,6 +65,7 @@ class AuditCallback(TrainerCallback):  # type: ignore[misc]
             log.warning("ckptaudit guard: Trainer reported a save at step %d, but %s does not exist; not audited",
                         state.global_step, path)
             return
+        declare_live_contract(self.guard, kwargs.get("optimizer"), f"Trainer bf16={args.bf16}, fp16={args.fp16}")
         self.guard.submit(path, step=state.global_step)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
