@@ -3,6 +3,7 @@ from a checkpoint is shown escaped in the table and the HTML page, and kept exac
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import sys
@@ -53,3 +54,27 @@ def test_hostile_names_are_escaped_in_the_table_and_the_page(fmt: OutputFormat, 
     js = io.StringIO()
     render(report, OutputFormat.JSON, js)
     assert {t["name"] for t in json.loads(js.getvalue())["tensors"]} == set(names)
+
+
+@pytest.mark.parametrize("fmt", [OutputFormat.TABLE, OutputFormat.HTML])
+def test_a_traceback_keeps_its_lines_and_escapes_what_is_inside_them(fmt: OutputFormat) -> None:
+    from ckptaudit.catalogue import finding
+    from ckptaudit.model import Report
+
+    # A user's exception message quoting a hostile name: the traceback's own newlines stay line breaks (below the
+    # table, in the page's <pre>), every character of HOSTILE inside a line is shown escaped.
+    name = "w" + "".join(HOSTILE) + "end"
+    frames = f"Traceback (most recent call last):\n  File \"x.py\", line 3, in export\n    boom()\nKeyError: {name}"
+    bad = Report(command="resume-test", path="r:recipe", format="resume-test", findings=(finding(
+        "resume.candidate-failed", "x.py:export", f"export: the candidate could not be written\n{frames}",
+        stage="export"),))
+    out = io.StringIO()
+    render(bad, fmt, out)
+    text = out.getvalue()
+    for ch in HOSTILE:
+        assert ch not in text, (hex(ord(ch)), fmt)
+    assert "\\x0a" not in text
+    shown = "w" + "".join(clean(ch) for ch in HOSTILE) + "end"
+    lines = [html.unescape(line).strip() for line in text.split("\n")]
+    assert 'File "x.py", line 3, in export' in lines and "boom()" in lines
+    assert any(f"KeyError: {shown}" in line for line in lines), (shown, fmt)

@@ -94,7 +94,10 @@ def _report(r: Report) -> str:
 def _message(text: str) -> str:
     """A finding's message; a traceback after its first line kept in lines of its own."""
     head, _, rest = text.partition("\n")
-    return _e(head) + (f"<pre class='tb'>{_e(rest.rstrip())}</pre>" if rest.strip() else "")
+    if not rest.strip():
+        return _e(head)
+    # Each line escaped on its own: the newlines stay line breaks, any other separator in a line is shown escaped.
+    return _e(head) + "<pre class='tb'>" + "\n".join(_e(line) for line in rest.rstrip().split("\n")) + "</pre>"
 
 
 def _table(title: str, columns: Sequence[Any], rows: Sequence[Sequence[Any]], *, escaped: bool = False) -> str:

@@ -103,7 +103,7 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
             if verbose or len(same) <= GROUP_ABOVE:
                 head, _, rest = f.message.partition("\n")
                 if rest.strip():  # a traceback: its lines below the table, not escaped inside a cell
-                    details.append((f, rest.rstrip().splitlines()))
+                    details.append((f, rest.rstrip().split("\n")))  # not splitlines(): U+2028 stays escaped
                     head += " (traceback below)"
                 t.add_row(_severity(f), _t(f.code), _t(f.subject), _t(head))
                 continue
