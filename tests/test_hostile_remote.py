@@ -175,6 +175,26 @@ def test_an_s3_object_replaced_during_the_audit_is_reported_not_read(s3: dict[st
     assert not [f for f in report["findings"] if f["code"].startswith("integrity")], err
 
 
+def test_an_s3_object_replaced_after_its_only_staging_is_refused_by_the_store(s3: dict[str, Any],
+                                                                             big_pt: Path) -> None:
+    """No second staging to notice the new ETag: every GetObject carries the staged ETag as IfMatch, so the store
+    itself refuses to serve the replacement (412) and its tensors are integrity.corrupt, never the new bytes."""
+    data = big_pt.read_bytes()
+    plan = plan_scan("s3://hostile/ckpt.pt")
+    try:
+        altered = bytearray(data)
+        altered[len(data) // 2] ^= 0xFF
+        s3["fs"].pipe("hostile/ckpt.pt", bytes(altered))
+        scanned = assemble(plan, scan_items(plan, plan.scannable()))
+    finally:
+        s3["fs"].pipe("hostile/ckpt.pt", data)
+        plan.close()
+    changed = [f for f in scanned.findings if f.code == "integrity.corrupt"]
+    assert len(changed) == TENSORS and all("changed since it was staged" in f.message for f in changed), \
+        [(f.code, f.message) for f in scanned.findings]
+    assert len([r for r in scanned.records if r.hash is None]) == TENSORS, scanned.records  # nothing hashed
+
+
 @pytest.mark.parametrize("setting", ["FSSPEC_S3_ENDPOINT_URL", "no-credentials", "CKPTAUDIT_REMOTE_TIMEOUT"])
 def test_a_remote_configuration_error_is_one_line_and_exit_2(s3: dict[str, Any], setting: str,
                                                              tmp_path: Path) -> None:
