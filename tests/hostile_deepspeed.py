@@ -101,3 +101,26 @@ def empty_params(src: Path, dst: Path, *, count: int) -> Path:
         osd["param_alignment_paddings"] = [[0] * count + list(osd["param_alignment_paddings"][0])]
         torch.save(state, dst / f.name)
     return dst
+
+
+HOSTILE_VALUES: tuple[Any, ...] = (10**400, -1, -(10**400), float("nan"), float("inf"), 2**64, "x", None, [3],
+                                   {"a": 1}, 1.5, True)
+"""What a damaged or crafted record may hold where DeepSpeed wrote a number, a string, a list or a dict."""
+
+
+def record_leaves(obj: Any, path: tuple[Any, ...] = (), depth: int = 0) -> list[tuple[Any, ...]]:
+    """The paths of every number, string and ``None`` in the plain containers (dicts, lists) of a loaded
+    DeepSpeed file: the values its readers take from the record rather than from tensors."""
+    if depth > 8:
+        return []
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in record_leaves(v, (*path, k), depth + 1)]
+    if isinstance(obj, list):
+        return [p for i, v in enumerate(obj) for p in record_leaves(v, (*path, i), depth + 1)]
+    return [path] if obj is None or isinstance(obj, (bool, int, float, str)) else []
+
+
+def set_leaf(obj: Any, path: tuple[Any, ...], value: Any) -> None:
+    for key in path[:-1]:
+        obj = obj[key]
+    obj[path[-1]] = value

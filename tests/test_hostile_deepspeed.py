@@ -348,3 +348,42 @@ def test_absurd_numbers_in_the_model_states_record_are_rendered_not_raised(ds: P
         render(report, fmt, out, verbose=True)
         if fmt is OutputFormat.JSON:
             assert json.loads(out.getvalue())["step"] == "<integer of about 5001 digits>"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every value of the records, replaced: a report in every format, never a traceback
+
+
+@pytest.mark.parametrize("name", ["s2-fp16", "s3-bf16"])
+def test_every_record_value_replaced_by_a_hostile_one_is_a_report(ds: Path, tmp_path: Path, name: str) -> None:
+    """Each number, string and None of the model-states and optimizer records (ds_config, counters, param
+    groups, partition counts, paddings...) replaced in turn by one of hd.HOSTILE_VALUES (rotated, so every
+    value meets every kind of field): the audit and its three renderings complete. One leaf per mutant, all of
+    them, seeded by position (the same cases every run)."""
+    import copy
+
+    import torch
+
+    from ckptaudit.report import OutputFormat, render
+
+    src = tag(ds, name)
+    files = {f.name: hd.load(f) for f in sorted(src.glob("*.pt"))}
+    cases = [(fname, path) for fname, state in files.items() for path in hd.record_leaves(state)]
+    assert len(cases) > 50, len(cases)  # ds_config, counters, param groups... all seen
+    failures = []
+    for i, (fname, path) in enumerate(cases):
+        value = hd.HOSTILE_VALUES[i % len(hd.HOSTILE_VALUES)]
+        step = tmp_path / str(i) / "global_step2"
+        shutil.copytree(src, step, copy_function=os.link)
+        state = copy.deepcopy(files[fname])
+        hd.set_leaf(state, path, value)
+        (step / fname).unlink()  # a hard link to the fixture's file: never written through
+        torch.save(state, step / fname)
+        try:
+            report = audit(str(step))
+            for fmt in OutputFormat:
+                render(report, fmt, io.StringIO(), verbose=True)
+        except Exception as exc:  # every escape collected, reported at once
+            failures.append(f"{fname} {path} = {value!r:.40}: {type(exc).__name__}: {exc}")
+        shutil.rmtree(step.parent)
+    assert not failures, "\n".join(failures)

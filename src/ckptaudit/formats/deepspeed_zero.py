@@ -181,7 +181,7 @@ def _base_state(osd: dict[str, Any], key: str, group: int) -> dict[str, Any]:
     index: Any = group
     if isinstance(groups, list) and group < len(groups) and isinstance(groups[group], dict):
         ps = groups[group].get("params")
-        if isinstance(ps, list) and len(ps) == 1:
+        if isinstance(ps, list) and len(ps) == 1 and isinstance(ps[0], int):  # a dict or list: unhashable
             index = ps[0]
     entry = state.get(index) if isinstance(state, dict) else None
     return entry if isinstance(entry, dict) else {}
