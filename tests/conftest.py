@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import cpu_features
-from configurations import fixture_launch
+from configurations import Written, fixture_launch
 
 # CKPTAUDIT_TEST_CPU=avx2: this machine as a CPU without oneDNN's fp16/bf16 kernels (see cpu_features.py). Set
 # before anything in this process starts oneDNN; every process the tests start inherits it.
@@ -128,6 +128,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     else:
         random.Random(seed).shuffle(order)
     items[:] = [item for f in order for item in files[f]]
+
+
+@pytest.fixture(scope="session")
+def ds(tmp_path_factory: pytest.TempPathFactory) -> Written:
+    """The checkpoints DeepSpeed itself writes (``lib_writers.py deepspeed``: ZeRO stages 0-3, 2 CPU ranks), once
+    per session, shared by test_libs_deepspeed.py and the hostile DeepSpeed tests. Read-only. Every
+    configuration is its own 2-rank launch: ``ds / "s2-fp16"`` skips where DeepSpeed refuses fp16 on this CPU
+    (its accelerator's ``is_fp16_supported()``, oneDNN's), and fails naming it if its launch failed."""
+    pytest.importorskip("deepspeed")
+    import lib_writers
+
+    out = tmp_path_factory.mktemp("deepspeed")
+    written: Written = lib_writers.run_writer("deepspeed", str(out))
+    return written
 
 
 @pytest.fixture(scope="session")

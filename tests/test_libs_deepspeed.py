@@ -40,16 +40,7 @@ ZERO = ("s1-bf16", "s2-bf16", "s3-bf16", "s2-fp16", "s2-bf16-aligned")
 ALL = ("s0-bf16", *ZERO, "s0-fp32")
 
 
-@pytest.fixture(scope="session")
-def ds(tmp_path_factory: pytest.TempPathFactory) -> Written:
-    """Every configuration, each its own 2-rank launch: ``ds / "s2-fp16"`` skips where DeepSpeed refuses fp16 on
-    this CPU (its accelerator's ``is_fp16_supported()``, oneDNN's), and fails naming it if its launch failed."""
-    pytest.importorskip("deepspeed")
-    import lib_writers
-
-    out = tmp_path_factory.mktemp("deepspeed")
-    written: Written = lib_writers.run_writer("deepspeed", str(out))
-    return written
+# ``ds`` (the DeepSpeed checkpoints, written once per session) is a fixture of conftest.py.
 
 
 def truth(ds: Written) -> dict[str, Any]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from collections import defaultdict
 from typing import Any, TextIO
 
@@ -13,6 +12,7 @@ from rich.text import Text
 
 from ckptaudit.catalogue import CATALOGUE
 from ckptaudit.model import Finding, Precision, Report, Severity
+from ckptaudit.report.text import clean
 
 __all__ = ["render_table"]
 
@@ -22,15 +22,8 @@ MAX_SUBJECTS = 8
 MAX_DETAIL_LINES = 16
 """Lines of a finding's traceback printed below the table (its last frames) unless --verbose."""
 
-# Names and messages come from untrusted files: C0/C1 control characters (terminal escape sequences), lone
-# surrogates (unencodable) and bidirectional overrides are shown escaped, and no string is parsed as markup.
-_UNSAFE_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-
-
-def clean(value: Any) -> str:
-    """``value`` as text that is safe to print on a terminal."""
-    return _UNSAFE_CHARS.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
-                             else f"\\u{ord(m.group()):04x}", str(value))
+# Names and messages come from untrusted files: shown through report.text.clean (controls, format characters,
+# line separators and lone surrogates escaped), and no string is parsed as markup.
 
 
 def _t(value: Any, style: str = "") -> Text:
@@ -110,7 +103,7 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
             if verbose or len(same) <= GROUP_ABOVE:
                 head, _, rest = f.message.partition("\n")
                 if rest.strip():  # a traceback: its lines below the table, not escaped inside a cell
-                    details.append((f, rest.rstrip().splitlines()))
+                    details.append((f, rest.rstrip().split("\n")))  # not splitlines(): U+2028 stays escaped
                     head += " (traceback below)"
                 t.add_row(_severity(f), _t(f.code), _t(f.subject), _t(head))
                 continue
