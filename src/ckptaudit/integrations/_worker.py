@@ -1,8 +1,15 @@
 """The guard's child process (``Guard(background="process")``): one JSON request per line on stdin, one answer
 per line on stdout, until stdin closes.
 
-    {"checkpoint": PATH, "report": PATH, "options": {...}}  ->  {"ok": bool, "summary": str, "codes": [...]}
-                                                             or {"error": "Type: message"}
+    (first, once started)                                  ->  {"ready": true, "priority": {...}}
+    {"checkpoint": PATH, "report": PATH, "as_path": PATH, "options": {...}}
+                                                           ->  {"ok": bool, "summary": str, "codes": [...]}
+                                                               or {"error": "Type: message"}
+    {"quit": true}                                         ->  (exits)
+
+``as_path`` is the path the report names (the checkpoint's own; ``checkpoint`` is its pinned copy). The ready
+line comes after the audit engine is imported, so the first audit costs what the others do: the guard starts
+this process when it is created, off the training thread, and waits for that line on its worker thread.
 
 Started as ``python -m ckptaudit.integrations._worker`` (never by re-importing the training script, as
 multiprocessing's spawn would), it imports no torch: the audit reads files with NumPy.
@@ -74,15 +81,20 @@ def lower_priority() -> dict[str, str]:
 
 
 def main() -> int:
-    lower_priority()
+    priority = lower_priority()
+    import ckptaudit.audit  # noqa: F401 - the engine, imported before the ready line
     from ckptaudit.integrations.guard import audit_to_file
 
+    sys.stdout.write(json.dumps({"ready": True, "priority": priority}) + "\n")
+    sys.stdout.flush()
     for line in sys.stdin:
         if not line.strip():
             continue
         try:
             req = json.loads(line)
-            answer = audit_to_file(req["checkpoint"], req["report"], req.get("options", {}))
+            if req.get("quit"):
+                break
+            answer = audit_to_file(req["checkpoint"], req["report"], req.get("options", {}), req.get("as_path"))
         except Exception as exc:  # noqa: BLE001 - reported to the guard, which logs it as "not judged"
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         sys.stdout.write(json.dumps(answer) + "\n")

@@ -10,12 +10,14 @@
             save_checkpoint(engine, "ckpts", guard=guard)   # all ranks, instead of engine.save_checkpoint
         if stop_requested(guard):                            # all ranks, the same answer
             break
-    guard.close()
+    guard.finish()                                           # raises CheckpointAuditFailed if a save failed (stop)
 
     engine.load_checkpoint("ckpts")                          # reads `latest`: never a tag that failed
 
-Which ranks run what: every rank calls :func:`save_checkpoint`, which calls ``engine.save_checkpoint(...,
-save_latest=False)`` (collective; DeepSpeed's own files, nothing changed); then global rank 0 queues
+Which ranks run what: every rank calls :func:`save_checkpoint`; global rank 0 first waits while
+``max_unverified`` saves are waiting for a verdict (:meth:`Guard.before_save`; default 1 with
+``on_failure="stop"``); then every rank calls ``engine.save_checkpoint(..., save_latest=False)`` (collective;
+DeepSpeed's own files, nothing changed); then global rank 0 queues
 ``save_dir/<tag>`` for the audit. When it passes, rank 0 writes ``save_dir/latest`` (atomically: a temporary file
 renamed over it) with the tag, which is what ``engine.load_checkpoint(save_dir)`` reads; when it fails, the tag
 directory becomes ``quarantined-<tag>`` and ``latest`` keeps naming the previous tag that passed.
@@ -51,6 +53,8 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], tag: str | No
             "then; use DeepSpeed's default (synchronous) checkpoint engine")
     save_dir = os.fspath(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if engine.global_rank == 0:
+        guard.before_save(int(engine.global_steps))
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
     path = os.path.join(save_dir, tag)
     if engine.global_rank == 0:
