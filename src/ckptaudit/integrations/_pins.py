@@ -16,8 +16,8 @@ sets ctime), so a rewrite in place that keeps the size and restores the mtime st
 the inode moves its ctime too (the link count changes): a ctime that moved while the link count dropped (the
 library deleted the checkpoint, or renamed a new file over its name) is accepted when size, mtime and both
 ends are unchanged, the one case this cannot tell from a rewrite in place that restores the mtime, keeps the
-size and both ends, and then unlinks the name. The guard's own link operations (the pin itself,
-:meth:`Pin.refresh` after :meth:`Guard.detach`) are recorded again right after. On Linux 6.13 and later, ext4, xfs, btrfs and tmpfs stamp a change with the
+size and both ends, and then unlinks the name. The pin's own links are made before the identity is recorded;
+:meth:`Guard.detach` unlinks a name, which that rule accepts. On Linux 6.13 and later, ext4, xfs, btrfs and tmpfs stamp a change with the
 fine-grained clock once the old stamp has been read (multigrain timestamps), so a rewrite right after the pin
 gets a later ctime; on older kernels stamps have the resolution of a clock tick (1-10 ms), and a rewrite of the
 same size within the tick of the pin is seen only if it changes the first or last 64 KiB (a ``torch.save``
@@ -125,9 +125,7 @@ def _join(root: str, rel: str) -> str:
 
 
 class Pin:
-    """A checkpoint's files as they were at submit: where the audit reads them and how to tell they still are.
-
-    Mutable only through :meth:`refresh` (the guard's own link changes), under the guard's lock."""
+    """A checkpoint's files as they were at submit: where the audit reads them and how to tell they still are."""
 
     def __init__(self, checkpoint: str, folder: str | None, files: dict[str, FileIdentity]) -> None:
         self.checkpoint = checkpoint
@@ -190,13 +188,6 @@ class Pin:
     def holds(self, dev: int, ino: int) -> str | None:
         """The relative path of the pinned file with this inode, if any."""
         return next((rel for rel, f in self.files.items() if (f.dev, f.ino) == (dev, ino)), None)
-
-    def refresh(self, rel: str, before: FileIdentity) -> None:
-        """(training thread, under the guard's lock) Record ``rel`` again after the guard itself changed its link
-        count (``before``: its identity just before); a file that changed in any other way stays changed."""
-        was = self.files[rel]
-        if was.differs(before) is None:
-            self.files[rel] = identity(_join(self.path, rel), rel)
 
     def release(self) -> None:
         """Remove the pin's folder (the hard links; the checkpoint's own files are untouched)."""

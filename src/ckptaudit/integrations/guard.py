@@ -324,14 +324,10 @@ class Guard:
         with self._cond:
             pins = [j.pin for j in self._live if j.pin is not None and j.pin.pinned] + [p for p, _ in
                                                                                         self._kept.values()]
-            holders = [(p, rel) for p in pins if (rel := p.holds(st.st_dev, st.st_ino)) is not None]
-            if not holders:
+            if not any(p.holds(st.st_dev, st.st_ino) is not None for p in pins):
                 return False
-            before = [(p, rel, _pins.identity(os.path.join(p.path, rel) if rel else p.path, rel))
-                      for p, rel in holders]
+            # The pin's identity accepts this: a ctime moved with the link count dropping (_pins.FileIdentity).
             os.unlink(path)
-            for p, rel, was in before:
-                p.refresh(rel, was)
         return True
 
     def should_stop(self) -> bool:
