@@ -482,10 +482,8 @@ class Guard:
                     self._open[job.point] -= 1
                     if not self._open[job.point]:
                         del self._open[job.point]
-                    if not any(j.checkpoint == job.checkpoint for j in self._live):
-                        self._status[_key(job.checkpoint)] = {True: "passed", False: "failed",
-                                                              None: "not judged"}[verdict.ok]
                     self._cond.notify_all()
+                self._settle(job, verdict.ok, done=True)
                 self._sweep()
         finally:
             self._stop_child()
@@ -565,6 +563,7 @@ class Guard:
                     "has its own audit")
         elif state == "gone":
             note = "deleted before its verdict (retention): judged from its pin; no report is left behind"
+        self._settle(job, ok)  # before the hooks: on_pass's retention must see this one as passed
         if ok:
             if state == "same":
                 where = self._place(draft, job.report, job.checkpoint)
@@ -603,6 +602,13 @@ class Guard:
                     f" ({note})" if note else "",
                     "; stopping training at the next step" if self.on_failure == "stop" else "")
         return Verdict(job.checkpoint, job.step, False, summary, codes, where, moved, seconds, queued, "", note)
+
+    def _settle(self, job: _Job, ok: bool | None, done: bool = False) -> None:
+        """(worker) :meth:`status` of ``job``'s checkpoint once it has a verdict, unless a newer save of the same
+        path still waits for one (``done``: ``job`` has left the pending list)."""
+        with self._cond:
+            if sum(j.checkpoint == job.checkpoint for j in self._live) <= (0 if done else 1):
+                self._status[_key(job.checkpoint)] = {True: "passed", False: "failed", None: "not judged"}[ok]
 
     def _place(self, draft: str, where: str, checkpoint: str) -> str:
         """(worker) Move the report drafted in the pin (or beside) to ``where``, atomically."""

@@ -97,6 +97,10 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
             original(filepath, weights_only, storage_options)
             if trainer.is_global_zero:
                 self._saved(os.fspath(filepath), trainer.global_step, bool(weights_only))
+            if self.guard.on_failure == "stop":
+                # The wait in before_save may have brought a failing verdict: stop after this batch, on every
+                # rank (every rank calls save_checkpoint), rather than one batch later.
+                self._agree_to_stop(trainer)
 
         def remove_checkpoint(filepath: Any) -> None:
             path = os.fspath(filepath)
@@ -126,6 +130,10 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
             self._remove_deferred()
         if self.guard.on_failure != "stop":
             return  # "warn" never stops: no per-batch collective (every rank has the same on_failure)
+        self._agree_to_stop(trainer)
+
+    def _agree_to_stop(self, trainer: pl.Trainer) -> None:
+        """(all ranks) ``trainer.should_stop`` when the global-zero process's guard asks to stop."""
         stop = self.guard.should_stop()  # only the global-zero process audits: False on the others
         if trainer.world_size > 1:
             # Every rank agrees, as EarlyStopping does: True on all when the global-zero process says so.
