@@ -275,7 +275,14 @@ def lightning_rewrite(out: str) -> None:
     audit = AuditCallback(on_failure="warn")
     held = _Held()
 
+    on_disk: list[list[str]] = []
+
     class Hold(L.Callback):  # before the guard's callback
+        def on_train_batch_start(self, trainer: Any, *args: Any, **kw: Any) -> None:
+            ckpts = os.path.join(out, "ckpts")  # after the previous batch end's saves and removals
+            if os.path.isdir(ckpts):
+                on_disk.append(sorted(n for n in os.listdir(ckpts) if n.startswith("epoch=")))
+
         def on_train_batch_end(self, trainer: Any, *args: Any, **kw: Any) -> None:
             if trainer.global_step == 3:
                 held.stop(audit.guard)
@@ -295,7 +302,7 @@ def lightning_rewrite(out: str) -> None:
     def step_of(name: str) -> int:
         return int(torch.load(os.path.join(ckpts, name), map_location="cpu", weights_only=True)["global_step"])
 
-    _result(out, listing=sorted(os.listdir(ckpts)), last_step=step_of("last.ckpt"),
+    _result(out, listing=sorted(os.listdir(ckpts)), last_step=step_of("last.ckpt"), on_disk_at_each_step=on_disk,
             quarantined_last_step=step_of("last.ckpt.quarantined"), tmpdir_device=os.stat(os.environ["TMPDIR"]).st_dev,
             ckpts_device=os.stat(ckpts).st_dev, verdicts=[{**_verdict(v), "note": v.note} for v in audit.verdicts])
 

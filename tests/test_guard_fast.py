@@ -141,8 +141,11 @@ def test_lightning_rewritten_last_ckpt_gets_the_verdict_of_what_each_save_wrote(
     assert last4["note"].startswith("replaced since it was saved") and last4["quarantined_to"] == "last.ckpt.quarantined"
     assert r["quarantined_last_step"] == 4 and r["last_step"] == 8
     assert verdicts[-1]["report"] == "last.ckpt.ckptaudit.json"
-    # save_top_k=1: ModelCheckpoint's removals of step 2 (the last good one) and of steps 4 and 6 (pending) waited
-    # for newer verdicts; then went, with their reports.
+    # save_top_k=1: ModelCheckpoint asked to remove step 2 at the save of step 4; it stayed while it was the
+    # last good one (every later checkpoint still waited for its verdict) ...
+    assert all("epoch=0-step=2.ckpt" in names for names in r["on_disk_at_each_step"][2:]), r["on_disk_at_each_step"]
+    # ... and the removals of step 2 and of steps 4 and 6 (pending when asked) happened once newer ones had
+    # passed, with their reports.
     assert r["listing"] == ["epoch=0-step=4.ckpt.quarantined", "epoch=0-step=4.ckpt.quarantined.ckptaudit.json",
                             "epoch=0-step=8.ckpt", "epoch=0-step=8.ckpt.ckptaudit.json", "last.ckpt",
                             "last.ckpt.ckptaudit.json", "last.ckpt.quarantined",
