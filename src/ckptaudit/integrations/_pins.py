@@ -34,6 +34,7 @@ Nothing here imports torch; the folder's name matches no library's resume or ret
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -200,6 +201,7 @@ class Pin:
             pass
 
 
+@functools.cache
 def _host() -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname()) or "host"
 

@@ -474,6 +474,7 @@ class Guard:
                 if job is None:
                     return
                 verdict = self._judge(job)
+                self._sweep()  # before the verdict is published: wait() returns with the orphans gone
                 with self._cond:
                     self._verdicts.append(verdict)
                     if verdict.ok is False and self._failed is None:
@@ -484,7 +485,6 @@ class Guard:
                         del self._open[job.point]
                     self._cond.notify_all()
                 self._settle(job, verdict.ok, done=True)
-                self._sweep()
         finally:
             self._stop_child()
 
@@ -493,9 +493,9 @@ class Guard:
         if self.background == "process":
             self._spawn()
         else:
-            # The engine's imports, paid here rather than by the first audit.
-            import ckptaudit.api
-            import ckptaudit.audit  # noqa: F401
+            from ckptaudit.integrations._worker import warm
+
+            warm()  # the engine's imports, paid here rather than by the first audit
 
     def _judge(self, job: _Job) -> Verdict:
         if job.ready is not None:
