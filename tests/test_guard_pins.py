@@ -225,7 +225,10 @@ def test_the_worker_starts_when_the_guard_is_created(monkeypatch: pytest.MonkeyP
         assert child is not None and child.poll() is None and guard.verdicts == ()  # up before any save
     finally:
         assert guard.close(120)
-    monkeypatch.setenv("RANK", "1")
-    other = Guard()  # a rank that does not audit starts no worker process
-    assert other._thread is None and other._child is None
-    other.close(10)
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1")):  # torchrun's; Lightning's launched processes'
+        with monkeypatch.context() as env:
+            env.delenv("RANK", raising=False)
+            env.setenv(name, value)
+            other = Guard()  # a rank that does not audit starts no worker process
+            assert other._thread is None and other._child is None
+            other.close(10)

@@ -163,15 +163,19 @@ class _Job:
 
 def _likely_owner() -> bool:
     """Whether this process looks like the one that will audit (rank 0), before the integration knows: the
-    default group's rank when torch.distributed is already up, else ``RANK``, else a single process (yes)."""
+    default group's rank when torch.distributed is already up, else ``RANK`` (torchrun, ...), else
+    ``LOCAL_RANK`` and ``NODE_RANK`` (Lightning's launcher sets no ``RANK`` in the processes it starts), else a
+    single process (yes)."""
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
             return int(dist.get_rank()) == 0
     except (AttributeError, RuntimeError):
         pass
-    rank = os.environ.get("RANK")
-    return rank is None or rank.strip() in ("", "0")
+    env = os.environ
+    if env.get("RANK", "").strip():
+        return env["RANK"].strip() == "0"
+    return all(env.get(name, "0").strip() in ("", "0") for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
 
 
 class Guard:
