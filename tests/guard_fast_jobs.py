@@ -375,6 +375,36 @@ def accelerate_ddp(ctx: Any, out: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The waits of several ranks
+
+
+def held_audit(ctx: Any, out: str, hold_s: float) -> dict[str, Any]:
+    """(2 ranks, a process-group timeout shorter than ``hold_s``) Stop mode: rank 0's audit of step 2 is held for
+    ``hold_s`` seconds (its save's future is done then), and both ranks come to the save of step 4 and then to the
+    end of training: the bound's wait and the end's wait must not keep rank 1 inside one collective that long."""
+    import threading
+    from concurrent.futures import Future
+    from pathlib import Path
+
+    from ckptaudit.integrations.guard import Guard, before_save_everywhere, wait_everywhere
+    from test_api import trained
+
+    guard = Guard(on_failure="stop", background="thread")
+    if ctx.rank == 0:
+        held: Future[None] = Future()
+        guard.submit(str(trained(Path(out) / "step=2.pt")), step=2, ready=held)
+        threading.Timer(hold_s, held.set_result, args=(None,)).start()
+    before_save_everywhere(guard, 4)  # rank 0 waits for step 2's verdict; rank 1 beside it
+    judged_before_the_save = len(guard.verdicts)
+    if ctx.rank == 0:
+        guard.submit(str(trained(Path(out) / "step=4.pt")), step=4, ready=(late := Future()))
+        threading.Timer(hold_s, late.set_result, args=(None,)).start()
+    done = wait_everywhere(guard)
+    return {"rank": ctx.rank, "judged_before_the_save": judged_before_the_save, "done": done,
+            "waits": [(w.step, w.unverified) for w in guard.waits], "verdicts": [v.ok for v in guard.verdicts]}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def run(what: str, out: str, env: dict[str, str] | None = None, timeout_s: float = 900) -> dict[str, Any]:

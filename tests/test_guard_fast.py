@@ -152,6 +152,19 @@ def test_lightning_rewritten_last_ckpt_gets_the_verdict_of_what_each_save_wrote(
                             "last.ckpt.quarantined.ckptaudit.json"]
 
 
+@pytest.mark.dist
+def test_no_rank_waits_for_an_audit_inside_one_collective(tmp_path: Path) -> None:
+    # Audits held 3x longer than the process group's timeout: the other rank waits beside the one that audits in
+    # rounds of one short all-reduce, at the save and at the end, so no collective times out.
+    from ckptaudit.dist.launch import launch
+
+    zero, one = launch(guard_fast_jobs.held_audit, 2, (str(tmp_path), 30.0), timeout_s=300, pg_timeout_s=10,
+                       backend="gloo")
+    assert (zero["judged_before_the_save"], zero["waits"], zero["verdicts"], zero["done"]) == (1, [(4, 1)],
+                                                                                               [True, True], True)
+    assert (one["waits"], one["verdicts"], one["done"]) == ([], [], True)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Accelerate
 

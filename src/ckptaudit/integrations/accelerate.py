@@ -20,7 +20,8 @@
 
 Which process runs what: :func:`guard_accelerator` replaces ``accelerator.save_state`` (on the instance) on every
 process. Each call: the main process first waits while ``max_unverified`` saves are waiting for a verdict
-(:meth:`Guard.before_save`; default 1 with ``on_failure="stop"``); every process runs Accelerate's own
+(:func:`~ckptaudit.integrations.guard.before_save_everywhere`: the others wait beside it in rounds of one
+tiny all-reduce; default 1 with ``on_failure="stop"``); every process runs Accelerate's own
 ``save_state`` (DDP, FSDP, single process: its files, unchanged); every process waits for the others
 (``wait_for_everyone``: each has written its ``random_states_<i>.pkl`` and shards); then the main process queues
 the folder for the audit.
@@ -49,7 +50,7 @@ from typing import Any
 
 from ckptaudit.formats.quarantine import QUARANTINE_PREFIX
 from ckptaudit.integrations._pins import PINS_DIR
-from ckptaudit.integrations.guard import REPORT_SUFFIX, Guard, stop_requested
+from ckptaudit.integrations.guard import REPORT_SUFFIX, Guard, before_save_everywhere, stop_requested
 
 __all__ = ["HOME", "guard_accelerator", "stop_requested"]
 
@@ -103,8 +104,7 @@ def guard_accelerator(accelerator: Any, guard: Guard) -> Guard:
 
     def save_state(output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
         iteration = int(config.iteration) if automatic else None
-        if accelerator.is_main_process:
-            guard.before_save(iteration)
+        before_save_everywhere(guard, iteration)
         location = original(output_dir, safe_serialization=safe_serialization, **kwargs)
         accelerator.wait_for_everyone()  # every process's files are written before the main process audits
         if accelerator.is_main_process:

@@ -16,7 +16,8 @@ default group's rank 0, or ``RANK=0``, or a single process) or at the latest whe
    place makes the verdict *not judged*, never "passed".
 2. **Bounded unverified saves**: at most ``max_unverified`` save points (default 1 with ``on_failure="stop"``,
    no bound with ``"warn"``) are ever waiting for a verdict. The integration calls :meth:`Guard.before_save`
-   just before the library writes the next checkpoint; when the bound is reached it waits there for the oldest
+   just before the library writes the next checkpoint (:func:`before_save_everywhere` on every rank, which keeps
+   the other ranks beside the auditing one in short rounds rather than in one long collective); when the bound is reached it waits there for the oldest
    verdict (logged, and measured in :attr:`Guard.waits`). In a run whose saves are further apart than an audit
    takes, it never waits. Saves at the same step (Lightning's ``epoch=..-step=N.ckpt`` and ``last.ckpt``) are one
    save point.
@@ -61,7 +62,8 @@ from ckptaudit.formats.quarantine import REPORT_SUFFIX, is_quarantined, quaranti
 from ckptaudit.integrations import _pins
 
 __all__ = ["BACKGROUNDS", "ON_FAILURE", "REPORT_SUFFIX", "CheckpointAuditFailed", "Guard", "Kept", "SaveWait", "Verdict",
-           "is_quarantined", "quarantine_name", "report_path", "stop_requested"]
+           "before_save_everywhere", "is_quarantined", "quarantine_name", "report_path", "stop_requested",
+           "wait_everywhere"]
 
 log = logging.getLogger("ckptaudit.guard")
 
@@ -220,6 +222,7 @@ class Guard:
         self._verdicts: list[Verdict] = []
         self._failed: Verdict | None = None
         self._waits: list[SaveWait] = []
+        self._wait_began: tuple[float, int] | None = None
         self._kept: dict[str, tuple[_pins.Pin, int | None]] = {}
         """Checkpoint path -> the pin of its newest passing content (``submit(keep_pin=True)``), and its step."""
         self._placed: dict[str, str] = {}
@@ -248,25 +251,30 @@ class Guard:
         ``timeout`` seconds for it."""
         return self._ready.wait(timeout)
 
-    def before_save(self, step: int | None = None) -> float:
+    def before_save(self, step: int | None = None, *, timeout: float | None = None) -> float | None:
         """(owning process, training thread) Called just before the library writes a checkpoint at ``step``: when
         ``max_unverified`` other save points are waiting for a verdict, wait here until the oldest has one
-        (logged). Returns the seconds waited (0.0 in a run whose saves are further apart than an audit takes).
-        A save at a step whose save point is already pending (Lightning's ``last.ckpt`` after the step's top-k
-        file) never waits."""
+        (logged). Returns the seconds waited (0.0 in a run whose saves are further apart than an audit takes),
+        or ``None`` when ``timeout`` seconds passed and it must still wait (call it again; the wait is recorded
+        once, whole). A save at a step whose save point is already pending (Lightning's ``last.ckpt`` after the
+        step's top-k file) never waits. With several ranks, call :func:`before_save_everywhere` on all of them
+        instead."""
         limit = self.max_unverified
         if limit is None:
             return 0.0
         with self._cond:
             def others() -> int:
                 return sum(1 for p in self._open if step is None or p != step)
-            unverified = others()
-            if unverified < limit:
+            if others() >= limit:
+                if self._wait_began is None:
+                    self._wait_began = (time.monotonic(), others())
+                if not self._cond.wait_for(lambda: others() < limit, timeout):
+                    return None  # still waiting: call again (before_save_everywhere's rounds)
+            began, self._wait_began = self._wait_began, None
+            if began is None:
                 return 0.0
-            start = time.monotonic()
-            self._cond.wait_for(lambda: others() < limit)
-            waited = time.monotonic() - start
-            self._waits.append(SaveWait(step, waited, unverified))
+            waited = time.monotonic() - began[0]
+            self._waits.append(SaveWait(step, waited, began[1]))
         log.warning("ckptaudit guard: the save at step %s waited %.3f s for the verdict of an earlier save "
                     "(max_unverified=%d): its audit took longer than the time between the saves", step, waited,
                     limit)
@@ -437,7 +445,8 @@ class Guard:
         """(all ranks, at the end of training; one tiny collective when distributed with ``on_failure="stop"``)
         :meth:`close`, then raise :class:`CheckpointAuditFailed` on every rank when a checkpoint saved during
         training failed its audit and ``on_failure="stop"``."""
-        self.close(timeout)
+        done = wait_everywhere(self, timeout) if self.on_failure == "stop" else self.wait(timeout)
+        self.close(None if done else 0.0)
         if stop_requested(self):
             raise self.failure()
 
@@ -745,6 +754,65 @@ def stop_requested(guard: Guard) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+ROUND_S = 1.0
+"""How long the rank that audits waits between two all-reduces in :func:`before_save_everywhere` and
+:func:`wait_everywhere`."""
+
+
+def _any_rank_default() -> Callable[[bool], bool] | None:
+    """An "any rank says true" reduction over the default group (a 4-byte all-reduce), or ``None`` when this
+    process is alone."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+
+    def any_rank(flag: bool) -> bool:
+        import torch
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    return any_rank
+
+
+def before_save_everywhere(guard: Guard, step: int | None = None,
+                           any_rank: Callable[[bool], bool] | None = None) -> None:
+    """(all ranks, just before a collective save; collective when distributed and ``max_unverified`` is set)
+    :meth:`Guard.before_save` on the rank that audits, while the others wait beside it in rounds of at most
+    :data:`ROUND_S` seconds, one tiny all-reduce each (``any_rank``: the library's own "any rank true" reduction,
+    Lightning's ``reduce_boolean_decision``; default, the default group's all-reduce): no rank sits in the save's
+    first collective for as long as an audit takes, which its timeout (10 to 30 minutes) could end. Every rank
+    builds its guard with the same ``max_unverified``, so none enters the rounds alone; with no bound there are
+    none."""
+    if guard.max_unverified is None:
+        return
+    reduce = any_rank or _any_rank_default()
+    if reduce is None:
+        guard.before_save(step)
+        return
+    while reduce(guard.before_save(step, timeout=ROUND_S) is None):
+        pass
+
+
+def wait_everywhere(guard: Guard, timeout: float | None = None,
+                    any_rank: Callable[[bool], bool] | None = None) -> bool:
+    """(all ranks, at the end of training; collective when distributed) :meth:`Guard.wait` on the rank that
+    audits (up to ``timeout`` seconds), the others beside it in rounds of one tiny all-reduce (as in
+    :func:`before_save_everywhere`). Returns whether every audit finished (on the rank that audits; true on
+    the others)."""
+    reduce = any_rank or _any_rank_default()
+    if reduce is None:
+        return guard.wait(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = ROUND_S if deadline is None else max(0.0, min(ROUND_S, deadline - time.monotonic()))
+        done = guard.wait(left)
+        expired = deadline is not None and time.monotonic() >= deadline
+        if not reduce(not done and not expired):
+            return done
 
 
 def _collective_device() -> Any:

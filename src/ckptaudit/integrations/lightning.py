@@ -28,7 +28,7 @@ into its target.
 before each save the callback unlinks a ``last*.ckpt`` whose bytes a pin still needs (:meth:`Guard.detach`), since
 Lightning rewrites it in place when its temporary file is on another filesystem. With ``on_failure="stop"`` at
 most ``max_unverified`` save points (default 1) wait for a verdict: a save beyond that waits in the wrapped
-``save_checkpoint`` (:meth:`Guard.before_save`), and ``fit`` ends by raising
+``save_checkpoint`` (:func:`~ckptaudit.integrations.guard.before_save_everywhere`: every rank calls it), and ``fit`` ends by raising
 :class:`~ckptaudit.integrations.guard.CheckpointAuditFailed` on every rank (in ``on_fit_end``, after the last
 audit) when a checkpoint failed.
 
@@ -48,7 +48,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from ckptaudit.integrations.guard import Guard, Verdict, report_path
+from ckptaudit.integrations.guard import Guard, Verdict, before_save_everywhere, report_path, wait_everywhere
 
 __all__ = ["AuditCallback"]
 
@@ -91,8 +91,8 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
         remove = self._remove = trainer.strategy.remove_checkpoint
 
         def save_checkpoint(filepath: Any, weights_only: bool | None = None, storage_options: Any = None) -> None:
+            before_save_everywhere(self.guard, trainer.global_step, self._any_rank(trainer))
             if trainer.is_global_zero:
-                self.guard.before_save(trainer.global_step)
                 self.guard.detach(os.fspath(filepath))
             original(filepath, weights_only, storage_options)
             if trainer.is_global_zero:
@@ -132,6 +132,13 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
             return  # "warn" never stops: no per-batch collective (every rank has the same on_failure)
         self._agree_to_stop(trainer)
 
+    @staticmethod
+    def _any_rank(trainer: pl.Trainer) -> Any:
+        """Lightning's own "any rank true" reduction (as EarlyStopping uses), or ``None`` alone."""
+        if trainer.world_size == 1:
+            return None
+        return lambda flag: trainer.strategy.reduce_boolean_decision(flag, all=False)
+
     def _agree_to_stop(self, trainer: pl.Trainer) -> None:
         """(all ranks) ``trainer.should_stop`` when the global-zero process's guard asks to stop."""
         stop = self.guard.should_stop()  # only the global-zero process audits: False on the others
@@ -143,7 +150,10 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After ModelCheckpoint's own on_train_end (its last save): every save of the fit has been submitted.
-        self.guard.wait(self.wait_at_end)
+        if self.guard.on_failure == "stop":
+            wait_everywhere(self.guard, self.wait_at_end, self._any_rank(trainer))  # a collective follows
+        else:
+            self.guard.wait(self.wait_at_end)
         if trainer.is_global_zero:
             self._remove_deferred()
             self.guard.release_kept()

@@ -1,7 +1,7 @@
 """ckptaudit's own writer (:mod:`ckptaudit.store`): the ``latest`` pointer and retention wait for the audit.
 See ``docs/integrations/store.md``.
 
-    from ckptaudit.integrations.guard import Guard, report_path, stop_requested
+    from ckptaudit.integrations.guard import Guard, before_save_everywhere, report_path, stop_requested
     from ckptaudit.integrations.store import save_checkpoint
 
     guard = Guard(on_failure="stop")                                  # on every rank; only rank 0 audits
@@ -14,7 +14,7 @@ See ``docs/integrations/store.md``.
     guard.finish()                                                     # raises CheckpointAuditFailed (stop)
 
 Which ranks run what: every rank calls :func:`save_checkpoint`; the coordinator (rank 0) first waits while
-``max_unverified`` saves are waiting for a verdict (:meth:`Guard.before_save`; default 1 with
+``max_unverified`` saves are waiting for a verdict (:func:`~ckptaudit.integrations.guard.before_save_everywhere`; default 1 with
 ``on_failure="stop"``); then the writer's collective save and commit, unchanged; then the coordinator (rank 0) holds ``latest`` at the previous checkpoint and submits the new one to
 the guard. The audit runs on rank 0's background worker; when it passes, ``latest`` moves to it and retention
 (``keep_last``) runs, so a failed save never costs the last good checkpoint (the reports of the checkpoints it
@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ckptaudit.integrations.guard import Guard, report_path, stop_requested
+from ckptaudit.integrations.guard import Guard, before_save_everywhere, report_path, stop_requested
 
 __all__ = ["save_checkpoint", "stop_requested"]
 
@@ -55,8 +55,7 @@ def save_checkpoint(job: Any, root: str | os.PathLike[str], *, guard: Guard, kee
     root = os.path.abspath(os.fspath(root))
     coordinator = _rank() == 0
     previous = layout.read_pointer(root) if coordinator and os.path.isdir(root) else None
-    if coordinator:
-        guard.before_save(None)
+    before_save_everywhere(guard, None)
     saved = store_save(job, root, keep_last=None, **kwargs)
     if not coordinator:
         return saved

@@ -13,7 +13,7 @@
     guard.finish()                                          # raises CheckpointAuditFailed if a save failed (stop)
 
 Which ranks run what: every rank calls ``manager.save`` as before (collective, torchtitan's own DCP save). Rank 0
-first waits, when ``max_unverified`` saves are still waiting for a verdict (:meth:`Guard.before_save`); after
+first waits, when ``max_unverified`` saves are still waiting for a verdict (:func:`~ckptaudit.integrations.guard.before_save_everywhere`, the other ranks beside it); after
 ``save`` returns ``True`` (a checkpoint was written), rank 0 queues ``<folder>/step-N`` for the audit. A failing
 ``step-N`` is renamed ``quarantined-step_N``: torchtitan's ``_find_load_step`` (``manager.load()``, newest step)
 and its purge search the names for ``step-<digits>`` anywhere, so the quarantine name must not contain it;
@@ -36,7 +36,14 @@ import shutil
 import threading
 from typing import Any
 
-from ckptaudit.integrations.guard import REPORT_SUFFIX, Guard, quarantine_name, report_path, stop_requested
+from ckptaudit.integrations.guard import (
+    REPORT_SUFFIX,
+    Guard,
+    before_save_everywhere,
+    quarantine_name,
+    report_path,
+    stop_requested,
+)
 
 __all__ = ["guard_checkpoint_manager", "quarantine", "quarantine_to", "stop_requested"]
 
@@ -84,8 +91,8 @@ def guard_checkpoint_manager(manager: Any, guard: Guard) -> Any:
         return bool(decide(curr_step, last_step)) if callable(decide) else False
 
     def save(curr_step: int, last_step: bool = False) -> bool:
-        if _rank() == 0 and will_save(curr_step, last_step):
-            guard.before_save(curr_step)
+        if will_save(curr_step, last_step):  # the same on every rank
+            before_save_everywhere(guard, curr_step)
         written = bool(original(curr_step, last_step))
         if written and _rank() == 0:
             if last_step and (getattr(manager, "last_save_model_only", False)

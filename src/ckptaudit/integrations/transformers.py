@@ -14,7 +14,9 @@ the one that writes ``checkpoint-N``'s model, trainer state and rotation) audits
 
 Bounded unverified saves: at the step end that will save (``control.should_save``, set by Trainer's flow
 callback before this one), the main process waits while ``max_unverified`` save points (default 1 with
-``on_failure="stop"``) are still waiting for a verdict (:meth:`~ckptaudit.integrations.guard.Guard.before_save`).
+``on_failure="stop"``) are still waiting for a verdict
+(:func:`~ckptaudit.integrations.guard.before_save_everywhere`: the other processes wait beside it in rounds of
+one tiny all-reduce, never in one collective as long as an audit).
 With ``on_failure="stop"``, ``train()`` ends by raising
 :class:`~ckptaudit.integrations.guard.CheckpointAuditFailed` on every process (in ``on_train_end``, after the
 last audit) when a checkpoint failed.
@@ -42,7 +44,14 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ckptaudit.integrations.guard import Guard, Verdict, report_path, stop_requested
+from ckptaudit.integrations.guard import (
+    Guard,
+    Verdict,
+    before_save_everywhere,
+    report_path,
+    stop_requested,
+    wait_everywhere,
+)
 
 __all__ = ["AuditCallback"]
 
@@ -86,9 +95,9 @@ class AuditCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
+        if control.should_save:  # the same on every rank (Trainer's flow callback, from the step)
+            before_save_everywhere(self.guard, state.global_step)
         if state.is_world_process_zero:
-            if control.should_save:
-                self.guard.before_save(state.global_step)
             self._rotate(args, state, when_judged=True)
         stop = stop_requested(self.guard) if args.world_size > 1 else self.guard.should_stop()
         if stop:
@@ -96,8 +105,8 @@ class AuditCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        if state.is_world_process_zero and control.should_save:
-            self.guard.before_save(state.global_step)
+        if control.should_save:
+            before_save_everywhere(self.guard, state.global_step)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
@@ -115,7 +124,10 @@ class AuditCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        self.guard.wait(self.wait_at_end)
+        if self.guard.on_failure == "stop":
+            wait_everywhere(self.guard, self.wait_at_end)  # every rank, in short rounds: a collective follows
+        else:
+            self.guard.wait(self.wait_at_end)
         if state.is_world_process_zero:
             self._rotate(args, state)
             if self._limit is not None:
