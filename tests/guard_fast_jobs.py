@@ -375,6 +375,69 @@ def accelerate_ddp(ctx: Any, out: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# torchtitan
+
+
+def torchtitan_retention(out: str) -> None:
+    """torchtitan's real CheckpointManager (DCP, one gloo rank), warn mode, ``keep_latest_k=2``, a save every 2
+    steps to step 10, the save at step 4 lossy; the audits after the first are held until the end."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+
+    from ckptaudit.integrations.guard import Guard
+    from ckptaudit.integrations.torchtitan import guard_checkpoint_manager
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = OptimizersContainer(OptimizersContainer.Config(implementation="for-loop", param_groups=[
+        ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})]), model_parts=[model])
+    sched = LRSchedulersContainer.Config().build(optimizers=opt, training_steps=10)
+    guard = Guard(on_failure="warn")
+    mgr = guard_checkpoint_manager(CheckpointManager(
+        CheckpointManager.Config(enable=True, folder="ckpt", interval=2, keep_latest_k=2, last_save_model_only=False),
+        dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched, states={}, sd_adapter=None,
+        base_folder=out), guard)
+    folder = os.path.join(out, "ckpt")
+    held = _Held()
+    on_disk: list[list[str]] = []
+    try:
+        for step in range(1, 11):
+            model(torch.randn(4, 32, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            exact = [p.detach().clone() for p in model.parameters()]
+            if step == 4:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.copy_(p.bfloat16().float())
+            if mgr.save(step, last_step=step == 10):
+                on_disk.append(sorted(n for n in os.listdir(folder) if n.startswith("step-")))
+            with torch.no_grad():
+                for p, x in zip(model.parameters(), exact, strict=True):
+                    p.copy_(x)
+            if step == 3:
+                held.stop(guard)
+    finally:
+        held.go()
+    guard.close(120)
+    mgr.close()
+    dist.destroy_process_group()
+    _result(out, listing=sorted(os.listdir(folder)), on_disk_at_each_save=on_disk,
+            keep_latest_k=mgr.keep_latest_k, verdicts=[_verdict(v) for v in guard.verdicts])
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The waits of several ranks
 
 
@@ -434,4 +497,4 @@ if __name__ == "__main__":
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     {"hf_fast": hf_fast, "hf_retention": hf_retention, "lightning_fast": lightning_fast,
-     "lightning_rewrite": lightning_rewrite}[sys.argv[1]](sys.argv[2])
+     "lightning_rewrite": lightning_rewrite, "torchtitan_retention": torchtitan_retention}[sys.argv[1]](sys.argv[2])

@@ -165,6 +165,17 @@ def test_no_rank_waits_for_an_audit_inside_one_collective(tmp_path: Path) -> Non
     assert (one["waits"], one["verdicts"], one["done"]) == ([], [], True)
 
 
+def test_torchtitan_keep_latest_k_never_purges_the_last_good_checkpoint(tmp_path: Path) -> None:
+    r = guard_fast_jobs.run("torchtitan_retention", str(tmp_path))
+    # keep_latest_k=2 taken over: torchtitan's own purge would delete step-2, the only one that had passed, at
+    # the save of step 6, while the audits of steps 4 and 6 were held.
+    assert r["keep_latest_k"] == 0 and all("step-2" in names for names in r["on_disk_at_each_save"]), r
+    assert _pairs(r["verdicts"]) == [("step-2", 2, True), ("step-4", 4, False), ("step-6", 6, True),
+                                     ("step-8", 8, True), ("step-10", 10, True)]
+    assert r["listing"] == ["quarantined-step_4", "quarantined-step_4.ckptaudit.json", "step-10", "step-8",
+                            "step_10.ckptaudit.json", "step_8.ckptaudit.json"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Accelerate
 
