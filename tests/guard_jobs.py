@@ -491,10 +491,14 @@ def _raised(train: Any) -> dict[str, Any] | None:
 
 
 def _verdict(v: Any) -> dict[str, Any]:
+    contract = None
+    if v.report and os.path.exists(v.report):
+        with open(v.report) as fh:
+            contract = json.load(fh).get("contract")
     return {"checkpoint": os.path.basename(v.checkpoint), "step": v.step, "ok": v.ok, "codes": list(v.codes),
             "report": os.path.basename(v.report) if v.report else None,
             "quarantined_to": os.path.basename(v.quarantined_to) if v.quarantined_to else None,
-            "summary": v.summary, "error": v.error}
+            "summary": v.summary, "error": v.error, "contract": contract}
 
 
 def _result(out: str, **facts: Any) -> None:

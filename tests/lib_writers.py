@@ -74,7 +74,53 @@ def _llama() -> Any:
     return LlamaForCausalLM(cfg)
 
 
-def _trainer(out: str, *, bin_weights: bool) -> None:
+def _optional(out: str, write: Any) -> None:
+    """Run ``write(out)``; if it fails (a library or CPU without what this configuration needs), leave its error in
+    ``<out>.failed`` instead, so that the other configurations are still written and its tests can say why they
+    skip (:func:`failed_reason`)."""
+    import traceback
+
+    try:
+        write(out)
+    except Exception:  # one configuration's failure never takes the others down
+        with open(out.rstrip("/") + ".failed", "w") as fh:
+            fh.write(traceback.format_exc())
+
+
+def failed_reason(checkpoint: str) -> str | None:
+    """(tests) Why an :func:`_optional` configuration was not written, or ``None`` when it was."""
+    path = checkpoint.rstrip("/") + ".failed"
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return fh.read().strip().splitlines()[-1]
+
+
+def cast_to_bf16(state: Any) -> Any:
+    """(tests) ``state`` with every floating tensor of one or more dimensions cast to bf16: what an exporter that
+    casts a mixed-precision run's whole state (parameters and optimizer moments) writes."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.to(torch.bfloat16) if state.is_floating_point() and state.dim() > 0 else state
+    if isinstance(state, dict):
+        return type(state)((k, cast_to_bf16(v)) for k, v in state.items())
+    if isinstance(state, list | tuple):
+        return type(state)(cast_to_bf16(v) for v in state)
+    return state
+
+
+def _cpu_grad_scaler() -> Any:
+    """A GradScaler for the CPU, the one a fp16 mixed-precision run gets on a GPU (Accelerate, and the Trainer
+    through it, create one only for CUDA and other accelerators, never for the CPU)."""
+    import torch
+
+    return torch.amp.GradScaler("cpu", init_scale=2.0**8)
+
+
+def _trainer(out: str, *, bin_weights: bool, fp16: bool = False) -> None:
+    """``fp16``: ``TrainingArguments(fp16=True)`` with the GradScaler of a GPU's fp16 run given to the Trainer's own
+    Accelerator on the CPU (where it creates none): the Trainer scales, steps and saves it (``scaler.pt``) itself."""
     import torch
     from transformers import Trainer, TrainingArguments
 
@@ -95,19 +141,27 @@ def _trainer(out: str, *, bin_weights: bool) -> None:
             self.model.config.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
+    class ScaledTrainer(Trainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            self.accelerator.scaler = _cpu_grad_scaler()  # before prepare(): the optimizer steps through it
+
     model = _gpt2()
     args = TrainingArguments(output_dir=out, max_steps=STEPS, save_steps=STEPS, per_device_train_batch_size=4,
                              weight_decay=0.01, report_to=[], use_cpu=True, logging_strategy="no",
-                             dataloader_num_workers=0, disable_tqdm=True, seed=0)
-    cls = V4BinTrainer if bin_weights else Trainer
+                             dataloader_num_workers=0, disable_tqdm=True, seed=0, fp16=fp16)
+    cls = V4BinTrainer if bin_weights else ScaledTrainer if fp16 else Trainer
     trainer = cls(model=model, args=args, train_dataset=_token_dataset())
     trainer.train()
     _write_truth(os.path.join(out, f"checkpoint-{STEPS}"), groups=_groups_by_name(model, trainer.optimizer),
                  params=[n for n, _ in model.named_parameters()])
 
 
-def _accelerate(out: str, *, frozen: str | None, safe_serialization: bool, bf16_init: bool = False) -> None:
-    """``bf16_init``: the weights rounded to bf16 first, as a bf16 release loaded in fp32 gives them."""
+def _accelerate(out: str, *, frozen: str | None, safe_serialization: bool, bf16_init: bool = False,
+                fp16: bool = False) -> None:
+    """``bf16_init``: the weights rounded to bf16 first, as a bf16 release loaded in fp32 gives them. ``fp16``:
+    ``mixed_precision="fp16"`` with a GPU run's GradScaler given to the Accelerator (on the CPU it creates none):
+    ``backward``, the prepared optimizer and ``save_state`` (``scaler.pt``) use it as theirs."""
     import torch
     from accelerate import Accelerator
 
@@ -118,7 +172,9 @@ def _accelerate(out: str, *, frozen: str | None, safe_serialization: bool, bf16_
                 p.copy_(p.bfloat16().float())
     if frozen is not None:
         model.get_parameter(frozen).requires_grad_(False)
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16" if fp16 else "no")
+    if fp16:
+        accelerator.scaler = _cpu_grad_scaler()
     loader = torch.utils.data.DataLoader(_token_dataset(), batch_size=4, shuffle=True,
                                          generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -180,6 +236,10 @@ def write_hf(out: str) -> None:
                     bf16_init=True)
     _sharded(os.path.join(out, "sharded"))
     _peft_lora(os.path.join(out, "peft-lora"))
+    # fp16 mixed precision: the saved GradScaler state is the run's record of its fp32 masters.
+    _optional(os.path.join(out, "trainer-fp16"), lambda d: _trainer(d, bin_weights=False, fp16=True))
+    _optional(os.path.join(out, "accelerate-fp16"), lambda d: _accelerate(d, frozen=None, safe_serialization=True,
+                                                                          fp16=True))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -187,9 +247,13 @@ def write_hf(out: str) -> None:
 
 
 def _lightning(out: str, precision: str) -> None:
+    """``precision="16-mixed"`` goes in as Lightning's own ``MixedPrecision("16-mixed", "cpu")`` plugin (the
+    ``precision`` flag turns 16-mixed into bf16-mixed on the CPU): fp16 autocast and a CPU GradScaler, whose state
+    Lightning saves in the ``.ckpt`` under ``MixedPrecision``."""
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins import MixedPrecision
 
     from ckptaudit.recipes.tinygpt import GPTConfig, TinyGPT, lm_loss
 
@@ -218,7 +282,9 @@ def _lightning(out: str, precision: str) -> None:
     tokens = torch.randint(0, VOCAB, (16, 17), generator=torch.Generator().manual_seed(0))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4, shuffle=True)
     module = LitGPT()
-    trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, precision=precision, logger=False,
+    how: dict[str, Any] = ({"plugins": [MixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed"
+                           else {"precision": precision})
+    trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, **how, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
                         callbacks=[ModelCheckpoint(dirpath=out, every_n_train_steps=STEPS, save_top_k=-1)])
     trainer.fit(module, loader)
@@ -230,6 +296,7 @@ def _lightning(out: str, precision: str) -> None:
 def write_lightning(out: str) -> None:
     _lightning(os.path.join(out, "fp32"), "32-true")
     _lightning(os.path.join(out, "bf16-true"), "bf16-true")
+    _optional(os.path.join(out, "16-mixed"), lambda d: _lightning(d, "16-mixed"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -362,12 +429,60 @@ def _dcp_job(out: str, *, steps: int, export_rounded: bool, frozen: str | None) 
         torch.save({k: v.bfloat16() for k, v in model.state_dict().items()}, out + "-model-bf16.pt")
 
 
+def _finetune_lr0(out: str, *, steps: int = 2) -> None:
+    """A fine-tune of a tiny GPT loaded from bf16-representable weights (a bf16 release in fp32) whose lower layers
+    are kept by learning rate 0 throughout: AdamW groups ``[embeddings + blocks.0 at lr 0, the rest at 3e-3]``, a
+    LambdaLR warmup over both (``initial_lr`` and ``base_lrs`` 0 for the first group), ``steps`` real steps (the
+    lr-0 weights get moments, never an update). Saved twice: ``get_state_dict`` + DCP (FQN-keyed groups, the step as
+    ``train/step``) at ``out``, and ``torch.save`` of ``model.state_dict()`` and ``optimizer.state_dict()``
+    (index-keyed groups, the step as ``trainer/global_step``) at ``out + ".pt"``."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckptaudit.recipes.tinygpt import SyntheticTokens, TinyGPT, lm_loss, plain_recipe
+
+    torch.manual_seed(0)
+    model = TinyGPT(plain_recipe.cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    kept = [n for n, _ in model.named_parameters() if n.split(".")[0] in ("tok_emb", "pos_emb")
+            or n.startswith("blocks.0.")]
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [params[n] for n in kept], "lr": 0.0},
+                             {"params": [p for n, p in params.items() if n not in kept], "lr": 3e-3}],
+                            weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    before = {n: params[n].detach().clone() for n in kept}
+    data = SyntheticTokens(plain_recipe.cfg, seed=0, rank=0, batch_size=4)
+    for _ in range(steps):
+        batch = data.next()
+        lm_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert all(torch.equal(before[n], params[n]) for n in kept), "lr 0 changed a weight"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "lr_scheduler": sched.state_dict(),
+                "trainer": {"global_step": steps}}, out + ".pt")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group": a single-process save is what we want
+        dcp.save({"model": model_sd, "optim": optim_sd, "lr_scheduler": sched.state_dict(), "train/step": steps},
+                 checkpoint_id=out)
+    _write_truth(out, lr0=kept, trained=[n for n in params if n not in kept])
+    _write_truth(out + ".pt", lr0=kept, trained=[n for n in params if n not in kept])
+
+
 def write_dcp(out: str) -> None:
     _dcp_job(os.path.join(out, "step0"), steps=0, export_rounded=False, frozen=None)
     _dcp_job(os.path.join(out, "step0-frozen"), steps=0, export_rounded=False, frozen="tok_emb.weight")
     _dcp_job(os.path.join(out, "trained"), steps=2, export_rounded=False, frozen=None)
     _dcp_job(os.path.join(out, "trained-frozen"), steps=2, export_rounded=False, frozen="tok_emb.weight")
     _dcp_job(os.path.join(out, "trained-rounded-frozen"), steps=2, export_rounded=True, frozen="tok_emb.weight")
+    _finetune_lr0(os.path.join(out, "finetune-lr0"))
 
 
 # ----------------------------------------------------------------------------------------------------------------

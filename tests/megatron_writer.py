@@ -23,7 +23,8 @@ real and what is not:
   ``iter_NNNNNNN`` and ``latest_checkpointed_iteration.txt`` of its ``get_checkpoint_name``.
 
 Variants: ``full``; ``model-only`` (no optimizer, no scheduler); ``rounded-masters`` (the masters saved after a
-round trip through bf16: the defect ckptaudit must find); ``distributed-fully-reshardable`` and
+round trip through bf16: the defect ckptaudit must find); ``cast-to-bf16`` (masters and moments stored as bf16, as
+an exporter that casts the whole state writes them: the same defect, which the saved ``args.bf16`` contradicts); ``distributed-fully-reshardable`` and
 ``distributed-dp-reshardable`` (the same state in the key layouts of Megatron's ``DistributedOptimizer``, which
 needs CUDA too: see :func:`_distributed_state`).
 """
@@ -131,8 +132,11 @@ def _distributed_state(ctx: Any, model_sd: Any, opt: Any, params: list[Any], mas
             "param_state_sharding_type": sharding}
 
 
-def _optimizer_state(model_sd: Any, opt: Any, params: list[Any], masters: list[Any], round_masters: bool) -> Any:
-    """What ``Float16OptimizerWithFloat16Params.sharded_state_dict`` returns, built with Megatron's helpers."""
+def _optimizer_state(model_sd: Any, opt: Any, params: list[Any], masters: list[Any], round_masters: bool,
+                     cast: bool = False) -> Any:
+    """What ``Float16OptimizerWithFloat16Params.sharded_state_dict`` returns, built with Megatron's helpers.
+    ``round_masters``: the masters' values rounded to bf16 (kept fp32); ``cast``: masters and moments stored as
+    bf16 (an exporter that cast the whole state)."""
     import torch
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
@@ -148,13 +152,16 @@ def _optimizer_state(model_sd: Any, opt: Any, params: list[Any], masters: list[A
     assert len(steps) == 1
     for s in inner["state"].values():
         s.pop("step")
+        if cast:
+            s.update({k: v.to(torch.bfloat16) for k, v in s.items() if isinstance(v, torch.Tensor)})
     optim_state_to_sharding_state(inner, id_map)
     inner["state"]["common_step"] = int(steps.pop())
     fp32_from_fp16 = []
     for i, (p, m) in enumerate(zip(params, masters, strict=True)):
         if p is m:
             continue
-        saved = m.detach().to(torch.bfloat16).float() if round_masters else m.detach()
+        saved = m.detach().to(torch.bfloat16) if cast else m.detach().to(torch.bfloat16).float() if round_masters \
+            else m.detach()
         fp32_from_fp16.append(make_sharded_optimizer_tensor(id_map[i], saved, prefix="optimizer.state.fp32_param"))
     return {"optimizer": inner, "fp32_from_fp16_params": [fp32_from_fp16]}
 
@@ -189,11 +196,17 @@ def write_megatron(ctx: Any, out: str, variants: list[str]) -> dict[str, Any]:
                                             (1, ctx.world_size), (0, ctx.rank), replica_id=0)],
                 "num_floating_point_operations_so_far": 0,
             }
-            if variant in ("full", "rounded-masters"):
-                state["optimizer"] = _optimizer_state(model_sd, opt, params, masters, variant == "rounded-masters")
+            if variant in ("full", "rounded-masters", "cast-to-bf16"):
+                state["optimizer"] = _optimizer_state(model_sd, opt, params, masters, variant == "rounded-masters",
+                                                      cast=variant == "cast-to-bf16")
             elif variant.startswith("distributed-"):
                 sharding = variant.removeprefix("distributed-").replace("-", "_")
                 state["optimizer"] = _distributed_state(ctx, model_sd, opt, params, masters, sharding)
+            if variant == "cast-to-bf16":  # the fp32 weights (norms) cast too: the whole state is bf16
+                for t in _sharded_tensors(model_sd):
+                    if t.data.dtype == torch.float32:
+                        t.data = t.data.to(torch.bfloat16)
+                saved = {k: v.data.clone() for k, v in model_sd.items() if isinstance(v, ShardedTensor)}
             if variant != "model-only":
                 state["opt_param_scheduler"] = sched.state_dict()
             root = os.path.join(out, variant)
@@ -209,7 +222,7 @@ def write_megatron(ctx: Any, out: str, variants: list[str]) -> dict[str, Any]:
             loaded = dist_checkpointing.load(_model(ctx, init=False).sharded_state_dict(), path)
             back = {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
             assert back.keys() == saved.keys(), sorted(set(back) ^ set(saved))
-            differ = [k for k, v in back.items() if not torch.equal(v, saved[k])]
+            differ = [k for k, v in back.items() if not torch.equal(v.float(), saved[k].float())]
             assert not differ, f"dist_checkpointing.load does not give back the saved {differ}"
             paths[variant] = path
     finally:

@@ -132,19 +132,23 @@ def test_every_catalogued_code_fits_the_schema() -> None:
     assert CATALOGUE and all(pattern.match(code) for code in CATALOGUE), [c for c in CATALOGUE if not pattern.match(c)]
 
 
-def test_schema_1_1_is_additive_a_1_0_report_still_validates(tmp_path: Path) -> None:
-    # 1.1 added only the optional "mode" key (quick audits): a 1.0 report (no mode) still fits the 1.x schema,
-    # and the quick report carries the key under the bumped version.
+def test_schema_1_x_is_additive_older_reports_still_validate(tmp_path: Path) -> None:
+    # 1.1 added the optional "mode" key (quick audits), 1.2 the contract's "where"/"records", a finding's "ignored"
+    # and counts' "ignored": a 1.0 report (none of them) still fits the 1.x schema.
     from ckptaudit.model import SCHEMA_VERSION
 
-    assert SCHEMA_VERSION == "1.1"
+    assert SCHEMA_VERSION == "1.2"
     path = trained(tmp_path / "good.pt")
     quick = ckptaudit.audit(path, quick=True).to_dict()
-    assert quick["schema_version"] == "1.1" and quick["mode"] == "quick"
+    assert quick["schema_version"] == "1.2" and quick["mode"] == "quick"
     validate(quick)
     old = ckptaudit.audit(path).to_dict()
     assert "mode" not in old
     old["schema_version"] = "1.0"
+    for key in ("where", "records"):
+        del old["contract"][key]
+    for f in old["findings"]:
+        del f["ignored"]
     validate(old)
     docs = (Path(__file__).parents[1] / "docs" / "json-schema.md").read_text()
     assert f"# JSON report (schema {SCHEMA_VERSION})" in docs and f"| `{SCHEMA_VERSION}` | " in docs

@@ -308,7 +308,8 @@ def test_a_real_checkpoint_missing_a_component_is_still_judged_as_one(tmp_path: 
 
 
 def test_a_known_format_ckptaudit_does_not_read_is_not_called_unrecognised(tmp_path: Path) -> None:
-    """A legacy (pre-1.6) torch.save file is a checkpoint in a known format: format.unsupported, judged as usual."""
+    """A legacy (pre-1.6) torch.save file is a checkpoint in a known format: refused as an unvetted pickle (an
+    error), never called unrecognised."""
     torch.save({"w": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
     codes = {f.code for f in audit(str(tmp_path / "legacy.pt")).findings}
-    assert "format.unsupported" in codes and "format.unrecognized" not in codes
+    assert "security.unvetted-pickle" in codes and "format.unrecognized" not in codes

@@ -20,6 +20,14 @@ from guard_jobs import launch_job, run_job
 from test_api import trained
 
 
+def live(verdict: dict[str, Any], run: str) -> None:
+    """The guarded audit held the checkpoint to the running job's contract (the dtype of what its optimizer
+    steps), not to one inferred from the file."""
+    contract = verdict["contract"]
+    assert (contract["source"], contract["master_dtype"]) == ("live", "float32"), contract
+    assert contract["detail"].startswith("the live run: ") and run in contract["detail"], contract
+
+
 @pytest.mark.parametrize("background", ["thread", "process"])
 def test_a_failing_checkpoint_is_quarantined_with_its_report_and_stops(tmp_path: Path, background: str) -> None:
     good, bad = trained(tmp_path / "step=2.ckpt"), trained(tmp_path / "step=4.ckpt", rounded=True)
@@ -49,6 +57,46 @@ def test_warn_quarantines_but_does_not_stop(tmp_path: Path) -> None:
     (v,) = guard.verdicts
     assert v.ok is False and v.quarantined_to is not None and not guard.should_stop()
     assert json.loads(Path(v.report or "").read_text())["mode"] == "quick"
+
+
+@pytest.mark.parametrize("background", ["thread", "process"])
+def test_a_guard_judges_an_export_cast_to_bf16_with_the_live_contract(tmp_path: Path, background: str) -> None:
+    # The exporter casts the whole state to bf16. The file alone looks like a run with bf16 masters (a warning on
+    # defaults); the guard knows the optimizer steps fp32 parameters, so it is an error, and the report says why.
+    import torch
+
+    from ckptaudit.integrations.live_contract import declare_live_contract
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    osd = opt.state_dict()
+    torch.save({"model": {k: v.bfloat16() for k, v in model.state_dict().items()},
+                "optimizer": {"state": {i: {k: v.bfloat16() if v.dim() else v for k, v in e.items()}
+                                        for i, e in osd["state"].items()}, "param_groups": osd["param_groups"]},
+                "step": 2}, tmp_path / "export.pt")
+    plain = Guard(background=background)
+    plain.submit(str(tmp_path / "export.pt"))
+    assert plain.close(60)
+    assert plain.verdicts[0].ok is True  # on the file alone: contract.inferred, a warning
+    guard = Guard(background=background)
+    declare_live_contract(guard, opt, "a test loop")
+    guard.submit(str(tmp_path / "export.pt"))
+    assert guard.close(60)
+    (v,) = guard.verdicts
+    assert v.ok is False and {"contract.mismatch", "precision.low-precision-storage"} == set(v.codes)
+    doc = json.loads(Path(v.report or "").read_text())
+    assert doc["contract"]["source"] == "live" and doc["contract"]["master_dtype"] == "float32"
+    assert doc["contract"]["detail"] == "the live run: AdamW steps 4 float32 parameter tensor(s) (a test loop)"
+    # A master_dtype the user gave the guard is theirs to keep.
+    own = Guard(master_dtype="bfloat16")
+    declare_live_contract(own, opt)
+    assert own.audit_options == {"master_dtype": "bfloat16"}
+    own.close()
 
 
 def test_an_audit_that_cannot_run_is_not_judged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -141,6 +189,7 @@ def test_trainer_stops_after_the_lossy_save_and_resumes_from_the_good_one(hf_sto
     assert (good["checkpoint"], good["ok"], good["report"]) == ("checkpoint-2", True, "checkpoint-2.ckptaudit.json")
     assert (bad["checkpoint"], bad["ok"]) == ("checkpoint-4", False)
     assert set(bad["codes"]) == {"precision.bf16-rounded"}
+    live(good, "Trainer bf16=False, fp16=False")
     # Stopped at the first step end after the failing audit: the save was at 4 (of max_steps 20).
     assert hf_story["stopped_at"] == 5
     assert hf_story["listing"] == ["checkpoint-2", "checkpoint-2.ckptaudit.json", "quarantined-checkpoint-4",
@@ -194,6 +243,7 @@ def test_lightning_stops_after_the_lossy_save_and_last_resumes_the_good_one(ligh
     assert verdicts == [("epoch=0-step=2.ckpt", 2, True), ("last.ckpt", 2, True),
                         ("epoch=0-step=4.ckpt", 4, False), ("last.ckpt", 4, False)]
     assert all(set(v["codes"]) == {"precision.bf16-rounded"} for v in lightning_story["verdicts"][2:])
+    live(lightning_story["verdicts"][0], "Lightning precision=")
     assert lightning_story["stopped_at"] == 5
     assert lightning_story["listing"] == [
         "epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.ckptaudit.json",
@@ -242,6 +292,7 @@ def test_store_latest_and_retention_wait_for_the_audit(tmp_path: Path) -> None:
     assert [(v["checkpoint"], v["ok"]) for v in result["verdicts"]] == [("step-000002", True),
                                                                        ("step-000004", False)]
     assert set(result["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
+    live(result["verdicts"][0], "ckptaudit.store")
     # latest moved to step 2 once it passed, not at its commit; it never named step 4.
     assert result["pointer_before_and_after_each_audit"] == [(None, "step-000002"), ("step-000002", "step-000002")]
     assert result["stopped_at"] == 4  # the boundary right after the save: this loop waited for the audit there
@@ -271,6 +322,7 @@ def test_deepspeed_latest_moves_only_to_a_tag_that_passed(deepspeed_story: dict[
     verdicts = [(v["checkpoint"], v["step"], v["ok"]) for v in deepspeed_story["verdicts"]]
     assert verdicts == [("global_step2", 2, True), ("global_step4", 4, False)]
     assert set(deepspeed_story["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
+    live(deepspeed_story["verdicts"][0], "DeepSpeed bf16 ")
     assert deepspeed_story["stopped_at"] == 4  # the loop waited for the audit right after the save
     assert deepspeed_story["latest_after_each_audit"] == ["global_step2", "global_step2"]
     assert deepspeed_story["listing"] == ["global_step2", "global_step2.ckptaudit.json", "latest",
@@ -300,6 +352,7 @@ def test_deepspeed_zero_on_two_ranks_latest_moves_only_to_a_tag_that_passed(
     # The masters rounded in the optimizer's own fp32 partitions (every rank's) are what the audit names.
     bad = zero["verdicts"][1]
     assert set(bad["codes"]) == {"precision.bf16-rounded"}
+    live(zero["verdicts"][0], f"{optimizer} steps ")  # the engine's fp32 partitions
     assert zero["latest_after_each_audit"] == ["global_step2", "global_step2"]
     assert [r["stopped_at"] for r in (zero, one)] == [4, 4]
     for r in (zero, one):
@@ -326,6 +379,7 @@ def test_torchtitan_newest_step_is_never_one_that_failed(torchtitan_story: dict[
     assert verdicts == [("step-2", 2, True, "step_2.ckptaudit.json"),
                         ("step-4", 4, False, "quarantined-step_4.ckptaudit.json")]
     assert set(torchtitan_story["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
+    live(torchtitan_story["verdicts"][0], "(torchtitan)")
     assert torchtitan_story["stopped_at"] == 4
     # No name but step-2 holds "step-<digits>", which torchtitan's load and purge search for.
     assert torchtitan_story["listing"] == ["quarantined-step_4", "quarantined-step_4.ckptaudit.json", "step-2",

@@ -624,7 +624,8 @@ def test_cli_exit_codes_for_hostile_input(corpus: dict[str, Hostile], tmp_path: 
 
 
 def test_hostile_names_cannot_drive_the_terminal(bases: dict[str, Path], tmp_path: Path) -> None:
-    evil = "\x1b]0;pwned\x07\x1b[2J[/bold][link=file:///etc/passwd]x\u202e\ud800"
+    # (No lone surrogate here: the safetensors library refuses a header holding one, and so does ckptaudit.)
+    evil = "\x1b]0;pwned\x07\x1b[2J[/bold][link=file:///etc/passwd]x\u202e"
 
     def edit(h: dict[str, Any]) -> None:
         name = next(k for k in h if k != "__metadata__")
@@ -664,7 +665,7 @@ def test_legacy_torch_save_is_scanned_and_never_loaded(tmp_path: Path) -> None:
     sentinel = tmp_path / "legacy.sentinel"
     torch.save({"w": torch.ones(2), "x": hf.payload_object("os.system", str(sentinel))}, evil,
                _use_new_zipfile_serialization=False)
-    assert codes(audit(str(clean))) >= {"format.unsupported"}
+    assert codes(audit(str(clean))) >= {"security.unvetted-pickle"}  # an error: torch would unpickle it unvetted
     assert "security.unsafe-pickle" not in codes(audit(str(clean)))
     report = audit(str(evil))
     assert any(f.code == "security.unsafe-pickle" and "posix.system" in f.message for f in report.findings)

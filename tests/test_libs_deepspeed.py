@@ -69,6 +69,38 @@ def values(path: Path) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the contract from DeepSpeed's own record (ds_config)
+
+
+def test_an_export_cast_to_bf16_contradicts_the_saved_ds_config(ds: Path, tmp_path: Path) -> None:
+    # ZeRO-0 keeps masters and moments in the model states: an exporter that casts them to bf16 leaves a state that
+    # alone looks like bf16 masters; the saved ds_config (bf16.enabled: fp32 masters) says it is not.
+    import torch
+
+    import lib_writers
+
+    root = tmp_path / "s0-bf16"
+    shutil.copytree(ds / "s0-bf16", root)
+    states = root / "global_step2" / "mp_rank_00_model_states.pt"
+    sd = torch.load(states, weights_only=True)
+    sd["optimizer"] = lib_writers.cast_to_bf16(sd["optimizer"])
+    torch.save(sd, states)
+    report = audit(str(root))
+    (mismatch,) = [f for f in report.findings if f.code == "contract.mismatch"]
+    assert mismatch.severity is Severity.ERROR
+    assert mismatch.message.startswith("global_step2/mp_rank_00_model_states.pt/ds_config records bf16.enabled=true")
+    assert "parameters are bfloat16 and optimizer moments are bfloat16" in mismatch.message
+    stored = {f.subject for f in report.findings if f.code == "precision.low-precision-storage"}
+    assert len(stored) == len(truth(ds)["params"])
+    # The same state without the config: nothing records the masters, so the bf16 contract is only inferred.
+    del sd["ds_config"]
+    torch.save(sd, states)
+    bare = audit(str(root))
+    assert bare.contract is not None and bare.contract.source == "optimizer-state"
+    assert "contract.inferred" in codes(bare, Severity.WARNING) and "contract.mismatch" not in codes(bare)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # every stage as written is resumable, judged on the fp32 masters
 
 
@@ -79,7 +111,16 @@ def test_every_stage_audits_without_error_on_the_masters(ds: Path, name: str, wh
     assert report.format == "deepspeed"
     assert not codes(report, Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
     assert report.contract is not None and report.contract.master_dtype == "float32"
-    assert report.contract.source == "optimizer-state"
+    config = "mp_rank_00_model_states.pt/ds_config"  # under the tag folder the root resolves to
+    if name == "s0-fp32":  # an fp32 engine's config decides nothing: the fp32 moments do
+        assert report.contract.source == "optimizer-state"
+        (record,) = report.contract.records
+        assert record.endswith(f"{config}: neither bf16 nor fp16 enabled (an fp32 engine steps the module's own "
+                               "weights, in whatever dtype they were given)")
+    else:  # the engine's own record: bf16/fp16 enabled, fp32 masters in the optimizer's partitions
+        half = "fp16" if "fp16" in name else "bf16"
+        assert report.contract.source == "deepspeed-config" and report.contract.where.endswith(config)
+        assert report.contract.detail.startswith(f"{half}.enabled=true: DeepSpeed's {half} engine")
     params = {r.param: r for r in report.tensors if r.role == "parameter"}
     assert sorted(params) == sorted(truth(ds)["params"])
     assert {r.dtype for r in params.values()} == {"float32"}

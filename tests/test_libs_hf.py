@@ -363,3 +363,79 @@ def test_rounded_parameters_that_cannot_all_be_frozen_are_still_errors(hf: Path,
     assert errors == {("precision.bf16-rounded", f"model.safetensors/{p}")
                       for p in (up, "model.layers.0.mlp.gate_proj.weight")}
     assert "precision.not-judged" not in codes(report)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The master-dtype contract: what the Trainer and Accelerate record about their precision
+
+
+def _written(path: Path) -> Path:
+    import lib_writers
+
+    reason = lib_writers.failed_reason(str(path))
+    if reason is not None:
+        pytest.skip(f"{path.name} was not written on this machine: {reason}")
+    return path
+
+
+def _export_cast_to_bf16(src: Path, dst: Path, optimizer_file: str) -> Path:
+    """A copy of a checkpoint directory whose model and optimizer moments an exporter cast to bf16 (the real
+    files rewritten by safetensors and torch)."""
+    import safetensors.torch
+    import torch
+
+    import lib_writers
+
+    shutil.copytree(src, dst)
+    model = dst / "model.safetensors"
+    safetensors.torch.save_file(lib_writers.cast_to_bf16(safetensors.torch.load_file(model)), model,
+                                metadata={"format": "pt"})
+    osd = torch.load(dst / optimizer_file, weights_only=True)
+    torch.save(lib_writers.cast_to_bf16(osd), dst / optimizer_file)
+    return dst
+
+
+@pytest.mark.parametrize("name", ["trainer-fp16", "accelerate-fp16"])
+def test_a_saved_grad_scaler_decides_fp32_masters(hf: Path, name: str) -> None:
+    ckpt = _written(hf / name / "checkpoint-2" if name.startswith("trainer") else hf / name)
+    report = audit(str(ckpt))
+    assert report.contract is not None
+    assert (report.contract.master_dtype, report.contract.source, report.contract.where) == (
+        "float32", "grad-scaler", "scaler.pt")
+    assert "refuses to unscale fp16 gradients" in report.contract.detail
+    if name.startswith("trainer"):  # the Trainer's own arguments are shown beside it, deciding nothing
+        assert any(r.startswith("training_args.bin: bf16=False, fp16=True") for r in report.contract.records)
+    assert not codes(report, Severity.ERROR), [f.message for f in report.findings]
+
+
+@pytest.mark.parametrize("name", ["trainer-fp16", "accelerate-fp16"])
+def test_an_export_cast_to_bf16_contradicts_the_saved_grad_scaler(hf: Path, tmp_path: Path, name: str) -> None:
+    ckpt = _written(hf / name / "checkpoint-2" if name.startswith("trainer") else hf / name)
+    opt = "optimizer.pt" if name.startswith("trainer") else "optimizer.bin"
+    report = audit(str(_export_cast_to_bf16(ckpt, tmp_path / name, opt)))
+    mismatch = one(report, "contract.mismatch")
+    assert mismatch.severity is Severity.ERROR
+    assert mismatch.message.startswith("scaler.pt records a GradScaler state")
+    assert "parameters are bfloat16 and optimizer moments are bfloat16" in mismatch.message
+    stored = {f.subject for f in report.findings if f.code == "precision.low-precision-storage"}
+    assert len(stored) == len({t.param for t in report.tensors if t.role == "parameter"})
+
+
+def test_an_export_cast_to_bf16_where_nothing_records_the_masters_is_a_warning_naming_the_flag(
+        hf: Path, tmp_path: Path) -> None:
+    # A Trainer run without fp16 (no GradScaler): training_args.bin says bf16=False, fp16=False, which leaves the
+    # masters to the dtype the model was loaded in. The all-bf16 export then looks like a bf16 run: said, not
+    # called clean or broken; declared, it is an error.
+    from ckptaudit.audit import AuditOptions
+
+    ckpt = _export_cast_to_bf16(hf / "trainer-safetensors" / "checkpoint-2", tmp_path / "export", "optimizer.pt")
+    report = audit(str(ckpt))
+    assert report.contract is not None
+    assert (report.contract.master_dtype, report.contract.source) == ("bfloat16", "optimizer-state")
+    inferred = one(report, "contract.inferred")
+    assert inferred.severity is Severity.WARNING
+    assert "--master-dtype float32" in inferred.message
+    assert "training_args.bin: bf16=False, fp16=False" in inferred.message
+    assert not codes(report, Severity.ERROR)
+    declared = audit(str(ckpt), AuditOptions(master_dtype="float32"))
+    assert "precision.low-precision-storage" in codes(declared, Severity.ERROR)

@@ -1,9 +1,10 @@
 """The audit on the ``.ckpt`` files ``lightning.Trainer``'s ``ModelCheckpoint`` really writes.
 
 A LightningModule around the tiny GPT with nanoGPT's decay / no-decay param groups and a persistent buffer
-registered before the model, trained 2 steps on CPU with ``precision="32-true"`` and ``"bf16-true"`` (bf16
-parameters and bf16 AdamW moments: a run with low-precision masters). Written once per module in a fresh
-interpreter (``lib_writers.py``).
+registered before the model, trained 2 steps on CPU with ``precision="32-true"``, ``"bf16-true"`` (bf16
+parameters and bf16 AdamW moments: a run with low-precision masters) and ``"16-mixed"`` (Lightning's
+``MixedPrecision`` plugin on the CPU: fp16 autocast, a GradScaler whose state the ``.ckpt`` keeps). Written once
+per module in a fresh interpreter (``lib_writers.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     out = tmp_path_factory.mktemp("lightning")
     lib_writers.run_writer("lightning", str(out))
-    return {p: next((out / p).glob("*.ckpt")) for p in ("fp32", "bf16-true")}
+    return {p: next((out / p).glob("*.ckpt"), out / p / "(not written)") for p in ("fp32", "bf16-true", "16-mixed")}
 
 
 def truth(ckpt: Path) -> dict[str, Any]:
@@ -83,10 +84,47 @@ def test_bf16_true_is_clean_under_its_low_precision_contract(ckpts: dict[str, Pa
     moments = [t for t in report.tensors if t.component == "optimizer" and t.role in ("exp_avg", "exp_avg_sq")]
     assert {t.dtype for t in params} == {"bfloat16"} and {t.dtype for t in moments} == {"bfloat16"}
     assert report.contract is not None and report.contract.master_dtype == "bfloat16"
-    assert "contract.low-precision-masters" in codes(report, Severity.INFO)
+    # Lightning records no precision setting in the .ckpt (only a 16-mixed GradScaler's state): the bf16 contract is
+    # inferred from the tensors, which an all-bf16 export of a bf16-mixed run would look like too. Said, not judged.
+    assert report.contract.source == "optimizer-state" and report.contract.records == ()
+    (inferred,) = [f for f in report.findings if f.code == "contract.inferred"]
+    assert inferred.severity is Severity.WARNING and "--master-dtype float32" in inferred.message
     assert not codes(report, Severity.ERROR)
     assert not {c for c in codes(report) if c.startswith("precision.")}
+    # Declared, it is clean of that warning.
+    declared = audit(str(ckpts["bf16-true"]), AuditOptions(master_dtype="bfloat16"))
+    assert "contract.inferred" not in codes(declared) and not codes(declared, Severity.ERROR)
     # Held to fp32 masters, every parameter is low-precision storage.
     strict = audit(str(ckpts["bf16-true"]), AuditOptions(master_dtype="float32"))
     flagged = {f.subject for f in strict.findings if f.code == "precision.low-precision-storage"}
     assert flagged == {t.name for t in params}
+
+
+def test_16_mixed_records_its_grad_scaler_and_an_export_cast_to_bf16_contradicts_it(
+        ckpts: dict[str, Path], tmp_path: Path) -> None:
+    import torch
+
+    import lib_writers
+
+    reason = lib_writers.failed_reason(str(ckpts["16-mixed"].parent))
+    if reason is not None:
+        pytest.skip(f"16-mixed was not written on this machine: {reason}")
+    report = audit(str(ckpts["16-mixed"]))
+    assert report.contract is not None
+    assert (report.contract.master_dtype, report.contract.source, report.contract.where) == (
+        "float32", "grad-scaler", "MixedPrecision")
+    assert not codes(report, Severity.ERROR)
+    # An exporter casts the whole state (weights and moments) to bf16 and keeps the rest: the record contradicts it.
+    state = torch.load(ckpts["16-mixed"], weights_only=True)
+    state["state_dict"] = lib_writers.cast_to_bf16(state["state_dict"])
+    state["optimizer_states"] = lib_writers.cast_to_bf16(state["optimizer_states"])
+    torch.save(state, tmp_path / "export.ckpt")
+    cast = audit(str(tmp_path / "export.ckpt"))
+    (mismatch,) = [f for f in cast.findings if f.code == "contract.mismatch"]
+    assert mismatch.severity is Severity.ERROR and mismatch.message.startswith("MixedPrecision records a GradScaler")
+    assert "precision.low-precision-storage" in codes(cast, Severity.ERROR)
+    # Without the record (a bf16-mixed run keeps none), the same export is a warning that names the flag.
+    del state["MixedPrecision"]
+    torch.save(state, tmp_path / "no-record.ckpt")
+    bare = audit(str(tmp_path / "no-record.ckpt"))
+    assert "contract.inferred" in codes(bare, Severity.WARNING) and not codes(bare, Severity.ERROR)

@@ -28,7 +28,8 @@ from ckptaudit.store.latest import find_latest, latest_report
 
 pytestmark = pytest.mark.dist
 
-VARIANTS = ["full", "model-only", "rounded-masters", "distributed-fully-reshardable", "distributed-dp-reshardable"]
+VARIANTS = ["full", "model-only", "rounded-masters", "distributed-fully-reshardable", "distributed-dp-reshardable",
+            "cast-to-bf16"]
 PLANNER = {f"torch.distributed.checkpoint.planner.{n}" for n in ("SavePlan", "WriteItem", "WriteItemType",
                                                                    "TensorWriteData")}
 
@@ -90,6 +91,9 @@ def test_full_checkpoint_reads_every_tensor_and_attaches_the_masters(megatron: d
     assert {t.param for t in moments} == set(megatron["params"])
     assert report.extra["attachment"] == "by-name"
     assert report.contract is not None and report.contract.master_dtype == "float32"
+    # Decided by the run's own record, Megatron-LM's args in common.pt.
+    assert (report.contract.source, report.contract.where) == ("megatron-args", "common.pt/args")
+    assert report.contract.detail == "bf16=True: Megatron's mixed-precision optimizers keep fp32 main params of the bf16 weights"
     comps = {c.kind: c for c in report.components}
     assert comps[ComponentKind.MODEL].where == ("(sharded tensors)",)
     assert comps[ComponentKind.OPTIMIZER].where == ("optimizer.state",)
@@ -106,6 +110,22 @@ def test_masters_rounded_to_bf16_are_found(megatron: dict[str, Any]) -> None:
     assert report.fails(Severity.ERROR)
 
 
+def test_a_state_cast_to_bf16_contradicts_the_saved_args(megatron: dict[str, Any]) -> None:
+    # Masters, moments and the fp32 weights all stored as bf16 (an exporter that cast the whole state): alone, the
+    # tensors would look like a run with bf16 masters; Megatron's own args (bf16=True: fp32 main params) say not.
+    report = audit(megatron["paths"]["cast-to-bf16"])
+    assert report.contract is not None and (report.contract.source, report.contract.master_dtype) == (
+        "megatron-args", "float32")
+    (mismatch,) = [f for f in report.findings if f.code == "contract.mismatch"]
+    assert mismatch.severity is Severity.ERROR and mismatch.subject == "contract"
+    assert mismatch.message.startswith("common.pt/args records bf16=True (Megatron's mixed-precision optimizers")
+    assert "parameters are bfloat16 and optimizer moments are bfloat16" in mismatch.message
+    stored = {f.subject for f in report.findings if f.code == "precision.low-precision-storage"}
+    assert stored == {f"optimizer.state.fp32_param.{p}" for p in megatron["bf16_params"]} | {
+        p for p in megatron["params"] if p not in megatron["bf16_params"]}
+    assert report.findings[0].code == "contract.mismatch"  # the cause before the per-parameter errors
+
+
 def test_model_only_checkpoint_reports_the_missing_optimizer(megatron: dict[str, Any]) -> None:
     report = audit(megatron["paths"]["model-only"])
     assert report.format == "megatron"
@@ -115,10 +135,11 @@ def test_model_only_checkpoint_reports_the_missing_optimizer(megatron: dict[str,
     params = {t.name for t in report.tensors if t.component == "model" and t.role == "parameter"}
     assert params == set(megatron["params"])
     assert "security.unsafe-pickle" not in _codes(report)
-    # With no optimizer the contract is unknown: said once (contract.unknown, a warning), and no precision finding
-    # holds the bf16 weights to a contract nobody knows; no message prints "unknown" as a dtype.
-    assert {(f.code, f.severity) for f in report.findings if f.code.startswith("contract.")} == {
-        ("contract.unknown", Severity.WARNING)}
+    # Megatron's args (bf16=True) decide the contract: fp32 masters, kept in the optimizer, which is missing; the
+    # bf16 weights are its compute copies, not held to the contract one by one (component.missing says it all).
+    assert report.contract is not None and (report.contract.source, report.contract.master_dtype) == (
+        "megatron-args", "float32")
+    assert not [f for f in report.findings if f.code.startswith("contract.")]
     assert not [f for f in report.findings if f.code.startswith("precision.")]
     assert not [f for f in report.findings if "unknown masters" in f.message or "into unknown" in f.message]
 

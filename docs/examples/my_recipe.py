@@ -1,7 +1,9 @@
-"""A user's recipe for ``ckptaudit resume-test``: a small MLP classifier under FSDP2 with bf16 compute.
+"""A user's recipe for ``ckptaudit resume-test``, ``probe`` and ``export-serving``: a small MLP classifier on
+feature vectors, under FSDP2 with bf16 compute.
 
 Copy this file next to your training code and replace the model, the data and the step with yours. Run it from
-the repository root (2 ranks train and save, then fresh processes resume)::
+the repository root (2 ranks train and save, then fresh processes resume; docs/recipes.md, "Any model", has the
+probe and export-serving commands too)::
 
     .venv/bin/python -m ckptaudit resume-test --recipe docs/examples/my_recipe.py:recipe \\
         --exporter docs/examples/my_exporter.py:export
@@ -13,7 +15,10 @@ What ckptaudit needs from a recipe (docs/resume-test.md, "The protocol"):
   ``ctx.backend``, ``ctx.shared_dir``), building everything from the seed: the same ``setup`` builds the run that
   saves and every fresh run that restores;
 - ``step(job) -> loss``, run on every rank: one optimizer step; returns the loss as a float or a 0-dim tensor and
-  advances ``job.step`` (ckptaudit advances it when the recipe does not).
+  advances ``job.step`` (ckptaudit advances it when the recipe does not);
+- for ``probe``, an exporter's ``prepare`` and ``export-serving`` (optional): ``eval_batch(job)``, a held-out batch
+  in whatever form your model takes (here features and labels), ``forward(model, batch)``, the model on it, and
+  ``eval_loss(model, batch)``, the loss the serving gate compares; ``build_model()``, the unwrapped fp32 model.
 
 To be judged at all, the steps must be reproducible: seed everything from ``seed`` and the data position, not from
 the clock or the process.
@@ -66,12 +71,16 @@ class MyRecipe:
     compute_dtype = "bfloat16"
     """Optional: the dtype forward computes in (the positive control rounds the masters to it)."""
 
+    def build_model(self) -> nn.Module:
+        """The unwrapped model in fp32 (``export-serving`` loads a checkpoint's weights into it)."""
+        return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+
     def setup(self, ctx: Any) -> Job:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         torch.manual_seed(self.seed)
-        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+        model = self.build_model()
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         fully_shard(model, mesh=init_device_mesh("cpu", (ctx.world_size,)), mp_policy=policy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -89,6 +98,20 @@ class MyRecipe:
         job.scheduler.step()
         job.step += 1
         return loss.detach()
+
+    def eval_batch(self, job: Job | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A held-out batch (features, labels), the same on every rank and offline (``job`` is then None)."""
+        data = ToyClassification(seed=self.seed, rank=0, world_size=1, global_batch=256)
+        data.position = 1_000_000  # far beyond any training run
+        return data.next()
+
+    def forward(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The model on the batch's features: the class logits."""
+        return model(batch[0])
+
+    def eval_loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The serving gate compares this loss between the fp32 model and the exported one."""
+        return F.cross_entropy(model(batch[0]).float(), batch[1])
 
 
 recipe = MyRecipe()

@@ -57,8 +57,8 @@ class Report:
 
     @property
     def failing(self) -> tuple[Finding, ...]:
-        """The findings at or above ``fail_on``: why ``ok`` is false."""
-        return tuple(f for f in self.raw.findings if f.severity >= self.fail_on)
+        """The findings at or above ``fail_on`` and not ignored: why ``ok`` is false."""
+        return tuple(f for f in self.raw.findings if f.severity >= self.fail_on and not f.ignored)
 
     @property
     def summary(self) -> str:
@@ -113,11 +113,25 @@ def _components(v: Any) -> bool:
         return False
 
 
+def _ignore(v: Any) -> bool:
+    from ckptaudit.catalogue import parse_ignore
+
+    if not isinstance(v, str) and not isinstance(v, list | tuple | set | frozenset):
+        return False
+    try:
+        parse_ignore(v)
+    except ValueError:
+        return False
+    return True
+
+
 def _int_at_least(low: int, high: int | None = None) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
 
 
 _FAIL_ON = _Option("error", _choice("error", "warning", "info"), "one of 'error', 'warning', 'info'")
+_IGNORE = _Option((), _ignore, "finding codes or families from docs/catalogue.md (an iterable or a comma-separated "
+                  "string, e.g. 'security.not-loaded,optimizer.index-keyed')")
 AUDIT_OPTIONS: Mapping[str, _Option] = {
     "master_dtype": _Option("auto", _choice("auto", "float32", "bfloat16", "float16"),
                             "one of 'auto', 'float32', 'bfloat16', 'float16'"),
@@ -125,7 +139,9 @@ AUDIT_OPTIONS: Mapping[str, _Option] = {
     "require": _Option((), _components,
                        "component names: an iterable or a comma-separated string of "
                        + ", ".join(repr(k.value) for k in ComponentKind)),
+    "master_dtype_from": _Option("", lambda v: isinstance(v, str), "a string: who declared master_dtype"),
     "fail_on": _FAIL_ON,
+    "ignore": _IGNORE,
     "quick": _Option(False, lambda v: isinstance(v, bool), "True or False"),
     "chunk_bytes": _Option(1 << 20, _int_at_least(64), "an int >= 64 (bytes read per chunk)"),
 }
@@ -133,6 +149,7 @@ AUDIT_OPTIONS: Mapping[str, _Option] = {
 
 COMPARE_OPTIONS: Mapping[str, _Option] = {
     "fail_on": _FAIL_ON,
+    "ignore": _IGNORE,
     "threads": _Option(2, _int_at_least(1, 64), "an int from 1 to 64"),
     "chunk_bytes": _Option(1 << 20, _int_at_least(64), "an int >= 64 (bytes read per chunk and side)"),
     "max_moment_checks": _Option(256, _int_at_least(0), "an int >= 0"),
@@ -175,7 +192,11 @@ def audit(path: str | os.PathLike[str], **options: Any) -> Report:
     - ``expect``: ``"training"`` (a resumable checkpoint) or ``"serving"`` (an inference artifact);
     - ``require``: components whose absence is an error besides model and optimizer
       (``["scheduler", "rng", "data-progress"]`` or ``"scheduler,rng"``);
+    - ``master_dtype_from``: who declared ``master_dtype`` when it was not you, in words (the guards pass the
+      running job's evidence); the report's contract then says ``live``;
     - ``fail_on``: ``"error"`` (default), ``"warning"`` or ``"info"``: the level at which ``Report.ok`` is false;
+    - ``ignore``: finding codes or families to acknowledge (``["security.not-loaded", "optimizer"]`` or
+      ``"security.not-loaded,optimizer"``): kept in the report, marked ``ignored``, counted toward nothing;
     - ``quick``: the in-loop mode (first chunk of each tensor, no content hashes; see
       :attr:`ckptaudit.audit.AuditOptions.quick` for what it cannot see);
     - ``chunk_bytes``: bytes read per chunk.
@@ -193,14 +214,17 @@ def audit(path: str | os.PathLike[str], **options: Any) -> Report:
         require = [s for s in require.split(",") if s.strip()]
     raw = run_audit(where, AuditOptions(master_dtype=opts["master_dtype"], expect=opts["expect"],
                                         require=frozenset(ComponentKind(str(s).strip()) for s in require),
-                                        chunk_bytes=opts["chunk_bytes"], quick=opts["quick"]))
+                                        chunk_bytes=opts["chunk_bytes"], quick=opts["quick"],
+                                        master_dtype_from=opts["master_dtype_from"],
+                                        ignore=_ignored(opts["ignore"])))
     return Report(raw, Severity.parse(opts["fail_on"]))
 
 
 def compare(reference: str | os.PathLike[str], candidate: str | os.PathLike[str], **options: Any) -> Report:
     """Compare ``candidate`` with ``reference`` tensor by tensor (is it the reference's training state?).
 
-    Options (keywords; defaults in :data:`COMPARE_OPTIONS`): ``fail_on`` (as for :func:`audit`), ``threads``
+    Options (keywords; defaults in :data:`COMPARE_OPTIONS`): ``fail_on`` and ``ignore`` (as for :func:`audit`),
+    ``threads``
     (tensor pairs compared at once), ``chunk_bytes``, ``max_moment_checks`` (value comparisons per state name
     and shape when looking for the source of a mismatched optimizer moment).
 
@@ -214,5 +238,12 @@ def compare(reference: str | os.PathLike[str], candidate: str | os.PathLike[str]
     ref = _path("ckptaudit.compare", "reference", reference)
     cand = _path("ckptaudit.compare", "candidate", candidate)
     raw = run_compare(ref, cand, CompareOptions(chunk_bytes=opts["chunk_bytes"], threads=opts["threads"],
-                                                max_moment_checks=opts["max_moment_checks"]))
+                                                max_moment_checks=opts["max_moment_checks"],
+                                                ignore=_ignored(opts["ignore"])))
     return Report(raw, Severity.parse(opts["fail_on"]))
+
+
+def _ignored(value: Any) -> tuple[str, ...]:
+    from ckptaudit.catalogue import parse_ignore
+
+    return parse_ignore(value)

@@ -12,13 +12,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptaudit.catalogue import finding
+from ckptaudit.catalogue import finding, finding_order, ignore_note, mark_ignored, parse_ignore
 from ckptaudit.checks.artifact import check_artifact
 from ckptaudit.checks.components import check_components
 from ckptaudit.checks.integrity import check_indexes
-from ckptaudit.checks.lr_history import deepspeed_zero_lr_steps
+from ckptaudit.checks.lr_history import deepspeed_zero_lr_steps, zero_lr_groups
 from ckptaudit.checks.manifest import check_manifest
-from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_steps, may_all_be_unattached
+from ckptaudit.checks.optimizer import ELEMENTWISE_STATE, check_steps, may_all_be_unattached, never_updated
 from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract
 from ckptaudit.formats.base import Checkpoint, walk
 from ckptaudit.formats.tensors import (
@@ -30,7 +30,7 @@ from ckptaudit.formats.tensors import (
     small_read_plan,
 )
 from ckptaudit.layouts import SCHEDULER_KEYS, View, file_rule
-from ckptaudit.model import ComponentKind, Finding, Precision, Report, Severity, TensorRecord
+from ckptaudit.model import ComponentKind, Contract, Finding, Precision, Report, Severity, TensorRecord
 from ckptaudit.records import SMALL_TENSOR_BYTES
 from ckptaudit.scanning import (
     Progress,
@@ -61,6 +61,12 @@ class AuditOptions:
     jobs: int = 1
     """Threads scanning tensors at once (the CLI's default: every core available, :func:`default_jobs`). The
     report is the same whatever the number."""
+    master_dtype_from: str = ""
+    """Who declared ``master_dtype``, in words, when it was not the user: the guards pass the running job's evidence
+    (``"the live run: the optimizer steps float32 parameters"``); the report's contract then says ``live``."""
+    ignore: tuple[str, ...] = ()
+    """Finding codes or families acknowledged (:func:`ckptaudit.catalogue.parse_ignore`): kept in the report,
+    marked ignored, counted toward nothing."""
     quick: bool = False
     """The in-loop mode: inventory, attachment, integrity from headers and recorded sizes, and each tensor's
     precision decided from its first chunk; no content hash (``hash`` is ``None``), manifest hashes not
@@ -76,6 +82,9 @@ class AuditOptions:
             )
         if self.expect not in ("training", "serving"):
             raise ValueError(f"expect must be 'training' or 'serving', not {self.expect!r}")
+        if self.master_dtype_from and self.master_dtype == "auto":
+            raise ValueError("master_dtype_from names who declared master_dtype; it needs a master_dtype, not auto")
+        object.__setattr__(self, "ignore", parse_ignore(self.ignore))
 
 
 def audit(path: str, options: AuditOptions | None = None, *, progress: Progress | None = None) -> Report:
@@ -110,7 +119,10 @@ def judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
         contract_info = view.manifest.get("contract")
         if isinstance(contract_info, dict) and isinstance(contract_info.get("master_dtype"), str):
             manifest_dtype = contract_info["master_dtype"]
-    contract, contract_findings = infer_contract(options.master_dtype, params, moments, manifest_dtype)
+    contract, contract_findings = infer_contract(options.master_dtype, params, moments, manifest_dtype,
+                                                 records=view.contract_records,
+                                                 flag_source="live" if options.master_dtype_from else "flag",
+                                                 flag_detail=options.master_dtype_from)
     components: tuple[Any, ...] = ()
     if options.expect == "training":
         findings += contract_findings
@@ -120,12 +132,15 @@ def judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
         findings += check_steps(view.optimizer, s.steps)
         frozen = [r for r in s.records if r.component == ComponentKind.MODEL.value and r.role == "buffer"
                   and r.precision not in (Precision.NOT_FLOAT, Precision.UNREAD)]
-        findings += check_precision(params, contract, frozen=frozen,
-                                    frozen_why=_FROZEN_WHY.get(s.attachment.status, ""),
-                                    before_first_update=before_first_update(s),
-                                    not_judged=_maybe_frozen(s, params, contract.master_dtype),
-                                    not_judged_why=_NOT_JUDGED_WHY.get(s.attachment.status, ""))
-    findings.sort(key=lambda f: (-int(f.severity), f.code, f.subject))
+        if not _masters_not_saved(view, contract):
+            findings += check_precision(params, contract, frozen=frozen,
+                                        frozen_why=_FROZEN_WHY.get(s.attachment.status, ""),
+                                        before_first_update=before_first_update(s),
+                                        not_judged=_maybe_frozen(s, params, contract.master_dtype),
+                                        not_judged_why=_NOT_JUDGED_WHY.get(s.attachment.status, ""),
+                                        never_updated=_never_updated(s, params, contract.master_dtype))
+    findings = mark_ignored(findings, options.ignore)
+    findings.sort(key=finding_order)
     summary = _summary(s, findings, contract.master_dtype, options)
     if _nothing_recognised(s, components):
         findings, summary, components = _not_a_checkpoint(s, findings)
@@ -141,6 +156,14 @@ def judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
         extra={"files": dict(s.ckpt.files), "attachment": s.attachment.status,
                "step": view.step, "expect": options.expect, **({"mode": "quick"} if options.quick else {})},
     )
+
+
+def _masters_not_saved(view: View, contract: Contract) -> bool:
+    """The deciding record keeps the masters in the optimizer's state (DeepSpeed, Megatron) and the checkpoint
+    holds no optimizer: its 16-bit model tensors are compute copies with no master to judge
+    (``component.missing`` says the optimizer is absent)."""
+    return view.optimizer is None and any(r.in_optimizer and r.where == contract.where and r.master_dtype
+                                          for r in view.contract_records)
 
 
 _FROZEN_WHY = {
@@ -168,10 +191,28 @@ def _maybe_frozen(s: ScannedCheckpoint, params: list[TensorRecord], master: str)
     trainable."""
     if master not in ("float32", "float64") or s.attachment.status not in _NOT_JUDGED_WHY:
         return set()
-    below = {r.param for r in params if r.param is not None
-             and (r.dtype in ("bfloat16", "float16") or (r.dtype == "float32"
-                                                         and r.precision in (Precision.BF16, Precision.FP16)))}
+    below = _below(params)
     return below if may_all_be_unattached(s.view, below) else set()
+
+
+def _below(params: list[TensorRecord]) -> set[str]:
+    """The parameters stored or rounded below a wide master dtype."""
+    return {r.param for r in params if r.param is not None
+            and (r.dtype in ("bfloat16", "float16") or (r.dtype == "float32"
+                                                        and r.precision in (Precision.BF16, Precision.FP16)))}
+
+
+def _never_updated(s: ScannedCheckpoint, params: list[TensorRecord], master: str) -> dict[str, str]:
+    """The parameters below a wide master dtype that a param group at learning rate 0 throughout holds (every lr
+    its record keeps is 0: :func:`~ckptaudit.checks.lr_history.zero_lr_groups`), with that evidence."""
+    opt = s.view.optimizer
+    if master not in ("float32", "float64") or opt is None or not opt.groups:
+        return {}
+    below = _below(params)
+    if not below:
+        return {}
+    zero = zero_lr_groups(opt.groups, scheduler_trees(s.ckpt))
+    return never_updated(s.view, s.attachment, zero, below) if zero else {}
 
 
 def before_first_update(s: ScannedCheckpoint) -> str | None:
@@ -240,22 +281,29 @@ def _all_zero(data: TensorData, maps: FileMaps) -> bool:
         return False
 
 
-def scheduler_steps(ckpt: Checkpoint) -> list[int]:
-    """Every learning-rate scheduler's ``last_epoch`` (steps taken; 0 right after construction) the checkpoint
-    holds, wherever its layout keeps schedulers (``scheduler*.pt`` files, ``scheduler``/``lr_scheduler(s)`` keys)."""
+def scheduler_trees(ckpt: Checkpoint) -> list[Any]:
+    """Every learning-rate scheduler state the checkpoint holds, wherever its layout keeps schedulers
+    (``scheduler*.pt`` files, ``scheduler``/``lr_scheduler(s)`` keys)."""
     trees: list[Any] = []
     for part in ckpt.parts:
         if part.name and file_rule(part.name) is ComponentKind.SCHEDULER:
             trees.append(part.tree)
         elif isinstance(part.tree, dict):
             trees += [v for k, v in part.tree.items() if str(k) in SCHEDULER_KEYS]
+    return trees
+
+
+def scheduler_steps(ckpt: Checkpoint) -> list[int]:
+    """Every learning-rate scheduler's ``last_epoch`` (steps taken; 0 right after construction) the checkpoint
+    holds (:func:`scheduler_trees`)."""
+    trees = scheduler_trees(ckpt)
     return [leaf for tree in trees for path, leaf in walk(tree)
             if path and path[-1] == "last_epoch" and isinstance(leaf, int) and not isinstance(leaf, bool)]
 
 
 _NOT_RECOGNISED = ("format.unrecognized",)
-"""Only this says "no reader knows it"; ``format.unsupported`` is a known format ckptaudit does not read (legacy
-``torch.save``), so such a checkpoint is judged as one."""
+"""Only this says "no reader knows it"; ``format.unsupported`` and ``security.unvetted-pickle`` (legacy ``torch.save``)
+are known formats ckptaudit does not read, so such a checkpoint is judged as one."""
 
 
 def _nothing_recognised(s: ScannedCheckpoint, components: tuple[Any, ...]) -> bool:
@@ -304,18 +352,25 @@ def _masters_in_place(params: list[TensorRecord], records: list[TensorRecord], v
 
 
 def _summary(s: ScannedCheckpoint, findings: list[Finding], master: str, options: AuditOptions) -> str:
-    errors = sum(f.severity is Severity.ERROR for f in findings)
-    warnings = sum(f.severity is Severity.WARNING for f in findings)
+    counted = [f for f in findings if not f.ignored]
+    errors = sum(f.severity is Severity.ERROR for f in counted)
+    warnings = sum(f.severity is Severity.WARNING for f in counted)
     n_params = sum(r.component == "model" and r.role == "parameter" for r in s.records)
     rounded = sum(f.code in ("precision.bf16-rounded", "precision.fp16-rounded",
-                             "precision.low-precision-storage") for f in findings)
+                             "precision.low-precision-storage") for f in counted)
+    damaged = sorted({f.subject for f in counted if f.severity is Severity.ERROR
+                      and f.code in ("integrity.corrupt", "integrity.incomplete")})
     verdict = "resumable" if errors == 0 else "NOT resumable as-is"
     if options.expect == "serving":
         verdict = "acceptable serving artifact" if errors == 0 else "NOT an acceptable serving artifact"
     text = (f"{verdict}: {len(s.records)} tensors ({n_params} parameters, master dtype {master}), "
             f"{errors} error(s), {warnings} warning(s)")
+    if damaged:
+        more = f" (+{len(damaged) - 3} more)" if len(damaged) > 3 else ""
+        text += f"; corrupt or incomplete: {', '.join(damaged[:3])}{more}"
     if rounded:
         text += f"; {rounded} parameter(s) below the master precision"
+    text += ignore_note(findings)
     if options.quick:
         text = ("quick audit (first chunk of each tensor, no content hashes): "
                 + (text if errors else f"no defect seen, not a full verdict: {text.split(': ', 1)[1]}"))

@@ -8,6 +8,9 @@ every code the source emits is listed here.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +45,20 @@ _RULES: tuple[Rule, ...] = (
     Rule("precision.not-judged", W, "Parameters stored or rounded below the master dtype that index-keyed optimizer "
          "state may leave without an entry (frozen parameters owe no master; trainable ones would have lost bits): "
          "which they are cannot be told offline."),
-    Rule("contract.low-precision-masters", INFO, "The checkpoint's own state shows a run with low-precision masters "
-         "(parameters and optimizer moments both 16-bit); parameters are held to that contract."),
+    Rule("precision.never-updated", INFO, "Parameters stored or rounded below the master dtype whose every recorded "
+         "learning rate is 0 (their param group's lr and initial_lr, the scheduler's base_lrs): no update was ever "
+         "applied to them, so they are what was loaded (e.g. a bf16 release) and are judged like frozen parameters."),
+    Rule("contract.low-precision-masters", INFO, "A declared or recorded contract of low-precision masters "
+         "(ckptaudit's manifest, a stack's record such as DeepSpeed's bf16_master_weights_and_grads); parameters "
+         "are held to it."),
+    Rule("contract.inferred", W, "No record of the training stack decides the master dtype, and the checkpoint's "
+         "tensors look like low-precision masters (parameters and optimizer moments both 16-bit): what a run with "
+         "16-bit masters saves, and also what an export that cast a mixed-precision run's state to 16 bits saves. "
+         "Held to the 16-bit contract; --master-dtype float32 (a mixed-precision run) or bfloat16/float16 settles "
+         "it."),
+    Rule("contract.mismatch", E, "The training stack's own record (DeepSpeed's ds_config, Megatron's args, a saved "
+         "GradScaler, ckptaudit's manifest) says the run keeps full-precision masters, but the checkpoint's "
+         "parameters and optimizer state are 16-bit: the masters were not saved. The message names both."),
     Rule("contract.unknown", W, "The master dtype could not be inferred (no optimizer state, mixed dtypes); pass "
          "--master-dtype."),
     # components
@@ -73,6 +88,11 @@ _RULES: tuple[Rule, ...] = (
     # security
     Rule("security.unsafe-pickle", E, "A pickle references a global outside the safe allowlist; it is never "
          "executed, and the file's contents are not loaded."),
+    Rule("security.unvetted-pickle", E, "A pickle torch would load that ckptaudit cannot vet the way torch reads "
+         "it: a legacy (pre-1.6) torch.save file, tar or stream (torch.load unpickles it with its legacy loader), "
+         "an archive or DCP item that does not start with a zip header (torch.load takes that legacy path and "
+         "unpickles it from byte 0), a TorchScript archive (torch.load hands it to torch.jit.load). Not read, never "
+         "executed; re-save it with a current torch.save."),
     Rule("security.not-loaded", W, "A pickle of a well-known, harmless framework object (e.g. Hugging Face "
          "TrainingArguments) that needs arbitrary code to load; skipped, never executed."),
     # DeepSpeed (formats/deepspeed.py, formats/deepspeed_zero.py)
@@ -87,8 +107,7 @@ _RULES: tuple[Rule, ...] = (
          "names."),
     # format
     Rule("format.unrecognized", E, "No reader recognises the file or directory as a checkpoint."),
-    Rule("format.unsupported", W, "A part of the checkpoint in a format ckptaudit does not read (e.g. legacy "
-         "pre-1.6 torch.save); it was skipped."),
+    Rule("format.unsupported", W, "A part of the checkpoint in a format ckptaudit does not read; it was skipped."),
     # artifacts
     Rule("artifact.serving", E, "A serving artifact (marked artifact=serving) offered as a training checkpoint."),
     Rule("artifact.no-quality-gate", W, "A serving artifact that records no output-quality gate."),
@@ -100,31 +119,40 @@ _RULES: tuple[Rule, ...] = (
     Rule("artifact.weights-changed", E, "A serving artifact's weights no longer hash to the weights_hash its quality "
          "gate evaluated: a tensor was changed, added or removed after the export."),
     Rule("gate.failed", E, "The serving export's output-quality gate failed: a metric comparing the exported "
-         "model's logits with the full-precision model's is beyond its limit. Nothing is written (unless --force)."),
+         "model's outputs (logits, embeddings or values) with the full-precision model's is beyond its limit. "
+         "Nothing is written (unless --force)."),
     Rule("gate.forced", W, "A serving export whose quality gate failed was written anyway (--force); the failure "
          "is recorded in its metadata, and `audit --expect serving` reports artifact.gate-failed."),
-    Rule("gate.no-loss", INFO, "The evaluation batch gives no next-token targets (not a 2-D tensor of token ids "
-         "matching the logits), so the loss difference was not checked."),
+    Rule("gate.no-loss", INFO, "No loss to compare: the recipe has no eval_loss(model, batch) and the evaluation "
+         "batch gives no next-token targets (not a 2-D tensor of token ids matching the logits), so the loss "
+         "difference was not checked."),
     # resume test (ckptaudit.resume)
     Rule("resume.drift", E, "Resuming from the candidate does not reproduce the uninterrupted run: "
          "its parameters deviate beyond the noise floor of the kernels (by the documented margin)."),
     Rule("resume.loss-looks-normal", W, "The candidate's loss stays within a small threshold of "
          "the uninterrupted run while its parameters drift: a loss curve would not reveal the defect."),
     Rule("resume.reference-not-reproducible", E, "Right after restoring the documented-path reference, its "
-         "parameters differ from the saved run's: the documented restore is not exact (a recipe whose setup "
-         "changes the model after loading, or a broken storage); candidates cannot be judged."),
+         "parameters, or any part of its state the steps use, differ from the saved run's: the documented restore "
+         "is not exact (a recipe whose setup changes the model after loading, a data source whose load_state_dict "
+         "does not restore its state_dict, a broken storage); candidates cannot be judged. Also for a candidate "
+         "whose export started from such a state."),
     Rule("resume.noise-floor", INFO, "The reference's own per-step deviation from the uninterrupted run (kernel "
          "nondeterminism, or reduction order after a world-size change); candidates are judged against it."),
     Rule("resume.no-power", E, "The positive control (the reference's masters rounded to the compute dtype, "
          "resumed like a candidate) does not stand out from the reference's floor after the restore: the recipe's "
          "steps are too noisy to see such a defect, so no candidate is judged (verdict \"not judged\")."),
-    Rule("resume.not-restored", E, "Right after the candidate's restore, a component of the job's state "
-         "(parameters, optimizer moments or step, optimizer hyperparameters, scheduler, a rank's RNG, a rank's "
-         "data position, the training step) still holds the fresh job's value: the checkpoint or its loader "
+    Rule("resume.not-restored", E, "Right after the candidate's restore, a component of the job's state that the "
+         "steps use (parameters, optimizer moments or step, optimizer hyperparameters, scheduler, a rank's RNG, a "
+         "rank's data position, the training step) still holds the fresh job's value: the checkpoint or its loader "
          "does not restore it, and a real resume would start from it. The subject names the component."),
     Rule("resume.restored-differs", E, "Right after the candidate's restore, before any step (no kernel noise "
-         "yet), a component of the job's state differs from the reference's restored state (e.g. parameters "
-         "rounded to bf16). The subject names the component."),
+         "yet), a component of the job's state that the steps use differs from the reference's restored state "
+         "(e.g. parameters rounded to bf16). The subject names the component."),
+    Rule("resume.unused-state-differs", INFO, "Right after the candidate's restore, a part of the job's state the "
+         "uninterrupted steps never use differs from the reference's or is not restored: a generator they never "
+         "draw from (Python's, NumPy's, torch's, a CUDA device's), a scheduler they never step, a data source they "
+         "never advance. The resumed run does not depend on it, so it is not held against the verdict; a job that "
+         "uses it later (an epoch-boundary shuffle) would."),
     Rule("resume.state-borrowed", INFO, "--borrow-state: the candidate was restored over the reference, so "
          "every component its loader did not overwrite came from the reference; only the parameters are judged."),
     Rule("resume.candidate-failed", E, "The candidate could not be written, restored or stepped: its exporter, "
@@ -202,6 +230,62 @@ def finding(
         raise KeyError(f"finding code {code!r} is not in the catalogue; add it to ckptaudit.catalogue")
     return Finding(code=code, severity=severity if severity is not None else rule.severity, subject=subject,
                    message=message, evidence=evidence)
+
+
+ROOT_CAUSES = ("format", "integrity", "security", "deepspeed")
+"""Families whose findings are causes (a file that cannot be read or was not loaded, masters that cannot be
+found): listed before what they cause (a component then missing, a parameter then unattached) at each severity."""
+
+
+def finding_order(f: Finding) -> tuple[int, int, int, str, str]:
+    """The reports' order of findings: those that count first, the worst first, root causes first within a
+    severity (:data:`ROOT_CAUSES`), then by code and subject."""
+    return (int(f.ignored), -int(f.severity), 0 if f.code.split(".", 1)[0] in ROOT_CAUSES else 1, f.code,
+            f.subject)
+
+
+def parse_ignore(entries: str | Iterable[str]) -> tuple[str, ...]:
+    """``--ignore`` / ``ignore=``: finding codes (``security.not-loaded``) or families (``optimizer``: every
+    ``optimizer.*`` code), as a comma-separated string or an iterable. Raises ``ValueError`` naming an entry that
+    matches no catalogued code (a typo must not silently acknowledge nothing)."""
+    if isinstance(entries, str):
+        entries = entries.split(",")
+    out: list[str] = []
+    for raw in entries:
+        if not isinstance(raw, str):
+            raise ValueError(f"ignore entries are finding codes (strings), not {type(raw).__name__}")
+        entry = raw.strip()
+        if not entry:
+            continue
+        families = {code.split(".", 1)[0] for code in CATALOGUE}
+        if entry not in CATALOGUE and entry not in families:
+            close = difflib.get_close_matches(entry, [*CATALOGUE, *families], n=1)
+            raise ValueError(f"ignore: {entry!r} is neither a finding code nor a family of codes"
+                             + (f"; did you mean {close[0]!r}?" if close else "")
+                             + f" (the codes are listed in {DOCS_PAGE})")
+        if entry not in out:
+            out.append(entry)
+    return tuple(out)
+
+
+def is_ignored(code: str, ignore: Collection[str]) -> bool:
+    """Whether ``code`` is acknowledged by one of the :func:`parse_ignore` entries ``ignore``."""
+    return code in ignore or code.split(".", 1)[0] in ignore
+
+
+def mark_ignored(findings: Iterable[Finding], ignore: Collection[str]) -> list[Finding]:
+    """``findings``, those whose code ``ignore`` acknowledges marked ``ignored`` (kept, in place)."""
+    if not ignore:
+        return list(findings)
+    return [dataclasses.replace(f, ignored=True) if not f.ignored and is_ignored(f.code, ignore) else f
+            for f in findings]
+
+
+def ignore_note(findings: Iterable[Finding]) -> str:
+    """``"; N finding(s) ignored (codes)"`` for a summary line, or ``""`` when none is."""
+    ignored = [f for f in findings if f.ignored]
+    codes = sorted({f.code for f in ignored})
+    return f"; {len(ignored)} finding(s) ignored ({', '.join(codes)})" if ignored else ""
 
 
 def markdown() -> str:

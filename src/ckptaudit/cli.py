@@ -73,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="what the checkpoint is meant to be (default: training)")
     a.add_argument("--require", default="",
                    help="comma-separated components whose absence is an error: scheduler,rng,data-progress")
+    _ignore_arg(a)
     _jobs_arg(a)
     a.add_argument("--dist-timeout", type=float, default=1800.0, metavar="SECONDS",
                    help="under torchrun: how long ranks wait for each other (default 1800)")
@@ -95,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                    "borrowed from it): judges the parameters alone")
     r.add_argument("--workdir", help="keep the checkpoints here (default: a temporary directory, removed)")
     r.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for each phase (default 600)")
+    r.add_argument("--export-timeout", type=float, metavar="SECONDS",
+                   help="seconds allowed for each candidate's export before it is called hung (default: --timeout)")
     r.add_argument("--debug", action="store_true",
                    help="every frame of the tracebacks of failing user code, not only your own")
     _output_args(r)
@@ -112,22 +115,25 @@ def _parser() -> argparse.ArgumentParser:
                    help="write even when the gate fails (the failure is recorded in the metadata; exit code still 1)")
     e.add_argument("--max-shard-size", default="2GiB", help="shard the safetensors above this size (default 2GiB)")
     e.add_argument("--eval-batch", metavar="FILE.pt",
-                   help="torch.save file with a (batch, sequence) tensor of token ids (default: the recipe's)")
+                   help="torch.save file with the batch the recipe's forward takes (default: the recipe's "
+                   "eval_batch)")
     e.add_argument("--device", default="cpu", help="where both models run for the gate (default cpu)")
     e.add_argument("--convert", metavar="MODULE:ATTR",
                    help="custom conversion (name, tensor, dtype) -> tensor (default: tensor.to(dtype))")
     g = e.add_argument_group("quality gate thresholds (defaults justified in docs/export-serving.md)")
-    g.add_argument("--max-abs-diff", type=float, help="largest absolute logit difference")
-    g.add_argument("--max-rel-diff", type=float, help="largest logit difference relative to the position's max |logit|")
-    g.add_argument("--min-cosine", type=float, help="smallest per-position cosine similarity of the logits")
-    g.add_argument("--min-top1", type=float, help="smallest share of positions whose top-1 token agrees")
-    g.add_argument("--max-loss-diff", type=float, help="largest next-token cross-entropy difference (nats)")
+    g.add_argument("--max-abs-diff", type=float, help="largest absolute output difference")
+    g.add_argument("--max-rel-diff", type=float, help="largest output difference relative to the row's max |output|")
+    g.add_argument("--min-cosine", type=float, help="smallest per-row cosine similarity of the outputs")
+    g.add_argument("--min-top1", type=float, help="smallest share of rows whose top-1 class or token agrees (logits)")
+    g.add_argument("--max-loss-diff", type=float,
+                   help="largest loss difference (the recipe's eval_loss, or next-token cross-entropy in nats)")
     _output_args(e)
 
     c = sub.add_parser("compare", help="compare a candidate checkpoint with a reference, tensor by tensor")
     c.add_argument("reference", help="the reference checkpoint (e.g. saved the documented way)")
     c.add_argument("candidate", help="the checkpoint to judge against it (any layout the audit reads)")
     _output_args(c)
+    _ignore_arg(c)
     _jobs_arg(c)
 
     lt = sub.add_parser("latest", help="the newest resumable checkpoint under a directory, and why newer ones "
@@ -135,17 +141,23 @@ def _parser() -> argparse.ArgumentParser:
     lt.add_argument("root", help="directory holding step-N/, checkpoint-N/, *.ckpt ... (or one checkpoint)")
     lt.add_argument("--format", default="table", choices=["table", "json"], help="report format")
     lt.add_argument("--output", "-o", help="write the report to this file instead of stdout")
-    lt.add_argument("--verify", default="hashes", choices=["sizes", "hashes", "full"],
-                    help="sizes: commit markers and file sizes; hashes (default): also the manifest's hashes "
-                    "where there is one; full: run the whole audit on each candidate")
+    lt.add_argument("--verify", default="quick", choices=["sizes", "hashes", "quick", "full"],
+                    help="sizes: commit markers and file sizes; hashes: also the manifest's hashes where there is "
+                    "one (integrity only: precision is not judged); quick (default): also a quick audit, every "
+                    "tensor's precision from its first chunk, so a bf16-rounded checkpoint is never LATEST; full: "
+                    "run the whole audit on each candidate")
     lt.add_argument("--require", default="",
                     help="comma-separated components whose absence rejects a candidate: scheduler,rng,data-progress")
+    lt.add_argument("--master-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="the master dtype the quick and full audits hold parameters to (auto: read it from each "
+                    "candidate); a mixed-precision run's is float32")
     lt.add_argument("--all", action="store_true", help="validate every candidate, not only down to the latest")
     lt.add_argument("--verbose", "-v", action="store_true", help="list every finding")
     lt.add_argument("--fail-on", choices=["error", "warning", "info"],
                     help="also exit 1 when a finding (a rejected candidate, a stale pointer) reaches this severity; "
                     "without it, exit 1 only when no checkpoint is resumable")
     lt.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    _ignore_arg(lt, "; an ignored error does not reject a candidate")
 
     d = sub.add_parser("demo", help="run the whole story on the built-in recipe (CPU, 2 ranks)")
     d.add_argument("--out", default="ckptaudit-demo", help="directory for checkpoints and reports")
@@ -183,6 +195,21 @@ def _jobs_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", "-j", type=_jobs, default=None, metavar="N",
                    help="threads scanning tensors at once (default: every core this process may use); "
                    "the report is the same whatever N")
+
+
+def _ignore_arg(p: argparse.ArgumentParser, more: str = "") -> None:
+    p.add_argument("--ignore", default="", metavar="CODE[,CODE...]",
+                   help="acknowledge findings by code (security.not-loaded) or family (optimizer): they stay in the "
+                   "report, marked ignored, and count toward no verdict or exit code" + more)
+
+
+def _ignore(text: str) -> tuple[str, ...]:
+    from ckptaudit.catalogue import parse_ignore
+
+    try:
+        return parse_ignore(text)
+    except ValueError as exc:
+        raise UsageError(f"--{exc}") from None
 
 
 def _output_args(p: argparse.ArgumentParser) -> None:
@@ -290,7 +317,7 @@ def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     if not _exists(args.path):
         raise UsageError(f"{args.path}: no such file or directory; give the path of a checkpoint file or directory")
     options = AuditOptions(master_dtype=args.master_dtype, expect=args.expect, require=_require(args.require),
-                           jobs=args.jobs or default_jobs())
+                           jobs=args.jobs or default_jobs(), ignore=_ignore(args.ignore))
     prog, update = _progress(not args.no_progress, stderr)
     if prog is not None:
         with prog:
@@ -315,7 +342,7 @@ def _audit_distributed(args: argparse.Namespace, rank: int, world_size: int, std
     except ValueError:
         local = 1
     options = AuditOptions(master_dtype=args.master_dtype, expect=args.expect, require=_require(args.require),
-                           jobs=args.jobs or max(1, default_jobs() // max(1, local)))
+                           jobs=args.jobs or max(1, default_jobs() // max(1, local)), ignore=_ignore(args.ignore))
     try:
         report = audit_distributed(args.path, options, rank=rank, world_size=world_size,
                                    timeout_s=args.dist_timeout)
@@ -345,7 +372,7 @@ def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
         cfg = ResumeConfig(recipe=args.recipe, exporters=exporters, nproc=args.nproc,
                            resume_nproc=args.resume_nproc, save_at=args.save_at, steps=args.steps,
                            margin=args.margin, workdir=args.workdir, timeout_s=args.timeout,
-                           borrow_state=args.borrow_state, debug=args.debug)
+                           export_timeout_s=args.export_timeout, borrow_state=args.borrow_state, debug=args.debug)
     except ValueError as exc:
         if (args.verbose or args.debug) and exc.__cause__ is not None:
             import traceback
@@ -413,7 +440,8 @@ def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
         if not _exists(path):
             raise UsageError(f"{role} {path}: no such file or directory; give the path of a checkpoint file or "
                              "directory")
-    options = CompareOptions(verbose=args.verbose, threads=min(64, args.jobs or default_jobs()))
+    options = CompareOptions(verbose=args.verbose, threads=min(64, args.jobs or default_jobs()),
+                             ignore=_ignore(args.ignore))
     prog, update = _progress(not args.no_progress, stderr)
     if prog is not None:
         with prog:
@@ -440,7 +468,8 @@ def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
 
     show = not args.no_progress and stderr.isatty()
     report = latest_report(args.root, verify=args.verify, require=_require(args.require), check_all=args.all,
-                           progress=progress if show else None)
+                           progress=progress if show else None, ignore=_ignore(args.ignore),
+                           master_dtype=args.master_dtype)
     fail_on = args.fail_on
     args.fail_on = fail_on or "error"
     code = _emit(report, args, stdout)

@@ -178,23 +178,24 @@ def prepare_compute_copy(job: Job) -> ComputeCopyCapture:
 def capture_and_export(job: Any, exporter: Callable[..., None], path: str, ctx: Any, recipe: Any) -> None:
     """(all ranks) Run ``exporter``; if it has ``prepare``, first arm it and run one forward in eval mode.
 
-    The capture forward runs in eval mode on the recipe's held-out batch, so it takes no RNG draws and does
-    not disturb the training state.
+    The capture forward is :func:`ckptaudit.recipe.eval_forward`: eval mode, no gradients, the recipe's held-out
+    ``eval_batch(job)`` through its ``forward(model, batch)`` (or ``model(batch)``), whatever kind of model it
+    is; it takes no RNG draws and does not update anything.
     """
+    from ckptaudit.recipe import eval_forward
+
     prepare = getattr(exporter, "prepare", None)
     if prepare is None:
         exporter(job, path, ctx)
         return
+    if not callable(getattr(recipe, "eval_batch", None)):
+        raise ValueError(f"{getattr(exporter, '__qualname__', exporter)} has prepare(job), which needs a forward "
+                         "pass: give the recipe eval_batch(job) (a held-out batch) and, unless the model takes "
+                         "that batch as it is, forward(model, batch)")
     capture = prepare(job)
-    was_training = job.model.training
-    job.model.eval()
     try:
-        with torch.no_grad():
-            batch = recipe.eval_batch(job)
-            device = next(job.model.parameters()).device
-            job.model(batch[:2, :-1].to(device))
+        eval_forward(recipe, job)
     finally:
-        job.model.train(was_training)
         capture.armed = False
         remove = getattr(capture, "remove", None)
         if remove is not None:

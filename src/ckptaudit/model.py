@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 """Version of the JSON report. Minor bumps add fields; a major bump renames or removes one."""
 
 HASH_ALGORITHM = "xxh3-128"
@@ -146,8 +146,21 @@ class Contract:
     master_dtype: str
     """``float32``, ``bfloat16``, ``float16`` or ``unknown``."""
     source: str
-    """``flag`` (``--master-dtype``), ``manifest``, ``optimizer-state``, ``parameters`` or ``none``."""
+    """Declared: ``flag`` (``--master-dtype``), ``live`` (the running job: a guard, the probe), ``manifest``
+    (ckptaudit's writer); read from the training stack's own record: ``deepspeed-config`` (the saved
+    ``ds_config``), ``megatron-args`` (Megatron-LM's saved ``args``), ``grad-scaler`` (a saved GradScaler state:
+    fp16 mixed precision); inferred from the tensors: ``optimizer-state``, ``parameters``, or ``none``."""
     detail: str = ""
+    where: str = ""
+    """The file (and key) of the record that decided it; ``""`` when declared or inferred."""
+    records: tuple[str, ...] = ()
+    """Every precision record of the training stack the checkpoint holds, in words (``<where>: <what it says>``),
+    whether it decided the contract or not (e.g. the Trainer's ``bf16=True``, which does not)."""
+
+    @property
+    def inferred(self) -> bool:
+        """Read from the tensors' dtypes, with nothing declaring or recording it."""
+        return self.source in ("optimizer-state", "parameters", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +173,9 @@ class Finding:
     """What the finding is about: a tensor name, a file, a component."""
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
+    ignored: bool = False
+    """Acknowledged by ``--ignore`` (``ignore=``): kept in the report, but it counts toward no verdict, exit code
+    or ``ok``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +194,8 @@ class Report:
     """Command-specific sections (``compare``'s pairs, ``latest``'s candidates, ...), already JSON-shaped."""
 
     def worst(self) -> Severity | None:
-        return max((f.severity for f in self.findings), default=None)
+        """The worst severity among the findings that are not ignored."""
+        return max((f.severity for f in self.findings if not f.ignored), default=None)
 
     def fails(self, level: Severity) -> bool:
         worst = self.worst()

@@ -16,10 +16,17 @@ a data source whose progress can be saved and restored, and it runs one training
         def step(self, job: Job) -> float:               # (all ranks) one training step; returns the loss
             ...
 
-        def eval_batch(self, job: Job | None) -> Any: ...    # optional: the batch the serving gate evaluates
-                                                             # (export-serving runs offline: job is None)
+        def eval_batch(self, job: Job | None) -> Any: ...    # optional: a held-out batch, whatever the model
+                                                             # takes (export-serving runs offline: job is None)
+        def forward(self, model, batch) -> Any: ...          # optional: the model on that batch (default:
+                                                             # model(batch), model(**batch) for a dict)
+        def eval_loss(self, model, batch) -> Tensor: ...     # optional: a scalar loss for the serving gate
         def build_model(self) -> nn.Module: ...              # optional: the unwrapped model (export-serving)
-        def eval_logits(self, model, batch) -> Tensor: ...   # optional: logits for the serving gate
+        output_kind = "logits"                               # optional: "logits", "embedding" or "values"
+
+``eval_batch``, ``forward`` and ``eval_loss`` are all a model of any kind needs: the probe's armed forward, an
+exporter's ``prepare`` forward and the serving gate call :func:`eval_forward` / :func:`model_forward`, never a
+language model's slicing of their own. ``eval_logits(model, batch)`` is the older name of ``forward``.
 
 Recipes are named ``module:attr`` (an instance, a class, or a zero-argument factory) or ``path/to/file.py:attr``
 (the file's folder is importable while it loads, so it may import modules beside it). The built-in one is
@@ -46,7 +53,8 @@ import torch
 from ckptaudit.dist.launch import RankContext
 
 __all__ = ["DataSource", "Job", "Recipe", "RecipeError", "UserFailure", "checked_setup", "checked_step",
-           "describe_function", "load_object", "load_recipe", "user_failure"]
+           "describe_function", "eval_forward", "load_object", "load_recipe", "model_forward", "to_device",
+           "user_failure"]
 
 
 @runtime_checkable
@@ -192,7 +200,13 @@ _SKIP_DIRS = tuple(os.path.dirname(p) + os.sep for p in (torch.__file__,)) + tup
 _RUNNER = tuple(os.path.join(os.path.dirname(__file__), f) for f in ("resume" + os.sep, "recipe.py", "dist" + os.sep))
 
 
-def _is_user_frame(filename: str) -> bool:
+_RUNNER_FUNCTIONS = ((os.path.join(os.path.dirname(__file__), "exporters.py"), "capture_and_export"),)
+"""ckptaudit's own functions that call user code from a module that also holds shipped user-facing code."""
+
+
+def _is_user_frame(filename: str, function: str = "") -> bool:
+    if any(os.path.realpath(filename) == os.path.realpath(f) and function == name for f, name in _RUNNER_FUNCTIONS):
+        return False
     real = os.path.realpath(filename)
     if "site-packages" + os.sep + "torch" + os.sep in real:
         return False
@@ -205,7 +219,7 @@ def user_failure(function: str, rule: str, exc: BaseException | None = None) -> 
         return UserFailure(function, rule, "")
     error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     summary = traceback.extract_tb(exc.__traceback__)
-    mine = traceback.StackSummary.from_list([f for f in summary if _is_user_frame(f.filename)])
+    mine = traceback.StackSummary.from_list([f for f in summary if _is_user_frame(f.filename, f.name)])
     frames = ("Traceback (your code; all frames with --debug):\n" + "".join(mine.format()) + error
               if len(mine) else "")
     full = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -261,3 +275,55 @@ def checked_step(recipe: Any, job: Job) -> float:
     if job.step == before:
         job.step += 1
     return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A forward on the recipe's held-out batch, for a model of any kind
+
+
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """``batch`` with every tensor in it (nested in tuples, lists and dicts) moved to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, tuple):
+        return tuple(to_device(v, device) for v in batch)
+    if isinstance(batch, list):
+        return [to_device(v, device) for v in batch]
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def model_forward(recipe: Any, model: torch.nn.Module, batch: Any) -> Any:
+    """The recipe's forward of ``model`` on ``batch``: ``recipe.forward(model, batch)`` when it has one (or
+    ``eval_logits``, its older name), else ``model(batch)`` for a tensor and ``model(**batch)`` for a dict (the
+    Hugging Face convention). A tuple or list needs the recipe's ``forward``: which element is the input, which
+    the target, only the recipe knows. Runs in the caller's mode (train/eval) and grad setting."""
+    for name in ("forward", "eval_logits"):
+        fn = getattr(recipe, name, None)
+        if callable(fn):
+            return fn(model, batch)
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        raise TypeError(f"the recipe's eval_batch returned a {type(batch).__name__} of {len(batch)}; give the recipe "
+                        "forward(model, batch) that calls the model on its input (e.g. model(batch[0]))")
+    return model(batch)
+
+
+def eval_forward(recipe: Any, job: Job) -> Any:
+    """(all ranks) One forward of ``job.model`` in eval mode without gradients on ``recipe.eval_batch(job)``,
+    moved to the model's device: no dropout, no RNG draw, no update. Returns the output. Used by the probe's
+    armed forward and before an exporter's ``prepare`` capture. The model's mode is restored afterwards."""
+    model = job.model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            batch = recipe.eval_batch(job)
+            first = next(model.parameters(), None)
+            if first is not None:
+                batch = to_device(batch, first.device)
+            return model_forward(recipe, model, batch)
+    finally:
+        model.train(was_training)

@@ -9,8 +9,16 @@
     def test_my_exporter_resumes():                       # real processes, gloo on CPU
         assert_resumes_faithfully("mypkg.recipes:recipe", "mypkg.export:exporter", nproc=2)
 
-Both raise ``AssertionError`` (so pytest shows the message as the failure) and return the
-:class:`ckptaudit.Report` when the check passes.
+Both raise a subclass of ``AssertionError`` (so pytest shows the message as the failure) that says which
+failure it is and carries the :class:`ckptaudit.Report` (``exc.report``), and return the report when the check
+passes::
+
+    with pytest.raises(CheckpointDrift):                  # not ExporterFailed: it wrote, and it drifts
+        assert_resumes_faithfully("mypkg.recipes:recipe", "mypkg.export:bad_exporter")
+
+``CheckFailed`` (every failure) > ``AuditFailed`` (:func:`assert_checkpoint_ok`); ``ResumeFailed``
+(:func:`assert_resumes_faithfully`) > ``CheckpointDrift``, ``IncompleteRestore``, ``ExporterFailed``,
+``NoPower``, ``ReferenceNotReproducible``.
 """
 
 from __future__ import annotations
@@ -21,32 +29,83 @@ from typing import Any
 from ckptaudit.api import Report, audit
 from ckptaudit.model import Severity
 
-__all__ = ["assert_checkpoint_ok", "assert_resumes_faithfully"]
+__all__ = ["AuditFailed", "CheckFailed", "CheckpointDrift", "ExporterFailed", "IncompleteRestore", "NoPower",
+           "ReferenceNotReproducible", "ResumeFailed", "assert_checkpoint_ok", "assert_resumes_faithfully"]
 
-_RESUME_OPTIONS = ("nproc", "save_at", "steps", "margin", "min_rel", "loss_threshold", "timeout_s", "workdir")
+_RESUME_OPTIONS = ("nproc", "save_at", "steps", "margin", "min_rel", "loss_threshold", "timeout_s",
+                   "export_timeout_s", "workdir")
+
+
+class CheckFailed(AssertionError):
+    """A ckptaudit assertion failed; ``report`` is the :class:`ckptaudit.Report` (every finding), the message its
+    :meth:`~ckptaudit.Report.describe`."""
+
+    def __init__(self, message: str, report: Report) -> None:
+        super().__init__(message)
+        self.report = report
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.report))
+
+
+class AuditFailed(CheckFailed):
+    """:func:`assert_checkpoint_ok`: the audit has findings at or above ``fail_on``."""
+
+
+class ResumeFailed(CheckFailed):
+    """:func:`assert_resumes_faithfully`: the resume test did not pass (the subclasses say why; this class
+    itself when only other findings reach ``fail_on``, e.g. warnings with ``fail_on="warning"``)."""
+
+
+class CheckpointDrift(ResumeFailed):
+    """The exporter's checkpoint does not resume the uninterrupted run (verdict ``drift``: ``resume.drift``)."""
+
+
+class IncompleteRestore(ResumeFailed):
+    """The steps stay on the run, but a part of the state the steps use is not restored or differs (verdict
+    ``incomplete``: ``resume.not-restored``, ``resume.restored-differs``)."""
+
+
+class ExporterFailed(ResumeFailed):
+    """The exporter, its loader or the recipe's steps on its checkpoint raised, crashed or hung (verdict
+    ``failed``: ``resume.candidate-failed``)."""
+
+
+class NoPower(ResumeFailed):
+    """The positive control did not stand out from the reference's floor: the recipe is too noisy for the test
+    to see a defect, so the exporter was not judged (``resume.no-power``)."""
+
+
+class ReferenceNotReproducible(ResumeFailed):
+    """The documented restore itself is not exact for this recipe, so the exporter was not judged
+    (``resume.reference-not-reproducible``)."""
 
 
 def assert_checkpoint_ok(path: str | os.PathLike[str], **options: Any) -> Report:
     """Audit ``path`` (options as :func:`ckptaudit.audit`: ``fail_on``, ``require``, ``master_dtype``, ...) and
-    raise ``AssertionError`` listing every finding at or above ``fail_on`` when there is one.
+    raise :class:`AuditFailed` (an ``AssertionError`` carrying the report) listing every finding at or above
+    ``fail_on`` when there is one.
 
     A quick audit (``quick=True``) that passes is not a full verdict; that is said in the returned report's
     summary, and ``report.quick`` is true.
     """
     report = audit(path, **options)
     if not report.ok:
-        raise AssertionError(f"checkpoint audit failed (fail_on={report.fail_on.label}):\n{report.describe()}")
+        raise AuditFailed(f"checkpoint audit failed (fail_on={report.fail_on.label}):\n{report.describe()}", report)
     return report
 
 
 def assert_resumes_faithfully(recipe: str, exporter: str, **options: Any) -> Report:
     """Run the differential resume test (:func:`ckptaudit.resume.run_resume_test`) of ``exporter`` on
-    ``recipe`` (both ``module:attr``), in real processes, and raise ``AssertionError`` with the findings when
-    the exporter's checkpoint does not resume the uninterrupted trajectory (``resume.drift``), when the
-    reference itself does not (the recipe is not deterministic), or when the candidate could not be written.
+    ``recipe`` (both ``module:attr``), in real processes, and raise a :class:`ResumeFailed` carrying the report
+    when a finding reaches ``fail_on``: :class:`CheckpointDrift` when the exporter's checkpoint does not resume
+    the uninterrupted trajectory, :class:`IncompleteRestore` when it leaves out state the steps use,
+    :class:`ExporterFailed` when it could not be written, restored or stepped, :class:`NoPower` or
+    :class:`ReferenceNotReproducible` when the recipe does not let the test judge it.
 
     Options: ``nproc``, ``save_at``, ``steps``, ``margin``, ``min_rel``, ``loss_threshold``, ``timeout_s``,
-    ``workdir`` (see :class:`ckptaudit.resume.ResumeConfig`), and ``fail_on`` (default ``"error"``).
+    ``export_timeout_s``, ``workdir`` (see :class:`ckptaudit.resume.ResumeConfig`), and ``fail_on`` (default
+    ``"error"``).
     """
     from ckptaudit.api import _resolve
     from ckptaudit.resume import ResumeConfig, run_resume_test
@@ -65,9 +124,24 @@ def assert_resumes_faithfully(recipe: str, exporter: str, **options: Any) -> Rep
     raw = run_resume_test(ResumeConfig(recipe=recipe, exporters=(exporter,), **options))
     report = Report(raw, Severity.parse(fail_on))
     if not report.ok:
-        raise AssertionError(f"resume test of {exporter} on {recipe} failed (fail_on={fail_on}):\n"
-                             f"{report.describe()}")
+        raise _resume_failure(report)(f"resume test of {exporter} on {recipe} failed (fail_on={fail_on}):\n"
+                                      f"{report.describe()}", report)
     return report
+
+
+def _resume_failure(report: Report) -> type[ResumeFailed]:
+    """The exception for a failed resume test of one exporter: by its verdict, or why it was not judged."""
+    codes = {f.code for f in report.failing}
+    if "resume.reference-not-reproducible" in codes:
+        return ReferenceNotReproducible
+    verdict = (report.raw.extra.get("resume", {}).get("candidates") or [{}])[0].get("verdict")
+    by_verdict: dict[str, type[ResumeFailed]] = {"failed": ExporterFailed, "drift": CheckpointDrift,
+                                                 "incomplete": IncompleteRestore}
+    if verdict in by_verdict:
+        return by_verdict[verdict]
+    if "resume.no-power" in codes:
+        return NoPower
+    return ResumeFailed
 
 
 def _fail_on_option() -> Any:

@@ -17,9 +17,13 @@ What can be known, and from what (pure: plain data in, words out):
   per applied step, and the saved lrs equal what the formula gives at ``last_batch_iteration``. A scheduler the
   user passed to ``deepspeed.initialize`` instead of the config, or a config missing a value the formula needs,
   fails these checks: not decided.
-- **torch** ``LRScheduler`` s (``LambdaLR``, ``LinearLR``, ...): not decided. Their state keeps ``last_epoch``,
-  ``base_lrs`` and the *last* lr only, never the lrs already applied, and ``LambdaLR`` saves no lambda; a step-0
-  state is judged by the moments instead (:func:`ckptaudit.audit.before_first_update`).
+- **torch** ``LRScheduler`` s (``LambdaLR``, ``LinearLR``, ...): not decided for the whole run. Their state keeps
+  ``last_epoch``, ``base_lrs`` and the *last* lr only, never the lrs already applied, and ``LambdaLR`` saves no
+  lambda; a step-0 state is judged by the moments instead (:func:`ckptaudit.audit.before_first_update`).
+- **One param group at lr 0 throughout** (:func:`zero_lr_groups`): a fine-tune that keeps some layers by
+  learning rate 0. Every lr a torch scheduler can set is its ``base_lr`` times a factor, so a group whose every
+  recorded lr is 0 (the group's ``lr``, ``initial_lr`` and ``max_lr``, the scheduler's ``base_lrs``,
+  ``_last_lr`` and ``max_lrs`` at its index) was never updated, whatever the step.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["deepspeed_zero_lr_steps"]
+__all__ = ["deepspeed_zero_lr_steps", "zero_lr_groups"]
 
 _SCHEDULES = ("WarmupLR", "WarmupDecayLR")
 """DeepSpeed schedules whose formula is reproduced here (the warmup phase is the same; ``WarmupDecayLR`` then
@@ -40,6 +44,43 @@ the lr (weight decay included): at lr 0 they move nothing."""
 
 
 _MAX_ITERATIONS = 100_000
+
+_GROUP_LRS = ("lr", "initial_lr", "max_lr")
+"""A param group's own learning-rate records (``initial_lr``: set by a torch scheduler at its construction;
+``max_lr``: ``OneCycleLR``'s)."""
+_SCHEDULER_LRS = ("base_lrs", "_last_lr", "max_lrs")
+"""A torch scheduler's per-group learning-rate records (``max_lrs``: ``CyclicLR``'s)."""
+
+
+def zero_lr_groups(groups: Sequence[Mapping[str, Any]], schedulers: Sequence[Any]) -> dict[int, str]:
+    """The param groups whose every recorded learning rate is 0, by index, with that record in words; a group
+    with no ``lr``, or any other value (a tensor lr, ``None``, a number above 0), is not one. ``schedulers``: the
+    checkpoint's scheduler states (their per-group lists are read where they have one entry per group); a
+    scheduler that keeps none leaves every group undecided."""
+    lists: list[tuple[str, list[Any]]] = []
+    todo = list(schedulers)
+    while todo:  # nested schedulers (SequentialLR, ChainedScheduler) keep theirs inside
+        tree = todo.pop()
+        if isinstance(tree, dict):
+            for key, value in tree.items():
+                if key in _SCHEDULER_LRS and isinstance(value, list) and len(value) == len(groups):
+                    lists.append((str(key), value))
+                elif isinstance(value, dict | list):
+                    todo.append(value)
+        elif isinstance(tree, list):
+            todo.extend(v for v in tree if isinstance(v, dict | list))
+    if not lists and any(tree not in (None, {}, []) for tree in schedulers):
+        # A scheduler that keeps no per-group lr (DeepSpeed's WarmupLR: an iteration count) sets lrs the record
+        # does not show: a group's lr of 0 now says nothing about the steps before (nor after).
+        return {}
+    out: dict[int, str] = {}
+    for i, g in enumerate(groups):
+        if "lr" not in g:
+            continue
+        said = [(k, g[k]) for k in _GROUP_LRS if k in g] + [(f"scheduler {k}[{i}]", v[i]) for k, v in lists]
+        if all(_number(v) == 0.0 for _, v in said):
+            out[i] = f"param group {i}: " + ", ".join(f"{k} 0" for k, _ in said)
+    return out
 
 
 def _number(value: Any) -> float | None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,6 +195,51 @@ def may_all_be_unattached(view: View, fqns: Collection[str]) -> bool:
         need = Counter(s for g in expected for s in g if s is not None)
         return sum(map(len, expected)) <= len(rest) and all(have[s] >= c for s, c in need.items())
     return assign_by_order(rest, expected).count >= 1
+
+
+def never_updated(view: View, attachment: Attachment, zero_groups: Mapping[int, str],
+                  below: Collection[str]) -> dict[str, str]:
+    """The parameters of ``below`` (those stored or rounded below the master dtype) that sit in a param group
+    whose every recorded learning rate is 0 (``zero_groups``: group index -> that record in words), with the
+    evidence: by name where the groups name their parameters (``get_state_dict``, ``param_names``) or the
+    attachment pins them; for index-keyed state otherwise, all of them at once when some order-consistent
+    attachment that fits the model places every one of them in such a group (or leaves it out), else none."""
+    opt, model = view.optimizer, view.model
+    if opt is None or model is None or not zero_groups or not below:
+        return {}
+    names = _param_names(opt)
+    if opt.keyed == "fqn" or names is not None or attachment.status == "unique-order":
+        known: Mapping[Any, str] = ({k: k for g in opt.groups for k in g.get("params", [])} if opt.keyed == "fqn"
+                                    else names if names is not None else attachment.mapping)
+        by_norm = {normalize_fqn(f): f for f in model.params}
+        out: dict[str, str] = {}
+        for i, why in zero_groups.items():
+            for key in opt.groups[i].get("params", []):
+                name = known.get(key)
+                fqn = None if name is None else (name if name in model.params else by_norm.get(normalize_fqn(name)))
+                if fqn is not None and fqn in below:
+                    out[fqn] = why
+        return out
+    grouped: list[list[Any]] = [list(g.get("params", [])) for g in opt.groups]
+    expected = [[moment_shape(opt.state[k]) if k in opt.state else None for k in g] for g in grouped]
+    candidates = _candidates(model)
+    zero = frozenset(zero_groups)
+    if model.order_known:
+        allowed = [zero if fqn in below else None for fqn, _ in candidates]
+        fits = assign_by_order([shape for _, shape in candidates], expected, allowed=allowed).count >= 1
+    else:  # by shapes: the other groups' entries from the tensors not below, every entry from some tensor
+        others = Counter(shape for fqn, shape in candidates if fqn not in below)
+        have = Counter(shape for _, shape in candidates)
+        need = Counter(s for g, e in enumerate(expected) if g not in zero for s in e if s is not None)
+        total = Counter(s for e in expected for s in e if s is not None)
+        fits = (all(others[s] >= c for s, c in need.items()) and all(have[s] >= c for s, c in total.items())
+                and sum(map(len, expected)) <= len(candidates))
+    if not fits:
+        return {}
+    groups_text = "; ".join(zero_groups.values())
+    return {fqn: f"{groups_text}; index-keyed state: an attachment that fits the model places it in such a group, "
+                 "which same-shaped parameter each entry belongs to is not verified"
+            for fqn, _ in candidates if fqn in below}
 
 
 def _by_order(opt: OptimizerView, model: ModelView) -> Attachment:
@@ -441,7 +486,8 @@ def check_steps(opt: OptimizerView | None, steps: dict[Any, float]) -> list[Find
 
 
 def assign_by_order(
-    params: Sequence[tuple[int, ...]], groups: Sequence[Sequence[tuple[int, ...] | None]]
+    params: Sequence[tuple[int, ...]], groups: Sequence[Sequence[tuple[int, ...] | None]],
+    *, allowed: Sequence[Collection[int] | None] | None = None,
 ) -> OrderFit:
     """Count the order-consistent assignments of ``groups`` to ``params`` (saturating at 2).
 
@@ -454,6 +500,8 @@ def assign_by_order(
     A dynamic programme over "entries placed per group" after each tensor: forward it counts the paths, backward
     it keeps the states that still reach the end, so every transition between a forward-reached and a
     backward-live state belongs to some fitting assignment; those give :attr:`OrderFit.options`.
+
+    ``allowed``: per tensor, the groups it may join (``None``: any); it may always be left out.
     """
     k = len(groups)
     sizes = tuple(len(g) for g in groups)
@@ -466,8 +514,11 @@ def assign_by_order(
         out: list[tuple[tuple[int, ...], int]] = []
         if i - sum(state) < slack:  # leave tensor i out
             out.append((state, -1))
+        only = allowed[i] if allowed is not None else None
         for g in range(k):
             j = state[g]
+            if only is not None and g not in only:
+                continue
             if j < sizes[g]:
                 want = groups[g][j]
                 if want is None or want == params[i]:

@@ -1,16 +1,20 @@
 """The master-dtype contract and the precision findings held against it.
 
-Pure functions over tensor records. ``auto`` reads the contract from the checkpoint's own state: fp32
-optimizer moments beside the parameters mean fp32 masters; 16-bit moments beside 16-bit (or 16-bit-valued)
-parameters mean a run that trains with low-precision masters, which is a different contract, not a defect.
+Pure functions over tensor records. ``auto`` takes the contract from what declares it (ckptaudit's manifest),
+else from the training stack's own record of its precision (DeepSpeed's ds_config, Megatron's args, a saved
+GradScaler: :class:`~ckptaudit.layouts.view.ContractRecord`), else from the tensors: fp32 optimizer moments beside
+the parameters mean fp32 masters; 16-bit moments beside 16-bit (or 16-bit-valued) parameters look like a run
+that trains with low-precision masters, which the file alone cannot tell from a mixed-precision run's state cast
+to 16 bits: that inference is a warning (``contract.inferred``) naming the flag that settles it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from ckptaudit.catalogue import finding
+from ckptaudit.layouts.view import ContractRecord
 from ckptaudit.model import Contract, Finding, Precision, TensorRecord
 
 __all__ = ["MASTER_DTYPES", "check_precision", "infer_contract"]
@@ -30,57 +34,131 @@ def infer_contract(
     params: Sequence[TensorRecord],
     moments: Sequence[TensorRecord],
     manifest_dtype: str | None = None,
+    *,
+    records: Sequence[ContractRecord] = (),
+    flag_source: str = "flag",
+    flag_detail: str = "",
 ) -> tuple[Contract, list[Finding]]:
-    """Decide the master dtype parameters are held to.
+    """Decide the master dtype parameters are held to: declared (``flag``, the manifest), else read from the
+    training stack's own record (``records``: DeepSpeed's ds_config, Megatron's args, a saved GradScaler), else
+    inferred from the tensors' dtypes, which is said (``contract.inferred``) when it makes the masters 16-bit.
 
-    ``params``: the model's float parameters; ``moments``: the optimizer's element-wise float state.
+    ``params``: the model's float parameters (masters in place); ``moments``: the optimizer's element-wise float
+    state. ``flag_source``/``flag_detail``: who declared ``flag`` (``live`` and the evidence, for a guard).
+    A record that says full-precision masters beside 16-bit parameters and moments is ``contract.mismatch``.
     """
+    seen = tuple(r.text() for r in records)
+    tensors = _from_tensors(params, moments)
     if flag != "auto":
-        return Contract(flag, "flag", f"--master-dtype {flag}"), []
+        detail = flag_detail or (f"--master-dtype {flag}" if flag_source == "flag" else flag)
+        contract = Contract(flag, flag_source, detail, records=seen)
+        if flag_source == "live":  # the running job is a record too, and the most direct one
+            return contract, _mismatch(contract, tensors, "the running job", f"{flag} masters", detail)
+        return contract, []
     if manifest_dtype:
-        return Contract(manifest_dtype, "manifest", "recorded by the writer in manifest.json"), _low(
-            manifest_dtype, "the manifest records it"
-        )
+        contract = Contract(manifest_dtype, "manifest", "recorded by the writer in manifest.json",
+                            where="manifest.json", records=seen)
+        return contract, _low(contract, "the manifest records it") + _mismatch(
+            contract, tensors, "manifest.json", f"master_dtype {manifest_dtype}",
+            "the dtype of the parameters the live optimizer stepped, recorded by ckptaudit's writer")
+    deciding = next((r for r in records if r.master_dtype is not None), None)
+    if deciding is not None:
+        assert deciding.master_dtype is not None
+        contract = Contract(deciding.master_dtype, deciding.source, f"{deciding.says}: {deciding.why}",
+                            where=deciding.where, records=seen)
+        return contract, _low(contract, f"{deciding.where} records {deciding.says}") + _mismatch(
+            contract, tensors, deciding.where, deciding.says, deciding.why)
+    contract = Contract(tensors.master_dtype, tensors.source, tensors.detail, records=seen)
+    if tensors.source == "optimizer-state" and tensors.master_dtype in _NARROW:
+        return contract, [_inferred(contract, records)]
+    if tensors.master_dtype == "unknown" and params:
+        return contract, [
+            finding(
+                "contract.unknown",
+                "contract",
+                f"{tensors.detail} to tell low-precision masters from a down-cast copy"
+                + (f" (the stack's record does not decide it: {'; '.join(seen)})" if seen else "")
+                + "; pass --master-dtype float32 (or bfloat16) to hold them to a contract",
+            )
+        ]
+    return contract, []
+
+
+def _from_tensors(params: Sequence[TensorRecord], moments: Sequence[TensorRecord]) -> Contract:
+    """The contract the tensors' dtypes suggest (``optimizer-state``, ``parameters`` or ``none``)."""
     moment_dtype = _majority(moments)
     param_dtype = _majority(params)
     if moment_dtype is not None:
         if moment_dtype in _WIDE:
-            return Contract("float32", "optimizer-state", f"optimizer moments are {moment_dtype}"), []
+            return Contract("float32", "optimizer-state", f"optimizer moments are {moment_dtype}")
         effectively_narrow = bool(params) and all(
             r.dtype in _NARROW or r.precision in (Precision.BF16, Precision.FP16, Precision.INCONCLUSIVE)
             for r in params
         )
         if effectively_narrow:
-            why = f"parameters are {param_dtype} and optimizer moments are {moment_dtype}"
-            return Contract(moment_dtype, "optimizer-state", why), _low(moment_dtype, why)
-        return Contract("float32", "parameters",
-                        f"float32 parameters beside {moment_dtype} optimizer moments"), []
+            return Contract(moment_dtype, "optimizer-state",
+                            f"parameters are {param_dtype} and optimizer moments are {moment_dtype}")
+        return Contract("float32", "parameters", f"float32 parameters beside {moment_dtype} optimizer moments")
     if param_dtype is None:
-        return Contract("unknown", "none", "no float parameters"), []
+        return Contract("unknown", "none", "no float parameters")
     if param_dtype in _WIDE:
-        return Contract("float32", "parameters", f"parameters are {param_dtype} (no optimizer state)"), []
-    return Contract("unknown", "none", f"parameters are {param_dtype} and there is no optimizer state"), [
-        finding(
-            "contract.unknown",
-            "contract",
-            f"parameters are {param_dtype} and there is no optimizer state to tell low-precision masters from "
-            "a down-cast copy; pass --master-dtype float32 (or bfloat16) to hold them to a contract",
-        )
-    ]
+        return Contract("float32", "parameters", f"parameters are {param_dtype} (no optimizer state)")
+    return Contract("unknown", "none", f"parameters are {param_dtype} and there is no optimizer state")
 
 
-def _low(dtype: str, why: str) -> list[Finding]:
-    if dtype not in _NARROW:
+def _low(contract: Contract, why: str) -> list[Finding]:
+    if contract.master_dtype not in _NARROW:
         return []
     return [
         finding(
             "contract.low-precision-masters",
             "contract",
-            f"this run trains with {dtype} masters ({why}); parameters are held to that contract, and no "
-            "full-precision master is expected",
-            master_dtype=dtype,
+            f"this run trains with {contract.master_dtype} masters ({why}); parameters are held to that contract, "
+            "and no full-precision master is expected",
+            master_dtype=contract.master_dtype,
+            source=contract.source,
         )
     ]
+
+
+def _mismatch(contract: Contract, tensors: Contract, where: str, says: str, why: str) -> list[Finding]:
+    """``contract.mismatch`` when the record promises full-precision masters and the tensors are 16-bit masters
+    (parameters and moments): the lossy direction, the one that loses a run."""
+    if contract.master_dtype not in _WIDE or not (tensors.source == "optimizer-state"
+                                                  and tensors.master_dtype in _NARROW):
+        return []
+    return [
+        finding(
+            "contract.mismatch",
+            "contract",
+            f"{where} records {says} ({why}), so this run keeps {contract.master_dtype} masters; but "
+            f"the checkpoint's {tensors.detail}: the full-precision masters were not saved (e.g. an export that cast "
+            f"the whole state to {tensors.master_dtype}), and resuming from it continues from rounded weights. Each "
+            "parameter is listed below. Save the masters the documented way, or pass --master-dtype "
+            f"{tensors.master_dtype} if the record is not this run's.",
+            record=where,
+            record_says=says,
+            expected=contract.master_dtype,
+            tensors=tensors.detail,
+        )
+    ]
+
+
+def _inferred(contract: Contract, records: Sequence[ContractRecord]) -> Finding:
+    dtype = contract.master_dtype
+    seen = [r.text() for r in records]
+    return finding(
+        "contract.inferred",
+        "contract",
+        f"no record of the training stack says what the masters are, and the checkpoint's {contract.detail}: what a "
+        f"run with {dtype} masters saves (held to that contract here), but also what an export that cast a "
+        f"mixed-precision run's state to {dtype} saves, whose masters lost their low bits. If the run trained with "
+        "fp32 masters (FSDP or AMP mixed precision, DeepSpeed, Megatron), pass --master-dtype float32 "
+        f"(master_dtype='float32'); pass --master-dtype {dtype} to declare the {dtype} masters"
+        + (f". Records seen, which do not decide it: {'; '.join(seen)}" if seen else ""),
+        master_dtype=dtype,
+        records=seen,
+    )
 
 
 def check_precision(
@@ -92,6 +170,7 @@ def check_precision(
     before_first_update: str | None = None,
     not_judged: Collection[str] = (),
     not_judged_why: str = "",
+    never_updated: Mapping[str, str] | None = None,
 ) -> list[Finding]:
     """Per-parameter findings: stored or effectively rounded below the contract's master dtype.
 
@@ -102,6 +181,8 @@ def check_precision(
     then 16-bit-representable masters are what a start from 16-bit weights looks like (a warning, not an error).
     ``not_judged``: FQNs of parameters below the master dtype that the optimizer state may leave without an entry
     (``not_judged_why``: how); frozen ones owe no master, trainable ones lost bits: a warning, not a verdict.
+    ``never_updated``: FQNs whose every recorded learning rate is 0 -> that record in words: never updated, so
+    judged like frozen parameters (``precision.never-updated``, info).
     Under an unknown contract nothing is judged per parameter (``contract.unknown`` says why).
     """
     findings: list[Finding] = []
@@ -113,8 +194,26 @@ def check_precision(
             if r.dtype in _NARROW and r.dtype != contract.master_dtype:
                 findings.append(_storage(r, contract))
         return findings
+    never_updated = never_updated or {}
     for r in params:
         rounded = _rounded(r)
+        lr0 = never_updated.get(r.param) if r.param is not None else None
+        if lr0 is not None and (r.dtype in _NARROW or rounded is not None):
+            what = (f"{r.dtype}, with all {r.numel} values {rounded[0]}-representable" if rounded is not None
+                    else f"stored as {r.dtype}")
+            findings.append(
+                finding(
+                    "precision.never-updated",
+                    r.name,
+                    f"{r.name}: {what}, in a param group whose every recorded learning rate is 0 "
+                    f"({lr0}): no update was ever applied to it, so it holds the weights as "
+                    f"they were loaded (e.g. a {rounded[0] if rounded else r.dtype} release), and no "
+                    f"{contract.master_dtype} master is due",
+                    dtype=r.dtype,
+                    lr_record=lr0,
+                )
+            )
+            continue
         if r.param in not_judged and (r.dtype in _NARROW or rounded is not None):
             what = (f"{r.dtype}, with all {r.numel} values {rounded[0]}-representable" if rounded is not None
                     else f"stored as {r.dtype}")

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from ckptaudit.catalogue import finding
+from ckptaudit.catalogue import finding, finding_order, ignore_note, mark_ignored, parse_ignore
 from ckptaudit.compare.elementwise import ROUNDINGS, DiffStats, Pool
 from ckptaudit.compare.judge import component_findings, pair_findings, pair_json, sections, summary
 from ckptaudit.compare.matching import Entry, Side, align_ranks, entries_of, open_side
@@ -47,12 +47,15 @@ class CompareOptions:
     threads: int = 2
     """Tensor pairs compared at once (xxhash and NumPy release the GIL, so pairs run in parallel on as many
     cores); 1 compares them one after the other."""
+    ignore: tuple[str, ...] = ()
+    """Finding codes or families acknowledged (:func:`ckptaudit.catalogue.parse_ignore`): kept, marked ignored."""
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 64:
             raise ValueError(f"chunk_bytes must be at least 64 bytes, got {self.chunk_bytes}")
         if not 1 <= self.threads <= 64:
             raise ValueError(f"threads must be between 1 and 64, got {self.threads}")
+        object.__setattr__(self, "ignore", parse_ignore(self.ignore))
 
 
 def compare(reference: str, candidate: str, options: CompareOptions | None = None, *,
@@ -108,7 +111,8 @@ def _compare(ref: Side, cand: Side, options: CompareOptions, progress: Progress 
     findings += component_findings(ref_kinds, cand_kinds, ref.view.components)
     wholly = {k.value for k in ref_kinds ^ cand_kinds}
     findings += pair_findings(pairs, skip_components=wholly)
-    findings.sort(key=lambda f: (-int(f.severity), f.code, f.subject))
+    findings = mark_ignored(findings, options.ignore)
+    findings.sort(key=finding_order)
     sides = [_side_info("reference", ref, ref_entries), _side_info("candidate", cand, cand_entries)]
     status_counts = {s: sum(p.status == s for p in pairs) for s in STATUSES}
     return Report(
@@ -116,7 +120,7 @@ def _compare(ref: Side, cand: Side, options: CompareOptions, progress: Progress 
         path=cand.ckpt.path,
         format=cand.view.layout,
         findings=tuple(findings),
-        summary=summary(pairs),
+        summary=summary(pairs) + ignore_note(findings),
         extra={
             "reference": sides[0],
             "candidate": sides[1],

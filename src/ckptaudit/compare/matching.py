@@ -36,6 +36,7 @@ from ckptaudit.layouts import (
     STEP_KEYS,
     TensorRef,
     View,
+    is_step_key,
     normalize_fqn,
 )
 from ckptaudit.layouts import file_rule as _layout_file_rule
@@ -154,7 +155,7 @@ def entries_of(side: Side) -> dict[tuple[str, ...], Entry]:
         if part.tree is None:
             continue
         rule = _file_rule(part)
-        if rule in ("ignore", "index", "manifest"):
+        if rule in ("ignore", "index", "manifest", "training-args"):
             continue
         for path, leaf in walk(part.tree):
             label = _label(part, path)
@@ -222,6 +223,8 @@ def _component_path(part: Part, rule: ComponentKind | str | None, path: tuple[An
         return ComponentKind.RNG.value, p[1:]
     if head in DATA_KEYS:
         return ComponentKind.DATA_PROGRESS.value, p[1:]
+    if is_step_key("/".join(p)):  # every spelling of the training step pairs with every other
+        return ComponentKind.DATA_PROGRESS.value, ("step",)
     if head in STEP_KEYS:
         if len(p) == 1 or p[1:] == ("step",):
             return ComponentKind.DATA_PROGRESS.value, ("step",)

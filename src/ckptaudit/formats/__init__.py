@@ -12,6 +12,7 @@ extension and magic bytes for safetensors and ``torch.save``), so that auditing 
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from typing import TYPE_CHECKING, Any
@@ -263,10 +264,10 @@ def _read_pickled(full: str, name: str, subject: str, findings: list[Finding]) -
             # Inert: globals outside the allowlist become placeholders, so the rest (the tensors) is still audited.
             tz = read_torch_zip(full, inert=True)
         except TorchZipError as exc:
-            findings.append(
-                finding("integrity.corrupt", subject, f"{subject}: not a readable torch.save archive: {exc}",
-                        offset=exc.offset, **_limit(exc.limit))
-            )
+            what = "not a readable torch.save archive" if exc.code == "integrity.corrupt" else \
+                "refused, nothing in it was executed"
+            findings.append(finding(exc.code, subject, f"{subject}: {what}: {exc}", offset=exc.offset,
+                                    **_limit(exc.limit)))
             return None
         if not tz.loaded:
             _report_unloaded(subject, tz.scan, findings)
@@ -274,7 +275,10 @@ def _read_pickled(full: str, name: str, subject: str, findings: list[Finding]) -
         if tz.scan.unsafe or tz.scan.harmless:
             _report_unloaded(subject, tz.scan, findings, inert=True)
         return Part(name, "torch.save", tz.obj)
-    # Not a zip: a plain pickle, or the legacy (pre-1.6) torch.save format, which starts with a pickled magic.
+    # Not a zip. torch.load tries the legacy (pre-1.6) tar format first, then reads pickles from byte 0: the
+    # legacy stream format (a pickled magic number first), or fails after unpickling the first one.
+    if _torch_reads_as_tar(full):
+        return _read_legacy_tar(full, name, subject, findings)
     with open_regular(full) as fh:
         result = scan(fh)
         if result.unsafe or result.harmless:
@@ -308,25 +312,104 @@ def _read_pickled(full: str, name: str, subject: str, findings: list[Finding]) -
 
 
 def _read_legacy(full: str, name: str, subject: str, findings: list[Finding]) -> Part | None:
-    from ckptaudit.formats.pickle_scan import PickleScan, scan
+    from ckptaudit.formats.torchzip import scan_legacy
 
     with open_regular(full) as fh:
-        unsafe: list[str] = []
-        harmless: list[str] = []
-        names: list[str] = []
-        for _ in range(5):  # magic, protocol, sys info, object tree, storage keys: torch.load unpickles all five
-            r = scan(fh)
-            unsafe += r.unsafe
-            harmless += r.harmless
-            names += r.globals
-            if r.error is not None:
-                break
+        # magic, protocol, sys info, object tree, storage keys: torch.load unpickles all five
+        found = scan_legacy(fh)
+    if found.unsafe or found.harmless:
+        _report_unloaded(subject, found, findings)
+    findings.append(
+        finding("security.unvetted-pickle", subject,
+                f"{subject} uses the legacy torch.save stream format (torch < 1.6, or "
+                "_use_new_zipfile_serialization=False): torch.load unpickles it with a loader ckptaudit does not "
+                "restate (five pickles, then raw storages), so ckptaudit cannot vet what it would load; not read, "
+                "nothing in it was executed. Re-save it with a current torch.save to audit it.",
+                globals=list(found.globals))
+    )
+    return Part(name, "torch.save-legacy", None)
+
+
+_TAR_BLOCK = 512
+
+
+def _torch_reads_as_tar(full: str) -> bool:
+    """Whether ``torch.load`` would take the legacy tar path for the file ``full``: it does whenever
+    ``tarfile.open(mode="r:")`` reads a first header, which needs :meth:`tarfile.TarInfo.frombuf` to accept the
+    first block (an over-approximation: anything frombuf takes is refused)."""
+    import tarfile
+
+    with open_regular(full) as fh:
+        block = fh.read(_TAR_BLOCK)
+    if len(block) < _TAR_BLOCK:
+        return False
+    try:
+        tarfile.TarInfo.frombuf(block, tarfile.ENCODING, "surrogateescape")
+    except tarfile.HeaderError:
+        return False
+    except Exception:  # noqa: BLE001 - tarfile fails otherwise: torch.load fails too, never falls back to pickle
+        return True
+    return True
+
+
+class _Capped(io.RawIOBase):
+    """A file read through at most ``cap`` bytes in all (tarfile reads what hostile headers declare)."""
+
+    def __init__(self, fh: Any, cap: int) -> None:
+        self._fh, self._left = fh, cap
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return int(self._fh.tell())
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return int(self._fh.seek(pos, whence))
+
+    def readinto(self, b: Any) -> int:
+        if self._left <= 0:
+            raise OSError("read cap reached")
+        data = self._fh.read(min(len(b), self._left))
+        self._left -= len(data)
+        b[:len(data)] = data
+        return len(data)
+
+
+def _read_legacy_tar(full: str, name: str, subject: str, findings: list[Finding]) -> Part:
+    """The legacy tar format: refused (torch.load(weights_only=False) unpickles its members unvetted); the pickles
+    at the start of its members are scanned to name what they reference."""
+    import tarfile
+
+    from ckptaudit.formats.pickle_scan import PickleScan
+    from ckptaudit.formats.torchzip import scan_legacy
+
+    names: list[str] = []
+    unsafe: list[str] = []
+    harmless: list[str] = []
+    try:
+        with open_regular(full) as raw, tarfile.open(fileobj=_Capped(raw, 64 << 20), mode="r:") as tar:
+            for member in ("storages", "tensors", "pickle"):
+                stream = tar.extractfile(member)
+                if stream is None:
+                    continue
+                found = scan_legacy(stream)
+                names += found.globals
+                unsafe += found.unsafe
+                harmless += found.harmless
+    except Exception:  # noqa: BLE001, S110 - a damaged tar: refused all the same, its pickles named where readable
+        pass
     if unsafe or harmless:
         _report_unloaded(subject, PickleScan(tuple(names), tuple(unsafe), tuple(harmless)), findings)
     findings.append(
-        finding("format.unsupported", subject,
-                f"{subject} uses the legacy torch.save format (torch < 1.6); its tensors are not read. "
-                "Re-save it with a current torch.save to audit it.")
+        finding("security.unvetted-pickle", subject,
+                f"{subject} is a legacy .tar torch.save file (torch < 1.6): torch.load(weights_only=False) untars it "
+                "and unpickles its members without the checks ckptaudit makes (weights_only=True refuses it); not "
+                "read, nothing in it was executed. Re-save it with a current torch.save to audit it.",
+                globals=names)
     )
     return Part(name, "torch.save-legacy", None)
 

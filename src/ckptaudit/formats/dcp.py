@@ -313,9 +313,24 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
         full = os.path.join(path, rel)
         rel_name = os.path.join(name, rel) if name else rel
         if info.transform_descriptors:
+            # torch.distributed.checkpoint.load reads such an item through its transforms (zstd, ...), which
+            # ckptaudit does not: the two readings differ, so the item is refused rather than left unjudged.
             located[index] = Unreadable(
                 f"storage transforms {info.transform_descriptors} are not supported", rel_name
             )
+            if isinstance(sd_meta.get(fqn), BytesMeta):
+                findings.append(finding(
+                    "security.unvetted-pickle", fqn,
+                    f"item {fqn} is stored through transforms {list(info.transform_descriptors)}: "
+                    "torch.distributed.checkpoint.load would undo them and unpickle the result with "
+                    "torch.load(weights_only=False); ckptaudit does not read transformed items, so it cannot vet it",
+                    item=fqn, file=rel_name))
+            else:
+                findings.append(finding(
+                    "integrity.corrupt", fqn,
+                    f"item {fqn} is stored through transforms {list(info.transform_descriptors)}, which "
+                    "torch.distributed.checkpoint.load undoes and ckptaudit does not: its data is not read, so it "
+                    "cannot be judged", item=fqn, file=rel_name))
             continue
         if full not in stats:
             try:
@@ -444,7 +459,7 @@ def _tensor_item(
         try:
             tz = archives.read(file, offset, length)
         except TorchZipError as exc:
-            corrupt.append(("integrity.corrupt", fqn, f"shard at offsets {list(offsets)}: {exc}", exc.offset))
+            corrupt.append((exc.code, fqn, f"shard at offsets {list(offsets)}: {exc}", exc.offset))
             return Unreadable(str(exc), file)
         td = tz.obj
         if not tz.loaded:
@@ -491,7 +506,7 @@ def _bytes_item(
     try:
         tz = archives.read(file, offset, length)
     except TorchZipError as exc:
-        corrupt.append(("integrity.corrupt", fqn, str(exc), exc.offset))
+        corrupt.append((exc.code, fqn, str(exc), exc.offset))
         return Unreadable(str(exc), file)
     if not tz.loaded:
         corrupt.append(("security.unsafe-pickle", fqn,

@@ -244,8 +244,11 @@ def _read_mp_rank(mp: int, name_prefix: str, prefix: str, models: dict[tuple[int
     dtype = next((d for d in ("bf16", "fp16") if _dict(config.get(d)).get("enabled")), "fp32")
     facts.update({k: rank0.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "dp_world_size",
                                              "mp_world_size", "ds_version") if k in rank0})
-    # What the schedule needs to be recomputed (checks/lr_history.py): the config's scheduler and optimizer.
-    facts.setdefault("ds_config", {k: config[k] for k in ("scheduler", "optimizer") if k in config})
+    # What the schedule needs to be recomputed (checks/lr_history.py): the config's scheduler and optimizer; and its
+    # precision settings, the run's record of where its masters are (layouts/precision.py).
+    facts.setdefault("ds_config", {k: config[k] for k in ("scheduler", "optimizer", "bf16", "bfloat16", "fp16")
+                                   if k in config})
+    facts.setdefault("ds_config_where", f"{prefix}mp_rank_{mp:02d}_model_states.pt/ds_config")
     facts.setdefault("zero_stage", stage)
     facts.setdefault("dtype", dtype)
     facts["data_sampler"] = rank0.get("data_sampler") is not None

@@ -13,6 +13,7 @@ its opcode tables :mod:`ckptaudit.formats.pickle_ops`.
 from __future__ import annotations
 
 import io
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import IO
@@ -59,6 +60,7 @@ __all__ = [
     "UnsafeBuildError",
     "UnsafeGlobalError",
     "build_budget",
+    "may_name_global",
     "opcode_limit",
     "scan",
 ]
@@ -143,3 +145,14 @@ def scan(data: bytes | bytearray | memoryview | IO[bytes], allowed: frozenset[st
     return PickleScan(names, tuple(unsafe), tuple(harmless), error, error_offset, end, limit, misused, plain)
 
 
+
+
+_GLOBAL_OPCODES = re.compile(rb"[\n\x82\x83\x84\x93]")
+"""A pickle reaches a global (what any code it runs needs) only through ``GLOBAL``/``INST`` (whose arguments end in
+newlines), ``STACK_GLOBAL`` or ``EXT1``/``EXT2``/``EXT4``."""
+
+
+def may_name_global(data: bytes | bytearray | memoryview) -> bool:
+    """Whether ``data``, read as a pickle from any byte, could reference a global: ``False`` proves it cannot
+    (it holds none of the bytes those opcodes need), so it needs no :func:`scan`."""
+    return _GLOBAL_OPCODES.search(data) is not None

@@ -31,19 +31,21 @@ class JsonLimitError(ValueError):
 
 
 def loads_limited(raw: bytes | str, what: str, *, max_depth: int = MAX_JSON_DEPTH,
-                  max_containers: int = MAX_JSON_CONTAINERS, unique_keys: bool = False) -> Any:
+                  max_containers: int = MAX_JSON_CONTAINERS, unique_keys: bool = False,
+                  parse_int: Any = None) -> Any:
     """``json.loads(raw)`` within the limits: the containers are counted before parsing (in C, by
     ``bytes.count``), a nesting deeper than Python's recursion limit stops the parser cleanly, and the parsed
     tree's depth is checked after. Raises :class:`JsonLimitError` past a limit and ``ValueError`` for text that is
     not JSON (bad UTF-8, integers beyond Python's digit limit), each naming ``what``. ``unique_keys``: an object
-    that names one key twice is not valid (``json.loads`` would keep the last silently)."""
+    that names one key twice is not valid (``json.loads`` would keep the last silently). ``parse_int``: as
+    ``json.loads``'s."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     containers = data.count(b"{") + data.count(b"[")
     if containers > max_containers:
         raise JsonLimitError(f"{what} holds up to {containers} objects and arrays, more than the reader's limit "
                              f"of {max_containers}")
     try:
-        value = json.loads(data, object_pairs_hook=_unique if unique_keys else None)
+        value = json.loads(data, object_pairs_hook=_unique if unique_keys else None, parse_int=parse_int)
     except RecursionError:
         raise JsonLimitError(f"{what} nests deeper than the reader's limit of {max_depth} levels") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the int digit limit

@@ -76,15 +76,30 @@ def read_safetensors(path: str) -> SafetensorsFile:
         raw = fh.read(n)
     if len(raw) != n:
         raise SafetensorsError(f"header declares {n} bytes, read {len(raw)}", 8)
+    # The safetensors library parses the header as strict UTF-8 JSON (serde_json); Python's json is laxer, and
+    # whatever only the laxer reading accepts is refused (read as the library reads it, or not at all).
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raise SafetensorsError("header starts with a byte-order mark (the safetensors library refuses it)", 8)
     try:
-        header = loads_limited(raw, "header", unique_keys=True)
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SafetensorsError(f"header is not UTF-8 (byte {exc.start}; the safetensors library refuses it)",
+                               8 + exc.start) from None
+    try:
+        header = loads_limited(raw, "header", unique_keys=True, parse_int=_json_int)
     except ValueError as exc:  # not JSON, a key twice, past a limit (depth, containers), digits past Python's limit
         raise SafetensorsError(f"header is not valid JSON ({exc})", 8) from None
     if not isinstance(header, dict):
         raise SafetensorsError("header is not a JSON object", 8)
+    bad = _non_utf8_string(header)
+    if bad is not None:
+        raise SafetensorsError(f"header holds the string {bad!r}, a lone UTF-16 surrogate escape (the safetensors "
+                               "library refuses it)", 8)
     data_start = 8 + n
     data_len = size - data_start
-    meta_raw = header.pop("__metadata__", None) or {}
+    meta_raw = header.pop("__metadata__", None)
+    if meta_raw is None:
+        meta_raw = {}
     if not isinstance(meta_raw, dict) or not all(isinstance(v, str) for v in meta_raw.values()):
         raise SafetensorsError("__metadata__ is not an object of strings", 8)
     metadata = dict(meta_raw)
@@ -106,6 +121,33 @@ def read_safetensors(path: str) -> SafetensorsFile:
     return SafetensorsFile({name: td for _, _, name, td in entries}, metadata)
 
 
+_U64 = (1 << 64) - 1
+
+
+def _json_int(text: str) -> int | float:
+    """JSON integers as serde_json reads them: ``-0`` and other negative literals are not unsigned integers (serde
+    reads ``-0`` as a float), so they never pass as a shape or an offset."""
+    return float(text) if text.startswith("-") else int(text)
+
+
+def _non_utf8_string(tree: Any) -> str | None:
+    """A key or string of the parsed header that UTF-8 cannot encode (a lone surrogate escape), or ``None``."""
+    todo = [tree]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            todo.extend(dict.keys(v))
+            todo.extend(dict.values(v))
+        elif isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return v
+    return None
+
+
 def _entry(path: str, name: str, spec: Any, data_start: int, data_len: int) -> tuple[int, int, str, TensorData]:
     if not isinstance(spec, dict):
         raise SafetensorsError(f"entry {name!r} is not an object", 8)
@@ -114,12 +156,21 @@ def _entry(path: str, name: str, spec: Any, data_start: int, data_len: int) -> t
         raise SafetensorsError(f"tensor {name!r} has unknown dtype {spec.get('dtype')!r}", 8)
     shape = spec.get("shape")
     offsets = spec.get("data_offsets")
-    if not (isinstance(shape, list) and len(shape) <= 64 and all(type(d) is int and d >= 0 for d in shape)):
+    if not (isinstance(shape, list) and len(shape) <= 64 and all(type(d) is int and 0 <= d <= _U64 for d in shape)):
         raise SafetensorsError(f"tensor {name!r} has a bad shape {shape!r}", 8)
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and 0 <= o <= _U64
+                                                                     for o in offsets)):
         raise SafetensorsError(f"tensor {name!r} has bad data_offsets {offsets!r}", 8)
     begin, end = offsets
     dtype = DTYPES[dtype_name]
+    count = 1
+    for d in shape:  # the library multiplies left to right in 64 bits and refuses an overflow, even before a 0
+        count *= d
+        if count > _U64:
+            raise SafetensorsError(f"tensor {name!r}: shape {shape} overflows 64 bits (the safetensors library "
+                                   "refuses it)", 8)
+    if count * dtype.itemsize * 8 > _U64:
+        raise SafetensorsError(f"tensor {name!r}: shape {shape} x {dtype_name} overflows 64 bits", 8)
     expected = math.prod(shape) * dtype.itemsize
     if begin < 0 or end < begin or end - begin != expected:
         raise SafetensorsError(

@@ -1,24 +1,41 @@
 """Loading checkpoints into real tensors, safely, for the parts of ckptaudit that need values (resuming,
 comparing, exporting).
 
-- :func:`safe_torch_load`: the archive is read as the audit reads it first (allowlist scan, then the restricted
-  unpickler and its limits), then loaded with
-  ``torch.load(weights_only=True, mmap=True)`` and only the NumPy globals RNG states need added.
+One reading: what torch loads is what ckptaudit vetted, from the same open file.
+
+- :func:`safe_torch_load`: the archive is read as the audit reads it first (torch's zip reading restated, the
+  allowlist scan, then the restricted unpickler and its limits), through one open descriptor, then loaded with
+  ``torch.load(weights_only=True, mmap=True)`` from that same descriptor (``/proc/self/fd``: a file renamed over
+  the path in between is not what torch reads) and only the NumPy globals RNG states need added.
 - :func:`safe_dcp_load`: :func:`ckptaudit.formats.dcp.check_metadata_safe` first (``.metadata`` and every
   non-tensor item are pickles that ``torch.distributed.checkpoint.load`` unpickles without restriction), then
   ``torch.distributed.checkpoint.load`` through :func:`safe_dcp_reader`, a storage reader that serves the
-  metadata the check rebuilt as plain data (converted to torch's classes here), never the pickle itself: what
-  is loaded is exactly what was vetted. Call it on every rank, like ``torch.distributed.checkpoint.load``.
+  metadata the check rebuilt as plain data (converted to torch's classes here), never the pickle itself, and
+  reads every item itself: each non-tensor item's bytes are read once, checked, and those very bytes handed to
+  the planner; each tensor item is checked and loaded through one open descriptor. Call it on every rank, like
+  ``torch.distributed.checkpoint.load``.
+
+What no reader of a shared file can promise: a process that rewrites a file in place, bytes at the same offsets,
+while it is loaded (tensor items and ``torch.save`` files are mapped or read after the check).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import IO, Any, cast
 
 from ckptaudit.formats.dcp import UnsafeCheckpointError, check_metadata_safe
 from ckptaudit.formats.dcp_metadata import BytesMeta, DcpMetadata, TensorMeta
-from ckptaudit.formats.torchzip import TorchZipError, is_zip, read_torch_zip
+from ckptaudit.formats.safeio import NotRegularFile
+from ckptaudit.formats.tensors import TensorData
+from ckptaudit.formats.torchzip import (
+    RegionStream,
+    TorchZip,
+    TorchZipError,
+    TorchZipFile,
+    read_torch_zip_bytes,
+)
+from ckptaudit.formats.zipdir import Region
 
 __all__ = ["safe_dcp_load", "safe_dcp_reader", "safe_torch_load", "to_torch_metadata"]
 
@@ -42,31 +59,46 @@ def _numpy_globals() -> list[Any]:
 def safe_torch_load(path: str | os.PathLike[str]) -> Any:
     """Load a ``torch.save`` zip archive without executing anything outside the allowlist.
 
-    The archive is first read exactly as the offline audit reads it (:func:`~ckptaudit.formats.torchzip.
-    read_torch_zip`: every opcode scanned against the allowlist, then ``data.pkl`` built by the restricted
-    unpickler under its limits: colliding-hash keys, the built-size budget, tensors addressing more than the
-    archive; docs/security.md), so ``torch.load`` only ever sees a pickle the audit would have accepted.
+    The archive is first read exactly as the offline audit reads it (:meth:`~ckptaudit.formats.torchzip.
+    TorchZipFile.read`: torch's zip reading restated, every opcode scanned against the allowlist, then
+    ``data.pkl`` built by the restricted unpickler under its limits: colliding-hash keys, the built-size budget,
+    tensors addressing more than the archive; docs/security.md), so ``torch.load`` only ever sees a pickle the
+    audit would have accepted, and reads it from the descriptor that was checked.
 
-    Raises :class:`UnsafeCheckpointError` naming the offending globals or the limit the pickle broke, or
-    ``ValueError`` for files that are not readable ``torch.save`` archives.
+    Raises :class:`UnsafeCheckpointError` naming the offending globals, the limit the pickle broke or the reading
+    torch and ckptaudit would disagree on, or ``ValueError`` for files that are not readable ``torch.save``
+    archives.
     """
     import torch
 
     path = os.fspath(path)
-    if not is_zip(path):
-        raise ValueError(f"{path} is not a torch.save zip archive")
     try:
-        tz = read_torch_zip(path)
+        archive = TorchZipFile(path)
+    except NotRegularFile as exc:
+        raise ValueError(f"{path} is not a torch.save zip archive ({exc.strerror})") from None
+    with archive:
+        if os.pread(archive.fd, 4, 0) != b"PK\x03\x04":
+            raise ValueError(f"{path} is not a torch.save zip archive")
+        _vetted(path, archive.read)
+        # The descriptor that was checked, reopened by torch (mmap included) through /proc: never the path again.
+        same = f"/proc/self/fd/{archive.fd}"
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(same if os.path.exists(same) else path, map_location="cpu", weights_only=True,
+                              mmap=True)
+
+
+def _vetted(what: str, read: Any, *args: Any) -> TorchZip:
+    """``read(*args)`` (a :class:`TorchZip`), or :class:`UnsafeCheckpointError` / ``ValueError`` saying why not."""
+    try:
+        tz: TorchZip = read(*args)
     except TorchZipError as exc:
-        if exc.limit:
-            raise UnsafeCheckpointError(f"{path}: {exc}; refusing to load it (the limits: docs/security.md)") \
-                from None
-        raise ValueError(f"{path}: {exc}") from None
+        if exc.limit or exc.code != "integrity.corrupt":
+            raise UnsafeCheckpointError(f"{what}: {exc}; refusing to load it (docs/security.md)") from None
+        raise ValueError(f"{what}: {exc}") from None
     if not tz.scan.loadable or not tz.loaded:
         bad = tz.scan.unsafe + tz.scan.harmless
-        raise UnsafeCheckpointError(f"{path} references {', '.join(bad)}; refusing to load it")
-    with torch.serialization.safe_globals(_numpy_globals()):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        raise UnsafeCheckpointError(f"{what} references {', '.join(bad) or 'unvettable data'}; refusing to load it")
+    return tz
 
 
 def materialize(data: Any, maps: Any) -> Any:
@@ -131,21 +163,98 @@ def to_torch_metadata(md: DcpMetadata) -> Any:
 def safe_dcp_reader(path: str | os.PathLike[str]) -> Any:
     """A ``torch.distributed.checkpoint.FileSystemReader`` of ``path`` whose ``read_metadata`` returns the
     metadata :func:`~ckptaudit.formats.dcp.check_metadata_safe` vetted (raises :class:`UnsafeCheckpointError`
-    when it refuses ``path``): ``.metadata`` is never unpickled by torch.
+    when it refuses ``path``): ``.metadata`` is never unpickled by torch. Its ``read_data`` reads every item
+    itself (:func:`_read_vetted`): what torch unpickles is what ckptaudit checked, byte for byte.
 
     (all ranks) call it on every rank that loads, so each rank loads only what it checked itself.
     """
     from torch.distributed.checkpoint import FileSystemReader
 
-    path = os.fspath(path)
-    vetted = to_torch_metadata(check_metadata_safe(path))
+    root = os.fspath(path)
+    vetted = to_torch_metadata(check_metadata_safe(root))
 
     class _VettedReader(FileSystemReader):  # type: ignore[misc]
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             vetted.storage_meta.load_id = self.load_id
             return vetted
 
-    return _VettedReader(path)
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            return _read_vetted(root, self.storage_data, plan, planner)
+
+    return _VettedReader(root)
+
+
+def _read_vetted(root: str, storage_data: dict[Any, Any], plan: Any, planner: Any) -> Any:
+    """``FileSystemReader.read_data``, each item checked first and handed to torch from what was checked: a
+    non-tensor item's bytes are read once, read as the audit reads an item (:func:`~ckptaudit.formats.torchzip.
+    read_torch_zip_bytes`: torch's zip reading, the allowlist, the restricted load) and those very bytes given to
+    ``planner.load_bytes`` (which unpickles them with ``weights_only=False`` in the default planner); a
+    tensor item is checked through one open descriptor and ``torch.load(weights_only=True)`` reads it through the
+    same descriptor. (each rank) for the items of its plan; raises :class:`UnsafeCheckpointError` before handing
+    over an item that was refused."""
+    import io
+
+    import torch
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
+
+    from ckptaudit.formats.dcp import _path_problem
+
+    per_file: dict[str, list[Any]] = {}
+    for item in plan.items:
+        per_file.setdefault(storage_data[item.storage_index].relative_path, []).append(item)
+    for rel, reqs in per_file.items():
+        problem = _path_problem(root, rel)
+        if problem is not None:
+            raise UnsafeCheckpointError(f"{root}/.metadata {problem}")
+        full = os.path.join(root, rel)
+        try:
+            archives = TorchZipFile(full)
+        except NotRegularFile as exc:
+            raise UnsafeCheckpointError(f"{full} is not a regular file ({exc.strerror})") from None
+        with archives:
+            for req in reqs:
+                info = storage_data[req.storage_index]
+                fqn = req.storage_index.fqn
+                if info.transform_descriptors:
+                    raise UnsafeCheckpointError(f"{full}: item {fqn} is stored through transforms "
+                                                f"{info.transform_descriptors}, which ckptaudit does not vet")
+                where = f"{full}: item {fqn} at byte {info.offset}"
+                if req.type == LoadItemType.BYTE_IO:
+                    blob = _pread_all(archives.fd, info.offset, info.length)
+                    if len(blob) != info.length:
+                        raise UnsafeCheckpointError(f"{where}: the file ends early")
+                    _vetted(where, read_torch_zip_bytes, blob, full)
+                    planner.load_bytes(req, io.BytesIO(blob))
+                    continue
+                tz = _vetted(where, archives.read, info.offset, info.length)
+                if not isinstance(tz.obj, TensorData):
+                    raise UnsafeCheckpointError(f"{where}: does not hold a plain tensor")
+                view = RegionStream(Region(archives.fd, info.offset, info.length))
+                tensor = torch.load(cast(IO[bytes], view), map_location="cpu", weights_only=True)
+                tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != tensor.size():
+                    raise UnsafeCheckpointError(f"{where}: holds {list(tensor.size())}, the state dict expects "
+                                                f"{list(target.size())}")
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)
+    fut: Any = Future()
+    fut.set_result(None)
+    return fut
+
+
+def _pread_all(fd: int, offset: int, length: int) -> bytes:
+    parts: list[bytes] = []
+    while length > 0:
+        part = os.pread(fd, min(length, 1 << 30), offset)
+        if not part:
+            break
+        parts.append(part)
+        offset += len(part)
+        length -= len(part)
+    return b"".join(parts)
 
 
 def safe_dcp_load(state_dict: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> None:

@@ -5,12 +5,17 @@ A ``torch.save`` file is a zip of ``<name>/data.pkl`` (the object tree, a pickle
 ``torch.distributed.checkpoint`` is the same kind of archive, at an offset inside the file, so this reader
 works on a byte region of a file.
 
-The pickle is scanned first (:func:`ckptaudit.formats.pickle_scan.scan`); only a pickle whose every global is
+The archive is read the way torch reads it (:mod:`ckptaudit.formats.miniz`: the zip signature at byte 0, the end
+records and central directory as miniz finds them, names looked up ignoring case under the first member's folder,
+the records torch checks), and refused wherever the two readings could part; every member but ``data.pkl`` and its
+storages is scanned as a pickle too. The pickle is scanned first (:func:`ckptaudit.formats.pickle_scan.scan`); only
+a pickle whose every global is
 allowed is unpickled, through a restricted unpickler that turns each tensor into a :class:`TensorData`
 pointing into the file. Storage sizes and tensor views are checked against the archive before anything is
 described, so a hostile header cannot make us allocate or read past the file: ``data.pkl`` must declare at
 most :data:`MAX_PICKLE_BYTES` (checked before it is inflated, and inflation stops at the declared size), every
-storage must be stored uncompressed inside the archive, and the tensors of one archive may together address
+storage must be stored uncompressed inside the archive, exactly as large as its elements, and referenced with one
+dtype (torch types a storage by its first reference), and the tensors of one archive may together address
 at most a few times the archive's bytes (overlapping views cannot turn a small file into an endless scan).
 
 :class:`TorchZipFile` opens a file once for many archives (the items of a ``.distcp`` file; the restricted
@@ -26,22 +31,21 @@ import itertools
 import os
 import pickle
 import struct
-import zipfile
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptaudit.formats import ziplayout
+from ckptaudit.formats import miniz, ziplayout
 from ckptaudit.formats.object_tree import check_tree
-from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, opcode_limit, scan
+from ckptaudit.formats.pickle_scan import PickleLimitError, PickleScan, may_name_global, opcode_limit, scan
 from ckptaudit.formats.safeio import open_regular, open_regular_fd
 from ckptaudit.formats.tensor_rebuild import VIEW_BUDGET_FACTOR, StorageRef, StorageType, ViewBudget, torch_table
 from ckptaudit.formats.tensors import DType, Piece, TensorData
 from ckptaudit.formats.unpickler import RestrictedUnpickler
 from ckptaudit.formats.zipdir import HEAD_BYTES, TAIL_BYTES, Member, Region, lean_directory
 
-__all__ = ["TorchZip", "TorchZipError", "TorchZipFile", "TorchZipFiles", "is_zip", "read_torch_zip"]
+__all__ = ["RegionStream", "TorchZip", "TorchZipError", "TorchZipFile", "TorchZipFiles", "is_zip", "read_torch_zip",
+           "read_torch_zip_bytes", "scan_legacy"]
 
 MAX_PICKLE_BYTES = 256 << 20
 """A ``data.pkl`` larger than this is refused: object trees of real checkpoints are far smaller."""
@@ -49,12 +53,15 @@ MAX_PICKLE_BYTES = 256 << 20
 
 class TorchZipError(Exception):
     """The archive is not a readable ``torch.save`` zip; ``offset`` is the absolute byte offset if known;
-    ``limit`` says the archive exceeds a safety limit rather than being malformed."""
+    ``limit`` says the archive exceeds a safety limit rather than being malformed; ``code`` is the finding it is
+    (``integrity.corrupt``, or a ``security.*`` code where torch would unpickle bytes ckptaudit did not vet)."""
 
-    def __init__(self, message: str, offset: int | None = None, *, limit: bool = False) -> None:
+    def __init__(self, message: str, offset: int | None = None, *, limit: bool = False,
+                 code: str = "integrity.corrupt") -> None:
         super().__init__(message)
         self.offset = offset
         self.limit = limit
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,93 +74,24 @@ class TorchZip:
     loaded: bool
 
 
-class _Region(io.RawIOBase):
-    """A read-only, seekable view of ``[start, start+length)`` of an open file."""
-
-    def __init__(self, fh: Any, start: int, length: int) -> None:
-        self._fh, self._start, self._len, self._pos = fh, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._len}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def read(self, n: int | None = -1) -> bytes:
-        # Never allocate a buffer of a declared size: read only what the region holds.
-        left = max(0, self._len - self._pos)
-        n = left if n is None or n < 0 else min(n, left)
-        if n == 0:
-            return b""
-        self._fh.seek(self._start + self._pos)
-        data = self._fh.read(n)
-        self._pos += len(data)
-        return data
-
-    def readall(self) -> bytes:
-        return self.read(-1)
-
-    def readinto(self, b: Any) -> int:
-        n = min(len(b), self._len - self._pos)
-        if n <= 0:
-            return 0
-        self._fh.seek(self._start + self._pos)
-        data = self._fh.read(n)
-        b[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
 MAX_ZIP_ENTRIES = 1_000_000
-"""Most members of one archive (``torch.save`` writes one per storage, plus three)."""
+"""Most members of one archive (``torch.save`` writes one per storage, plus six)."""
 _LOCAL_HEADER = 30
 """Bytes of a zip local file header before its name: every member takes at least this much before the central
 directory."""
 
 
-def _check_directory_size(fh: Any, offset: int, length: int) -> None:
+def _entries_problem(end: miniz.EndRecords, offset: int) -> None:
     """Refuse an archive whose central directory lists more members than the bytes before it can hold (entries
-    sharing one local header: 2M entries would be read as valid at 1.2 GiB), from the end records alone."""
-    tail_len = min(length, 22 + 0xFFFF)
-    fh.seek(offset + length - tail_len)
-    tail = fh.read(tail_len)
-
-    def read_at(at: int, n: int) -> bytes:
-        fh.seek(offset + at)
-        return bytes(fh.read(n))
-
-    _directory_size_problem(tail, length, offset, read_at)
-
-
-def _directory_size_problem(tail: bytes, length: int, offset: int, read_at: Any) -> None:
-    """:func:`_check_directory_size` on the archive's last bytes ``tail`` (all of them, or at least up to the last
-    end-record signature); ``read_at(relative offset, n)`` reads the zip64 record."""
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or at + 22 > len(tail):
-        return  # no end record: zipfile says what is wrong
-    entries, _size, cd_offset = struct.unpack_from("<10xHLL", tail, at)
-    locator = at - 20
-    if (entries == 0xFFFF or cd_offset == 0xFFFFFFFF) and locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07":
-        (z64_at,) = struct.unpack_from("<8xQ", tail, locator)
-        if 0 <= z64_at <= length - 56:
-            rec = read_at(z64_at, 56)
-            if rec[:4] == b"PK\x06\x06":
-                entries, _size, cd_offset = struct.unpack_from("<32xQQQ", rec)
-    if entries > MAX_ZIP_ENTRIES:
-        raise TorchZipError(f"zip central directory lists {entries} members, more than the reader's limit of "
+    sharing one local header: 2M entries would be read as valid at 1.2 GiB), from the end records alone, before
+    anything builds one object per entry."""
+    if end.entries > MAX_ZIP_ENTRIES:
+        raise TorchZipError(f"zip central directory lists {end.entries} members, more than the reader's limit of "
                             f"{MAX_ZIP_ENTRIES}", offset, limit=True)
-    if entries * _LOCAL_HEADER > cd_offset:
-        raise TorchZipError(f"zip central directory lists {entries} members, but only {cd_offset} bytes precede it "
-                            f"(each member's local header takes at least {_LOCAL_HEADER}): members share local "
-                            "headers", offset)
+    if end.entries * _LOCAL_HEADER > end.cd_offset:
+        raise TorchZipError(f"zip central directory lists {end.entries} members, but only {end.cd_offset} bytes "
+                            f"precede it (each member's local header takes at least {_LOCAL_HEADER}): members share "
+                            "local headers", offset)
 
 
 def _check_local_headers(infos: list[Member], offset: int) -> None:
@@ -214,11 +152,11 @@ def _read_member(region: Region, info: Member, limit: int) -> bytes:
     if start + info.compress_size > region.start + region.length:
         raise TorchZipError(f"{info.filename} declares {info.compress_size} bytes at offset {start}, past the end "
                             f"of the archive", start)
-    if info.compress_type == zipfile.ZIP_STORED:
+    if info.compress_type == 0:  # stored
         if info.compress_size != info.file_size:
             raise TorchZipError(f"{info.filename}: stored member with two different sizes", start)
         data = region.read_at(start, info.file_size)
-    elif info.compress_type == zipfile.ZIP_DEFLATED:
+    elif info.compress_type == 8:  # deflated
         if info.compress_size > limit:
             raise TorchZipError(f"{info.filename} is {info.compress_size} bytes compressed, over the limit",
                                 start, limit=True)
@@ -237,10 +175,6 @@ def _read_member(region: Region, info: Member, limit: int) -> bytes:
     if zlib.crc32(data) != info.CRC:
         raise TorchZipError(f"{info.filename}: CRC-32 mismatch (the bytes were altered)", start)
     return data
-
-
-_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error,
-               OverflowError, NotImplementedError)
 
 
 def read_torch_zip(path: str, offset: int = 0, length: int | None = None, *, load: bool = True,
@@ -279,21 +213,19 @@ class TorchZipFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self._fd, self.size = open_regular_fd(path)
-        self._fh: Any = None  # a file object over the descriptor, for zipfile, made only where it is needed
         self._abspath = os.path.abspath(path)
+
+    @property
+    def fd(self) -> int:
+        """The open descriptor (``-1`` once closed): a loader that must read the very file that was checked
+        reads through it."""
+        return self._fd
 
     def close(self) -> None:
         if self._fd < 0:
             return
-        if self._fh is not None:
-            self._fh.close()  # closefd=False: the descriptor is closed below
         os.close(self._fd)
         self._fd = -1
-
-    def _file(self) -> Any:
-        if self._fh is None:
-            self._fh = os.fdopen(self._fd, "rb", closefd=False)
-        return self._fh
 
     def __enter__(self) -> TorchZipFile:
         return self
@@ -320,16 +252,106 @@ class TorchZipFile:
             head = os.pread(fd, HEAD_BYTES, offset)
             tail = os.pread(fd, TAIL_BYTES, offset + length - TAIL_BYTES)
             complete = len(head) == HEAD_BYTES and len(tail) == TAIL_BYTES
-        if complete:
+        if complete and head[:4] == _ZIP_MAGIC:  # the common case first: a DCP item of a learnt layout
             hit = ziplayout.match(length, head, tail)
             if hit is not None:
                 known = _from_layout(hit, self._abspath, offset, length, load)
                 if known is not None:
                     return known
-        else:  # the file shrank under us: the full read says what is missing
-            head = None  # type: ignore[assignment]
-            tail = Region(fd, offset, length).read_at(offset + length - min(length, TAIL_BYTES), TAIL_BYTES)
-        return _read_full(fd, self._file, self._abspath, offset, length, head, tail, load, inert)
+        return _read_archive(Region(fd, offset, length, head if complete else None), self._abspath, head, tail,
+                             complete, load, inert)
+
+
+def read_torch_zip_bytes(data: bytes, name: str = "<bytes>", *, load: bool = True) -> TorchZip:
+    """:func:`read_torch_zip` of an archive held in memory (a DCP item a loader read once, checks, and hands to
+    torch as it is); tensors in it point into a file named ``name`` that does not exist."""
+    tail = data[-TAIL_BYTES:] if len(data) > TAIL_BYTES else data
+    return _read_archive(Region(-1, 0, len(data), data), name, data, tail, True, load, False)
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _read_archive(region: Region, path: str, head: bytes, tail: bytes, complete: bool, load: bool,
+                  inert: bool) -> TorchZip:
+    """The archive in ``region`` (``head``/``tail``: its first and last bytes as read; ``complete``: whether those
+    reads got every byte asked for): torch's entry check, then the memoised layout, else the full read."""
+    offset, length = region.start, region.length
+    if len(head) < min(4, length):
+        raise TorchZipError("the archive ends early (truncated, or changed while being read)", offset)
+    if head[:4] != _ZIP_MAGIC:
+        raise _not_a_zip(region, head)
+    if complete:
+        hit = ziplayout.match(length, head, tail)
+        if hit is not None:
+            known = _from_layout(hit, path, offset, length, load)
+            if known is not None:
+                return known
+    else:  # the file shrank under us: the full read says what is missing
+        tail = region.read_at(offset + length - min(length, TAIL_BYTES), TAIL_BYTES)
+    return _read_full(region, path, tail, load, inert)
+
+
+class RegionStream(io.RawIOBase):
+    """A read-only, seekable stream over a :class:`Region` (the pickle scan of a region's first bytes; ``torch.load``
+    of an archive that was checked through the same descriptor)."""
+
+    def __init__(self, region: Region) -> None:
+        self._region, self._pos = region, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._region.length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        data = self._region.read_at(self._region.start + self._pos, len(b))
+        b[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+def scan_legacy(stream: Any) -> PickleScan:
+    """The pickles torch's legacy (pre-1.6) loader unpickles one after another from ``stream``'s position (magic
+    number, protocol, system info, the object tree, the storage keys), scanned as one: every global any of them
+    references; the first malformed one ends the walk (its error is kept)."""
+    names: list[str] = []
+    unsafe: list[str] = []
+    harmless: list[str] = []
+    misused: list[str] = []
+    last = scan(stream)
+    for _ in range(5):
+        names += last.globals
+        unsafe += last.unsafe
+        harmless += last.harmless
+        misused += last.misused
+        if last.error is not None or len(names) > 4096:
+            break
+        last = scan(stream)
+    return PickleScan(tuple(names), tuple(unsafe), tuple(harmless), last.error, last.error_offset, last.end,
+                      last.limit, tuple(misused))
+
+
+def _not_a_zip(region: Region, head: bytes) -> TorchZipError:
+    """The error for an archive that does not start with a local header: torch.load does not read it as a zip but
+    with its legacy loader, unpickling it from byte 0, so the pickles there are scanned (named in the message)."""
+    found = scan_legacy(RegionStream(region))
+    bad = found.unsafe + found.harmless
+    what = f"; the pickle there references {', '.join(bad)}" if bad else ""
+    return TorchZipError(
+        f"does not start with a zip local header (its first bytes are {head[:8]!r}): torch.load would not read it "
+        "as a torch.save archive but with its legacy loader, which unpickles it from byte 0 without the checks "
+        f"ckptaudit makes{what}", region.start,
+        code="security.unsafe-pickle" if found.unsafe else "security.unvetted-pickle")
 
 
 class TorchZipFiles:
@@ -384,48 +406,37 @@ def _from_layout(hit: ziplayout.Matched, path: str, offset: int, length: int, lo
     return TorchZip(result, _bind_file(tree, path, moved={old: offset + start for old, start in where}), True)
 
 
-def _read_full(fd: int, file: Callable[[], Any], path: str, offset: int, length: int, head: bytes | None,
-               tail: bytes, load: bool, inert: bool) -> TorchZip:
-    """Every check on the archive at ``[offset, offset+length)`` of the open descriptor ``fd`` (``file()``: a file
-    object over it, for zipfile; ``head``: the archive's first bytes where already read; ``tail``: its last
-    ``min(length, TAIL_BYTES)`` bytes); learns its layout when it is the canonical one."""
-    region = Region(fd, offset, length, head)
-    # Before anything builds one object per central entry (an exact tail holds the last end record; where it
-    # holds none, the fallback below checks the longer tail zipfile searches).
-    _directory_size_problem(tail, length, offset, lambda at, n: region.read_at(offset + at, n))
-    lean = lean_directory(region, tail)
-    if lean is not None:
-        infos = lean
-    else:  # not the canonical layout: zipfile reads it, with its own errors
-        raw = file()
-        _check_directory_size(raw, offset, length)
-        try:
-            with zipfile.ZipFile(_Region(raw, offset, length)) as zf:  # type: ignore[arg-type]
-                infos = [Member(i.filename, i.header_offset, i.compress_size, i.file_size, i.compress_type,
-                                i.CRC) for i in zf.infolist()]
-        except _ZIP_ERRORS as exc:
-            raise TorchZipError(f"not a readable zip archive ({exc})", offset) from None
-    _check_local_headers(infos, offset)
-    names = [i.filename for i in infos]
-    if len(set(names)) != len(names):
-        raise TorchZipError("zip archive names a member twice (readers could disagree on which one "
-                            "counts)", offset)
-    # torch.save puts every member under one top-level folder and the pickle at <folder>/data.pkl.
-    pkl = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") <= 1]
-    if len(pkl) != 1:
-        raise TorchZipError(
-            "zip archive without data.pkl: not a torch.save file" if not pkl
-            else f"zip archive with {len(pkl)} data.pkl members", offset)
-    prefix = pkl[0].filename[: -len("data.pkl")]
-    if prefix and any(not n.startswith(prefix) for n in names):
-        raise TorchZipError(f"zip archive members outside the {prefix!r} folder of its data.pkl", offset)
-    by_name = {i.filename: i for i in infos}
-    bo = by_name.get(prefix + "byteorder")
-    if bo is not None:
-        order = _read_member(region, bo, 16).decode("ascii", "replace").strip()
-        if order != "little":
-            raise TorchZipError(f"byte order {order!r} is not supported (only little-endian)", offset)
-    data = _read_member(region, pkl[0], MAX_PICKLE_BYTES)
+def _zip_error(exc: miniz.ZipReadError, offset: int) -> TorchZipError:
+    at = None if exc.offset is None else offset + exc.offset
+    return TorchZipError(str(exc), at, code=exc.code)
+
+
+def _read_full(region: Region, path: str, tail: bytes, load: bool, inert: bool) -> TorchZip:
+    """Every check on the archive in ``region`` (``tail``: its last ``min(length, TAIL_BYTES)`` bytes), read the
+    way torch reads it (:mod:`ckptaudit.formats.miniz`); learns its layout when it is the canonical one."""
+    offset, length = region.start, region.length
+
+    def read_rel(at: int, n: int) -> bytes:
+        return region.read_at(offset + at, n)
+
+    try:
+        end = miniz.end_records(read_rel, length, tail)
+        _entries_problem(end, offset)  # before anything builds one object per central entry
+        lean = lean_directory(region, tail)
+        if lean is None or len(lean) != end.entries:
+            lean = None
+            infos = miniz.directory(read_rel, length, end)
+        else:
+            infos = lean
+        names = miniz.check_members(infos, length)
+        _check_local_headers(infos, offset)
+    except miniz.ZipReadError as exc:
+        raise _zip_error(exc, offset) from None
+    prefix = names.top
+    pkl = names.get("data.pkl")
+    if pkl is None:
+        raise TorchZipError(f"zip archive without {prefix}data.pkl: not a torch.save file", offset)
+    data = _read_member(region, pkl, MAX_PICKLE_BYTES)
     result = _scan_cached(data)
     outside = bool(result.unsafe or result.harmless)
     if outside and (not inert or not load or result.error is not None):
@@ -433,26 +444,23 @@ def _read_full(fd: int, file: Callable[[], Any], path: str, offset: int, length:
     if result.error is not None:
         raise TorchZipError(f"data.pkl: {result.error} (pickle byte {result.error_offset})", offset,
                             limit=result.limit)
-    if lean is not None and not outside and head is not None:
-        # Every structural check passed: archives of this layout need only be compared with it.
-        ziplayout.learn(length, head, tail, lean, prefix)
     if not load:
+        _scan_members(region, names, pkl, None)
         return TorchZip(result, None, False)
     budget = ViewBudget(length)
 
     def locate(key: str, dtype: DType, numel: int) -> int:
         """The absolute offset of storage ``key``, checked against the archive."""
-        info = by_name.get(f"{prefix}data/{key}")
+        info = names.get(f"data/{key}")
         if info is None:
             raise pickle.UnpicklingError(f"storage {key!r} is missing from the archive")
-        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+        if info.compress_type != 0 or info.compress_size != info.file_size:
             raise pickle.UnpicklingError(f"storage {key!r} is compressed; torch.save never does that")
         nbytes = numel * dtype.itemsize
-        if nbytes > info.file_size:
+        if nbytes != info.file_size:
             raise pickle.UnpicklingError(
-                f"storage {key!r} declares {numel} {dtype.name} elements, "
-                f"the archive holds {info.file_size} bytes"
-            )
+                f"storage {key!r} declares {numel} {dtype.name} elements ({nbytes} bytes), the archive holds "
+                f"{info.file_size} bytes for it (torch.load refuses a storage whose record is not exactly its size)")
         start = _local_data_offset(region, info)
         if start + nbytes > offset + length:
             raise pickle.UnpicklingError(f"storage {key!r} runs past the end of the archive")
@@ -467,6 +475,16 @@ def _read_full(fd: int, file: Callable[[], Any], path: str, offset: int, length:
         if not isinstance(stype, StorageType) or type(numel) is not int or numel < 0 or \
                 not isinstance(key, str):
             raise pickle.UnpicklingError(f"bad storage reference {pid!r}")
+        seen = storages.get(key)
+        if seen is not None:
+            # torch.load builds each storage once, typed by its first reference, and hands every later reference
+            # that one: a later dtype or size is not what the tensors get.
+            if seen[0] != stype.dtype or seen[1] != numel:
+                raise pickle.UnpicklingError(
+                    f"storage {key!r} is referenced as {seen[1]} {seen[0].name} elements and again as {numel} "
+                    f"{stype.dtype.name} elements; torch.load keeps the first reference's type, so every tensor "
+                    f"on it comes back as {seen[0].name}")
+            return StorageRef(seen[0], seen[2], seen[1])
         start = locate(key, stype.dtype, numel)
         storages[key] = (stype.dtype, numel, start)
         return StorageRef(stype.dtype, start, numel)
@@ -483,6 +501,8 @@ def _read_full(fd: int, file: Callable[[], Any], path: str, offset: int, length:
         if nbytes > VIEW_BUDGET_FACTOR * length + (64 << 20):
             raise TorchZipError("data.pkl: the archive's tensors address more than "
                                 f"{VIEW_BUDGET_FACTOR}x its bytes", offset, limit=True)
+        _scan_members(region, names, pkl, used)
+        _learn(region, tail, lean, names)
         return TorchZip(result, _bind_file(template, path, moved=moved), True)
 
     try:
@@ -505,11 +525,51 @@ def _read_full(fd: int, file: Callable[[], Any], path: str, offset: int, length:
         if isinstance(exc, PickleLimitError):
             raise TorchZipError(f"data.pkl: {exc}", offset, limit=True) from None
         raise TorchZipError(f"data.pkl: {exc}", offset) from None
-    if not outside and len(data) <= _LOAD_CACHE_MAX_PICKLE and _is_plain_tree(obj):
-        if len(_LOAD_CACHE) >= _LOAD_CACHE_ENTRIES:
-            _LOAD_CACHE.clear()
-        _LOAD_CACHE[data] = (obj, dict(storages), _tensor_bytes(obj))
+    _scan_members(region, names, pkl, storages)
+    if not outside:
+        _learn(region, tail, lean, names)
+        if len(data) <= _LOAD_CACHE_MAX_PICKLE and _is_plain_tree(obj):
+            if len(_LOAD_CACHE) >= _LOAD_CACHE_ENTRIES:
+                _LOAD_CACHE.clear()
+            _LOAD_CACHE[data] = (obj, dict(storages), _tensor_bytes(obj))
     return TorchZip(result, _bind_file(obj, path), True)
+
+
+def _learn(region: Region, tail: bytes, lean: list[Member] | None, names: miniz.Names) -> None:
+    """Every check passed on an archive of the canonical layout: archives of this layout need only be compared
+    with it (:mod:`ckptaudit.formats.ziplayout`)."""
+    head = region.head
+    if lean is not None and head is not None:
+        ziplayout.learn(region.length, head, tail, lean, names.top)
+
+
+def _scan_members(region: Region, names: miniz.Names, pkl: Member, storages: dict[str, Any] | None) -> None:
+    """The records torch reads besides ``data.pkl`` (:func:`ckptaudit.formats.miniz.check_records`), then, in
+    defense in depth: every member besides ``data.pkl`` and the storages it references (raw tensor bytes, never
+    unpickled by torch) is scanned as a pickle; one that references a global is refused, whatever its name or
+    position (torch.load never unpickles it, but no torch.save archive holds one, and another reader may).
+    ``storages`` ``None``: the pickle was not loaded, every member outside ``data/`` is scanned."""
+    try:
+        miniz.check_records(names, lambda m, limit: _read_member(region, m, limit))
+    except miniz.ZipReadError as exc:
+        raise _zip_error(exc, region.start) from None
+    data_dir = (names.top + "data/").lower()
+    skip = {pkl.filename.lower()}
+    if storages is not None:
+        skip.update(f"{data_dir}{key}".lower() for key in storages)
+    for low, member in names.by_lower.items():
+        if low in skip or (storages is None and low.startswith(data_dir)):
+            continue
+        blob = _read_member(region, member, MAX_PICKLE_BYTES)
+        if not may_name_global(blob):
+            continue
+        found = _scan_cached(blob)
+        bad = found.unsafe + found.harmless
+        if bad:
+            raise TorchZipError(
+                f"member {member.filename!r} is a pickle that references {', '.join(bad)}: torch.load unpickles "
+                "only data.pkl, but no torch.save archive holds another pickle, and another reader may unpickle it",
+                region.start + member.header_offset, code="security.unsafe-pickle")
 
 
 _LOAD_CACHE: dict[bytes, tuple[Any, dict[str, tuple[DType, int, int]], int]] = {}

@@ -1,17 +1,17 @@
 """A lean reader of one zip archive's central directory, for the archives ``torch.save`` writes.
 
 :func:`ckptaudit.formats.torchzip.read_torch_zip` opens one archive per ``torch.save`` file and one per DCP item
-(thousands per checkpoint). :mod:`zipfile` builds a general ``ZipInfo`` per member through a seekable stream (a
-dozen reads and seeks per archive); :func:`lean_directory` reads the end records and the central directory of
-the canonical layout ``torch.save`` writes (no archive comment, no extra fields, ASCII names, the directory right
-before the end records) from one tail read, and answers ``None`` for anything else, so that the caller falls back
-to :mod:`zipfile` and its exact behaviour. Where it answers, it gives the same members, names, offsets, sizes,
-methods and CRCs as ``zipfile.ZipFile(...).infolist()`` (``tests/test_lean_readers.py`` compares them); every
-check the caller makes afterwards (local headers one to one, sizes, overlaps, names) is unchanged.
+(thousands per checkpoint). :func:`lean_directory` reads the end records and the central directory of the
+canonical layout ``torch.save`` writes (no archive comment, no extra fields, ASCII names, the directory right
+before the end records, nothing torch's zip reader refuses) from one tail read, and answers ``None`` for anything
+else, so that the caller reads it with :func:`ckptaudit.formats.miniz.directory`, the general restatement of
+torch's reader, and its errors. Where it answers, it gives the same members, names, offsets, sizes, methods and
+CRCs as ``zipfile.ZipFile(...).infolist()`` and as miniz (``tests/test_lean_readers.py`` compares them); every
+check the caller makes afterwards (the count, names, local headers one to one, sizes, overlaps) is unchanged.
 
 :class:`Region` serves reads inside the archive with ``os.pread`` and keeps the archive's first bytes (local
-headers, ``data.pkl``, ``byteorder``) from one read, or takes them (the whole of a small archive) from its caller,
-so one DCP item costs one or two reads.
+headers, ``data.pkl``, ``byteorder``) from one read, or takes them (the whole of a small archive, or an archive
+held in memory) from its caller, so one DCP item costs one or two reads.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ _LOCATOR = struct.Struct("<4sLQL")
 _EOCD64 = struct.Struct("<4sQ2H2L4Q")
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")
 _MAX_EXTRACT_VERSION = 63  # zipfile.MAX_EXTRACT_VERSION
+_REFUSED_FLAGS = 0x0001 | 0x0020 | 0x0040 | 0x2000
+"""Encrypted, compressed patch, strong encryption, masked local header."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,11 @@ class Region:
         whole region)."""
         self._fd, self.start, self.length = fd, start, length
         self._head = head
+
+    @property
+    def head(self) -> bytes | None:
+        """The region's first bytes where read (at least :data:`HEAD_BYTES`, or the whole region), else ``None``."""
+        return self._head
 
     def read_at(self, at: int, n: int) -> bytes:
         """Up to ``n`` bytes at absolute offset ``at`` (fewer at the region's end; none outside it)."""
@@ -124,6 +131,8 @@ def lean_directory(region: Region, tail: bytes) -> list[Member] | None:
         name_len, extra_len, comment_len = f[12], f[13], f[14]
         if f[0] != b"PK\x01\x02" or extra_len or comment_len or f[3] > _MAX_EXTRACT_VERSION:
             return None
+        if f[5] & _REFUSED_FLAGS or f[15] not in (0, 1) or f[17] & 0x10 or f[18] + 30 + f[10] > length:
+            return None  # what torch's zip reader refuses: ckptaudit.formats.miniz says why
         raw = directory[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len]
         if len(raw) != name_len or not raw.isascii() or b"\0" in raw:
             return None  # cp437, UTF-8 flags and NUL truncation: zipfile's rules

@@ -51,6 +51,7 @@ from typing import Any
 from ckptaudit.formats.quarantine import QUARANTINE_PREFIX
 from ckptaudit.integrations._pins import PINS_DIR
 from ckptaudit.integrations.guard import REPORT_SUFFIX, Guard, before_save_everywhere, stop_requested
+from ckptaudit.integrations.live_contract import declare_live_contract
 
 __all__ = ["HOME", "guard_accelerator", "stop_requested"]
 
@@ -109,6 +110,9 @@ def guard_accelerator(accelerator: Any, guard: Guard) -> Guard:
         accelerator.wait_for_everyone()  # every process's files are written before the main process audits
         if accelerator.is_main_process:
             path = os.fspath(location)
+            optimizers = getattr(accelerator, "_optimizers", None)  # what save_state saved, in prepare()'s order
+            if optimizers:
+                declare_live_contract(guard, optimizers[0], f"Accelerate mixed_precision={accelerator.mixed_precision}")
             if automatic:
                 os.makedirs(home(), exist_ok=True)
                 guard.submit(path, step=iteration, report=report(path), quarantine_to=quarantine_to,

@@ -1,6 +1,6 @@
 """DeepSpeed: ``latest`` moves to a new tag only when its audit passes. See ``docs/integrations/deepspeed.md``.
 
-    from ckptaudit.integrations.guard import Guard, before_save_everywhere, stop_requested
+    from ckptaudit.integrations.guard import Guard, stop_requested
     from ckptaudit.integrations.deepspeed import save_checkpoint
 
     guard = Guard(on_failure="stop")                         # on every rank; only global rank 0 audits
@@ -29,6 +29,7 @@ import os
 from typing import Any
 
 from ckptaudit.integrations.guard import Guard, before_save_everywhere, stop_requested
+from ckptaudit.integrations.live_contract import declare_live_contract
 
 __all__ = ["save_checkpoint", "stop_requested"]
 
@@ -39,7 +40,8 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], tag: str | No
 
     ``tag`` defaults to DeepSpeed's ``global_step<N>``; other keywords go to ``engine.save_checkpoint``
     (``exclude_frozen_parameters``). Returns the tag directory. Raises ``ValueError`` for a decoupled
-    (asynchronous) checkpoint engine, whose files are not complete when ``save_checkpoint`` returns.
+    (asynchronous) checkpoint engine, whose files are not complete when ``save_checkpoint`` returns. Unless
+    ``guard`` has a ``master_dtype``, its audits hold the masters to the engine's optimizer's (its fp32 partitions).
     """
     if "save_latest" in kwargs:
         raise TypeError("ckptaudit deepspeed save_checkpoint: save_latest is not an option; `latest` moves when "
@@ -57,6 +59,9 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], tag: str | No
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
     path = os.path.join(save_dir, tag)
     if engine.global_rank == 0:
+        enabled = {k: getattr(engine, f"{k}_enabled", lambda: None)() for k in ("bfloat16", "fp16")}
+        declare_live_contract(guard, engine.optimizer,
+                              f"DeepSpeed bf16 {enabled['bfloat16']}, fp16 {enabled['fp16']}")
         guard.submit(path, step=int(engine.global_steps), on_pass=lambda p: _point_latest(save_dir, tag))
     return path
 

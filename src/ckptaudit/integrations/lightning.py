@@ -49,6 +49,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from ckptaudit.integrations.guard import Guard, Verdict, before_save_everywhere, report_path, wait_everywhere
+from ckptaudit.integrations.live_contract import declare_live_contract
 
 __all__ = ["AuditCallback"]
 
@@ -64,8 +65,9 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
     batch end after the failing audit finishes, and :class:`~ckptaudit.integrations.guard.CheckpointAuditFailed`
     at the end of ``fit``). ``background``: ``"process"`` (default) or ``"thread"``. ``wait_at_end``: seconds to
     wait at the end of fitting for the audits still queued (``None``: no limit). ``max_unverified`` and every
-    option of :func:`ckptaudit.audit` (``quick=True``, ``fail_on``, ``master_dtype``...) go to the
-    :class:`~ckptaudit.integrations.guard.Guard`.
+    option of :func:`ckptaudit.audit` (``quick=True``, ``fail_on``, ``ignore``...) go to the
+    :class:`~ckptaudit.integrations.guard.Guard`; without a ``master_dtype`` the audits hold the parameters to the
+    live run's (the dtype of what the optimizer steps).
     """
 
     def __init__(self, on_failure: str = "warn", *, background: str = "process",
@@ -96,6 +98,9 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
                 self.guard.detach(os.fspath(filepath))
             original(filepath, weights_only, storage_options)
             if trainer.is_global_zero:
+                if trainer.optimizers:
+                    declare_live_contract(self.guard, trainer.optimizers[0],
+                                          f"Lightning precision={trainer.precision}")
                 self._saved(os.fspath(filepath), trainer.global_step, bool(weights_only))
             if self.guard.on_failure == "stop":
                 # The wait in before_save may have brought a failing verdict: stop after this batch, on every

@@ -1,7 +1,7 @@
 """ckptaudit's own writer (:mod:`ckptaudit.store`): the ``latest`` pointer and retention wait for the audit.
 See ``docs/integrations/store.md``.
 
-    from ckptaudit.integrations.guard import Guard, before_save_everywhere, report_path, stop_requested
+    from ckptaudit.integrations.guard import Guard, stop_requested
     from ckptaudit.integrations.store import save_checkpoint
 
     guard = Guard(on_failure="stop")                                  # on every rank; only rank 0 audits
@@ -32,6 +32,7 @@ import os
 from typing import Any
 
 from ckptaudit.integrations.guard import Guard, before_save_everywhere, report_path, stop_requested
+from ckptaudit.integrations.live_contract import declare_live_contract
 
 __all__ = ["save_checkpoint", "stop_requested"]
 
@@ -77,5 +78,6 @@ def save_checkpoint(job: Any, root: str | os.PathLike[str], *, guard: Guard, kee
                 if os.path.exists(report):
                     os.remove(report)
 
+    declare_live_contract(guard, job.optimizer, "ckptaudit.store")
     guard.submit(saved.path, step=saved.step, on_pass=passed)
     return saved

@@ -44,6 +44,7 @@ from ckptaudit.integrations.guard import (
     report_path,
     stop_requested,
 )
+from ckptaudit.integrations.live_contract import declare_live_contract
 
 __all__ = ["guard_checkpoint_manager", "quarantine", "quarantine_to", "stop_requested"]
 
@@ -100,6 +101,9 @@ def guard_checkpoint_manager(manager: Any, guard: Guard) -> Any:
                 log.info("ckptaudit guard: the last save of step %d is model-only (last_save_model_only / "
                          "last_save_in_hf), not a training checkpoint; not audited", curr_step)
             else:
+                states = getattr(manager, "states", None)
+                if isinstance(states, dict) and states.get("optimizer") is not None:
+                    declare_live_contract(guard, states["optimizer"], "torchtitan")
                 # Asynchronous modes: rank 0's future completes once every rank has written and rank 0 (the
                 # coordinator) has written .metadata; synchronous: None, the files are complete.
                 guard.submit(os.path.join(manager.folder, f"step-{curr_step}"), step=curr_step,

@@ -52,6 +52,7 @@ from ckptaudit.integrations.guard import (
     stop_requested,
     wait_everywhere,
 )
+from ckptaudit.integrations.live_contract import declare_live_contract
 
 __all__ = ["AuditCallback"]
 
@@ -68,7 +69,8 @@ class AuditCallback(TrainerCallback):  # type: ignore[misc]
     :class:`~ckptaudit.integrations.guard.CheckpointAuditFailed` at the end of ``train()``). ``background``:
     ``"process"`` (default) or ``"thread"``. ``wait_at_end``: seconds to wait at the end of training for the
     audits still queued (``None``: no limit). ``max_unverified`` and every option of :func:`ckptaudit.audit`
-    (``quick=True``, ``fail_on``, ``master_dtype``...) go to the :class:`~ckptaudit.integrations.guard.Guard`.
+    (``quick=True``, ``fail_on``, ``ignore``...) go to the :class:`~ckptaudit.integrations.guard.Guard`; without a
+    ``master_dtype`` the audits hold the parameters to the live run's (the dtype of what the optimizer steps).
     """
 
     def __init__(self, on_failure: str = "warn", *, background: str = "process",
@@ -119,6 +121,7 @@ class AuditCallback(TrainerCallback):  # type: ignore[misc]
             log.warning("ckptaudit guard: Trainer reported a save at step %d, but %s does not exist; not audited",
                         state.global_step, path)
             return
+        declare_live_contract(self.guard, kwargs.get("optimizer"), f"Trainer bf16={args.bf16}, fp16={args.fp16}")
         self.guard.submit(path, step=state.global_step)
         self._rotate(args, state)
 

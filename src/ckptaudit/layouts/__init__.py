@@ -42,10 +42,13 @@ from ckptaudit.layouts.view import (
     RNG_KEYS,
     SCHEDULER_KEYS,
     STEP_KEYS,
+    ContractRecord,
     ModelView,
     OptimizerView,
     TensorRef,
     View,
+    find_step,
+    is_step_key,
     normalize_fqn,
 )
 
@@ -57,12 +60,15 @@ __all__ = [
     "RNG_KEYS",
     "SCHEDULER_KEYS",
     "STEP_KEYS",
+    "ContractRecord",
     "ModelView",
     "OptimizerView",
     "TensorRef",
     "View",
     "file_rule",
+    "find_step",
     "interpret",
+    "is_step_key",
     "normalize_fqn",
 ]
 

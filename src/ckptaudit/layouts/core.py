@@ -12,6 +12,7 @@ from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts.huggingface import _layout_name, file_rule
 from ckptaudit.layouts.keyed import _classify_keys, _optimizer_view
+from ckptaudit.layouts.precision import scaler_record, training_args_record
 from ckptaudit.layouts.view import (
     DATA_KEYS,
     MODEL_KEYS,
@@ -72,6 +73,12 @@ def interpret(ckpt: Checkpoint) -> View:
         rule = file_rule(part.name) if part.name else None
         tree = part.tree
         if rule == "ignore":
+            continue
+        if rule in ("training-args", "scaler"):
+            read = training_args_record if rule == "training-args" else scaler_record
+            record = read(tree, part.name)
+            if record is not None:
+                view.contract_records.append(record)
             continue
         if rule == "manifest":
             if isinstance(tree, dict):

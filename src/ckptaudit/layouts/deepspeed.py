@@ -12,7 +12,8 @@ from typing import Any
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts.keyed import _optimizer_view
-from ckptaudit.layouts.view import DATA_KEYS, RNG_KEYS, STEP_KEYS, View, _as_int, _label
+from ckptaudit.layouts.precision import deepspeed_record
+from ckptaudit.layouts.view import DATA_KEYS, RNG_KEYS, STEP_KEYS, View, _as_int, _label, is_step_key
 from ckptaudit.model import ComponentKind
 
 
@@ -22,6 +23,9 @@ def _deepspeed(part: Part, tree: dict[str, Any], view: View, found: Any, add_mod
     own step counters for the rest of the inventory."""
     facts: dict[str, Any] = tree["deepspeed"] if isinstance(tree.get("deepspeed"), dict) else {}
     stage, dtype = facts.get("zero_stage"), facts.get("dtype", "?")
+    record = deepspeed_record(facts.get("ds_config"), str(facts.get("ds_config_where", _label(part, "ds_config"))))
+    if record is not None:
+        view.contract_records.append(record)
     masters: dict[Any, Any] = tree["fp32_masters"] if isinstance(tree.get("fp32_masters"), dict) else {}
     if masters:
         add_model(part, masters, f"{facts.get('masters_where', _label(part, 'fp32_masters'))}: fp32 masters "
@@ -58,7 +62,7 @@ def _deepspeed(part: Part, tree: dict[str, Any], view: View, found: Any, add_mod
         k = str(key)
         if k in RNG_KEYS and client[key] not in (None, [], {}):
             found(ComponentKind.RNG, _label(part, "client_state", k))
-    data_keys = [str(k) for k in client if str(k) in DATA_KEYS or str(k) in STEP_KEYS]
+    data_keys = [str(k) for k in client if str(k) in DATA_KEYS or str(k) in STEP_KEYS or is_step_key(k)]
     steps = _as_int(facts.get("global_steps"))
     view.step = steps if view.step is None else view.step
     if facts.get("data_sampler"):

@@ -27,7 +27,8 @@ _FILE_RULES: tuple[tuple[str, ComponentKind | str], ...] = (
     ("sampler*.bin", ComponentKind.DATA_PROGRESS),
     ("dl_state_dict*.bin", ComponentKind.DATA_PROGRESS),
     ("trainer_state.json", ComponentKind.DATA_PROGRESS),
-    ("training_args.bin", "ignore"),
+    ("training_args.bin", "training-args"),
+    ("scaler*.pt", "scaler"),
     ("*.index.json", "index"),
     ("manifest.json", "manifest"),
     ("ckptaudit.json", "manifest"),
@@ -36,7 +37,8 @@ _FILE_RULES: tuple[tuple[str, ComponentKind | str], ...] = (
 
 
 def file_rule(name: str) -> ComponentKind | str | None:
-    """What a file of a checkpoint directory holds, by its name: a component, ``index``, ``manifest``, ``ignore``."""
+    """What a file of a checkpoint directory holds, by its name: a component, ``index``, ``manifest``, ``ignore``,
+    or a record of the run's precision (``training-args``, ``scaler``: see :mod:`ckptaudit.layouts.precision`)."""
     base = os.path.basename(name)
     for pattern, kind in _FILE_RULES:
         if fnmatch.fnmatch(base, pattern):

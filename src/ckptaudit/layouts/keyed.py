@@ -12,8 +12,8 @@ from typing import Any
 
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable
 from ckptaudit.formats.tensors import TensorData
+from ckptaudit.layouts.precision import LIGHTNING_SCALER_KEYS, scaler_record
 from ckptaudit.layouts.view import (
-    _STEP_PRIORITY,
     DATA_KEYS,
     MODEL_KEYS,
     OPTIMIZER_KEYS,
@@ -23,11 +23,12 @@ from ckptaudit.layouts.view import (
     OptimizerView,
     TensorRef,
     View,
-    _find_step,
     _label,
     _leaf_file,
     _present,
     _unreadable_detail,
+    find_step,
+    is_step_key,
 )
 from ckptaudit.model import ComponentKind, text
 
@@ -61,12 +62,17 @@ def _classify_keys(part: Part, tree: dict[str, Any], view: View, found: Any, add
             matched = True
             if _present(value):
                 found(ComponentKind.DATA_PROGRESS, where)
-        elif k in STEP_KEYS:
+        elif k in STEP_KEYS or is_step_key(k) or (isinstance(value, dict) and find_step({k: value})):
             matched = True
             found(ComponentKind.DATA_PROGRESS, where)
-    step_key = next((k for k in _STEP_PRIORITY if k in tree and _find_step(tree[k]) is not None), None)
-    if step_key is not None and view.step is None:
-        view.step = _find_step(tree[step_key])
+        elif k in LIGHTNING_SCALER_KEYS:
+            record = scaler_record(value, where)
+            if record is not None:
+                view.contract_records.append(record)
+    step = find_step(tree)
+    step_key = step[0] if step is not None else None
+    if step is not None and view.step is None:
+        view.step = step[1]
     detail = _data_detail(tree, step_key)
     if detail and (ComponentKind.DATA_PROGRESS not in view.details
                    or view.details[ComponentKind.DATA_PROGRESS].startswith("step counter only")):

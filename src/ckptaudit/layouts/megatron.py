@@ -13,6 +13,7 @@ from typing import Any
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts.keyed import _clean_groups
+from ckptaudit.layouts.precision import megatron_record
 from ckptaudit.layouts.view import (
     RNG_KEYS,
     ModelView,
@@ -113,7 +114,10 @@ def _megatron(ckpt: Checkpoint) -> View:
         view.model = ModelView(params, ["(sharded tensors)"], order_known=False)
         found(ComponentKind.MODEL, "(sharded tensors)")
 
-    # common.pt: the step, the optimizer's param groups, the scheduler.
+    # common.pt: the step, the optimizer's param groups, the scheduler, and the args' precision (the contract).
+    record = megatron_record(common.get("args"), "common.pt/args")
+    if record is not None:
+        view.contract_records.append(record)
     iteration = common.get("iteration")
     view.step = _as_int(iteration)
     common_opt = common.get("optimizer")

@@ -7,6 +7,7 @@ Pure: no I/O.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +23,14 @@ RNG_KEYS = ("rng", "rng_state", "rng_states", "random_state", "random_states", "
 DATA_KEYS = ("data", "dataloader", "data_loader", "dataloaders", "loops", "sampler", "data_progress",
              "dataloader_state", "data_state")
 STEP_KEYS = ("step", "global_step", "train_state", "iteration", "iter_num", "epoch")
-_STEP_PRIORITY = ("global_step", "step", "train_state", "iteration", "iter_num")
-"""Keys that hold the optimizer-step counter, best first; ``epoch`` counts epochs, never steps."""
+"""Top-level keys of training progress (``epoch`` counts epochs, never steps); other spellings of the step:
+:func:`is_step_key`."""
+STEP_NAMES = ("global_step", "step", "iteration", "global_steps", "iter_num", "num_updates")
+"""Names of the optimizer-step counter, best first, alone or under a :data:`STEP_SCOPES` prefix."""
+STEP_SCOPES = ("train", "training", "trainer", "train_state", "training_state", "trainer_state", "state",
+               "progress")
+"""Prefixes a step name may sit under, joined by ``/`` or ``.`` (``train/step``, ``train_state.step``) or as a
+nested dict (``{"train": {"step": 5}}``)."""
 
 _INNER_WRAPPERS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 _OUTER_WRAPPERS = ("module.", "_orig_mod.", "_forward_module.")
@@ -87,6 +94,30 @@ class OptimizerView:
     """Masters that belong to no one parameter (the distributed optimizer's flat buckets)."""
 
 
+@dataclass(frozen=True, slots=True)
+class ContractRecord:
+    """What the training stack itself recorded about its precision, read where the library keeps it (DeepSpeed's
+    saved ``ds_config``, Megatron-LM's ``args``, a saved GradScaler state, the Trainer's ``training_args.bin``)."""
+
+    source: str
+    """The :class:`~ckptaudit.model.Contract` source it stands for when it decides (``deepspeed-config``,
+    ``megatron-args``, ``grad-scaler``), or what it is when it cannot (``training-args``)."""
+    where: str
+    """The file (and key) it was read from."""
+    says: str
+    """The record's settings, in words (``bf16.enabled=true``)."""
+    master_dtype: str | None
+    """The master dtype the record decides, or ``None``: the setting leaves it to the model's own dtype."""
+    why: str
+    """Why the setting means that master dtype (or why it decides none), from the library's implementation."""
+    in_optimizer: bool = False
+    """The masters live in the optimizer's state (DeepSpeed's partitions, Megatron's main params), so the model's
+    16-bit tensors are compute copies, and without the optimizer state there is no master to judge."""
+
+    def text(self) -> str:
+        return f"{self.where}: {self.says} ({self.why})"
+
+
 @dataclass
 class View:
     layout: str
@@ -102,6 +133,8 @@ class View:
     manifest: dict[str, Any] | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     """Format metadata of the model files (safetensors ``__metadata__``), merged."""
+    contract_records: list[ContractRecord] = field(default_factory=list)
+    """What the training stack recorded about its precision (see :class:`ContractRecord`), in the order read."""
     roles: dict[int, tuple[str, str | None]] = field(default_factory=dict)
     """``id(tensor data)`` -> (role, parameter) where the layout knows better than the model/optimizer split:
     DeepSpeed's bf16 module weights are ``compute-copy`` records of the parameter whose master is audited."""
@@ -140,16 +173,37 @@ def _unreadable_detail(where: str, value: Any) -> str:
     return ""
 
 
-def _find_step(value: Any) -> int | None:
-    if isinstance(value, bool):
+def _step_parts(key: Any) -> list[str]:
+    return [p for p in re.split(r"[./]", str(key)) if p]
+
+
+def is_step_key(key: Any) -> bool:
+    """Whether ``key`` (one key, or a path joined by ``/`` or ``.``) spells the training step: a
+    :data:`STEP_NAMES` name alone or under :data:`STEP_SCOPES` prefixes (``step``, ``train/step``,
+    ``trainer.global_step``, ``train_state.step``, ``iteration``)."""
+    parts = _step_parts(key)
+    return 0 < len(parts) <= 3 and parts[-1] in STEP_NAMES and all(p in STEP_SCOPES for p in parts[:-1])
+
+
+def find_step(tree: dict[Any, Any]) -> tuple[str, int] | None:
+    """The training step a top-level dict holds, and the key (``a/b`` for a nested one) it was read from: any
+    spelling :func:`is_step_key` accepts, at the top level or one dict below a scope key (``train_state``,
+    ``train``...), best name first (:data:`STEP_NAMES`), then the shallowest; ``None`` when there is none."""
+    found: list[tuple[int, int, str, int]] = []
+    for key, value in tree.items():
+        k = str(key)
+        if is_step_key(k) and _as_int(value) is not None:
+            parts = _step_parts(k)
+            found.append((STEP_NAMES.index(parts[-1]), len(parts), k, value))
+        elif isinstance(value, dict) and _step_parts(k) and all(p in STEP_SCOPES for p in _step_parts(k)):
+            for inner, v in value.items():
+                parts = [*_step_parts(k), *_step_parts(inner)]
+                if is_step_key("/".join(parts)) and _as_int(v) is not None:
+                    found.append((STEP_NAMES.index(parts[-1]), len(parts), f"{k}/{inner}", v))
+    if not found:
         return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, dict):
-        for k in ("step", "global_step", "iteration"):
-            if k in value:
-                return _find_step(value[k])
-    return None
+    _, _, where, step = min(found, key=lambda f: (f[0], f[1]))
+    return where, step
 
 
 def _present(value: Any) -> bool:

@@ -20,8 +20,6 @@ import shutil
 import tempfile
 from typing import Any
 
-import torch
-
 from ckptaudit.dist.launch import RankContext, fast, launch
 from ckptaudit.model import Report
 from ckptaudit.probe.points import ProbeResult
@@ -33,11 +31,14 @@ DEFAULT_EXPORTER = "ckptaudit.exporters:documented"
 
 
 def armed_eval_forward(probe: Any, job: Any, recipe: Any) -> None:
-    """(all ranks) One forward with the probe armed, in eval mode, without gradients, on the held-out batch.
+    """(all ranks) One forward with the probe armed, in eval mode, without gradients, on the held-out batch
+    (:func:`ckptaudit.recipe.eval_forward`: the recipe's ``eval_batch`` through its ``forward``, any model).
 
     Falls back to one training step when the recipe has no ``eval_batch``; the compute copies then predate that
     step's update, which the report flags as ``probe.compute-not-master``.
     """
+    from ckptaudit.recipe import eval_forward
+
     if not hasattr(recipe, "eval_batch"):
         probe.arm()
         try:
@@ -45,19 +46,8 @@ def armed_eval_forward(probe: Any, job: Any, recipe: Any) -> None:
         finally:
             probe.disarm()
         return
-    was_training = job.model.training
-    job.model.eval()
-    try:
-        with torch.no_grad(), probe.armed_forward():
-            batch = recipe.eval_batch(job)
-            device = next(job.model.parameters()).device
-            batch = batch.to(device) if isinstance(batch, torch.Tensor) else batch
-            if hasattr(recipe, "eval_logits"):
-                recipe.eval_logits(job.model, batch)
-            else:
-                job.model(batch)
-    finally:
-        job.model.train(was_training)
+    with probe.armed_forward():
+        eval_forward(recipe, job)
 
 
 def prepared_probe(recipe: Any, ctx: RankContext, steps: int) -> tuple[Any, Any]:

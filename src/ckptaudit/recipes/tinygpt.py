@@ -288,16 +288,18 @@ class TinyGPTRecipe:
         return float(loss.detach())
 
     def eval_batch(self, job: Any) -> torch.Tensor:
-        """A fixed held-out batch (positions far beyond any training run), for the serving quality gate."""
+        """A fixed held-out batch of token sequences (positions far beyond any training run), for the probe's
+        armed forward, an exporter's ``prepare`` and the serving quality gate (its next-token loss)."""
         data = SyntheticTokens(self.cfg, seed=self.seed + 1, rank=0, batch_size=16)
         return data.batch_at(10_000)
+
+    def forward(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        """The logits for every token but the last (each sequence's last token is only a target)."""
+        return model(batch[:, :-1])
 
     def build_model(self) -> nn.Module:
         """An unwrapped model of this recipe's architecture (for offline evaluation)."""
         return TinyGPT(self.cfg)
-
-    def eval_logits(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        return model(batch[:, :-1])
 
 
 def _core(model: nn.Module) -> TinyGPT | None:

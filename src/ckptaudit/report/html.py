@@ -26,7 +26,7 @@ h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid 
 table{border-collapse:collapse;font-size:.85em;margin:.5em 0}td,th{border:1px solid #ddd;padding:3px 7px;
 text-align:left;vertical-align:top}th{background:#f5f5f5}.error{color:#a61b1b;font-weight:600}
 .warning{color:#8a5a00}.info{color:#1f5f8b}code{font-size:.95em}.plots{display:flex;flex-wrap:wrap;gap:1em}
-.muted{color:#777;font-size:.85em}
+.muted{color:#777;font-size:.85em}pre.tb{white-space:pre-wrap;font-size:.9em;margin:.4em 0 0;color:#444}
 """
 
 
@@ -79,14 +79,20 @@ def _report(r: Report) -> str:
                             [[c.kind.value, "yes" if c.found else "MISSING", ", ".join(c.where)]
                              for c in r.components]))
     if r.findings:
-        rows = [[f"<span class='{f.severity.label}'>{f.severity.label}</span>", f"<code>{_e(f.code)}</code>",
-                 _e(f.subject), _e(f.message)] for f in r.findings]
+        rows = [[f"<span class='{f.severity.label}'>{f.severity.label}{' (ignored)' if f.ignored else ''}</span>",
+                 f"<code>{_e(f.code)}</code>", _e(f.subject), _message(f.message)] for f in r.findings]
         parts.append(_table("findings", ["severity", "code", "subject", "message"], rows, escaped=True))
     odd = [t for t in r.tensors if t.precision in (Precision.BF16, Precision.FP16, Precision.UNREAD)]
     if odd:
         parts.append(_table("tensors below their dtype's precision", ["name", "dtype", "shape", "effective"],
                             [[t.name, t.dtype, list(t.shape), t.precision.value] for t in odd[:200]]))
     return "".join(parts)
+
+
+def _message(text: str) -> str:
+    """A finding's message; a traceback after its first line kept in lines of its own."""
+    head, _, rest = text.partition("\n")
+    return _e(head) + (f"<pre class='tb'>{_e(rest.rstrip())}</pre>" if rest.strip() else "")
 
 
 def _table(title: str, columns: Sequence[Any], rows: Sequence[Sequence[Any]], *, escaped: bool = False) -> str:
@@ -96,14 +102,22 @@ def _table(title: str, columns: Sequence[Any], rows: Sequence[Sequence[Any]], *,
 
 
 def _resume_plots(doc: dict[str, Any]) -> str:
-    ref = ("reference (documented)", doc["reference"]["rel_l2"], doc["reference"]["loss_diff"])
+    """Deviation and loss difference per step, on the same x axis (0 = right after the restore, k = after the
+    k-th step; a loss belongs to the step that computed it, so its curve starts at 1)."""
+    base = [float(v) for v in doc.get("uninterrupted_loss", [])]
+
+    def loss_pct(diff: Sequence[float]) -> list[float]:
+        # Signed, in % of the uninterrupted run's loss at that step: the unit of the table's "max loss diff.".
+        return [100.0 * d / abs(b) if b else float("nan") for d, b in zip(diff, base, strict=False)]
+
+    ref = ("reference (documented)", doc["reference"]["rel_l2"], loss_pct(doc["reference"]["loss_diff"]))
     runs = [ref]
     for c in doc.get("candidates", []):
         if "rel_l2" in c:
-            runs.append((c["exporter"].rpartition(":")[2], c["rel_l2"], c["loss_diff"]))
+            runs.append((c["exporter"].rpartition(":")[2], c["rel_l2"], loss_pct(c["loss_diff"])))
     control = doc.get("control")
-    if isinstance(control, dict) and "rel_l2" in control:  # last, dashed: it often lies on a rounded candidate
-        runs.append((_CONTROL, control["rel_l2"], control.get("loss_diff", [])))
+    if isinstance(control, dict) and "rel_l2" in control:  # last, with its own markers: it often lies on a candidate
+        runs.append((_CONTROL, control["rel_l2"], loss_pct(control.get("loss_diff", []))))
     thr = doc.get("threshold")
     steps = len(ref[1])
     hline: list[float] | None = None
@@ -111,11 +125,12 @@ def _resume_plots(doc: dict[str, Any]) -> str:
         hline = [float(t) for t in thr]
     elif isinstance(thr, (int, float)):
         hline = [float(thr)] * steps
-    dev = _svg_plot("parameter deviation from the uninterrupted run (relative L2, log scale)",
-                    [(n, d) for n, d, _ in runs], log=True, xlabel="steps after resume (0 = right after restore)",
-                    hline=hline, hline_label="drift threshold")
-    loss = _svg_plot("loss difference from the uninterrupted run", [(n, ls) for n, _, ls in runs], log=False,
-                     xlabel="training step after resume", first_x=1)
+    xlabel = "step after resume (0 = right after the restore)"
+    dev = _svg_plot("parameter deviation from the uninterrupted run", [(n, d, 0) for n, d, _ in runs], log=True,
+                    xlabel=xlabel, ylabel="relative L2 deviation (log scale)", points=steps, hline=hline,
+                    hline_label="threshold (0 at step 0)")
+    loss = _svg_plot("loss difference from the uninterrupted run", [(n, ls, 1) for n, _, ls in runs], log=False,
+                     xlabel=xlabel, ylabel="% of the uninterrupted loss", points=steps, unit="%")
     return f"<div class='plots'>{dev}{loss}</div>"
 
 
@@ -143,14 +158,24 @@ def _tick_label(v: float) -> str:
     return text.replace("e-0", "e-").replace("e+0", "e")
 
 
-def _svg_plot(title: str, series: list[tuple[str, list[float]]], *, log: bool, xlabel: str,
-              hline: list[float] | None = None, hline_label: str = "", first_x: int = 0) -> str:
+def _marker(name: str, cx: float, cy: float, color: str) -> str:
+    """A candidate's point: a filled dot; the positive control's: a hollow square around where a candidate's dot
+    would be, so a candidate on the control's curve leaves both visible."""
+    if name == _CONTROL:
+        return (f"<rect x='{cx - 4.5:.1f}' y='{cy - 4.5:.1f}' width='9' height='9' fill='none' stroke='{color}' "
+                "stroke-width='1.5'/>")
+    return f"<circle cx='{cx:.1f}' cy='{cy:.1f}' r='2.5' fill='{color}'/>"
+
+
+def _svg_plot(title: str, series: list[tuple[str, list[float], int]], *, log: bool, xlabel: str, ylabel: str,
+              points: int, hline: list[float] | None = None, hline_label: str = "", unit: str = "") -> str:
     """A line plot whose axes contain every value (log: whole decades, zeros on their own row below a break;
-    linear: rounded ticks including 0), the legend right of the plot area, and the first series (the
-    reference) drawn as a wide pale band under the others so that a curve equal to it does not hide it."""
-    w, h, left, top, bottom, legend_w = 530, 300, 58, 28, 42, 160
+    linear: rounded ticks including 0, labelled with ``unit``), both axes labelled, the legend right of the plot
+    area, and the first series (the reference) drawn as a wide pale band under the others so that a curve equal
+    to it does not hide it. Each series is ``(name, values, first x)``; the x axis runs 0..``points - 1``."""
+    w, h, left, top, bottom, legend_w = 530, 310, 70, 28, 46, 160
     pw, ph = w - left - legend_w - 16, h - top - bottom
-    finite = [v for _, ys in series for v in ys if v == v and math.isfinite(v)]
+    finite = [v for _, ys, _ in series for v in ys if v == v and math.isfinite(v)]
     if hline is not None:
         finite += [v for v in hline if math.isfinite(v)]
     zero_row = 0.0
@@ -167,7 +192,7 @@ def _svg_plot(title: str, series: list[tuple[str, list[float]]], *, log: bool, x
     else:
         ticks = _linear_ticks(finite)
         span_lo, span_hi = ticks[0], ticks[-1]
-    n = max((len(ys) for _, ys in series), default=1)
+    n = max(points, max((len(ys) + x0 for _, ys, x0 in series), default=1))
     inner = ph - zero_row
 
     def x(i: int) -> float:
@@ -186,7 +211,7 @@ def _svg_plot(title: str, series: list[tuple[str, list[float]]], *, log: bool, x
            f"<rect x='{left}' y='{top}' width='{pw}' height='{ph}' fill='none' stroke='#bbb'/>"]
     for t in ticks:
         yy = y(10.0**t) if log else y(t)
-        label = f"1e{int(t)}" if log else _tick_label(t)
+        label = f"1e{int(t)}" if log else _tick_label(t) + (unit if t else "")
         stroke = "#ccc" if (not log and t == 0) else "#eee"
         out.append(f"<line x1='{left - 4}' x2='{left + pw}' y1='{yy:.1f}' y2='{yy:.1f}' stroke='{stroke}'/>")
         out.append(f"<text x='{left - 6}' y='{yy + 4:.1f}' text-anchor='end'>{label}</text>")
@@ -197,33 +222,44 @@ def _svg_plot(title: str, series: list[tuple[str, list[float]]], *, log: bool, x
         out.append(f"<line x1='{left - 5}' x2='{left + 5}' y1='{yb + 3:.1f}' y2='{yb - 3:.1f}' stroke='#888'/>"
                    f"<line x1='{left - 5}' x2='{left + 5}' y1='{yb + 6:.1f}' y2='{yb:.1f}' stroke='#888'/>")
     for i in range(n):
-        out.append(f"<text x='{x(i):.1f}' y='{top + ph + 14}' text-anchor='middle'>{i + first_x}</text>")
-    out.append(f"<text x='{left + pw / 2}' y='{h - 6}' text-anchor='middle'>{_e(xlabel)}</text>")
-    legend: list[tuple[str, str]] = []
+        out.append(f"<text x='{x(i):.1f}' y='{top + ph + 14}' text-anchor='middle'>{i}</text>")
+    out.append(f"<text x='{left + pw / 2}' y='{h - 8}' text-anchor='middle'>{_e(xlabel)}</text>")
+    out.append(f"<text transform='translate(14,{top + ph / 2:.1f}) rotate(-90)' text-anchor='middle'>"
+               f"{_e(ylabel)}</text>")
+    legend: list[tuple[str, str, str]] = []
     if hline is not None:
-        pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(hline[:n]) if math.isfinite(v))
-        out.append(f"<polyline points='{pts}' fill='none' stroke='#888' stroke-dasharray='4 3'/>")
-        legend.append((hline_label, "stroke='#888' stroke-dasharray='4 3'"))
-    for k, (name, ys) in enumerate(series):
+        dash = "stroke='#888' stroke-dasharray='4 3'"
+        run: list[str] = []
+        for i, v in enumerate([*hline[:n], math.nan]):
+            if math.isfinite(v) and (v > 0 or not log):
+                run.append(f"{x(i):.1f},{y(v):.1f}")
+                continue
+            if run:
+                out.append(f"<polyline points='{' '.join(run)}' fill='none' {dash}/>")
+                run = []
+            if math.isfinite(v):  # 0 on a log axis: a short dash on the zero row (no line across the break)
+                out.append(f"<line x1='{x(i) - 6:.1f}' x2='{x(i) + 6:.1f}' y1='{y(v):.1f}' y2='{y(v):.1f}' {dash}/>")
+        legend.append((hline_label, dash, ""))
+    for k, (name, ys, x0) in enumerate(series):
         color = _COLORS[k % len(_COLORS)]
-        pts = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(ys) if v == v and math.isfinite(v))
+        pts = [(x(i + x0), y(v)) for i, v in enumerate(ys) if v == v and math.isfinite(v)]
         if k == 0:
             style = f"stroke='{color}' stroke-width='7' stroke-opacity='0.35' stroke-linecap='round'"
         elif name == _CONTROL:
-            color = "#555"
-            style = f"stroke='{color}' stroke-width='1.5' stroke-dasharray='6 4'"
+            color = "#333"
+            style = f"stroke='{color}' stroke-width='1.5' stroke-dasharray='7 5' stroke-dashoffset='3'"
         else:
             style = f"stroke='{color}' stroke-width='2'"
-        out.append(f"<polyline points='{pts}' fill='none' {style}/>")
+        out.append(f"<polyline points='{' '.join(f'{px:.1f},{py:.1f}' for px, py in pts)}' fill='none' {style}/>")
         if k > 0:
-            out.extend(f"<circle cx='{x(i):.1f}' cy='{y(v):.1f}' r='2.5' fill='{color}'/>"
-                       for i, v in enumerate(ys) if v == v and math.isfinite(v))
-        legend.append((name, style))
+            out.extend(_marker(name, px, py, color) for px, py in pts)
+        legend.append((name, style, color if k > 0 else ""))
     lx = left + pw + 14
-    for k, (name, style) in enumerate(legend):
-        ly = top + 8 + 16 * k
-        short = name if len(name) <= 24 else name[:23] + "…"
+    for k, (name, style, color) in enumerate(legend):
+        ly = top + 8 + 18 * k
+        short = name if len(name) <= 26 else name[:25] + "…"
         out.append(f"<line x1='{lx}' x2='{lx + 18}' y1='{ly:.1f}' y2='{ly:.1f}' {style}/>"
-                   f"<text x='{lx + 24}' y='{ly + 4:.1f}'>{_e(short)}</text>")
+                   + (_marker(name, lx + 9, ly, color) if color else "")
+                   + f"<text x='{lx + 24}' y='{ly + 4:.1f}'>{_e(short)}</text>")
     out.append("</svg>")
     return "".join(out)

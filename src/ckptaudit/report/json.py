@@ -60,7 +60,10 @@ def _numpy_value(value: Any) -> Any:
 
 
 def to_dict(report: Report) -> dict[str, Any]:
-    counts = {s.label: sum(f.severity is s for f in report.findings) for s in Severity}
+    counts = {s.label: sum(f.severity is s and not f.ignored for f in report.findings) for s in Severity}
+    ignored = sum(f.ignored for f in report.findings)
+    if ignored:
+        counts["ignored"] = ignored
     doc: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "ckptaudit", "version": __version__},

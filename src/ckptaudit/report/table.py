@@ -12,13 +12,15 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptaudit.catalogue import CATALOGUE
-from ckptaudit.model import Precision, Report, Severity
+from ckptaudit.model import Finding, Precision, Report, Severity
 
 __all__ = ["render_table"]
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 GROUP_ABOVE = 3
 MAX_SUBJECTS = 8
+MAX_DETAIL_LINES = 16
+"""Lines of a finding's traceback printed below the table (its last frames) unless --verbose."""
 
 # Names and messages come from untrusted files: C0/C1 control characters (terminal escape sequences), lone
 # surrogates (unencodable) and bidirectional overrides are shown escaped, and no string is parsed as markup.
@@ -97,15 +99,20 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
         _column(t, "message", overflow="fold", ratio=3)
         # Rows group by (severity, code): one code can be an error for some subjects and a warning for others
         # (component.missing: model vs rng), and an error row must not list warning subjects.
-        by_key: dict[tuple[Severity, str], list[int]] = defaultdict(list)
+        by_key: dict[tuple[Severity, str, bool], list[int]] = defaultdict(list)
         for i, f in enumerate(report.findings):
-            by_key[(f.severity, f.code)].append(i)
-        shown: set[tuple[Severity, str]] = set()
+            by_key[(f.severity, f.code, f.ignored)].append(i)
+        shown: set[tuple[Severity, str, bool]] = set()
+        details: list[tuple[Finding, list[str]]] = []
         for f in report.findings:
-            key = (f.severity, f.code)
+            key = (f.severity, f.code, f.ignored)
             same = by_key[key]
             if verbose or len(same) <= GROUP_ABOVE:
-                t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), _t(f.code), _t(f.subject), _t(f.message))
+                head, _, rest = f.message.partition("\n")
+                if rest.strip():  # a traceback: its lines below the table, not escaped inside a cell
+                    details.append((f, rest.rstrip().splitlines()))
+                    head += " (traceback below)"
+                t.add_row(_severity(f), _t(f.code), _t(f.subject), _t(head))
                 continue
             if key in shown:
                 continue
@@ -114,9 +121,15 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
             subjects = [report.findings[i].subject for i in same]
             listed = ", ".join(subjects[:MAX_SUBJECTS]) + (", ..." if len(subjects) > MAX_SUBJECTS else "")
             rule = CATALOGUE.get(f.code)
-            t.add_row(Text(f.severity.label, style=_STYLE[f.severity]), _t(f.code), f"{len(same)} subjects",
+            t.add_row(_severity(f), _t(f.code), f"{len(same)} subjects",
                       _t(f"{listed}. {rule.summary if rule else f.message} (--verbose lists each)"))
         con.print(t)
+        for f, lines in details:
+            cut = not verbose and len(lines) > MAX_DETAIL_LINES
+            con.print(_t(f"{f.code} {f.subject}:" + (f" (last {MAX_DETAIL_LINES} of {len(lines)} lines; "
+                                                     "--verbose shows all)" if cut else ""), "bold"))
+            for line in lines[-MAX_DETAIL_LINES:] if cut else lines:
+                con.print(_t("  " + line), soft_wrap=True)
     else:
         con.print(Text("no findings", style="green"))
     # Every tensor in verbose mode; otherwise only unreadable ones (rounded ones are already findings).
@@ -131,6 +144,13 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
         if not verbose and len(odd) > 20:
             t.add_row(f"... {len(odd) - 20} more", "", "", "", "", "")
         con.print(t)
+
+
+def _severity(f: Finding) -> Text:
+    """The severity cell: an acknowledged finding (``--ignore``) says so, dimmed."""
+    if f.ignored:
+        return Text(f"{f.severity.label} (ignored)", style="dim")
+    return Text(f.severity.label, style=_STYLE[f.severity])
 
 
 MAX_SECTION_ROWS = 12

@@ -12,7 +12,6 @@ import numpy as np
 
 DEFAULT_RECIPE = "ckptaudit.recipes.tinygpt:recipe"
 DEFAULT_EXPORTER = "ckptaudit.exporters:documented"
-_MARKER = ".ckptaudit-exporting"
 
 COMPONENTS = ("parameters", "optimizer moments", "optimizer step", "optimizer hyperparameters", "scheduler",
               "rng", "data position", "training step")
@@ -46,6 +45,9 @@ class ResumeConfig:
     are recorded as per-parameter norms (deviation is then estimated from the norms)."""
     timeout_s: float = 600.0
     """Bound of each phase (and of each collective in it)."""
+    export_timeout_s: float | None = None
+    """Bound of each candidate's export phase (``None``: ``timeout_s``): an exporter still running then is
+    killed and called hung; nothing else waits on it."""
     workdir: str | None = None
     """Where checkpoints are written; a temporary directory (removed afterwards) when ``None``."""
     reference_name: str = "reference"
@@ -67,12 +69,20 @@ class ResumeConfig:
                              "would drift")
         if not self.exporters:
             raise ValueError("name at least one exporter to test (module:attr)")
+        for name in ("timeout_s", "export_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
         if self.candidate_names and len(self.candidate_names) != len(self.exporters):
             raise ValueError("candidate_names must name every exporter")
 
     @property
     def resume_ranks(self) -> int:
         return self.resume_nproc or self.nproc
+
+    @property
+    def export_timeout(self) -> float:
+        return self.export_timeout_s if self.export_timeout_s is not None else self.timeout_s
 
     def candidate_name(self, i: int) -> str:
         if self.candidate_names:
@@ -97,7 +107,8 @@ class Trajectory:
 
 @dataclass(frozen=True)
 class _Failed:
-    """A rank's report that user code failed: ``stage`` is ``recipe``, ``export``, ``load`` or ``steps``."""
+    """A rank's report that user code failed: ``stage`` is ``recipe``, ``export``, ``load`` or ``steps`` (or
+    ``internal``: ckptaudit's own restore of the reference failed in an export phase)."""
 
     stage: str
     failure: Any  # ckptaudit.recipe.UserFailure (imported lazily: it imports torch)

@@ -1,5 +1,5 @@
 """The comparison (pure, this process): a resumed trajectory against the uninterrupted one, a restored state
-against the reference's, and the floor-relative drift thresholds.
+against the reference's, what the uninterrupted steps consume, and the floor-relative drift thresholds.
 """
 
 from __future__ import annotations
@@ -79,3 +79,56 @@ def thresholds(floor: list[float], margin: float, min_rel: float) -> list[float]
     """Per step: 0 right after the restore (no kernel noise yet: any difference counts), then
     ``max(margin x floor[k], min_rel)``."""
     return [0.0] + [max(margin * f, min_rel) for f in floor[1:]]
+
+
+CONSUMABLE = ("rng", "scheduler", "data position")
+"""Components whose use by a step shows as a change of their state: a generator advances with every draw, a
+scheduler only acts through its ``step()`` (which advances it), a data source yields batches by advancing. The
+others are read by every optimizer step whether or not they change (an lr without a scheduler, the moments)."""
+
+
+def changed_by_steps(before: dict[str, dict[str, str]], after: dict[str, dict[str, str]]) -> dict[str, list[str]]:
+    """Per component: the keys whose state the uninterrupted steps changed (snapshots of the training run right
+    after the save and after the last step)."""
+    out: dict[str, list[str]] = {}
+    for comp in COMPONENTS:
+        b, a = before.get(comp, {}), after.get(comp, {})
+        out[comp] = [k for k in sorted(set(b) | set(a)) if b.get(k) != a.get(k)]
+    return out
+
+
+def _generator(key: str) -> str:
+    """``rank1/cuda:0`` -> ``cuda:0``: the generator whatever rank holds it (ranks may differ after a resize)."""
+    return key.partition("/")[2] or key
+
+
+def consumed_summary(changed: dict[str, list[str]], before: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """For the report: which generators the steps draw from (on any rank), and whether they step the scheduler
+    and advance the data source."""
+    drawn = {_generator(k) for k in changed.get("rng", [])}
+    generators = sorted({_generator(k) for k in before.get("rng", {})})
+    return {"generators": {g: g in drawn for g in generators},
+            "scheduler": bool(changed.get("scheduler")), "data position": bool(changed.get("data position"))}
+
+
+def unused_by_steps(component: str, key: str, changed: dict[str, list[str]] | None) -> bool:
+    """Whether the uninterrupted steps never consume ``key`` of ``component``: a generator no rank drew from, a
+    scheduler they never stepped, a data source they never advanced. ``changed=None`` (not recorded): never."""
+    if changed is None or component not in CONSUMABLE:
+        return False
+    if component == "rng":
+        return _generator(key) not in {_generator(k) for k in changed.get("rng", [])}
+    return not changed.get(component)
+
+
+def consumed_differences(expected: dict[str, dict[str, str]], actual: dict[str, dict[str, str]],
+                         changed: dict[str, list[str]] | None) -> dict[str, list[str]]:
+    """Per component, the keys whose digests differ between two states of the same ranks, leaving out what the
+    steps never consume; components without such a difference are left out."""
+    out: dict[str, list[str]] = {}
+    for comp in COMPONENTS:
+        e, a = expected.get(comp, {}), actual.get(comp, {})
+        keys = [k for k in sorted(set(e) | set(a)) if e.get(k) != a.get(k) and not unused_by_steps(comp, k, changed)]
+        if keys:
+            out[comp] = keys
+    return out

@@ -12,37 +12,64 @@ from typing import Any
 
 from ckptaudit.dist.launch import DistributedError, fast, launch
 from ckptaudit.model import Report
-from ckptaudit.resume.config import _MARKER, ResumeConfig, ResumeError, Trajectory, _Failed
+from ckptaudit.resume.config import ResumeConfig, ResumeError, _Failed
 from ckptaudit.resume.judge import _judge
-from ckptaudit.resume.phases import _resume_phase, _train_phase
+from ckptaudit.resume.phases import _export_phase, _resume_phase, _train_phase
 
 _FAST = fast()  # ranks forked from a server that imported torch once: fresh processes, fast start
 
 
-def _launch(fn: Callable[..., Any], nproc: int, args: tuple[Any, ...], cfg: ResumeConfig
-            ) -> tuple[Any, _Failed | None, str]:
-    """(this process) One phase; returns (rank 0's result, the first rank's reported failure, crash text)."""
+def _launch(fn: Callable[..., Any], nproc: int, args: tuple[Any, ...], timeout_s: float
+            ) -> tuple[Any, _Failed | None, list[Any]]:
+    """(this process) One phase; returns (rank 0's result, the first rank's reported failure, the ranks'
+    crashes: :class:`~ckptaudit.dist.launch.RankFailure` records)."""
     try:
-        results = launch(fn, nproc, args, timeout_s=cfg.timeout_s, **_FAST)
+        results = launch(fn, nproc, args, timeout_s=timeout_s, **_FAST)
     except DistributedError as exc:
         reported = [v for _, v in sorted(exc.results.items()) if isinstance(v, _Failed)]
         if reported:
-            return None, reported[0], ""
-        return None, None, "\n".join(f"rank {f.rank}: {f.reason}:\n{f.detail.strip()}" for f in exc.failures)
+            return None, reported[0], []
+        return None, None, list(exc.failures)
     reported = [v for v in results if isinstance(v, _Failed)]
     if reported:
-        return None, reported[0], ""
-    return results[0], None, ""
+        return None, reported[0], []
+    return results[0], None, []
+
+
+def _crash_text(failures: list[Any]) -> str:
+    return "\n".join(f"rank {f.rank}: {f.reason}:\n{f.detail.strip()}" for f in failures)
+
+
+def _export_crash(spec: str, failures: list[Any], timeout_s: float) -> Any:
+    """The :class:`~ckptaudit.recipe.UserFailure` of an exporter whose processes died or hung."""
+    from ckptaudit.recipe import UserFailure
+
+    detail = _crash_text(failures)
+    if any(f.reason == "timeout" for f in failures):
+        rule = "hung while exporting (its processes were killed; nothing else waited on them)"
+        error = f"no result within {timeout_s:.0f} s (--export-timeout, else --timeout)"
+        return UserFailure(spec, rule, error, "", detail)
+    rule = "crashed while exporting (its processes died; nothing else ran in them)"
+    lasts = [f.detail.strip().splitlines() for f in failures]
+    error = "; ".join(f"rank {f.rank}: {lines[-1]}" for f, lines in zip(failures, lasts, strict=True) if lines)
+    more = "\n".join(f"rank {f.rank}:\n" + "\n".join(lines[:-1])
+                     for f, lines in zip(failures, lasts, strict=True) if len(lines) > 1)
+    return UserFailure(spec, rule, error, more, detail)
 
 
 def run_resume_test(cfg: ResumeConfig, *, log: Callable[[str], None] | None = None) -> Report:
     """Run the phases and judge every candidate.
 
+    Phases, each a fresh set of processes: train (the recipe and the documented save only), the reference's
+    resume, the positive control's; then per candidate an export phase (the reference restored, the exporter
+    run on it) and, when that wrote something, the candidate's resume. No phase runs two users' functions
+    that could spoil each other.
+
     Raises :class:`ckptaudit.recipe.RecipeError` when the recipe fails (a usage error: its function, the rule
     it broke, its frames) and :class:`ResumeError` when a phase crashes outside user code. A candidate that
     cannot be written, restored or stepped becomes its own ``resume.candidate-failed``; the rest are judged.
     """
-    from ckptaudit.recipe import RecipeError, UserFailure
+    from ckptaudit.recipe import RecipeError
 
     say = log or (lambda _msg: None)
     own = cfg.workdir is None
@@ -50,60 +77,50 @@ def run_resume_test(cfg: ResumeConfig, *, log: Callable[[str], None] | None = No
     os.makedirs(workdir, exist_ok=True)
     m = cfg.resume_ranks
     try:
-        skip: set[int] = set()
-        crashed: dict[int, Any] = {}
-        marker = os.path.join(workdir, _MARKER)
-        while True:
-            if os.path.exists(marker):
-                os.remove(marker)
-            say(f"train {cfg.save_at} steps on {cfg.nproc} rank(s), save the reference and "
-                f"{len(cfg.exporters) - len(skip)} candidate(s), continue {cfg.steps} steps")
-            out, failed, crash = _launch(_train_phase, cfg.nproc, (cfg, workdir, tuple(sorted(skip))), cfg)
-            if out is not None:
-                break
+        say(f"train {cfg.save_at} steps on {cfg.nproc} rank(s), save the reference, continue {cfg.steps} steps")
+        out, failed, crash = _launch(_train_phase, cfg.nproc, (cfg, workdir), cfg.timeout_s)
+        if out is None:
             if failed is not None:
                 raise RecipeError(failed.failure)
-            exporting = open(marker).read().strip() if os.path.exists(marker) else ""
-            if not exporting.isdigit():
-                raise ResumeError(f"the training phase failed outside the exporters:\n{crash}")
-            i = int(exporting)
-            crashed[i] = UserFailure(cfg.exporters[i], "crashed or hung while exporting (the training phase was "
-                                     "run again without it)", crash.strip().splitlines()[-1] if crash else "",
-                                     crash, crash)
-            skip.add(i)
-            say(f"exporter {cfg.exporters[i]} crashed the training phase; running it again without it")
-        base: Trajectory = out["traj"]
-        export_failures = {**out["export_failures"], **crashed}
+            raise ResumeError(f"the training phase failed:\n{_crash_text(crash)}")
 
-        def resumed(kind: str, which: int | None) -> tuple[Any, _Failed | None, str]:
-            return _launch(_resume_phase, m, (cfg, workdir, kind, which), cfg)
+        def resumed(kind: str, which: int | None) -> tuple[Any, _Failed | None, list[Any]]:
+            return _launch(_resume_phase, m, (cfg, workdir, kind, which), cfg.timeout_s)
 
         say(f"restore the reference on {m} rank(s) in fresh processes and repeat the steps (the floor)")
         ref, failed, crash = resumed("reference", None)
         if ref is None:
             if failed is not None:
                 raise RecipeError(failed.failure)
-            raise ResumeError(f"the reference resume failed:\n{crash}")
+            raise ResumeError(f"the reference resume failed:\n{_crash_text(crash)}")
         say("resume the positive control (the reference's masters rounded to the compute dtype)")
         control, failed, crash = resumed("control", None)
         if control is None:
             if failed is not None:
                 raise RecipeError(failed.failure)
-            raise ResumeError(f"the positive control failed:\n{crash}")
+            raise ResumeError(f"the positive control failed:\n{_crash_text(crash)}")
         candidates: list[tuple[int, Any, str, str]] = []
         for i, spec in enumerate(cfg.exporters):
-            if i in export_failures:
-                candidates.append((i, None, "export", export_failures[i].message(debug=cfg.debug)))
+            say(f"export candidate {spec} on {cfg.nproc} rank(s) in fresh processes, from the reference's state")
+            exported, failed, crash = _launch(_export_phase, cfg.nproc, (cfg, workdir, i), cfg.export_timeout)
+            if exported is None:
+                if failed is not None and failed.stage == "recipe":
+                    raise RecipeError(failed.failure)
+                if failed is not None and failed.stage == "internal":
+                    raise ResumeError(f"restoring the reference for the export of {spec} failed: "
+                                      f"{failed.failure.message(debug=True)}")
+                failure = failed.failure if failed is not None else _export_crash(spec, crash, cfg.export_timeout)
+                candidates.append((i, None, "export", failure.message(debug=cfg.debug)))
                 continue
             say(f"restore candidate {spec} on {m} rank(s) in fresh processes and repeat the steps")
             run, failed, crash = resumed("candidate", i)
             if run is not None:
-                candidates.append((i, run, "", ""))
+                candidates.append((i, {**run, "export_state": exported["state"]}, "", ""))
             elif failed is not None:
                 candidates.append((i, None, failed.stage, failed.failure.message(debug=cfg.debug)))
             else:
-                candidates.append((i, None, "crash", crash))
-        return _judge(cfg, workdir, base, ref, control, candidates)
+                candidates.append((i, None, "crash", _crash_text(crash)))
+        return _judge(cfg, workdir, out["traj"], ref, control, candidates, saved=out["saved"], after=out["after"])
     finally:
         if own:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -13,26 +13,59 @@ import numpy as np
 from ckptaudit.catalogue import finding
 from ckptaudit.model import Finding, Report
 from ckptaudit.resume.config import COMPONENTS, ResumeConfig, Trajectory
-from ckptaudit.resume.deviation import compare_states, compare_trajectories, thresholds
+from ckptaudit.resume.deviation import (
+    CONSUMABLE,
+    changed_by_steps,
+    compare_states,
+    compare_trajectories,
+    consumed_differences,
+    consumed_summary,
+    thresholds,
+    unused_by_steps,
+)
 
+_UNUSED = {"rng": ("generators they never draw from", "an epoch-boundary shuffle"),
+           "scheduler": ("a scheduler they never step", "a scheduler stepped once per epoch"),
+           "data position": ("a data source they never advance", "a data source advanced once per epoch")}
+"""For each consumable component: what 'unused' means, and how a job would use it beyond the steps."""
 _STAGE = {"export": "could not be written", "load": "could not be restored",
           "steps": "was restored, but the recipe's steps failed on it", "crash": "crashed its resume"}
 
 
+def _keys(keys: list[str]) -> str:
+    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
 def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any], control: dict[str, Any],
-           candidates: list[tuple[int, Any, str, str]]) -> Report:
+           candidates: list[tuple[int, Any, str, str]], *, saved: dict[str, dict[str, str]] | None = None,
+           after: dict[str, dict[str, str]] | None = None) -> Report:
+    """The verdicts. ``saved`` and ``after`` are the training run's state right after the save and after the
+    uninterrupted steps: what changed in between is what the steps consume (``None``: not recorded, everything
+    counts as consumed)."""
     findings: list[Finding] = []
     ref_dev = compare_trajectories(base, ref["traj"])
     floor = ref_dev.rel_l2
     thr = thresholds(floor, cfg.margin, cfg.min_rel)
     peak = max(floor)
     ranks = f"{cfg.nproc} rank(s)" + (f", resumed on {cfg.resume_ranks}" if cfg.resume_ranks != cfg.nproc else "")
+    changed = changed_by_steps(saved, after) if saved is not None and after is not None else None
     if floor[0] > 0:
         findings.append(finding(
             "resume.reference-not-reproducible", "reference",
             f"right after restoring the documented-path reference, its parameters differ from the saved run by rel. "
             f"L2 {floor[0]:.2e}: the documented restore itself is not exact, so no candidate can be judged",
             rel_l2=floor[0]))
+    ref_mismatch: dict[str, list[str]] = {}
+    if saved is not None and cfg.resume_ranks == cfg.nproc:
+        ref_mismatch = {c: k for c, k in consumed_differences(saved, ref["restored"], changed).items()
+                        if c != "parameters" or floor[0] == 0}
+        for comp, keys in ref_mismatch.items():
+            findings.append(finding(
+                "resume.reference-not-reproducible", f"reference: {comp}",
+                f"right after restoring the documented-path reference, its {comp} differs from the training run's "
+                f"at the save ({_keys(keys)}), and the steps use it: the documented restore itself is not exact "
+                "(a data source or scheduler whose load_state_dict does not restore what state_dict gave?), so no "
+                "candidate can be judged", component=comp, keys=keys))
     if peak > 0:
         findings.append(finding("resume.noise-floor", "reference",
                                 f"the documented-path reference deviates by up to rel. L2 {peak:.2e} over the "
@@ -40,8 +73,9 @@ def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any
                                 f"{cfg.min_rel:.0e})", floor=floor))
     ctl_dev = compare_trajectories(base, control["traj"])
     power_steps = [k for k in range(1, len(thr)) if ctl_dev.rel_l2[k] > thr[k]]
-    power = bool(power_steps) and floor[0] == 0
-    if not power:
+    power = bool(power_steps) and floor[0] == 0 and not ref_mismatch
+    control_drift = [k for k, r in enumerate(ctl_dev.rel_l2) if r > thr[k]]
+    if not power and not ref_mismatch and floor[0] == 0:
         findings.append(finding(
             "resume.no-power", "positive control",
             f"the positive control ({control['control']}) stays within the reference's floor after the restore "
@@ -52,16 +86,24 @@ def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any
     borrowed = ["optimizer moments", "optimizer step", "optimizer hyperparameters", "scheduler", "rng",
                 "data position", "training step"] if cfg.borrow_state else []
     results: list[dict[str, Any]] = []
+    exact = floor[0] == 0 and not ref_mismatch
     rows: list[list[str]] = [
-        ["reference (documented path)", "restored", _fmt(peak), f"{max(ref_dev.loss_rel, default=0.0):.2%}", "-",
-         "bit-identical" if peak == 0 else "floor"],
+        ["reference (documented path)",
+         "restored" if exact else "; ".join(f"{c}: differs" for c in ref_mismatch) or "parameters differ",
+         _fmt(peak), f"{max(ref_dev.loss_rel, default=0.0):.2%}", "-",
+         ("bit-identical" if peak == 0 else "floor") if exact else "NOT REPRODUCIBLE"],
         [f"positive control ({control['control']})", "parameters differ", _fmt(max(ctl_dev.rel_l2)),
-         f"{max(ctl_dev.loss_rel, default=0.0):.2%}", str(power_steps[0]) if power_steps else "-",
+         f"{max(ctl_dev.loss_rel, default=0.0):.2%}", str(control_drift[0]) if control_drift else "-",
          "stands out (power)" if power else "NO POWER"]]
     forensic_rows: list[list[str]] = []
-    summaries = [f"reference resumes {'bit-identically' if peak == 0 else f'within {peak:.1e}'}"
-                 + ("" if power else "; NO POWER: the positive control does not stand out from the floor, "
-                    "so no candidate is judged")]
+    if not exact:
+        head = ("reference does NOT resume exactly (the documented restore is not exact), so no candidate is "
+                "judged")
+    else:
+        head = (f"reference resumes {'bit-identically' if peak == 0 else f'within {peak:.1e}'}"
+                + ("" if power else "; NO POWER: the positive control does not stand out from the floor, "
+                   "so no candidate is judged"))
+    summaries = [head]
     for i, run, stage, error in candidates:
         spec = cfg.exporters[i]
         name = spec.rpartition(":")[2]
@@ -77,32 +119,57 @@ def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any
         for comp in borrowed:
             if restore[comp]["status"] == "restored":
                 restore[comp]["status"] = "borrowed"
-        problems = [c for c in COMPONENTS if restore[c]["status"] in ("not restored", "differs")]
+        unused: dict[str, list[str]] = {}
+        for comp in COMPONENTS:
+            st = restore[comp]
+            if st["status"] in ("not restored", "differs"):
+                idle = [k for k in st["keys"] if unused_by_steps(comp, k, changed)]
+                st["unused"] = idle
+                if idle:
+                    unused[comp] = idle
+        problems = [c for c in COMPONENTS if restore[c]["status"] in ("not restored", "differs")
+                    and len(restore[c]["unused"]) < len(restore[c]["keys"])]
         for comp in problems:
             st = restore[comp]
-            keys = ", ".join(st["keys"][:3]) + (f" and {len(st['keys']) - 3} more" if len(st["keys"]) > 3 else "")
+            listed = _keys([k for k in st["keys"] if k not in st["unused"]])
             if st["status"] == "not restored":
                 findings.append(finding(
                     "resume.not-restored", f"{spec}: {comp}",
                     f"{name}: the {comp} is not restored by {run['loader']}: right after loading it is still the "
-                    f"fresh job's ({keys}); a real resume from this checkpoint would start with it; save and load "
+                    f"fresh job's ({listed}); a real resume from this checkpoint would start with it; save and load "
                     f"the {comp} in the exporter", component=comp, keys=st["keys"]))
             else:
                 findings.append(finding(
                     "resume.restored-differs", f"{spec}: {comp}",
-                    f"{name}: {comp} restored by {run['loader']}, but not to the reference's values ({keys}), "
+                    f"{name}: {comp} restored by {run['loader']}, but not to the reference's values ({listed}), "
                     "before any step (no kernel noise yet)", component=comp, keys=st["keys"]))
+        for comp, idle in unused.items():
+            what, later = _UNUSED[comp]
+            findings.append(finding(
+                "resume.unused-state-differs", f"{spec}: {comp}",
+                f"{name}: the {comp} is {restore[comp]['status']} after {run['loader']} ({_keys(idle)}), but the "
+                f"{cfg.steps} uninterrupted steps never use it ({what}), so the resumed run does not depend on it; "
+                f"a job that uses it later ({later}) would: save and restore it if yours does",
+                component=comp, keys=idle))
+        export_state = run.get("export_state")
+        export_off = consumed_differences(saved, export_state, changed) if saved and export_state else {}
+        for comp, keys in export_off.items():
+            findings.append(finding(
+                "resume.reference-not-reproducible", f"{spec}: export",
+                f"{name}: the job restored from the reference for this candidate's export differs from the training "
+                f"run's at the save in its {comp} ({_keys(keys)}): the exporter did not see the state a live "
+                "exporter would, so the candidate is not judged", component=comp, keys=keys))
         forensics, misattached = _forensics(workdir, cfg, i)
         for f in misattached:
             findings.append(finding("optimizer.misattached", f"{name}: {f.subject}", f"{name}: {f.message}",
                                     **f.evidence))
         # Without power nothing about the steps is judged; what differs right after the restore is reported
         # above as restored-state findings (they need no power).
-        drifting = [k for k, r in enumerate(dev.rel_l2) if r > thr[k]] if power else []
+        drifting = [k for k, r in enumerate(dev.rel_l2) if r > thr[k]] if power and not export_off else []
         worst_step = int(np.argmax(dev.rel_l2))
         top = sorted(dev.per_param[worst_step].items(), key=lambda kv: -kv[1])[:5]
         max_loss_rel = max(dev.loss_rel, default=0.0)
-        if not power:
+        if not power or export_off:
             verdict = "not judged"
         elif drifting:
             verdict = "drift"
@@ -138,8 +205,10 @@ def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any
             "top_parameters": [{"name": n, "rel_l2": v} for n, v in top],
             "forensics": forensics,
         })
-        state_text = ("restored" if not problems else
-                      "; ".join(f"{c}: {restore[c]['status']}" for c in problems))
+        state_text = ("; ".join(f"{c}: {restore[c]['status']}" for c in problems)
+                      + "; " * bool(problems and unused)
+                      + "; ".join(f"{c}: {restore[c]['status']} (unused by the steps)" for c in unused)
+                      or "restored")
         rows.append([name, state_text, _fmt(max(dev.rel_l2)), f"{max_loss_rel:.2%}",
                      str(drifting[0]) if drifting else "-", verdict.upper() if verdict != "faithful" else verdict])
         forensic_rows.append([name, forensics])
@@ -165,9 +234,14 @@ def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any
         "threshold": thr,
         "power": power,
         "borrowed": borrowed,
+        "consumed": (None if changed is None or saved is None else
+                     {**consumed_summary(changed, saved),
+                      "changed": {c: changed[c] for c in CONSUMABLE if changed.get(c)}}),
         "uninterrupted_loss": base.losses,
-        "reference": {"rel_l2": ref_dev.rel_l2, "max_abs": ref_dev.max_abs, "loss_diff": ref_dev.loss_diff},
+        "reference": {"rel_l2": ref_dev.rel_l2, "max_abs": ref_dev.max_abs, "loss_diff": ref_dev.loss_diff,
+                      "loss_rel": ref_dev.loss_rel, "exact": exact},
         "control": {"what": control["control"], "rel_l2": ctl_dev.rel_l2, "loss_diff": ctl_dev.loss_diff,
+                    "loss_rel": ctl_dev.loss_rel, "drift_start": control_drift[0] if control_drift else None,
                     "stands_out_from_step": power_steps[0] if power_steps else None},
         "candidates": results,
         "recorded": "full" if base.full else "norms",

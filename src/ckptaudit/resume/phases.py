@@ -1,6 +1,10 @@
 """The rank functions of the experiment's phases (each run on every rank of a :func:`ckptaudit.dist.launch.launch`):
-train and export, restore and repeat the steps; and the documented restore paths (:func:`default_load`,
-:func:`load_weights`).
+train and save the reference, export one candidate from the reference's state, restore and repeat the steps; and
+the documented restore paths (:func:`default_load`, :func:`load_weights`).
+
+User code that can spoil a run never shares processes with another run: the training phase runs the recipe and
+ckptaudit's documented save only; each candidate's ``prepare``, forward and export run in their own phase, and
+its load and steps in another.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import os
 from typing import Any
 
 from ckptaudit.dist.launch import RankContext
-from ckptaudit.resume.config import _MARKER, ResumeConfig, Trajectory, _Failed
+from ckptaudit.resume.config import ResumeConfig, Trajectory, _Failed
 from ckptaudit.resume.snapshot import _param_names, _snapshot, _state_snapshot
 
 
@@ -45,18 +49,43 @@ def _failed(stage: str, failure: Any, ctx: RankContext) -> _Failed:
     return _Failed(stage, failure, ctx.rank)
 
 
-def _train_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str, skip: tuple[int, ...]) -> Any:
-    """(``nproc`` ranks) Train, save the reference and every candidate not in ``skip``, continue uninterrupted.
+def _train_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str) -> Any:
+    """(``nproc`` ranks) Train ``save_at`` steps, save the reference the documented way, continue ``steps`` steps
+    uninterrupted. No exporter of the user's runs here, so nothing a candidate does can touch this trajectory.
 
-    Rank 0 returns ``{"traj", "export_failures"}``; a recipe failure is returned as a :class:`_Failed`."""
-    import torch.distributed as dist
+    Rank 0 returns ``{"traj", "saved", "after"}``: the trajectory, and the job's state right after the save and
+    after the last step (what changed in between is what the steps consume); a recipe failure is a
+    :class:`_Failed`."""
+    from ckptaudit import exporters
+    from ckptaudit.recipe import RecipeError, checked_setup, checked_step, load_recipe
 
+    try:
+        recipe = load_recipe(cfg.recipe)
+        job = checked_setup(recipe, ctx)
+        for _ in range(cfg.save_at):
+            checked_step(recipe, job)
+        exporters.documented(job, os.path.join(workdir, cfg.reference_name), ctx)
+        saved = _state_snapshot(job)
+        traj = _run_steps(recipe, job, cfg.steps, _full_mode(job, cfg))
+        after = _state_snapshot(job)
+    except RecipeError as exc:
+        return _failed("recipe", exc.failure, ctx)
+    return {"traj": traj, "saved": saved, "after": after} if ctx.rank == 0 else None
+
+
+def _export_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str, which: int) -> Any:
+    """(``nproc`` ranks, one launch per candidate) Rebuild the job, restore the reference into it (the training
+    run's state at the save, exactly: the driver checks the snapshot against the training run's), then run the
+    candidate's exporter, with its ``prepare`` forward when it has one. Whatever it does (raise mid-forward,
+    leave FSDP half-unsharded, kill its process, hang) ends with these processes.
+
+    Rank 0 returns ``{"state"}``, the snapshot the export started from; the exporter's failure is a
+    ``_Failed("export")``, the recipe's ``_Failed("recipe")``, ckptaudit's own restore ``_Failed("internal")``."""
     from ckptaudit import exporters
     from ckptaudit.exporters import capture_and_export
     from ckptaudit.recipe import (
         RecipeError,
         checked_setup,
-        checked_step,
         describe_function,
         load_object,
         load_recipe,
@@ -66,41 +95,23 @@ def _train_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str, skip: tuple[
     try:
         recipe = load_recipe(cfg.recipe)
         job = checked_setup(recipe, ctx)
-        for _ in range(cfg.save_at):
-            checked_step(recipe, job)
-        exporters.documented(job, os.path.join(workdir, cfg.reference_name), ctx)
     except RecipeError as exc:
         return _failed("recipe", exc.failure, ctx)
-    export_failures: dict[int, Any] = {}
-    marker = os.path.join(workdir, _MARKER)
-    for i, spec in enumerate(cfg.exporters):
-        if i in skip:
-            continue
-        if ctx.rank == 0:
-            with open(marker, "w") as fh:
-                fh.write(str(i))
-        error = None
-        exporter: Any = spec
-        try:
-            exporter = load_object(spec)
-            capture_and_export(job, exporter, os.path.join(workdir, cfg.candidate_name(i)), ctx, recipe)
-        except Exception as exc:  # noqa: BLE001 - the user's exporter: its failure is its candidate's finding
-            where = describe_function(exporter) if callable(exporter) else spec
-            error = user_failure(where, f"raised while exporting on rank {ctx.rank}", exc)
-        errors: list[Any] = [error]
-        if dist.is_initialized():
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            export_failures[i] = first
-    if ctx.rank == 0 and os.path.exists(marker):
-        os.remove(marker)
     try:
-        traj = _run_steps(recipe, job, cfg.steps, _full_mode(job, cfg))
-    except RecipeError as exc:
-        return _failed("recipe", exc.failure, ctx)
-    return {"traj": traj, "export_failures": export_failures} if ctx.rank == 0 else None
+        exporters.documented_load(job, os.path.join(workdir, cfg.reference_name), ctx)
+    except Exception as exc:  # noqa: BLE001 - reported as the experiment's failure, not the candidate's
+        return _failed("internal", user_failure("ckptaudit.exporters.documented_load",
+                                                f"raised while restoring the reference on rank {ctx.rank}", exc), ctx)
+    state = _state_snapshot(job)
+    spec = cfg.exporters[which]
+    exporter: Any = spec
+    try:
+        exporter = load_object(spec)
+        capture_and_export(job, exporter, os.path.join(workdir, cfg.candidate_name(which)), ctx, recipe)
+    except Exception as exc:  # noqa: BLE001 - the user's exporter: its failure is its candidate's finding
+        where = describe_function(exporter) if callable(exporter) else spec
+        return _failed("export", user_failure(where, f"raised while exporting on rank {ctx.rank}", exc), ctx)
+    return {"state": state} if ctx.rank == 0 else None
 
 
 def _compute_dtype(recipe: Any, model: Any) -> Any:

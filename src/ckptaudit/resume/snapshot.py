@@ -98,7 +98,10 @@ def _canonical(obj: Any) -> str:
 def _state_snapshot(job: Any) -> dict[str, dict[str, str]]:
     """(all ranks, collective) The job's state by component: key -> digest; rank 0's copy is the whole.
 
-    Reads ``optimizer.state`` directly (``get_state_dict`` would initialise a fresh optimizer's state)."""
+    The generators are keyed ``rank{r}/python``, ``rank{r}/numpy``, ``rank{r}/torch`` and ``rank{r}/cuda:{i}``
+    (every CUDA device once CUDA is initialised): a draw advances a generator's state, so two snapshots around
+    the steps tell which generators the steps draw from. Reads ``optimizer.state`` directly (``get_state_dict``
+    would initialise a fresh optimizer's state)."""
     import torch
     import torch.distributed as dist
 
@@ -126,7 +129,8 @@ def _state_snapshot(job: Any) -> dict[str, dict[str, str]]:
         "training step": {"step": str(job.step)},
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        local["rng"]["cuda"] = _digest(torch.cuda.get_rng_state())
+        for device in range(torch.cuda.device_count()):  # every device's generator, not only the current one
+            local["rng"][f"cuda:{device}"] = _digest(torch.cuda.get_rng_state(device))
     gathered: list[Any] = [local]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()

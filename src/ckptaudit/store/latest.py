@@ -7,14 +7,16 @@ looking inside. Here every candidate, newest first, is validated until one passe
   Megatron ``iter_NNNNNNN/``, other DCP directories, Hugging Face ``checkpoint-N/``, Accelerate
   ``checkpoint_N/``, Lightning ``*.ckpt``, DeepSpeed tag folders (``global_stepN/``; its ``latest`` tag file is
   read like our pointer, and a tag naming a damaged folder is reported as a stale pointer);
-- validation (fast, nothing but headers and metadata read, see :func:`validate`): the format's commit marker
-  (our manifest and name, DCP ``.metadata``, Trainer's ``trainer_state.json``, written last), every file the
-  metadata references present with its recorded size, the manifest's hashes where there is one
-  (``verify="sizes"`` skips them, ``verify="full"`` runs the whole :func:`ckptaudit.audit.audit`), and the
-  components the format's contract requires (model and optimizer, plus ``require``, plus what the manifest
-  lists).
+- validation (see :func:`validate`): the format's commit marker (our manifest and name, DCP ``.metadata``,
+  Trainer's ``trainer_state.json``, written last), every file the metadata references present with its recorded
+  size, the manifest's hashes where there is one, the components the format's contract requires (model and
+  optimizer, plus ``require``, plus what the manifest lists), and, by default (``verify="quick"``), a quick audit
+  (:attr:`ckptaudit.audit.AuditOptions.quick`): every tensor's precision judged from its first chunk, against the
+  contract, and the optimizer state's attachment, so a checkpoint of bf16-rounded masters is never the one named.
+  ``verify="hashes"`` is integrity only (no precision is judged), ``verify="sizes"`` also skips the manifest's
+  hashes, ``verify="full"`` runs the whole :func:`ckptaudit.audit.audit`.
 
-A candidate is resumable when no finding is an error. The root's pointer, when there is one (ours: ``latest``;
+A candidate is resumable when no finding is an error (findings acknowledged by ``ignore`` do not count). The root's pointer, when there is one (ours: ``latest``;
 Megatron-LM's ``latest_checkpointed_iteration.txt``), is compared with the newest resumable candidate.
 """
 
@@ -35,7 +37,11 @@ from ckptaudit.store import layout
 
 __all__ = ["Candidate", "Checked", "LatestResult", "discover", "find_latest", "latest_report", "validate"]
 
-VERIFY_LEVELS = ("sizes", "hashes", "full")
+VERIFY_LEVELS = ("sizes", "hashes", "quick", "full")
+DEFAULT_VERIFY = "quick"
+QUICK_CHUNK_BYTES = 64 << 10
+"""What ``verify="quick"`` reads of each tensor: its first 64 KiB (16,384 fp32 values), far more than a genuine fp32
+tensor needs to show one value off the bf16 grid, and a small share of a large checkpoint's bytes."""
 
 _HF = re.compile(r"^checkpoint-(\d+)$")
 _ACCELERATE = re.compile(r"^checkpoint_(\d+)$")
@@ -68,7 +74,7 @@ class Checked:
     @property
     def reason(self) -> str:
         """The first error's message (why it is not resumable), or ``""``."""
-        errors = [f for f in self.findings if f.severity is Severity.ERROR]
+        errors = [f for f in self.findings if f.severity is Severity.ERROR and not f.ignored]
         if not errors:
             return ""
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
@@ -77,7 +83,7 @@ class Checked:
     @property
     def short_reason(self) -> str:
         """The errors' codes and subjects, for a table whose findings section holds the messages."""
-        errors = [f for f in self.findings if f.severity is Severity.ERROR]
+        errors = [f for f in self.findings if f.severity is Severity.ERROR and not f.ignored]
         text = "; ".join(f"{f.code}: {f.subject}" for f in errors[:2])
         return text + (f" (+{len(errors) - 2} more)" if len(errors) > 2 else "")
 
@@ -181,10 +187,14 @@ def discover(root: str) -> list[Candidate]:
     return found
 
 
-def validate(c: Candidate, *, verify: str = "hashes",
-             require: Collection[ComponentKind] = frozenset()) -> Checked:
+def validate(c: Candidate, *, verify: str = DEFAULT_VERIFY, require: Collection[ComponentKind] = frozenset(),
+             ignore: Collection[str] = (), master_dtype: str = "auto") -> Checked:
     """Validate one candidate (see the module docstring); cost: headers and metadata, plus the manifest's
-    hashes (one streaming read of the files) when ``verify="hashes"`` and a manifest exists."""
+    hashes (one streaming read of the files) where a manifest exists (``verify`` ``hashes`` and up), plus the
+    first chunk of every tensor (``quick``, the default) or every byte (``full``). ``ignore``: finding codes or
+    families acknowledged (marked, kept, not counted); ``master_dtype``: the contract the audit of ``quick`` and
+    ``full`` holds the parameters to (``auto``: the checkpoint's record, else its tensors)."""
+    from ckptaudit.catalogue import mark_ignored, parse_ignore
     from ckptaudit.checks.manifest import uncommitted
 
     if verify not in VERIFY_LEVELS:
@@ -204,8 +214,9 @@ def validate(c: Candidate, *, verify: str = "hashes",
     if os.path.isdir(c.path) and not os.listdir(c.path):
         return Checked(c, False, (finding("integrity.incomplete", c.name,
                                           f"{c.name} is empty: the save died before writing anything"),))
+    ignore = parse_ignore(ignore)
     try:
-        findings = _read_and_check(c, verify, require)
+        findings = _read_and_check(c, verify, require, ignore, master_dtype)
     except OSError as exc:
         findings = [finding("integrity.corrupt", c.name, f"{c.name}: cannot be read ({exc.strerror or exc})")]
     ours = _has_our_manifest(c.path)
@@ -227,16 +238,33 @@ def validate(c: Candidate, *, verify: str = "hashes",
         findings.append(finding("store.unverified", c.name,
                                 f"{c.name}: no ckptaudit manifest; completeness judged from {marker} and the "
                                 "recorded sizes, content not verified"))
-    resumable = not any(f.severity is Severity.ERROR for f in findings)
+    findings = mark_ignored(findings, ignore)
+    resumable = not any(f.severity is Severity.ERROR and not f.ignored for f in findings)
     return Checked(c, resumable, tuple(findings))
 
 
-def _read_and_check(c: Candidate, verify: str, require: Collection[ComponentKind]) -> list[Finding]:
-    if verify == "full":
-        from ckptaudit.audit import AuditOptions, audit
-        from ckptaudit.scanning import default_jobs
+def _read_and_check(c: Candidate, verify: str, require: Collection[ComponentKind],
+                    ignore: tuple[str, ...], master_dtype: str) -> list[Finding]:
+    if verify in ("quick", "full"):
+        from ckptaudit.audit import AuditOptions, judge
+        from ckptaudit.checks.manifest import check_manifest
+        from ckptaudit.formats.tensors import DEFAULT_CHUNK_BYTES
+        from ckptaudit.scanning import default_jobs, scan_checkpoint
 
-        return list(audit(c.path, AuditOptions(require=frozenset(require), jobs=default_jobs())).findings)
+        quick = verify == "quick"
+        options = AuditOptions(require=frozenset(require), jobs=default_jobs(), quick=quick, ignore=ignore,
+                               master_dtype=master_dtype,
+                               chunk_bytes=QUICK_CHUNK_BYTES if quick else DEFAULT_CHUNK_BYTES)
+        scanned = scan_checkpoint(c.path, jobs=options.jobs, quick=quick, chunk_bytes=options.chunk_bytes)
+        try:
+            found = list(judge(scanned, options).findings)
+            if quick:  # a quick audit reads no content: the manifest's hashes are verified as "hashes" does
+                seen = {(f.code, f.subject) for f in found}
+                found += [f for f in check_manifest(scanned.ckpt, scanned.view, hashes=True)
+                          if (f.code, f.subject) not in seen]
+        finally:
+            scanned.close()
+        return found
     from ckptaudit.checks.components import check_components
     from ckptaudit.checks.integrity import check_indexes
     from ckptaudit.checks.manifest import check_manifest
@@ -260,11 +288,17 @@ def _has_our_manifest(path: str) -> bool:
     return True
 
 
-def find_latest(root: str, *, verify: str = "hashes", require: Collection[ComponentKind] = frozenset(),
-                check_all: bool = False, progress: Callable[[str], None] | None = None) -> LatestResult:
+def find_latest(root: str, *, verify: str = DEFAULT_VERIFY, require: Collection[ComponentKind] = frozenset(),
+                check_all: bool = False, progress: Callable[[str], None] | None = None,
+                ignore: Collection[str] = (), master_dtype: str = "auto") -> LatestResult:
     """Validate the candidates under ``root`` newest first; stop at the first resumable one (or go on through
     all of them with ``check_all``); ``progress`` hears the name of each candidate before it is validated.
-    Raises ``FileNotFoundError`` when ``root`` does not exist."""
+    Raises ``FileNotFoundError`` when ``root`` does not exist, ``ValueError`` for a bad ``verify`` or ``ignore``."""
+    from ckptaudit.catalogue import parse_ignore
+
+    if verify not in VERIFY_LEVELS:
+        raise ValueError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, not {verify!r}")
+    ignore = parse_ignore(ignore)
     if not os.path.exists(root):
         raise FileNotFoundError(root)
     root = os.path.abspath(root)
@@ -276,7 +310,7 @@ def find_latest(root: str, *, verify: str = "hashes", require: Collection[Compon
     for i, c in enumerate(candidates):
         if progress is not None:
             progress(f"checking {c.name} ({i + 1} of {len(candidates)}, --verify {verify})")
-        checked = validate(c, verify=verify, require=require)
+        checked = validate(c, verify=verify, require=require, ignore=ignore, master_dtype=master_dtype)
         result.checked.append(checked)
         if checked.resumable and result.latest is None:
             result.latest = c
@@ -333,16 +367,19 @@ def _megatron_pointer(root: str) -> str | None:
 def _candidate_json(ch: Checked | None, c: Candidate) -> dict[str, Any]:
     return {"path": c.path, "name": c.name, "layout": c.layout, "step": c.step,
             "resumable": ch.resumable if ch is not None else None, "checked": ch is not None,
-            "findings": [{"code": f.code, "severity": f.severity.label, "subject": f.subject, "message": f.message}
+            "findings": [{"code": f.code, "severity": f.severity.label, "subject": f.subject, "message": f.message,
+                          **({"ignored": True} if f.ignored else {})}
                          for f in (ch.findings if ch is not None else ())]}
 
 
-def latest_report(root: str, *, verify: str = "hashes", require: Collection[ComponentKind] = frozenset(),
-                  check_all: bool = False, progress: Callable[[str], None] | None = None) -> Report:
+def latest_report(root: str, *, verify: str = DEFAULT_VERIFY, require: Collection[ComponentKind] = frozenset(),
+                  check_all: bool = False, progress: Callable[[str], None] | None = None,
+                  ignore: Collection[str] = (), master_dtype: str = "auto") -> Report:
     """The :class:`~ckptaudit.model.Report` of ``ckptaudit latest``: ``extra["latest"]`` (path or ``None``)
     and ``extra["candidates"]``; the findings are the errors of the rejected candidates newer than the latest
     resumable one (subjects prefixed by the candidate), and a stale pointer."""
-    result = find_latest(root, verify=verify, require=require, check_all=check_all, progress=progress)
+    result = find_latest(root, verify=verify, require=require, check_all=check_all, progress=progress,
+                         ignore=ignore, master_dtype=master_dtype)
     findings: list[Finding] = list(result.findings)
     rows: list[list[str]] = []
     candidates: list[dict[str, Any]] = []
@@ -354,7 +391,7 @@ def latest_report(root: str, *, verify: str = "hashes", require: Collection[Comp
             newer = False
         elif newer:
             for f in ch.findings:
-                if f.severity is Severity.ERROR:
+                if f.severity is Severity.ERROR and not f.ignored:
                     findings.append(Finding(f.code, f.severity, _prefixed(c.name, f.subject), f.message,
                                             {**f.evidence, "candidate": c.name}))
         candidates.append(_candidate_json(ch, c))
@@ -394,5 +431,5 @@ def _step(c: Candidate) -> str:
 
 
 def _notes(ch: Checked) -> str:
-    codes = sorted({f.code for f in ch.findings if f.severity is not Severity.ERROR})
+    codes = sorted({f.code for f in ch.findings if f.severity is not Severity.ERROR and not f.ignored})
     return ", ".join(codes) if codes else "manifest verified" if ch.candidate.layout == "ckptaudit" else ""

@@ -10,7 +10,10 @@ What runs (one process, no process group):
 2. load the model weights tensor by tensor into the recipe's unwrapped model in fp32 (the full-precision
    reference): a DCP checkpoint is consolidated one tensor at a time from its shards and the optimizer state is
    never loaded; convert each floating tensor to the export dtype, except those matching a ``--keep-fp32`` glob;
-3. quality gate (:mod:`ckptaudit.store.gate`): both models on the evaluation batch, on the same device;
+3. quality gate (:mod:`ckptaudit.store.gate`): both models on the evaluation batch, on the same device, through
+   the recipe's ``forward`` (and ``eval_loss``); the exported model's floating inputs are cast to its compute
+   dtype as a serving runtime's would be (integer inputs such as token ids are left alone), and its floating
+   outputs upcast to fp32 (exactly) for the comparison and the recipe's loss;
 4. only if the gate passed (or with ``--force``): write the shards into a temporary sibling directory, fsync,
    and rename it to ``DIR``. A failure at any point leaves no ``DIR`` behind.
 
@@ -47,7 +50,7 @@ from ckptaudit.catalogue import finding
 from ckptaudit.checks.artifact import HASH_PREFIX, manifest_hash
 from ckptaudit.model import Finding, Report
 from ckptaudit.store import layout
-from ckptaudit.store.gate import GateResult, GateThresholds, compare_logits, judge, next_token_targets
+from ckptaudit.store.gate import GateResult, GateThresholds, compare_outputs, judge, next_token_targets, output_kind
 
 __all__ = [
     "EXPORT_DTYPES",
@@ -98,7 +101,8 @@ class ExportOptions:
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     """Shards are cut before a tensor that would take a shard past this size (a larger tensor gets its own)."""
     eval_batch: str | None = None
-    """A ``torch.save`` file holding the evaluation batch (a tensor of token ids); default: the recipe's."""
+    """A ``torch.save`` file holding the evaluation batch (what the recipe's ``forward`` takes: a tensor, or a
+    tuple, list or dict of tensors); default: the recipe's ``eval_batch(None)``."""
     device: str = "cpu"
     """Where both models run for the gate."""
     thresholds: GateThresholds = field(default_factory=GateThresholds)
@@ -162,8 +166,9 @@ class ExportResult:
             findings.append(finding("gate.forced", self.out, f"written despite the failed gate (--force) to "
                                     f"{self.out}; the failure is recorded in its metadata"))
         if self.gate.metrics.loss_diff is None:
-            findings.append(finding("gate.no-loss", self.batch, "the evaluation batch gives no next-token "
-                                    "targets, so the loss difference was not checked"))
+            findings.append(finding("gate.no-loss", self.batch, "no loss to compare: the recipe has no "
+                                    "eval_loss(model, batch) and the evaluation batch is not a (batch, sequence) "
+                                    "tensor of token ids, so the loss difference was not checked"))
         findings.sort(key=lambda f: (-int(f.severity), f.code, f.subject))
         total = sum(f.bytes for f in self.files)
         if self.written:
@@ -178,7 +183,7 @@ class ExportResult:
                      for c in self.gate.checks]
         m = self.gate.metrics
         sections: list[dict[str, Any]] = [{
-            "title": f"quality gate: {self.dtype} vs fp32 on {m.positions} positions ({self.device})",
+            "title": f"quality gate: {self.dtype} vs fp32 on {m.describe()} ({self.device})",
             "columns": ["metric", "value", "limit", "flag", "result"],
             "rows": gate_rows,
         }]
@@ -428,23 +433,32 @@ def _eval_batch(recipe: Any, options: ExportOptions) -> tuple[Any, str]:
 
         path = options.eval_batch
         if not os.path.isfile(path):
-            raise ExportError(f"--eval-batch {path}: no such file; give a torch.save file of token ids")
+            raise ExportError(f"--eval-batch {path}: no such file; give a torch.save file of the batch the recipe's "
+                              "forward takes")
         try:
             batch = safe_torch_load(path)
         except (ValueError, UnsafeCheckpointError) as exc:
             raise ExportError(f"--eval-batch {path}: {exc}") from None
-        if isinstance(batch, dict):
-            batch = next((batch[k] for k in ("input_ids", "tokens", "batch") if k in batch), batch)
-        if not isinstance(batch, torch.Tensor):
-            raise ExportError(f"--eval-batch {path} holds a {type(batch).__name__}, not a tensor of token ids; "
-                              "save a (batch, sequence) integer tensor with torch.save")
-        return batch.clone(), os.path.basename(path)
+        if not _has_tensor(batch):
+            raise ExportError(f"--eval-batch {path} holds a {type(batch).__name__} without a tensor; save the "
+                              "batch the recipe's forward takes (a tensor, or a tuple, list or dict of tensors)")
+        return batch, os.path.basename(path)
     fn = getattr(recipe, "eval_batch", None)
     if not callable(fn):
-        raise ExportError("the recipe has no eval_batch(); give --eval-batch FILE.pt (a torch.save tensor of token "
-                          "ids) or add eval_batch(job) to the recipe")
-    # Offline there is no live job: the recipe receives None (the built-in one does not use it).
+        raise ExportError("the recipe has no eval_batch(); give --eval-batch FILE.pt (a torch.save file of the batch "
+                          "the model takes) or add eval_batch(job) to the recipe")
+    # Offline there is no live job: the recipe receives None.
     return fn(None), "recipe eval_batch"
+
+
+def _has_tensor(batch: Any) -> bool:
+    if isinstance(batch, torch.Tensor):
+        return True
+    if isinstance(batch, (tuple, list)):
+        return any(_has_tensor(v) for v in batch)
+    if isinstance(batch, dict):
+        return any(_has_tensor(v) for v in batch.values())
+    return False
 
 
 def _eval_model(recipe: Any, exported: dict[str, torch.Tensor], compute: torch.dtype) -> nn.Module:
@@ -457,6 +471,11 @@ def _eval_model(recipe: Any, exported: dict[str, torch.Tensor], compute: torch.d
     state = {k: (t.to(compute) if t.dtype.is_floating_point and t.dtype not in (compute, torch.float32) else t)
              for k, t in exported.items()}
     model.load_state_dict(state, strict=True, assign=True)
+    # As a serving runtime feeds it: floating inputs in the compute dtype (token ids untouched); its floating
+    # outputs upcast to fp32 (exact) so that the comparison and the recipe's eval_loss see the same dtype as
+    # the full-precision model's. Prepended/appended so that a kept-fp32 root's own casts run inside these.
+    model.register_forward_pre_hook(_cast_inputs(compute), with_kwargs=True, prepend=True)
+    model.register_forward_hook(_cast_outputs(torch.float32))
     for module in model.modules():
         own = [p for p in module.parameters(recurse=False)] + [b for b in module.buffers(recurse=False)]
         if not any(t.is_floating_point() and t.dtype == torch.float32 for t in own):
@@ -495,41 +514,67 @@ def _cast_outputs(dtype: torch.dtype) -> Callable[..., Any]:
     return hook
 
 
-def _logits(recipe: Any, model: nn.Module, batch: Any) -> torch.Tensor:
-    fn = getattr(recipe, "eval_logits", None)
+def _outputs(recipe: Any, model: nn.Module, batch: Any) -> torch.Tensor:
+    from ckptaudit.recipe import model_forward
+
     with torch.no_grad():
-        out = fn(model, batch) if callable(fn) else model(batch)
+        out = model_forward(recipe, model, batch)
     if isinstance(out, dict) and "logits" in out:
         out = out["logits"]
     elif hasattr(out, "logits"):
         out = out.logits
     if not isinstance(out, torch.Tensor):
-        raise ExportError(f"the recipe's model returned {type(out).__name__}, not logits; give the recipe an "
-                          "eval_logits(model, batch) -> Tensor")
+        raise ExportError(f"the recipe's model returned {type(out).__name__}, not a tensor; give the recipe "
+                          "forward(model, batch) -> Tensor (the output to compare: logits, embeddings, values)")
     return out
+
+
+def _loss(recipe: Any, model: nn.Module, batch: Any) -> float | None:
+    fn = getattr(recipe, "eval_loss", None)
+    if not callable(fn):
+        return None
+    with torch.no_grad():
+        loss = fn(model, batch)
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return float(loss.detach().double())
+    if isinstance(loss, (float, int)) and not isinstance(loss, bool):
+        return float(loss)
+    got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    raise ExportError(f"the recipe's eval_loss(model, batch) returned {got}; it must return one number (a float "
+                      "or a 0-dim tensor)")
 
 
 def _run_gate(recipe: Any, reference: nn.Module, exported: dict[str, torch.Tensor], batch: Any,
               options: ExportOptions) -> GateResult:
+    from ckptaudit.recipe import to_device
+
     device = torch.device(options.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ExportError(f"--device {options.device}: CUDA is not available here; use --device cpu")
     compute = _COMPUTE_DTYPE.get(options.dtype, EXPORT_DTYPES[options.dtype])
-    on_device = batch.to(device) if isinstance(batch, torch.Tensor) else batch
+    on_device = to_device(batch, device)
+    declared = getattr(recipe, "output_kind", None)
     try:
-        ref_logits = _logits(recipe, reference.to(device), on_device).float().cpu()
+        reference.to(device)
+        ref_out = _outputs(recipe, reference, on_device).float().cpu()
+        ref_loss = _loss(recipe, reference, on_device)
         reference.cpu()
         model = _eval_model(recipe, exported, compute).to(device)
-        exp_logits = _logits(recipe, model, on_device).float().cpu()
+        exp_out = _outputs(recipe, model, on_device).float().cpu()
+        exp_loss = _loss(recipe, model, on_device)
         del model
     except ExportError:
         raise
     except (RuntimeError, IndexError, TypeError, ValueError) as exc:
-        raise ExportError(f"the recipe's model failed on the evaluation batch ({type(exc).__name__}: {exc}); "
-                          "check --eval-batch (token ids within the vocabulary, the shape the model takes)") from None
-    targets = next_token_targets(batch, ref_logits)
+        raise ExportError(f"the recipe's model failed on the evaluation batch ({type(exc).__name__}: {exc}); check "
+                          "the batch (what eval_batch returns or --eval-batch holds must be what the model takes: "
+                          "token ids within the vocabulary, the input shape) and give the recipe forward(model, "
+                          "batch) when the model does not take the batch as it is") from None
     try:
-        metrics = compare_logits(ref_logits, exp_logits, targets)
+        kind = output_kind(ref_out, declared)
+        losses = (ref_loss, exp_loss) if ref_loss is not None and exp_loss is not None else None
+        targets = next_token_targets(batch, ref_out) if losses is None and kind == "logits" else None
+        metrics = compare_outputs(ref_out, exp_out, kind=kind, targets=targets, losses=losses)
     except ValueError as exc:
         raise ExportError(str(exc)) from None
     return judge(metrics, options.thresholds)

@@ -1,0 +1,87 @@
+"""The running job's master-dtype contract, for the guards: what the audit of a checkpoint saved in the loop holds
+its parameters to, read from the live run instead of inferred from the file.
+
+The masters are whatever the optimizer steps: the parameters of its param groups, whatever wraps them (plain
+torch optimizers; FSDP2's sharded DTensors; DeepSpeed's ZeRO and bf16 optimizers, whose groups hold the fp32
+partitions; Accelerate's and Lightning's wrappers, which forward ``param_groups``). Their dtype is the contract,
+passed to :func:`ckptaudit.audit` as ``master_dtype`` (with ``master_dtype_from`` saying so: the report's
+contract then says ``live``), unless the user passed a ``master_dtype`` to the guard.
+
+Which process runs what: the owning process (the one that submits the checkpoint), on its training thread, right
+before it submits; reading the parameters' dtypes moves no data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+from ckptaudit.integrations.guard import Guard
+
+__all__ = ["declare_live_contract", "live_master_dtype"]
+
+log = logging.getLogger("ckptaudit.guard")
+
+_CONTRACT_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_FLAT_MASTERS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
+"""Where DeepSpeed's optimizers keep their master partitions (ZeRO-1/2, ZeRO-3, ``BF16_Optimizer``): ZeRO-3 empties
+its ``param_groups`` between steps, so they are read here when the groups hold no parameter."""
+
+
+def _param_groups(optimizer: Any) -> list[Any]:
+    groups = getattr(optimizer, "param_groups", None)
+    if isinstance(groups, list):
+        return groups
+    inner = getattr(optimizer, "optimizers", None)  # torchtitan's OptimizersContainer, lists of optimizers
+    if isinstance(inner, list | tuple):
+        return [g for o in inner for g in _param_groups(o)]
+    return []
+
+
+def live_master_dtype(optimizer: Any) -> tuple[str, str] | None:
+    """(dtype, what shows it in words) of the floating-point parameters ``optimizer`` steps, or ``None`` when it
+    steps none, or parameters of different float dtypes (then the checkpoint's own record decides)."""
+    import torch
+
+    counts: Counter[str] = Counter()
+    for group in _param_groups(optimizer):
+        params = group.get("params", []) if isinstance(group, dict) else []
+        for p in params:
+            if isinstance(p, torch.Tensor) and p.is_floating_point():
+                counts[str(p.dtype).removeprefix("torch.")] += 1
+    if len(counts) > 1:
+        log.info("ckptaudit guard: the optimizer steps parameters of several dtypes (%s); the audit reads the "
+                 "contract from the checkpoint", dict(counts))
+        return None
+    what = "parameter tensor(s)"
+    if not counts:
+        for attr in _FLAT_MASTERS:
+            flat = getattr(optimizer, attr, None)
+            if isinstance(flat, list | tuple) and flat:
+                counts.update(str(t.dtype).removeprefix("torch.") for t in flat
+                              if isinstance(t, torch.Tensor) and t.is_floating_point())
+                what = f"master partition(s) ({attr})"
+                break
+        if len(counts) != 1:
+            return None
+    ((dtype, n),) = counts.items()
+    contract = _CONTRACT_DTYPES.get(dtype)
+    if contract is None:
+        return None
+    return contract, f"{type(optimizer).__name__} steps {n} {dtype} {what}"
+
+
+def declare_live_contract(guard: Guard, optimizer: Any, run: str = "") -> None:
+    """(owning process, before :meth:`Guard.submit`) Give ``guard``'s audits the running job's master dtype
+    (:func:`live_master_dtype`; ``run``: more about the run, e.g. its precision setting), unless the user passed
+    a ``master_dtype`` of their own. Once set, later calls leave it as it is."""
+    if guard.audit_options.get("master_dtype", "auto") != "auto":
+        return
+    found = live_master_dtype(optimizer)
+    if found is None:
+        return
+    dtype, evidence = found
+    why = f"the live run: {evidence}" + (f" ({run})" if run else "")
+    # A new dict, swapped in whole: the worker thread reads the options as one object.
+    guard.audit_options = {**guard.audit_options, "master_dtype": dtype, "master_dtype_from": why}
