@@ -315,10 +315,26 @@ def accelerate_ddp(ctx: Any, out: str) -> dict[str, Any]:
     """(2 ranks) DDP through Accelerate on CPU (gloo), ``automatic_checkpoint_naming`` with ``total_limit=1``,
     ``save_state`` every 2 steps in a fast loop, stop mode; the user's save hook rounds the weights of the second
     save (``checkpoint_1``, step 4). Then a new Accelerator resumes with ``load_state()``."""
+    return _accelerate_story(ctx, out, fsdp=False)
+
+
+def accelerate_fsdp(ctx: Any, out: str) -> dict[str, Any]:
+    """(2 ranks) :func:`accelerate_ddp` with FSDP2 through Accelerate (``FullyShardedDataParallelPlugin
+    (fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")``): Accelerate's own ``prepare`` (``fully_shard``),
+    ``save_state`` (``save_fsdp_model`` / ``save_fsdp_optimizer``: the DCP folders ``pytorch_model_fsdp_0/`` and
+    ``optimizer_0/``) and ``load_state``. Accelerate selects FSDP only on multi-GPU kinds of devices, so the job
+    sets its state's ``distributed_type`` to FSDP after the Accelerator is built, as its own selection does on GPUs;
+    the process group is gloo on CPU. The second save's masters are the bf16 values (the sharded parameters
+    rounded in place before ``save_state``: the headline defect, the compute copies saved as the masters)."""
+    return _accelerate_story(ctx, out, fsdp=True)
+
+
+def _accelerate_story(ctx: Any, out: str, fsdp: bool) -> dict[str, Any]:
     _rank_env(ctx)
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ProjectConfiguration
 
     from ckptaudit.integrations.accelerate import guard_accelerator
     from ckptaudit.integrations.guard import CheckpointAuditFailed, Guard, stop_requested
@@ -329,14 +345,24 @@ def accelerate_ddp(ctx: Any, out: str) -> dict[str, Any]:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         acc = Accelerator(cpu=True, project_config=ProjectConfiguration(
             project_dir=out, automatic_checkpoint_naming=True, total_limit=1))
+        if fsdp:
+            acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2,
+                                                                   state_dict_type="SHARDED_STATE_DICT")
+            acc.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         model, opt = acc.prepare(model, opt)
         return acc, model, opt
 
+    def local(model: Any) -> dict[str, Any]:
+        """This rank's view of the weights: its shards under FSDP, the whole state under DDP."""
+        return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
+                for k, v in acc.unwrap_model(model).state_dict().items()}
+
     acc, model, opt = build()
+    sharded = type(next(model.parameters())).__name__ == "DTensor"
     saves = [0]
 
     def rounding(models: Any, weights: list[dict[str, Any]], output_dir: str) -> None:
-        if saves[0] == 2:  # the exporter bug, in the user's own save hook
+        if saves[0] == 2 and not fsdp:  # the exporter bug, in the user's own save hook
             weights[:] = [_bf16_values(w) for w in weights]
 
     acc.register_save_state_pre_hook(rounding)
@@ -351,7 +377,11 @@ def accelerate_ddp(ctx: Any, out: str) -> dict[str, Any]:
         opt.zero_grad()
         if step % 2 == 0:
             saves[0] += 1
-            saved[acc.save_iteration] = {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+            if saves[0] == 2 and fsdp:  # the masters replaced by their bf16 values (FSDP's save hook sees none)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.copy_(p.to(torch.bfloat16).float())
+            saved[acc.save_iteration] = local(model)
             acc.save_state()
             if ctx.rank == 0:
                 on_disk.append(sorted(os.listdir(os.path.join(out, "checkpoints"))))
@@ -366,12 +396,14 @@ def accelerate_ddp(ctx: Any, out: str) -> dict[str, Any]:
     acc.wait_for_everyone()
     checkpoints = sorted(os.listdir(os.path.join(out, "checkpoints")))
     home = sorted(os.listdir(os.path.join(out, "ckptaudit")))
+    layout = sorted(os.listdir(os.path.join(out, "checkpoints", checkpoints[-1]))) if checkpoints else []
     acc2, model2, _ = build()
     acc2.load_state()  # automatic_checkpoint_naming: the newest checkpoint_N
-    loaded = acc2.unwrap_model(model2).state_dict()
+    loaded = local(model2)
     same = [i for i, w in sorted(saved.items()) if all(torch.equal(loaded[k], w[k]) for k in w)]
     return {"rank": ctx.rank, "stopped_at": stopped_at, "raised": raised, "checkpoints": checkpoints, "home": home,
-            "on_disk_at_each_save": on_disk, "loaded_iteration": same, "verdicts": [_verdict(v) for v in guard.verdicts]}
+            "on_disk_at_each_save": on_disk, "loaded_iteration": same, "sharded": sharded, "layout": layout,
+            "verdicts": [_verdict(v) for v in guard.verdicts]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -444,23 +476,34 @@ def torchtitan_retention(out: str) -> None:
 def held_audit(ctx: Any, out: str, hold_s: float) -> dict[str, Any]:
     """(2 ranks, a process-group timeout shorter than ``hold_s``) Stop mode: rank 0's audit of step 2 is held for
     ``hold_s`` seconds (its save's future is done then), and both ranks come to the save of step 4 and then to the
-    end of training: the bound's wait and the end's wait must not keep rank 1 inside one collective that long."""
+    end of training: the bound's wait and the end's wait must not keep rank 1 inside one collective that long.
+    ``out`` holds ``step=2.pt`` and ``step=4.pt`` (written by the test process). Rank 1 enters the first collective
+    only once rank 0's worker is up (a file says so): on a loaded machine the worker's start-up alone could
+    outlast the short timeout, and that is not what is tested."""
     import threading
+    import time
     from concurrent.futures import Future
-    from pathlib import Path
 
     from ckptaudit.integrations.guard import Guard, before_save_everywhere, wait_everywhere
-    from test_api import trained
 
     guard = Guard(on_failure="stop", background="thread")
+    ready = os.path.join(out, "rank0-ready")
     if ctx.rank == 0:
+        assert guard.started(120), "the guard's worker did not start in 120 s"
         held: Future[None] = Future()
-        guard.submit(str(trained(Path(out) / "step=2.pt")), step=2, ready=held)
+        guard.submit(os.path.join(out, "step=2.pt"), step=2, ready=held)
         threading.Timer(hold_s, held.set_result, args=(None,)).start()
+        with open(ready, "w"):
+            pass
+    else:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(ready):
+            assert time.monotonic() < deadline, "rank 0 did not get ready in 120 s"
+            time.sleep(0.05)
     before_save_everywhere(guard, 4)  # rank 0 waits for step 2's verdict; rank 1 beside it
     judged_before_the_save = len(guard.verdicts)
     if ctx.rank == 0:
-        guard.submit(str(trained(Path(out) / "step=4.pt")), step=4, ready=(late := Future()))
+        guard.submit(os.path.join(out, "step=4.pt"), step=4, ready=(late := Future()))
         threading.Timer(hold_s, late.set_result, args=(None,)).start()
     done = wait_everywhere(guard)
     return {"rank": ctx.rank, "judged_before_the_save": judged_before_the_save, "done": done,

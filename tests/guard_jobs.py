@@ -99,6 +99,9 @@ def _hf_story(out: str) -> dict[str, Any]:
     trainer = RoundingTrainer(model=model(), args=args(20), train_dataset=_dataset(),
                               callbacks=[SlowSteps(), guard])
     raised = _raised(trainer.train)
+    # Read now: the resumed run's own rotation (save_total_limit=3, no guard) deletes checkpoint-2, and the guard's
+    # close then removes its report with it.
+    verdicts = [_verdict(v) for v in guard.verdicts]
     stopped_at = trainer.state.global_step
     listing = sorted(os.listdir(out))
     files = {n: sorted(os.listdir(os.path.join(out, n))) for n in listing if os.path.isdir(os.path.join(out, n))}
@@ -109,8 +112,7 @@ def _hf_story(out: str) -> dict[str, Any]:
     guard.guard.close(120)  # the worker process is reaped here, not left to the interpreter's exit
     return dict(stopped_at=stopped_at, listing=listing, files=files, get_last_checkpoint=os.path.basename(last or ""),
                 raised=raised,
-                resumed_from_step=Seen.begin_step, resumed_to_step=resumed.state.global_step,
-                verdicts=[_verdict(v) for v in guard.verdicts])
+                resumed_from_step=Seen.begin_step, resumed_to_step=resumed.state.global_step, verdicts=verdicts)
 
 
 def lightning(out: str) -> None:

@@ -18,6 +18,7 @@ import pytest
 
 import guard_fast_jobs
 from guard_jobs import launch_job
+from test_guard import live
 
 pytestmark = pytest.mark.libs
 
@@ -157,7 +158,10 @@ def test_no_rank_waits_for_an_audit_inside_one_collective(tmp_path: Path) -> Non
     # Audits held 3x longer than the process group's timeout: the other rank waits beside the one that audits in
     # rounds of one short all-reduce, at the save and at the end, so no collective times out.
     from ckptaudit.dist.launch import launch
+    from test_api import trained
 
+    for step in (2, 4):
+        trained(tmp_path / f"step={step}.pt")
     zero, one = launch(guard_fast_jobs.held_audit, 2, (str(tmp_path), 30.0), timeout_s=300, pg_timeout_s=10,
                        backend="gloo")
     assert (zero["judged_before_the_save"], zero["waits"], zero["verdicts"], zero["done"]) == (1, [(4, 1)],
@@ -181,13 +185,25 @@ def test_torchtitan_keep_latest_k_never_purges_the_last_good_checkpoint(tmp_path
 
 
 @pytest.mark.dist
-def test_accelerate_save_state_quarantines_a_bad_folder_and_load_state_resumes_the_good_one(tmp_path: Path) -> None:
-    zero, one = launch_job(guard_fast_jobs.accelerate_ddp, str(tmp_path / "out"))
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_accelerate_save_state_quarantines_a_bad_folder_and_load_state_resumes_the_good_one(tmp_path: Path,
+                                                                                           parallel: str) -> None:
+    job = {"ddp": guard_fast_jobs.accelerate_ddp, "fsdp": guard_fast_jobs.accelerate_fsdp}[parallel]
+    zero, one = launch_job(job, str(tmp_path / "out"))
+    # Accelerate's own layouts: FSDP2's sharded parameters saved as its DCP folders, DDP's as one file.
+    assert zero["sharded"] == (parallel == "fsdp")
+    assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(zero["layout"]) if parallel == "fsdp" else (
+        "model.safetensors" in zero["layout"]), zero["layout"]
     assert zero["stopped_at"] == one["stopped_at"] and zero["stopped_at"] in (5, 6)
     good = 2 if zero["stopped_at"] == 6 else 0
     assert _pairs(zero["verdicts"]) == [("checkpoint_0", 0, True), ("checkpoint_1", 1, False)] + (
         [("checkpoint_2", 2, True)] if good == 2 else [])
     assert one["verdicts"] == []
+    if parallel == "fsdp":  # the masters saved as their bf16 values: what the audit names
+        assert "precision.bf16-rounded" in zero["verdicts"][1]["codes"], zero["verdicts"][1]
+    # Held to the live run's contract (the reports that remain: the failed one's, the newest good one's).
+    for v in (zero["verdicts"][1], zero["verdicts"][-1 if good else 0]):
+        live(v, "Accelerate mixed_precision=no")
     # total_limit=1: Accelerate's own rotation deletes the oldest folder before each save, checkpoint_0 at the
     # save of checkpoint_1; the guard kept it until a newer one had passed.
     assert zero["on_disk_at_each_save"][:2] == [["checkpoint_0"], ["checkpoint_0", "checkpoint_1"]]

@@ -24,7 +24,8 @@ process. Each call: the main process first waits while ``max_unverified`` saves 
 tiny all-reduce; default 1 with ``on_failure="stop"``); every process runs Accelerate's own
 ``save_state`` (DDP, FSDP, single process: its files, unchanged); every process waits for the others
 (``wait_for_everyone``: each has written its ``random_states_<i>.pkl`` and shards); then the main process queues
-the folder for the audit.
+the folder for the audit, held to the master dtype of what the first prepared optimizer steps
+(:func:`~ckptaudit.integrations.live_contract.declare_live_contract`).
 
 Where things go. With ``automatic_checkpoint_naming``, ``load_state()`` takes the folder of ``checkpoints/``
 whose name has the highest number, and it sorts *every* entry there by the digits in its name (an entry without
