@@ -23,7 +23,11 @@ segment pays for its whole audit (an upper bound: a real loop never waits). Meas
 (e) the first verdict's latency: a new guard (its worker starts when it is created, off the training thread),
     a save, and the time from the save's ``submit`` to its verdict, beside the same guard's later audits (the
     audit itself) and beside a save submitted the moment the guard is created (the worker's start-up then on
-    the first verdict's path, as when the worker started at the first save).
+    the first verdict's path, as when the worker started at the first save);
+(f) stop mode's wait at the save: a guard with ``on_failure="stop"`` (``max_unverified=1``), ``--wait-saves`` saves
+    at the benchmark's cadence (a save every ``--steps`` steps) and at every step, nothing waiting at the end of
+    a segment: how many saves waited in ``Guard.before_save`` for the verdict of the one before, and how long
+    (``Guard.waits``), beside the time the steps between two saves took and the audit's.
 """
 
 from __future__ import annotations
@@ -256,6 +260,40 @@ class Loop:
         return {k: statistics.median(v) for k, v in
                 (("start", up), ("first", first), ("later", later), ("cold", cold))}
 
+    def save_waits(self, saves: int, every: int) -> dict[str, float]:
+        """(training thread) Stop mode's bound at work: a new guard (``on_failure="stop"``, ``max_unverified=1``),
+        ``saves`` saves ``every`` steps apart, each preceded by ``before_save`` as the integrations do. How many
+        waited, the median and largest wait (over the saves that waited), the median time of the steps between
+        two saves and of an audit."""
+        from ckptaudit.integrations.guard import Guard
+
+        torch, clock = self.torch, time.perf_counter
+        guard = Guard(on_failure="stop", background=self.args.background, quick=self.args.quick)
+        guard.started()
+        gaps: list[float] = []
+        try:
+            for i in range(1, saves + 1):
+                guard.before_save(i)
+                path = os.path.join(self.work, f"wait-{i}.pt")
+                torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": i}, path)
+                guard.submit(path, step=i)
+                t0 = clock()
+                for _ in range(every):
+                    self.model(self.x).square().mean().backward()
+                    self.opt.step()
+                    self.opt.zero_grad(set_to_none=True)
+                gaps.append(clock() - t0)
+            guard.wait()
+        finally:
+            guard.close()
+            for n in os.listdir(self.work):
+                full = os.path.join(self.work, n)
+                shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) else os.remove(full)
+        waits = [w.seconds for w in guard.waits]
+        return {"every": every, "saves": saves, "waited": len(waits),
+                "median": statistics.median(waits) if waits else 0.0, "max": max(waits, default=0.0),
+                "gap": statistics.median(gaps), "audit": statistics.median(v.seconds for v in guard.verdicts)}
+
     def close(self) -> None:
         self.guard.close()
         shutil.rmtree(self.work, ignore_errors=True)
@@ -301,6 +339,9 @@ def report(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target: 
             f"to its verdict with the worker started at the guard's creation (a later audit of the same guard: "
             f"{1e3 * fv['later']:.0f} ms); the worker's start-up: {1e3 * fv['start']:.0f} ms, off the training "
             f"thread; a save submitted the moment the guard is created: {1e3 * fv['cold']:.0f} ms"]
+    out += [f"stop mode, a save every {w['every']} step(s) ({1e3 * w['gap']:.0f} ms of steps between saves, audits "
+            f"of {1e3 * w['audit']:.0f} ms): {w['waited']} of {w['saves']} saves waited at the save, median "
+            f"{1e3 * w['median']:.0f} ms, at most {1e3 * w['max']:.0f} ms" for w in meta["save_waits"]]
     out += [f"audits: {meta['audits']}, median {meta['audit_s'] * 1e3:.0f} ms each, {meta['failed']} not passed; "
             + (f"worker process peak RSS {meta['worker_rss'] / 2**20:.1f} MiB" if meta["worker_rss"]
                else "thread worker: no worker process (its memory is in the training process's RSS)")]
@@ -341,7 +382,14 @@ def markdown(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target
         f"same guard: {1e3 * meta['first_verdict']['later']:.0f} ms); the worker's start-up, "
         f"{1e3 * meta['first_verdict']['start']:.0f} ms, runs off the training thread before the first save; a "
         f"save submitted the moment the guard is created waits for it: "
-        f"{1e3 * meta['first_verdict']['cold']:.0f} ms.", ""])
+        f"{1e3 * meta['first_verdict']['cold']:.0f} ms.", "",
+        "Stop mode's wait at the save (`on_failure=\"stop\"`: `max_unverified=1`; "
+        f"{meta['save_waits'][0]['saves']} saves each, the training thread waiting in `before_save` for the "
+        "verdict of the save before): " + "; ".join(
+            f"a save every {w['every']} step{'s' if w['every'] > 1 else ''} ({1e3 * w['gap']:.0f} ms of steps "
+            f"between saves, audits of {1e3 * w['audit']:.0f} ms): {w['waited']} of {w['saves']} saves waited"
+            + (f", {1e3 * w['median']:.0f} ms (median; at most {1e3 * w['max']:.0f} ms)" if w["waited"] else "")
+            for w in meta["save_waits"]) + ".", ""])
     free = next((s for s in scenarios if s.name == "free-core"), scenarios[0])
     assert free.wall is not None and free.steps is not None
     sentence = (f"Its cost, measured by `{command}` on a {meta['cores']}-core machine (load average "
@@ -406,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-docs", nargs="+", metavar="FILE.md",
                    help="rewrite the figures between the bench_guard markers in these files")
     p.add_argument("--first-rounds", type=int, default=5, help="new guards timed for the first verdict")
+    p.add_argument("--wait-saves", type=int, default=10, help="saves per cadence for stop mode's wait at the save")
     p.add_argument("--note", default="shared with other jobs",
                    help="what the docs say about the machine's state")
     args = p.parse_args(argv)
@@ -419,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         meta["first_rounds"] = args.first_rounds
         meta["first_verdict"] = loop.first_verdict(args.first_rounds)
+        meta["save_waits"] = [loop.save_waits(args.wait_saves, every) for every in sorted({args.steps, 1},
+                                                                                            reverse=True)]
         for sc in scenarios:
             loop.run(sc, args.rounds, args.budget_s / len(scenarios))
         verdicts = loop.guard.verdicts
