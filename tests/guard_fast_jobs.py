@@ -77,14 +77,21 @@ def hf_fast(out: str) -> None:
     _result(out, **_hf_fast(out))
 
 
+def hf_fast_last(out: str) -> None:
+    """:func:`hf_fast` whose last save (step 12, the end of training) is the lossy one: its verdict can only come
+    after the last step."""
+    _result(out, **_hf_fast(out, lossy=6))
+
+
 def hf_fast_ddp(ctx: Any, out: str) -> dict[str, Any]:
     """(2 ranks) :func:`hf_fast` with DDP through accelerate on CPU (gloo)."""
     _rank_env(ctx)
     return {"rank": ctx.rank, **_hf_fast(out)}
 
 
-def _hf_fast(out: str) -> dict[str, Any]:
-    """Stop mode, a save every 2 steps; the second save (step 4) is lossy; nothing waits for the audit."""
+def _hf_fast(out: str, lossy: int = 2) -> dict[str, Any]:
+    """Stop mode, a save every 2 steps to step 12; save number ``lossy`` (the second: step 4) is lossy; nothing
+    waits for the audit."""
     from transformers import Trainer, TrainerCallback
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -100,7 +107,7 @@ def _hf_fast(out: str) -> dict[str, Any]:
             step = self.state.global_step
             seen.append(_unverified(saves, audit.verdicts, step))
             saves.append(step)
-            if len(saves) == 2:
+            if len(saves) == lossy:
                 state_dict = _bf16_values(self.model.state_dict())
             super()._save(output_dir, state_dict)
 
@@ -539,5 +546,5 @@ if __name__ == "__main__":
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-    {"hf_fast": hf_fast, "hf_retention": hf_retention, "lightning_fast": lightning_fast,
+    {"hf_fast": hf_fast, "hf_fast_last": hf_fast_last, "hf_retention": hf_retention, "lightning_fast": lightning_fast,
      "lightning_rewrite": lightning_rewrite, "torchtitan_retention": torchtitan_retention}[sys.argv[1]](sys.argv[2])

@@ -62,6 +62,19 @@ def test_trainer_fast_loop_on_two_ranks_bounds_unverified_saves_and_raises_on_bo
     _check_hf_fast(one, audits=False)
 
 
+def test_trainer_fast_loop_whose_last_save_fails_raises_after_the_last_step(tmp_path: Path) -> None:
+    r = guard_fast_jobs.run("hf_fast_last", str(tmp_path))
+    # The lossy save is the last one (step 12): nothing is left to stop, and its verdict comes after the last step,
+    # in on_train_end's wait; train() then raises instead of returning as if all was well.
+    assert r["stopped_at"] == 12 and r["saves"] == [2, 4, 6, 8, 10, 12]
+    assert r["unverified_at_each_write"] == [[]] * 6, r["unverified_at_each_write"]
+    assert _pairs(r["verdicts"]) == [(f"checkpoint-{s}", s, True) for s in (2, 4, 6, 8, 10)] + [
+        ("checkpoint-12", 12, False)]
+    assert r["raised"]["failed"] == ["checkpoint-12"] and "quarantined-checkpoint-12" in r["raised"]["message"]
+    assert "quarantined-checkpoint-12" in r["listing"] and "checkpoint-12" not in r["listing"]
+    assert r["get_last_checkpoint"] == "checkpoint-10" and r["resumed_from_step"] == 10
+
+
 def test_trainer_save_total_limit_never_deletes_the_last_good_checkpoint(tmp_path: Path) -> None:
     r = guard_fast_jobs.run("hf_retention", str(tmp_path))
     # Every save after step 2 came while the audits of the earlier ones were held: Trainer's own rotation
