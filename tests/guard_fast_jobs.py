@@ -228,14 +228,19 @@ def lightning_fast(out: str) -> None:
     _result(out, **_lightning_fast(out))
 
 
+def lightning_fast_last(out: str) -> None:
+    """:func:`lightning_fast` whose only lossy save is the last one (step 12, the end of fitting)."""
+    _result(out, **_lightning_fast(out, lossy_from=12))
+
+
 def lightning_fast_ddp(ctx: Any, out: str) -> dict[str, Any]:
     """(2 ranks) :func:`lightning_fast` with ``strategy="ddp"`` on CPU (gloo)."""
     _rank_env(ctx)
     return {"rank": ctx.rank, **_lightning_fast(out, ddp=True)}
 
 
-def _lightning_fast(out: str, ddp: bool = False) -> dict[str, Any]:
-    """Stop mode, nothing waits for the audit; every save from step 4 on is lossy. Then ``fit(ckpt_path="last")``
+def _lightning_fast(out: str, ddp: bool = False, lossy_from: int = 4) -> dict[str, Any]:
+    """Stop mode, nothing waits for the audit; every save from step ``lossy_from`` on is lossy. Then ``fit(ckpt_path="last")``
     in a new Trainer, which saves twice more into the same folder."""
     import lightning as L
     import torch
@@ -252,7 +257,8 @@ def _lightning_fast(out: str, ddp: bool = False) -> dict[str, Any]:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             Seen.start_step = trainer.global_step
 
-    trainer, module, loader = _lightning(out, guard=audit.guard, saves=saves, seen=seen, ddp=ddp, callbacks=(audit,))
+    trainer, module, loader = _lightning(out, guard=audit.guard, lossy_from=lossy_from, saves=saves, seen=seen,
+                                         ddp=ddp, callbacks=(audit,))
     raised = _raised(lambda: trainer.fit(module, loader))
     stopped_at = trainer.global_step
     ckpts = os.path.join(out, "ckpts")
@@ -547,4 +553,5 @@ if __name__ == "__main__":
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     {"hf_fast": hf_fast, "hf_fast_last": hf_fast_last, "hf_retention": hf_retention, "lightning_fast": lightning_fast,
+     "lightning_fast_last": lightning_fast_last,
      "lightning_rewrite": lightning_rewrite, "torchtitan_retention": torchtitan_retention}[sys.argv[1]](sys.argv[2])

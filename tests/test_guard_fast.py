@@ -118,6 +118,21 @@ def test_lightning_fast_loop_in_stop_mode_bounds_unverified_saves_and_raises_at_
     _check_lightning_fast(guard_fast_jobs.run("lightning_fast", str(tmp_path)), audits=True)
 
 
+def test_lightning_fast_loop_whose_last_save_fails_raises_after_the_last_step(tmp_path: Path) -> None:
+    r = guard_fast_jobs.run("lightning_fast_last", str(tmp_path))
+    # The last save (step 12, the end of fitting) is the only lossy one: its verdict comes in on_fit_end's wait, and
+    # fit() raises, with step 12's files quarantined and last.ckpt restored to its step-10 content.
+    assert r["stopped_at"] == 12 and r["saves"] == [s for s in range(2, 13, 2) for _ in range(2)]
+    assert r["unverified_at_each_write"] == [[]] * 12, r["unverified_at_each_write"]
+    assert _pairs(r["verdicts"]) == [p for s in range(2, 13, 2) for p in (
+        (f"epoch=0-step={s}.ckpt", s, s < 12), ("last.ckpt", s, s < 12))]
+    assert r["raised"]["failed"] == ["epoch=0-step=12.ckpt", "last.ckpt"]
+    assert {"epoch=0-step=12.ckpt.quarantined", "last.ckpt.quarantined", "last.ckpt"} <= set(r["listing"])
+    assert "epoch=0-step=12.ckpt" not in r["listing"]
+    assert r["last_global_step"] == 10 and r["resumed_from_step"] == 10
+    assert not [n for n in r["listing_after_resume"] if n.startswith("last-v")], r["listing_after_resume"]
+
+
 @pytest.mark.dist
 def test_lightning_fast_loop_on_two_ranks_bounds_unverified_saves_and_raises_on_both(tmp_path: Path) -> None:
     zero, one = launch_job(guard_fast_jobs.lightning_fast_ddp, str(tmp_path / "out"))
