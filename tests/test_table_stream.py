@@ -188,3 +188,15 @@ def test_json_of_a_streamed_report_is_unchanged(many_tensors: Path) -> None:
         main(["audit", str(many_tensors), "--format", "json", *extra], stdout=out, stderr=io.StringIO())
         docs.append(json.loads(out.getvalue()))
     assert docs[0] == docs[1] and len(docs[0]["tensors"]) == 600
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("ab.-  ")), max_size=90), st.integers(1, 30), st.booleans())
+def test_plain_text_wraps_as_rich_wraps_it(text: str, width: int, fold: bool) -> None:
+    """The plain-text cut (with its fast path for a message whose words all fit) is rich's ``Text.wrap``, line for
+    line, on text dense in the cases that matter: runs of spaces, a space at a line's edge, words at the width."""
+    con = _console(io.StringIO(), 200, False)
+    overflow = "fold" if fold else "crop"
+    expected = [line.plain for line in Text(text).wrap(con, width, justify="left", overflow=overflow)]
+    expected = [line + " " * (width - len(line)) for line in expected]
+    assert table_module._wrap(text, width, fold) == expected

@@ -314,6 +314,8 @@ def _wrap(text: str, width: int, fold: bool) -> list[str]:
     pads it (left-justified; a word longer than the width folded when ``fold``, else cropped)."""
     if len(text) <= width:
         return [text + " " * (width - len(text))]
+    if text[0] != " " and max(map(len, text.split())) <= width:
+        return _fit(_wrap_words(text, width), width)
     breaks = []
     offset = 0
     for m in _WORD.finditer(text):
@@ -338,14 +340,38 @@ def _wrap(text: str, width: int, fold: bool) -> list[str]:
         elif offset and start:
             breaks.append(start)
             offset = len(word)
+    return _fit([text[a:b] for a, b in zip([0, *breaks], [*breaks, len(text)], strict=True)], width)
+
+
+def _wrap_words(text: str, width: int) -> list[str]:
+    """The same cut, for text with no leading space and no word longer than the width (a finding's message): each
+    line runs from a word's start to the start of the first word that does not end within the width."""
     lines = []
-    for a, b in zip([0, *breaks], [*breaks, len(text)], strict=True):
-        line = text[a:b]
-        if len(line) > width:  # whitespace past the width is dropped, then the line cropped
+    p, n = 0, len(text)
+    while p + width < n:
+        q = p + width
+        if text[q] == " ":
+            while q < n and text[q] == " ":
+                q += 1
+            if q == n:
+                break
+        else:
+            q = text.rfind(" ", p, q) + 1
+        lines.append(text[p:q])
+        p = q
+    lines.append(text[p:])
+    return lines
+
+
+def _fit(lines: list[str], width: int) -> list[str]:
+    """Each line as rich finishes it: whitespace past the width dropped, then cropped or padded to the width."""
+    out = []
+    for line in lines:
+        if len(line) > width:
             spaces = len(line) - len(line.rstrip())
             line = line[: len(line) - min(spaces, len(line) - width)]
-        lines.append(line[:width] + " " * (width - len(line)))
-    return lines
+        out.append(line[:width] + " " * (width - len(line)))
+    return out
 
 
 def _cell_lines(con: Console, cell: Any, width: int, column: Any) -> list[Any]:
