@@ -522,6 +522,9 @@ COMMANDS = {"audit": _cmd_audit, "compare": _cmd_compare, "demo": _cmd_demo,
             "export-serving": _cmd_export_serving, "latest": _cmd_latest, "probe": _cmd_probe,
             "resume-test": _cmd_resume}
 
+NEEDS_TORCH = frozenset({"demo", "export-serving", "probe", "resume-test"})
+"""The commands that run PyTorch: without it installed they stop at one line naming the extra to install."""
+
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """``parse_args``, except that flags the command does not know are reported with the command's own usage
@@ -563,8 +566,19 @@ def _main(argv: Sequence[str] | None, stdout: Any, stderr: TextIO) -> int:
     if not args.command:
         parser.print_help(stderr)
         return EXIT_USAGE
+    from ckptaudit.extras import torch_missing
+
+    missing = torch_missing(f"ckptaudit {args.command}") if args.command in NEEDS_TORCH else None
+    if missing is not None:
+        stderr.write(f"ckptaudit {args.command}: error: {missing}\n")
+        return EXIT_USAGE
     try:
         return COMMANDS[args.command](args, stdout, stderr)
+    except ModuleNotFoundError as exc:  # a path into torch not foreseen above (the audit under torchrun)
+        if exc.name != "torch" and not (exc.name or "").startswith("torch."):
+            raise
+        stderr.write(f"ckptaudit {args.command}: error: {torch_missing(f'ckptaudit {args.command}') or exc}\n")
+        return EXIT_USAGE
     except UsageError as exc:
         stderr.write(f"ckptaudit {args.command}: error: {exc}\n")
         return EXIT_USAGE
