@@ -99,8 +99,9 @@ def torch_free(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Real checkpoints (written by torch, DCP, the Trainer) and hostile ones mutated from them."""
-    import hostile_files
     import torch
+
+    import hostile_files
 
     d = tmp_path_factory.mktemp("install-ckpts")
     pt = rc.torch_save_checkpoint(d / "ckpt.pt")
