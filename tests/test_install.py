@@ -7,7 +7,8 @@ virtual environments as a user would, then run.
   Trainer folder, a lossy bf16-rounded export, hostile files (a pickle payload, a DCP whose ``.metadata`` is one)
   and a torn DCP; the commands and APIs that need torch stop at one line naming the extra.
 - Beside a torch the environment already holds (``pip install ckptaudit[torch]``): pip keeps that torch, and the
-  installed wheel runs ``audit`` and ``demo``.
+  installed wheel runs ``audit`` and ``demo``, whose output and time are held to the README's and
+  ``docs/demo.md``'s sample (``tests/test_docs.py``).
 
 The wheel's declared dependencies are resolved by pip from the configured index (the machine's local one in CI, as
 ``make`` installs), under ``constraints.txt`` and pinned to the versions this environment runs.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +31,7 @@ from typing import Any
 import pytest
 
 import real_checkpoints as rc
+from test_docs import DEMO_PAGES, demo_sample, demo_sample_differences, stated_demo_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 LIGHT = ("numpy", "safetensors", "rich", "xxhash", "markdown-it-py", "mdurl", "pygments")
@@ -207,6 +210,15 @@ def test_installing_beside_a_users_torch_keeps_it(wheel: Path, tmp_path: Path) -
     ckpt = rc.torch_save_checkpoint(tmp_path / "ckpt.pt")
     env = {k: v for k, v in os.environ.items() if k not in ("CKPTAUDIT_VALIDATE_REPORTS", "PYTHONPATH")}
     _ok([str(bin_ / "ckptaudit"), "audit", str(ckpt), "--no-progress"], env=env)
-    demo = _ok([str(bin_ / "ckptaudit"), "demo", "--out", str(tmp_path / "demo"), "--steps", "4"], env=env,
+    # The demo as the README shows it (default options, relative --out), on a wide terminal: the pages' sample
+    # output and stated duration are held to this run (tests/test_docs.py).
+    load = os.getloadavg()[0]
+    demo = _ok([str(bin_ / "ckptaudit"), "demo", "--out", "ckptaudit-demo"], env={**env, "COLUMNS": "400"},
                cwd=str(tmp_path))
-    assert "verdict: faithful checkpoint clean" in demo.stdout
+    for page in DEMO_PAGES:
+        assert demo_sample_differences(demo_sample(page), demo.stdout) == [], (page.name, demo.stdout)
+    seconds = int(re.search(r"HTML report: \S+ +\((\d+) s\)", demo.stdout)[1])
+    stated = stated_demo_seconds(DEMO_PAGES[0])
+    assert seconds >= stated / 4, f"the demo took {seconds} s; the docs state about {stated} s"
+    if max(load, os.getloadavg()[0]) < 1:  # a quiet machine: the stated time must hold
+        assert seconds <= 4 * stated, f"the demo took {seconds} s on a quiet machine; the docs state about {stated} s"
