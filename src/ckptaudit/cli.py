@@ -566,12 +566,16 @@ def _main(argv: Sequence[str] | None, stdout: Any, stderr: TextIO) -> int:
     if not args.command:
         parser.print_help(stderr)
         return EXIT_USAGE
-    from ckptaudit.extras import torch_missing
+    from ckptaudit.extras import torch_missing, torch_older_than_tested
 
-    missing = torch_missing(f"ckptaudit {args.command}") if args.command in NEEDS_TORCH else None
-    if missing is not None:
-        stderr.write(f"ckptaudit {args.command}: error: {missing}\n")
-        return EXIT_USAGE
+    if args.command in NEEDS_TORCH:
+        missing = torch_missing(f"ckptaudit {args.command}")
+        if missing is not None:
+            stderr.write(f"ckptaudit {args.command}: error: {missing}\n")
+            return EXIT_USAGE
+        old = torch_older_than_tested(f"ckptaudit {args.command}")
+        if old is not None:
+            stderr.write(f"warning: {old}\n")
     try:
         return COMMANDS[args.command](args, stdout, stderr)
     except ModuleNotFoundError as exc:  # a path into torch not foreseen above (the audit under torchrun)

@@ -34,6 +34,23 @@ def torch_missing(what: str) -> str | None:
             f"{TORCH_MIN}), or install your own torch build first (audit, compare and latest work without it)")
 
 
+def torch_older_than_tested(what: str) -> str | None:
+    """A one-line warning for ``what`` when the installed torch is older than :data:`TORCH_MIN` (read from its
+    metadata: torch is not imported), else None."""
+    import importlib.metadata
+    import re
+
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    parts = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
+    if parts >= tuple(int(n) for n in TORCH_MIN.split(".")):
+        return None
+    return (f"{what}: torch {version} is older than {TORCH_MIN}, the oldest release ckptaudit is tested on; "
+            "results may differ")
+
+
 def require_torch(what: str) -> None:
     """Raise :class:`MissingExtra` with :func:`torch_missing`'s line when torch is not installed."""
     message = torch_missing(what)
