@@ -207,3 +207,53 @@ def test_the_demo_sample_check_catches_a_stale_line() -> None:
                      ("=== live probe", "=== probe")):
         assert old in drawn
         assert demo_sample_differences(sample, drawn.replace(old, new)), old
+
+
+def synopsis(page: Path, command: str) -> str | None:
+    """The page's synopsis: the code block that begins ``ckptaudit COMMAND``."""
+    for block in re.findall(r"```\n(.*?)```", page.read_text(), flags=re.S):
+        if block.startswith(f"ckptaudit {command}"):
+            return str(block)
+    return None
+
+
+def synopsis_gaps(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The options (and choices of options) of ``parser`` that the synopsis ``text`` leaves out."""
+    gaps = []
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--") and o != "--help"]
+        if not longs:
+            continue
+        found = [o for o in longs if re.search(re.escape(o) + r"(?![\w-])", text)]
+        if not found:
+            gaps.append(longs[0])
+        elif action.choices:
+            m = re.search(re.escape(found[0]) + r"[ =]([\w|.-]+)", text)
+            listed = set(m[1].split("|")) if m else set()
+            gaps += [f"{found[0]} {c}" for c in action.choices if str(c) not in listed]
+    return gaps
+
+
+@pytest.mark.parametrize("command", sorted(_subparsers()))
+def test_every_option_is_in_the_synopsis(command: str) -> None:
+    page = _page(command)
+    text = synopsis(page, command)
+    assert text is not None, f"{page.relative_to(ROOT)} has no synopsis (a code block beginning 'ckptaudit {command}')"
+    gaps = synopsis_gaps(_subparsers()[command], text)
+    assert not gaps, f"the synopsis in {page.relative_to(ROOT)} leaves out {', '.join(gaps)}"
+
+
+def test_a_synopsis_gap_is_caught() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--format", choices=["table", "json", "html"])
+    parser.add_argument("--jobs", "-j")
+    assert synopsis_gaps(parser, "ckptaudit x [--format table|json|html] [-j N]") == ["--jobs"]
+    assert synopsis_gaps(parser, "ckptaudit x [--format table|json] [--jobs N]") == ["--format html"]
+
+
+def test_the_index_states_the_schema_version() -> None:
+    from ckptaudit.model import SCHEMA_VERSION
+
+    index = (DOCS / "index.md").read_text()
+    assert f"(schema {SCHEMA_VERSION})" in index
+    assert (DOCS / "json-schema.md").read_text().startswith(f"# JSON report (schema {SCHEMA_VERSION})")
