@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +67,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _pins(where: Path) -> Path:
-    """Constraints: the repository's, plus the light dependencies pinned to the versions this environment runs."""
+    """Constraints: the repository's, plus every distribution pinned to the version this environment runs (pip then
+    resolves nothing new: it takes the same files from its cache or the configured index)."""
     pins = where / "constraints.txt"
+    here = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()}
     pins.write_text((ROOT / "constraints.txt").read_text()
-                    + "".join(f"{d}=={importlib.metadata.version(d)}\n" for d in LIGHT))
+                    + "".join(f"{n}=={v}\n" for n, v in sorted(here.items()) if n.lower() not in ("ckptaudit", "torch")))
     return pins
 
 
@@ -131,6 +135,43 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "dcp-payload": d / "dcp-payload", "runs": root, "hf": hf, "sentinel": d / "SENTINEL"}
 
 
+@pytest.fixture(scope="module")
+def s3(checkpoints: dict[str, Path], torch_free: Path, wheel: Path,
+       tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A local S3 server (moto's server mode) holding the torch.save files and the DCP directory, and the torch-free
+    venv with ``ckptaudit[remote]`` added (still no torch): the environment that points a client at the server."""
+    moto_server = pytest.importorskip("moto.server")
+    import s3fs
+
+    _pip_install(torch_free / "python", "-c", str(_pins(tmp_path_factory.mktemp("pins"))),
+                 f"ckptaudit[remote] @ {wheel.as_uri()}")
+    _ok([str(torch_free / "python"), "-c", "import importlib.util as u; assert u.find_spec('torch') is None"])
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server._server.server_port}"}
+        # The uploader (this process) takes its settings from the environment, as the audits will.
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            fs = s3fs.S3FileSystem(skip_instance_cache=True)
+            fs.mkdir("ckpts")
+            fs.put(str(checkpoints["pt"]), "ckpts/ckpt.pt")
+            fs.put(str(checkpoints["lossy"]), "ckpts/lossy.pt")
+            fs.put(str(checkpoints["dcp"]), "ckpts/dcp", recursive=True)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        yield env
+    finally:
+        server.stop()
+
+
 CASES = [
     ("audit", "pt"), ("audit", "dcp"), ("audit", "hf"), ("audit", "lossy"), ("audit", "payload"),
     ("audit", "dcp-payload"), ("audit", "runs/step-2"), ("compare", "pt lossy"), ("compare", "dcp pt"),
@@ -153,6 +194,18 @@ def test_torch_free_reports_are_the_full_installs(torch_free: Path, checkpoints:
     assert not checkpoints["sentinel"].exists()
 
 
+@pytest.mark.parametrize("paths", ["ckpt.pt", "lossy.pt", "dcp"])
+def test_torch_free_reports_of_s3_checkpoints_are_the_full_installs(torch_free: Path, s3: dict[str, str],
+                                                                    paths: str) -> None:
+    args = ["audit", f"s3://ckpts/{paths}", "--format", "json", "--no-progress"]
+    env = {k: v for k, v in os.environ.items() if k not in ("CKPTAUDIT_VALIDATE_REPORTS", "PYTHONPATH")}
+    env.update(s3)
+    full = _run([sys.executable, "-m", "ckptaudit", *args], env={**env, "PYTHONPATH": str(ROOT / "src")})
+    lean = _run([str(torch_free / "ckptaudit"), *args], env=env)
+    assert full.returncode in (0, 1), full.stderr[-3000:]
+    assert (lean.returncode, lean.stdout) == (full.returncode, full.stdout), lean.stderr[-3000:]
+
+
 @pytest.mark.parametrize("argv", [["demo"], ["probe"], ["resume-test", "--recipe", "a:b"],
                                   ["export-serving", "x.pt", "--recipe", "a:b", "--out", "o"]],
                          ids=lambda a: a[0])
@@ -166,10 +219,12 @@ def test_commands_that_need_torch_say_which_extra_in_one_line(torch_free: Path, 
     assert "pip install 'ckptaudit[torch]'" in proc.stderr
 
 
-@pytest.mark.parametrize("api", ["ckptaudit.store.save_checkpoint", "ckptaudit.store.load_checkpoint"])
-def test_apis_that_need_torch_name_the_extra(torch_free: Path, api: str) -> None:
+@pytest.mark.parametrize(("api", "use"), [("ckptaudit.store.save_checkpoint", ""),
+                                          ("ckptaudit.store.load_checkpoint", ""),
+                                          ("ckptaudit.testing.assert_resumes_faithfully", "('a:b', 'c:d')")])
+def test_apis_that_need_torch_name_the_extra(torch_free: Path, api: str, use: str) -> None:
     module, _, name = api.rpartition(".")
-    proc = _run([str(torch_free / "python"), "-c", f"import {module}; {module}.{name}"])
+    proc = _run([str(torch_free / "python"), "-c", f"import {module}; {module}.{name}{use}"])
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"ckptaudit.extras.MissingExtra: {api} needs PyTorch"), proc.stderr
