@@ -194,6 +194,21 @@ def test_torch_free_reports_are_the_full_installs(torch_free: Path, checkpoints:
     assert not checkpoints["sentinel"].exists()
 
 
+def test_the_torch_free_python_api_gives_the_full_installs_reports(torch_free: Path,
+                                                                   checkpoints: dict[str, Path]) -> None:
+    code = ("import sys, ckptaudit, ckptaudit.testing as t\n"
+            "a = ckptaudit.audit(sys.argv[1]); c = ckptaudit.compare(sys.argv[1], sys.argv[2])\n"
+            "t.assert_checkpoint_ok(sys.argv[1])\n"
+            "print(a.to_json()); print(c.to_json()); print(repr(a))\n"
+            "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules)\n")
+    paths = [str(checkpoints["pt"]), str(checkpoints["lossy"])]
+    env = {k: v for k, v in os.environ.items() if k not in ("CKPTAUDIT_VALIDATE_REPORTS", "PYTHONPATH")}
+    lean = _ok([str(torch_free / "python"), "-c", code, *paths], env=env)
+    full = _ok([sys.executable, "-c", code, *paths], env={**env, "PYTHONPATH": str(ROOT / "src")})
+    assert lean.stdout == full.stdout
+    assert '"command": "compare"' in lean.stdout and "precision.bf16-rounded" in lean.stdout
+
+
 @pytest.mark.parametrize("paths", ["ckpt.pt", "lossy.pt", "dcp"])
 def test_torch_free_reports_of_s3_checkpoints_are_the_full_installs(torch_free: Path, s3: dict[str, str],
                                                                     paths: str) -> None:
