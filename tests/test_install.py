@@ -149,6 +149,7 @@ def s3(checkpoints: dict[str, Path], torch_free: Path, wheel: Path,
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    fs = None
     try:
         env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server._server.server_port}"}
@@ -156,11 +157,13 @@ def s3(checkpoints: dict[str, Path], torch_free: Path, wheel: Path,
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
+            # moto keeps its buckets in this process's memory, shared by every server it starts (tests/test_remote.py
+            # starts another): a bucket of this module's own name, removed at the end.
             fs = s3fs.S3FileSystem(skip_instance_cache=True)
-            fs.mkdir("ckpts")
-            fs.put(str(checkpoints["pt"]), "ckpts/ckpt.pt")
-            fs.put(str(checkpoints["lossy"]), "ckpts/lossy.pt")
-            fs.put(str(checkpoints["dcp"]), "ckpts/dcp", recursive=True)
+            fs.mkdir(BUCKET)
+            fs.put(str(checkpoints["pt"]), f"{BUCKET}/ckpt.pt")
+            fs.put(str(checkpoints["lossy"]), f"{BUCKET}/lossy.pt")
+            fs.put(str(checkpoints["dcp"]), f"{BUCKET}/dcp", recursive=True)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -169,7 +172,14 @@ def s3(checkpoints: dict[str, Path], torch_free: Path, wheel: Path,
                     os.environ[k] = v
         yield env
     finally:
-        server.stop()
+        try:
+            if fs is not None:
+                fs.rm(BUCKET, recursive=True)
+        finally:
+            server.stop()
+
+
+BUCKET = "ckptaudit-install-test"
 
 
 CASES = [
@@ -212,7 +222,7 @@ def test_the_torch_free_python_api_gives_the_full_installs_reports(torch_free: P
 @pytest.mark.parametrize("paths", ["ckpt.pt", "lossy.pt", "dcp"])
 def test_torch_free_reports_of_s3_checkpoints_are_the_full_installs(torch_free: Path, s3: dict[str, str],
                                                                     paths: str) -> None:
-    args = ["audit", f"s3://ckpts/{paths}", "--format", "json", "--no-progress"]
+    args = ["audit", f"s3://{BUCKET}/{paths}", "--format", "json", "--no-progress"]
     env = {k: v for k, v in os.environ.items() if k not in ("CKPTAUDIT_VALIDATE_REPORTS", "PYTHONPATH")}
     env.update(s3)
     full = _run([sys.executable, "-m", "ckptaudit", *args], env={**env, "PYTHONPATH": str(ROOT / "src")})
