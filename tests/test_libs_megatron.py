@@ -25,7 +25,7 @@ from ckptaudit.formats.dcp.reader import check_metadata_safe
 from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.pickle.scan import scan
 from ckptaudit.latest import find_latest, latest_report
-from ckptaudit.launch import launch
+from configurations import fixture_launch
 
 pytestmark = pytest.mark.dist
 
@@ -40,7 +40,8 @@ def megatron(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import megatron_writer
 
     out = tmp_path_factory.mktemp("megatron")
-    info: dict[str, Any] = launch(megatron_writer.write_megatron, 2, (str(out), VARIANTS), timeout_s=400)[0]
+    info: dict[str, Any] = fixture_launch("megatron", megatron_writer.write_megatron, 2, (str(out), VARIANTS),
+                                          timeout_s=400)[0]
     return info
 
 

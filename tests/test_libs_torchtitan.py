@@ -19,7 +19,7 @@ from ckptaudit.findings import ComponentKind, Precision, Severity
 from ckptaudit.formats.dcp.metadata import load_dcp_metadata
 from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.pickle.scan import opcode_limit, scan
-from ckptaudit.launch import launch
+from configurations import fixture_launch
 
 pytestmark = pytest.mark.dist
 
@@ -31,7 +31,7 @@ def titan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import lib_writers
 
     out = tmp_path_factory.mktemp("torchtitan")
-    info: dict[str, Any] = launch(lib_writers.write_torchtitan, 2, (str(out), 2), timeout_s=240)[0]
+    info: dict[str, Any] = fixture_launch("titan", lib_writers.write_torchtitan, 2, (str(out), 2), timeout_s=240)[0]
     return info
 
 

@@ -25,6 +25,7 @@ so a rank's share is never smaller than the largest tensor (a 70B model's larges
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -97,16 +98,25 @@ def _fingerprint(plan: ScanPlan) -> str:
     return h.hexdigest()
 
 
+def _step_out(step: float | None) -> float | str | None:
+    """A step value as strict JSON holds it: a saved ``step`` tensor may hold NaN or an infinity (``"nan"``...)."""
+    return step if step is None or math.isfinite(step) else repr(step)
+
+
+def _step_in(step: float | str | None) -> float | None:
+    return float(step) if isinstance(step, str) else step
+
+
 def _encode(outcomes: dict[int, ScanOutcome]) -> list[list[Any]]:
     rows: list[list[Any]] = []
     for i, o in sorted(outcomes.items()):
         if o.scan is None:
-            rows.append([i, None, None, None, o.error, o.step])
+            rows.append([i, None, None, None, o.error, _step_out(o.step)])
             continue
         s = o.scan.stats
         stats = None if s is None else [s.bf16_representable, s.fp16_representable, s.informative_bf16,
                                         s.informative_fp16]
-        rows.append([i, o.scan.hash, o.scan.precision.value, stats, o.error, o.step])
+        rows.append([i, o.scan.hash, o.scan.precision.value, stats, o.error, _step_out(o.step)])
     return rows
 
 
@@ -114,19 +124,18 @@ def _decode(rows: list[list[Any]]) -> dict[int, ScanOutcome]:
     out: dict[int, ScanOutcome] = {}
     for i, digest, precision, stats, error, step in rows:
         if digest is None:
-            out[int(i)] = ScanOutcome(None, error, step)
+            out[int(i)] = ScanOutcome(None, error, _step_in(step))
             continue
         ps = None if stats is None else PrecisionStats(bool(stats[0]), bool(stats[1]), int(stats[2]), int(stats[3]))
-        out[int(i)] = ScanOutcome(TensorScan(digest, Precision(precision), ps), error, step)
+        out[int(i)] = ScanOutcome(TensorScan(digest, Precision(precision), ps), error, _step_in(step))
     return out
 
 
-def _gather_to_rank0(payload: dict[str, Any], rank: int, world_size: int) -> list[dict[str, Any]] | None:
-    """(all ranks) Send ``payload`` as JSON bytes; rank 0 gets every rank's, in rank order; others ``None``."""
+def _gather_to_rank0(data: bytes, rank: int, world_size: int) -> list[dict[str, Any]] | None:
+    """(all ranks) Send ``data`` (a JSON payload); rank 0 gets every rank's, in rank order; others ``None``."""
     import torch
     import torch.distributed as dist
 
-    data = json.dumps(payload, allow_nan=False).encode()
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
     dist.all_gather(sizes, size)
@@ -167,10 +176,13 @@ def audit_distributed(path: str, options: AuditOptions | None = None, *, rank: i
             shares = partition({i: plan.nbytes(i) for i in scannable}, world_size)
             outcomes = scan_items(plan, shares[rank], jobs=options.jobs, chunk_bytes=options.chunk_bytes)
             payload = {"rank": rank, "fingerprint": _fingerprint(plan), "outcomes": _encode(outcomes)}
+            # Encoded here, inside this rank's error handling: a value JSON cannot hold fails this rank's
+            # share with its reason, never the collective every other rank is waiting in.
+            data = json.dumps(payload, allow_nan=False).encode()
         except (OSError, ValueError) as exc:
             own_error = exc
-            payload = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
-        gathered = _gather_to_rank0(payload, rank, world_size)
+            data = json.dumps({"rank": rank, "error": f"{type(exc).__name__}: {exc}"}).encode()
+        gathered = _gather_to_rank0(data, rank, world_size)
     finally:
         dist.destroy_process_group()
     if gathered is None:  # not rank 0

@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from ckptaudit.catalogue import finding
-from ckptaudit.findings import Finding
+from ckptaudit.findings import Finding, text
 from ckptaudit.layouts.attachment import Attachment, assign_by_order, attachable, moment_shape, saved_param_names
 from ckptaudit.layouts.view import OptimizerView, View, normalize_fqn
 
@@ -93,8 +93,14 @@ def check_steps(opt: OptimizerView | None, steps: dict[Any, float]) -> list[Find
         finding(
             "optimizer.step-mismatch",
             opt.where,
-            f"{opt.where}: per-parameter step counters disagree (most are {common:g}; {len(odd)} differ, e.g. "
-            f"{', '.join(odd[:5])}): bias correction will differ between parameters after resuming",
-            counts={f"{k:g}": c for k, c in values.items()},
+            f"{opt.where}: per-parameter step counters disagree (most are {_count_text(common)}; {len(odd)} differ, "
+            f"e.g. {', '.join(odd[:5])}): bias correction will differ between parameters after resuming",
+            counts={_count_text(k): c for k, c in values.items()},
         )
     ]
+
+
+def _count_text(value: float) -> str:
+    """A step counter as text: ``5``, ``2.5``, ``nan``; an int too large for a float or for ``str`` spelled
+    by :func:`~ckptaudit.findings.text`, never raised."""
+    return text(value) if isinstance(value, int) else f"{value:g}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptaudit.findings import ComponentKind
+from ckptaudit.findings import ComponentKind, text
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable
 from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.keyed import optimizer_view
@@ -69,10 +69,11 @@ def deepspeed_view(part: Part, tree: dict[str, Any], view: View, found: Any, add
         found(ComponentKind.DATA_PROGRESS, part_label(part, "data_sampler"), "DeepSpeed data_sampler state")
     elif data_keys:
         found(ComponentKind.DATA_PROGRESS, part_label(part, "client_state"),
-              f"client_state ({', '.join(data_keys)}), global_steps {steps}")
+              f"client_state ({', '.join(data_keys)}), global_steps {text(steps)}")
     elif steps is not None:
         found(ComponentKind.DATA_PROGRESS, part_label(part, "global_steps"),
-              f"step counter only (global_steps {steps}, global_samples {facts.get('global_samples')}); no "
+              f"step counter only (global_steps {text(steps)}, global_samples {text(facts.get('global_samples'))}); "
+              "no "
               "data-loader position: DeepSpeed saves its data_sampler only for its own data-efficiency sampler; "
               "save the loader's state in client_state" + (f" (client_state holds {', '.join(map(str, client))})"
                                                             if client else ""))

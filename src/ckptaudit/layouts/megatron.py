@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ckptaudit.findings import ComponentKind
+from ckptaudit.findings import ComponentKind, text
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.keyed import clean_groups
@@ -167,6 +167,7 @@ def _megatron_data_detail(common: dict[str, Any]) -> str:
     consumed = values.get("consumed_train_samples") if isinstance(values, dict) else None
     it = common.get("iteration")
     if isinstance(consumed, int) and not isinstance(consumed, bool):
-        return (f"Megatron iteration {it}, args.consumed_train_samples {consumed} (the sampler skips the consumed "
-                "samples)")
-    return f"step counter only (iteration {it}); no data-loader position (args.consumed_train_samples not saved)"
+        return (f"Megatron iteration {text(it)}, args.consumed_train_samples {text(consumed)} (the sampler skips "
+                "the consumed samples)")
+    return (f"step counter only (iteration {text(it)}); no data-loader position (args.consumed_train_samples not "
+            "saved)")
