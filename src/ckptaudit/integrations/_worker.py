@@ -97,7 +97,8 @@ def warm() -> None:
         importlib.import_module(name)
     for package in WARM_PACKAGES:
         module = importlib.import_module(package)
-        for info in pkgutil.iter_modules(module.__path__, package + "."):
+        # Recursively: the readers are sub-packages by container (formats.pickle, formats.zip, ...).
+        for info in pkgutil.walk_packages(module.__path__, package + ".", onerror=lambda _name: None):
             try:
                 importlib.import_module(info.name)
             except Exception:  # noqa: BLE001,S112 - optional parts (a remote reader's client) load when needed
