@@ -7,7 +7,7 @@ import pickle
 from pathlib import Path
 
 import real_checkpoints as rc
-from ckptaudit.formats.dcp import check_metadata_safe
+from ckptaudit.formats.dcp.reader import check_metadata_safe
 
 
 def test_chunk_lists_shared_through_the_memo_are_converted_once_for_torch(tmp_path: Path) -> None:
