@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "report": 4,
     # the scan phase (plan, threads, records), then the audit that judges it
     "scanning": 5,
+    "distplan": 6,
     "audit": 6,
     "distaudit": 7,
     "compare": 6,

@@ -16,7 +16,7 @@ import struct
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from ckptaudit.model import ComponentKind, Finding, Precision, TensorRecord
 from ckptaudit.records import SMALL_TENSOR_BYTES, TensorScan, scan_first_chunk, scan_tensor
 
 __all__ = ["BATCH_BYTES", "BATCH_COUNT", "SERIAL_BYTES", "Progress", "ScanOutcome", "ScanPlan", "ScannedCheckpoint",
-           "assemble", "default_jobs", "plan_scan", "scalar_value", "scan_checkpoint", "scan_items"]
+           "assemble", "default_jobs", "plan_scan", "scalar_value", "scan_checkpoint", "scan_datas", "scan_items"]
 
 Progress = Callable[[int, int], None]
 """Called with (bytes scanned so far, total bytes) as the scan proceeds."""
@@ -78,6 +78,9 @@ class ScanOutcome:
     """Why the data could not be read (``scan`` is then ``None``)."""
     step: float | None = None
     """The value of a one-element ``step`` state tensor."""
+    reported: bool = False
+    """``scan`` is ``None`` for a reason another finding already reports (a distributed audit's
+    ``integrity.changed``): :func:`assemble` adds no ``integrity.corrupt`` of its own for this tensor."""
 
 
 @dataclass
@@ -179,28 +182,42 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
     ``ValueError``/``OSError`` of an unreadable tensor, which is that tensor's outcome) stops every thread after
     its current tensor and is raised here.
     """
+    datas: dict[int, TensorData] = {}
+    for i in indices:
+        data = plan.items[i][0].data
+        assert isinstance(data, TensorData)
+        datas[i] = data
+    return scan_datas(datas, plan.ckpt.maps, step_items=plan.step_items, jobs=jobs, chunk_bytes=chunk_bytes,
+                      progress=progress, quick=quick)
+
+
+def scan_datas(datas: Mapping[int, TensorData], maps: FileMaps, *, step_items: Collection[int] = frozenset(),
+               jobs: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Progress | None = None,
+               quick: bool = False) -> dict[int, ScanOutcome]:
+    """:func:`scan_items` on tensors given by index (``datas``) and the files they lie in (``maps``), without a
+    plan: what a rank of a distributed audit scans from the share it was sent (:mod:`ckptaudit.distaudit`).
+    ``step_items``: the indices whose one-element value is also read (:attr:`ScanPlan.step_items`)."""
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
-    sizes = {i: plan.nbytes(i) for i in indices}
+    sizes = {i: d.nbytes for i, d in datas.items()}
     total = sum(sizes.values())
     out: dict[int, ScanOutcome] = {}
     local = threading.local()  # one read buffer per scanning thread, reused across its tensors
 
     def one(index: int) -> ScanOutcome:
-        data = plan.items[index][0].data
-        assert isinstance(data, TensorData)
+        data = datas[index]
         try:
             if quick:
-                scanned = scan_first_chunk(data, plan.ckpt.maps, chunk_bytes)
+                scanned = scan_first_chunk(data, maps, chunk_bytes)
             else:
                 buffer = getattr(local, "buffer", None)
                 if buffer is None and (sizes[index] > SMALL_TENSOR_BYTES or "numpy" in sys.modules):
                     # Not for a small tensor while NumPy is not loaded: scan_tensor may judge it without NumPy.
                     buffer = local.buffer = scratch_buffer(chunk_bytes)
-                scanned = scan_tensor(data, plan.ckpt.maps, chunk_bytes, buffer)
+                scanned = scan_tensor(data, maps, chunk_bytes, buffer)
         except (ValueError, OSError) as exc:
             return ScanOutcome(None, str(exc))
-        step = scalar_value(data, plan.ckpt.maps) if index in plan.step_items else None
+        step = scalar_value(data, maps) if index in step_items else None
         return ScanOutcome(scanned, step=step)
 
     if jobs == 1 or len(sizes) <= 1 or total <= SERIAL_BYTES:
@@ -277,8 +294,9 @@ def assemble(plan: ScanPlan, outcomes: dict[int, ScanOutcome]) -> ScannedCheckpo
             continue
         outcome = outcomes[index]
         if outcome.scan is None:
-            findings.append(finding("integrity.corrupt", ref.name, f"{ref.name}: cannot read its data ({outcome.error})",
-                                    file=ref.file))
+            if not outcome.reported:
+                findings.append(finding("integrity.corrupt", ref.name,
+                                        f"{ref.name}: cannot read its data ({outcome.error})", file=ref.file))
             records.append(TensorRecord(ref.name, comp, role, param, ref.file, data.dtype.name, data.shape,
                                         data.numel, None, Precision.UNREAD))
             continue

@@ -313,3 +313,83 @@ def _fill_many(r: _Remote, local: str, ranges: list[tuple[int, int]]) -> list[by
                     fh.write(data)
                 out.append(bytes(data) if e > s else b"")
     return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The ranks of a distributed audit other than rank 0 (ckptaudit.distaudit): rank 0 stages and vets the checkpoint;
+# the others are sent their share and read only its data files, and check their own view of the vetted files.
+
+
+def _share_base(url: str, single_file: bool) -> tuple[Any, str]:
+    """The filesystem and the remote prefix a share's file names are relative to."""
+    fs, root = _fs(url)
+    root = root.rstrip("/")
+    return fs, (root.rsplit("/", 1)[0] if single_file and "/" in root else root)
+
+
+def share_view(url: str, names: list[str], *, digest: set[str],
+               single_file: bool) -> dict[str, tuple[int, str | None] | str]:
+    """This rank's view of the files ``names`` of the checkpoint at ``url`` (names relative to it, or to the prefix
+    holding it when ``single_file``): each file's size and, for those in ``digest``, the xxh3-128 (hex) of its
+    bytes, read in 8 MiB ranges; or why it cannot be read. One listing per prefix, made afresh (no cached listing
+    answers for the object store)."""
+    import xxhash
+
+    fs, base = _share_base(url, single_file)
+    listed: dict[str, dict[str, int]] = {}
+    out: dict[str, tuple[int, str | None] | str] = {}
+    for name in names:
+        folder, _, leaf = f"{base}/{name}".rpartition("/")
+        if folder not in listed:
+            try:
+                fs.invalidate_cache(folder)
+                listed[folder] = {str(e["name"]).rstrip("/").rpartition("/")[2]: int(e.get("size") or 0)
+                                  for e in fs.ls(folder, detail=True) if e.get("type") == "file"}
+            except FileNotFoundError:
+                listed[folder] = {}
+            except Exception as exc:  # noqa: BLE001 - the storage library's own words, as for stage()
+                listed[folder] = {}
+                out[name] = f"cannot be listed ({type(exc).__name__}: {exc})"
+                continue
+        size = listed[folder].get(leaf)
+        if size is None:
+            out.setdefault(name, "cannot be read (no such object)")
+            continue
+        if name not in digest:
+            out[name] = (size, None)
+            continue
+        h = xxhash.xxh3_128()
+        try:
+            for pos in range(0, size, _FILL_PIECE):
+                h.update(fs.cat_file(f"{base}/{name}", start=pos, end=min(size, pos + _FILL_PIECE)))
+        except Exception as exc:  # noqa: BLE001 - reported as this rank's view of the file
+            out[name] = f"cannot be read ({type(exc).__name__}: {exc})"
+            continue
+        out[name] = (size, h.hexdigest())
+    return out
+
+
+def share_stand_in(url: str, files: dict[str, int], *, single_file: bool) -> tuple[str, RemoteFiles]:
+    """A bare stand-in for the data files of one rank's share of a distributed audit of ``url``: sparse files of
+    the sizes rank 0 saw, named as the share names them, each mapped to its object. Nothing is staged (the rank
+    parses no metadata); tensor data streams by ranged reads as for :func:`stage`. Returns the directory the
+    names are relative to and the :class:`RemoteFiles`, whose ``close`` removes it."""
+    import tempfile
+
+    fs, base = _share_base(url, single_file)
+    tmp = tempfile.mkdtemp(prefix="ckptaudit-share-")
+    remote = RemoteFiles(tmp)
+    try:
+        for name, size in files.items():
+            parts = name.split("/")
+            if any(_safe_name(p) is None for p in parts):
+                raise RemoteError(f"{url}: the share names a file {name!r} that is not a plain relative path")
+            local = os.path.join(tmp, *parts)
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            with open(local, "wb") as fh:
+                fh.truncate(size)
+            remote.add(local, fs, f"{base}/{name}", size)
+        return tmp, remote
+    except BaseException:
+        remote.close()
+        raise
