@@ -298,6 +298,22 @@ def _scan_span(span: tuple[str, int, int], itemsize: int, maps: FileMaps, chunk_
                          "make it with scratch_buffer(chunk_bytes)")
     buf = np.empty(min(step, remaining), dtype=np.uint8) if buffer is None else buffer
     raw = buf.data.cast("B")
+    if remaining > step and maps.remote is not None and path in maps.remote:
+        # Behind a URL: several ranged reads in flight (the store's parallel throughput), hashed in order.
+        for data in maps.remote.read_ahead(path, pos, remaining, step):
+            n = min(step, remaining)
+            if len(data) != n:  # iter_chunks' message
+                raise ValueError(f"{path}: {len(data)} of {n} bytes at offset {pos}: the file ends early "
+                                 "(truncated, or changed while being read)")
+            h.update(data)
+            if state is not None and state.undecided:
+                state.update(np.frombuffer(data, dtype=np.uint32))  # keeps no reference to it
+            pos += n
+            remaining -= n
+        if remaining:  # the object is shorter than the stand-in: the reads ended early
+            raise ValueError(f"{path}: 0 of {min(step, remaining)} bytes at offset {pos}: the file ends early "
+                             "(truncated, or changed while being read)")
+        return
     leased = maps.leased(path) if remaining >= MIN_MAPPED_BYTES else None
     big = max(step, MAPPED_CHUNK_BYTES // itemsize * itemsize)
     while remaining:

@@ -17,6 +17,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,19 +221,53 @@ def scan_datas(datas: Mapping[int, TensorData], maps: FileMaps, *, step_items: C
         step = scalar_value(data, maps) if index in step_items else None
         return ScanOutcome(scanned, step=step)
 
+    remote = maps.remote
+
+    def prefetched(unit: list[int]) -> AbstractContextManager[Any]:
+        """Behind a URL, a batch of small tensors is fetched first in a few coalesced ranged reads (their hash is
+        then computed from memory); one request per tensor is what makes many small items slow to audit there."""
+        if remote is None or len(unit) < 2:
+            return nullcontext()
+        return remote.prefetched(_small_ranges(datas, unit))
+
     if jobs == 1 or len(sizes) <= 1 or total <= SERIAL_BYTES:
         done = 0
-        for i in sorted(sizes):
-            out[i] = one(i)
-            done += sizes[i]
-            if progress is not None:
-                progress(done, total)
+        for unit in (_units(sizes) if remote is not None else [sorted(sizes)]):
+            with prefetched(unit):
+                for i in unit:
+                    out[i] = one(i)
+                    done += sizes[i]
+                    if progress is not None:
+                        progress(done, total)
         return out
-    return _scan_on_threads(sizes, one, jobs, progress, out)
+    return _scan_on_threads(sizes, one, jobs, progress, out, prefetched)
+
+
+def _units(sizes: Mapping[int, int]) -> list[list[int]]:
+    """Batches of at most :data:`BATCH_COUNT` small tensors (in index order), then each large one alone."""
+    small = sorted(i for i in sizes if sizes[i] <= BATCH_BYTES)
+    large = sorted((i for i in sizes if sizes[i] > BATCH_BYTES), key=lambda i: (-sizes[i], i))
+    return [small[lo : lo + BATCH_COUNT] for lo in range(0, len(small), BATCH_COUNT)] + [[i] for i in large]
+
+
+def _small_ranges(datas: Mapping[int, TensorData], unit: list[int]) -> list[tuple[str, int, int]]:
+    """``(file, offset, length)`` of every byte the scan of the small tensors ``unit`` reads (the contiguous ones:
+    a tensor read otherwise is fetched as it is read)."""
+    out = []
+    for i in unit:
+        data = datas[i]
+        try:
+            pieces = small_read_plan(data, BATCH_BYTES)
+        except ValueError:  # pieces that do not tile it: its scan says so, reading nothing
+            continue
+        for piece, pos in pieces or ():
+            out.append((piece.file, pos, piece.numel * data.dtype.itemsize))
+    return out
 
 
 def _scan_on_threads(sizes: dict[int, int], one: Callable[[int], ScanOutcome], jobs: int,
-                     progress: Progress | None, out: dict[int, ScanOutcome]) -> dict[int, ScanOutcome]:
+                     progress: Progress | None, out: dict[int, ScanOutcome],
+                     prefetched: Callable[[list[int]], AbstractContextManager[Any]]) -> dict[int, ScanOutcome]:
     """(main thread) Start the scanning threads of :func:`scan_items`, wait for them, raise what stopped them."""
     large = deque([[i] for i in sorted((i for i in sizes if sizes[i] > BATCH_BYTES), key=lambda i: (-sizes[i], i))])
     small = sorted(i for i in sizes if sizes[i] <= BATCH_BYTES)
@@ -251,10 +286,11 @@ def _scan_on_threads(sizes: dict[int, int], one: Callable[[int], ScanOutcome], j
                         unit = queue.popleft()  # atomic: no lock needed to hand out work
                     except IndexError:
                         break
-                    for i in unit:
-                        if failed:
-                            return
-                        out[i] = one(i)  # each index is written by one thread only
+                    with prefetched(unit):
+                        for i in unit:
+                            if failed:
+                                return
+                            out[i] = one(i)  # each index is written by one thread only
                     if progress is not None:
                         with lock:
                             done += sum(sizes[i] for i in unit)
