@@ -36,9 +36,10 @@ MAX_STAGED_BYTES = 1 << 30
 MAX_MEMBER_BYTES = 64 << 20
 """A zip member larger than this is tensor data: only its local header is staged."""
 MAX_FILES = 100_000
-READ_AHEAD = 4
+READ_AHEAD = 2
 """Ranged reads issued together per large tensor streamed (:meth:`RemoteFiles.read_ahead`): memory holds as many
-chunks (and the storage library's buffers for them) per scanning thread."""
+pieces (4 MiB each, ``records.REMOTE_PIECE_BYTES``; and the storage library's buffers for them) per scanning
+thread."""
 COALESCE_BYTES = 8 << 20
 """The largest ranged read that coalesces small tensors (:meth:`RemoteFiles.prefetched`)."""
 COALESCE_GAP = 64 << 10
