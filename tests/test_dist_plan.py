@@ -29,6 +29,7 @@ from ckptaudit.distplan import (
     decode_share,
     encode_share,
     share_datas,
+    vetted_files,
     view_problems,
 )
 from ckptaudit.formats.tensors import TensorData
@@ -69,6 +70,7 @@ def test_a_share_decodes_to_the_plans_tensors_and_names_only_its_own(fsdp_dcp: P
             data = encode_share(plan, share)
             raw = decode_share(data)
             assert raw.indices == share  # its own tensors, nothing of the others'
+            assert vetted_files(plan, share) == raw.vetted  # what rank 0 checks of its own share, not encoded
             datas, steps = share_datas(raw, checkpoint_root(str(fsdp_dcp), raw.single_file))
             assert datas == {i: plan.items[i][0].data for i in share}
             assert steps == plan.step_items & set(share)

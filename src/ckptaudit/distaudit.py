@@ -49,7 +49,9 @@ from ckptaudit.distplan import (
     decode_share,
     encode_error,
     encode_share,
+    is_single_file,
     share_datas,
+    vetted_files,
     view_problems,
 )
 from ckptaudit.formats.remote import is_url, local_path
@@ -285,11 +287,11 @@ def _lead(path: str, options: AuditOptions, world_size: int,
             data = encode_share(plan, shares[r])
             _send_bytes(data, r)
             sent += len(data)
-        mine = decode_share(encode_share(plan, shares[0]))  # the same files and the same check as every rank
+        mine = vetted_files(plan, shares[0])  # the files and the check every rank's share has, not encoded
         clock.mark("send", sent_bytes=sent, share_items=len(shares[0]),
                    share_pieces=sum(len(d.pieces) for d in _datas(plan, shares[0])))
         problems = [] if is_url(path) else view_problems(
-            checkpoint_root(plan.ckpt.read_path, mine.single_file), mine.vetted)
+            checkpoint_root(plan.ckpt.read_path, is_single_file(plan)), mine)
         clock.mark("check")
         if problems:
             return plan, shares, None, {"rank": 0, "changed": problems}

@@ -31,7 +31,7 @@ from ckptaudit.formats.tensors import DTYPES, Piece, TensorData
 from ckptaudit.scanning import ScanPlan
 
 __all__ = ["SHARE_FORMAT", "RawShare", "VettedFile", "checkpoint_root", "compare", "decode_share", "encode_error",
-           "encode_share", "file_digest", "share_datas", "view_problems"]
+           "encode_share", "file_digest", "is_single_file", "share_datas", "vetted_files", "view_problems"]
 
 SHARE_FORMAT = 1
 """Version of the share's encoding (every rank runs the same ckptaudit; a mismatch is an error, not a guess)."""
@@ -80,7 +80,6 @@ def checkpoint_root(read_path: str, single_file: bool) -> str:
 def encode_share(plan: ScanPlan, indices: Sequence[int]) -> bytes:
     """(rank 0) The share of ``plan.items[i]`` for ``i`` in ``indices``, as JSON bytes."""
     ckpt = plan.ckpt
-    single = not os.path.isdir(ckpt.read_path)
     fids: dict[str, int] = {}
     names: list[str] = []
     items: list[list[Any]] = []
@@ -95,13 +94,37 @@ def encode_share(plan: ScanPlan, indices: Sequence[int]) -> bytes:
                 names.append(ckpt.file_name(p.file))
             pieces.append([fid, p.data_offset, p.storage_offset, p.sizes, p.stride, p.offsets])
         items.append([i, data.dtype.name, data.shape, int(i in plan.step_items), pieces])
-    vetted: list[list[Any]] = [[name, size, digest] for name, (size, digest) in ckpt.digests.items()]
-    for file, fid in fids.items():
-        name = names[fid]
-        size = ckpt.files.get(name)
-        vetted.append([name, size if size is not None else os.path.getsize(file), None])
-    doc = {"format": SHARE_FORMAT, "single_file": single, "vetted": vetted, "files": names, "items": items}
+    vetted = [[v.name, v.size, v.digest] for v in _vetted(plan, fids)]
+    doc = {"format": SHARE_FORMAT, "single_file": is_single_file(plan), "vetted": vetted, "files": names,
+           "items": items}
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def is_single_file(plan: ScanPlan) -> bool:
+    """Whether the checkpoint is one file (its root is the directory holding it)."""
+    return not os.path.isdir(plan.ckpt.read_path)
+
+
+def vetted_files(plan: ScanPlan, indices: Sequence[int]) -> tuple[VettedFile, ...]:
+    """(rank 0) The files the share of ``indices`` checks (what :func:`encode_share` sends), without encoding the
+    share: what rank 0 checks of its own view."""
+    files: dict[str, int] = {}
+    for i in indices:
+        data = plan.items[i][0].data
+        assert isinstance(data, TensorData)
+        for p in data.pieces:
+            files.setdefault(p.file, len(files))
+    return _vetted(plan, files)
+
+
+def _vetted(plan: ScanPlan, files: Iterable[str]) -> tuple[VettedFile, ...]:
+    ckpt = plan.ckpt
+    vetted = [VettedFile(name, size, digest) for name, (size, digest) in ckpt.digests.items()]
+    for file in files:
+        name = ckpt.file_name(file)
+        size = ckpt.files.get(name)
+        vetted.append(VettedFile(name, size if size is not None else os.path.getsize(file)))
+    return tuple(vetted)
 
 
 def encode_error(message: str) -> bytes:
