@@ -19,7 +19,15 @@ segment pays for its whole audit (an upper bound: a real loop never waits). Meas
 (c) two scenarios: ``free-core`` (one torch thread, a core left for the worker: a GPU job, whose host cores are
     mostly idle) and ``saturated`` (torch threads = cores: the worker, at nice 19 and SCHED_IDLE, competes);
 (d) memory: the worker process's peak RSS, and the training process's peak RSS in guarded segments over
-    the unguarded ones (sampled every 10 ms).
+    the unguarded ones (sampled every 10 ms);
+(e) the first verdict's latency: a new guard (its worker starts when it is created, off the training thread),
+    a save, and the time from the save's ``submit`` to its verdict, beside the same guard's later audits (the
+    audit itself) and beside a save submitted the moment the guard is created (the worker's start-up then on
+    the first verdict's path, as when the worker started at the first save);
+(f) stop mode's wait at the save: a guard with ``on_failure="stop"`` (``max_unverified=1``), ``--wait-saves`` saves
+    at the benchmark's cadence (a save every ``--steps`` steps) and at every step, nothing waiting at the end of
+    a segment: how many saves waited in ``Guard.before_save`` for the verdict of the one before, and how long
+    (``Guard.waits``), beside the time the steps between two saves took and the audit's.
 """
 
 from __future__ import annotations
@@ -154,7 +162,8 @@ class Loop:
                        path)
             if guarded:
                 t0, c0 = clock(), tcpu()
-                guard.submit(path, step=self.saved)
+                guard.before_save(self.saved)  # what an integration calls before the library writes (no bound:
+                guard.submit(path, step=self.saved)  # warn mode); submit pins the files and queues the audit
                 critical, critical_cpu = critical + clock() - t0, critical_cpu + tcpu() - c0
             steps0 = clock()
             for _ in range(self.args.steps):
@@ -181,7 +190,8 @@ class Loop:
         key = "B" if guarded else "A"
         sc.peaks[key] = max(sc.peaks[key], rss.peak)
         for n in os.listdir(self.work):  # keep the disk use flat (untimed)
-            os.remove(os.path.join(self.work, n))
+            full = os.path.join(self.work, n)
+            shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) else os.remove(full)
         return wall, wall - waited, cpu, steps
 
     def run(self, sc: Scenario, rounds: int, budget_s: float) -> None:
@@ -212,6 +222,77 @@ class Loop:
         sc.cpu = mean_ci(abba_overheads(sc.blocks_cpu, sc.order))
         sc.run = mean_ci(abba_overheads(sc.blocks_run, sc.order))
         sc.steps = mean_ci(abba_overheads(sc.blocks_steps, sc.order))
+
+    def first_verdict(self, rounds: int) -> dict[str, float]:
+        """(training thread) Medians over ``rounds`` new guards: the worker's start-up (creation to ready), the
+        first verdict after a save once it is up (the documented case: the guard is created before training),
+        a later verdict of the same guard (the audit alone), and the first verdict of a save submitted the
+        moment the guard is created."""
+        from ckptaudit.integrations.guard import Guard
+
+        torch, clock = self.torch, time.perf_counter
+        path = os.path.join(self.work, "first.pt")
+        torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": 0}, path)
+        up: list[float] = []
+        first: list[float] = []
+        later: list[float] = []
+        cold: list[float] = []
+        for _ in range(rounds):
+            t0 = clock()
+            guard = Guard(on_failure="warn", background=self.args.background, quick=self.args.quick)
+            guard.started()
+            up.append(clock() - t0)
+            for into in (first, later):
+                t0 = clock()
+                guard.submit(path)
+                guard.wait()
+                into.append(clock() - t0)
+            guard.close()
+            guard = Guard(on_failure="warn", background=self.args.background, quick=self.args.quick)
+            t0 = clock()
+            guard.submit(path)
+            guard.wait()
+            cold.append(clock() - t0)
+            guard.close()
+        for n in os.listdir(self.work):
+            full = os.path.join(self.work, n)
+            shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) else os.remove(full)
+        return {k: statistics.median(v) for k, v in
+                (("start", up), ("first", first), ("later", later), ("cold", cold))}
+
+    def save_waits(self, saves: int, every: int) -> dict[str, float]:
+        """(training thread) Stop mode's bound at work: a new guard (``on_failure="stop"``, ``max_unverified=1``),
+        ``saves`` saves ``every`` steps apart, each preceded by ``before_save`` as the integrations do. How many
+        waited, the median and largest wait (over the saves that waited), the median time of the steps between
+        two saves and of an audit."""
+        from ckptaudit.integrations.guard import Guard
+
+        torch, clock = self.torch, time.perf_counter
+        guard = Guard(on_failure="stop", background=self.args.background, quick=self.args.quick)
+        guard.started()
+        gaps: list[float] = []
+        try:
+            for i in range(1, saves + 1):
+                guard.before_save(i)
+                path = os.path.join(self.work, f"wait-{i}.pt")
+                torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": i}, path)
+                guard.submit(path, step=i)
+                t0 = clock()
+                for _ in range(every):
+                    self.model(self.x).square().mean().backward()
+                    self.opt.step()
+                    self.opt.zero_grad(set_to_none=True)
+                gaps.append(clock() - t0)
+            guard.wait()
+        finally:
+            guard.close()
+            for n in os.listdir(self.work):
+                full = os.path.join(self.work, n)
+                shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) else os.remove(full)
+        waits = [w.seconds for w in guard.waits]
+        return {"every": every, "saves": saves, "waited": len(waits),
+                "median": statistics.median(waits) if waits else 0.0, "max": max(waits, default=0.0),
+                "gap": statistics.median(gaps), "audit": statistics.median(v.seconds for v in guard.verdicts)}
 
     def close(self) -> None:
         self.guard.close()
@@ -253,6 +334,14 @@ def report(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target: 
                 f"median {1e3 * statistics.median(sc.waited):.1f} ms, max {1e3 * max(sc.waited):.1f} ms",
                 f"  training process peak RSS: {(sc.peaks['B'] - sc.peaks['A']) / 2**20:+.1f} MiB with the guard "
                 f"over without ({sc.peaks['A'] / 2**20:.0f} MiB)"]
+    fv = meta["first_verdict"]
+    out += [f"first verdict ({meta['first_rounds']} new guards, medians): {1e3 * fv['first']:.0f} ms from the save "
+            f"to its verdict with the worker started at the guard's creation (a later audit of the same guard: "
+            f"{1e3 * fv['later']:.0f} ms); the worker's start-up: {1e3 * fv['start']:.0f} ms, off the training "
+            f"thread; a save submitted the moment the guard is created: {1e3 * fv['cold']:.0f} ms"]
+    out += [f"stop mode, a save every {w['every']} step(s) ({1e3 * w['gap']:.0f} ms of steps between saves, audits "
+            f"of {1e3 * w['audit']:.0f} ms): {w['waited']} of {w['saves']} saves waited at the save, median "
+            f"{1e3 * w['median']:.0f} ms, at most {1e3 * w['max']:.0f} ms" for w in meta["save_waits"]]
     out += [f"audits: {meta['audits']}, median {meta['audit_s'] * 1e3:.0f} ms each, {meta['failed']} not passed; "
             + (f"worker process peak RSS {meta['worker_rss'] / 2**20:.1f} MiB" if meta["worker_rss"]
                else "thread worker: no worker process (its memory is in the training process's RSS)")]
@@ -287,7 +376,20 @@ def markdown(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target
         + (f"the worker process's peak RSS: {meta['worker_rss'] / 2**20:.0f} MiB." if meta["worker_rss"] else
            "a thread worker (its memory is in the training process's RSS).") + " Overheads are means of the blocks' "
         "paired differences with their 95% intervals; the verdict is on the upper bound (each guarded segment "
-        "waits, timed, for its audit):", "", *rows, ""])
+        "waits, timed, for its audit):", "", *rows, "",
+        f"First verdict ({meta['first_rounds']} new guards, medians): {1e3 * meta['first_verdict']['first']:.0f} ms "
+        f"from the save to its verdict with the worker started when the guard was created (a later audit of the "
+        f"same guard: {1e3 * meta['first_verdict']['later']:.0f} ms); the worker's start-up, "
+        f"{1e3 * meta['first_verdict']['start']:.0f} ms, runs off the training thread before the first save; a "
+        f"save submitted the moment the guard is created waits for it: "
+        f"{1e3 * meta['first_verdict']['cold']:.0f} ms.", "",
+        "Stop mode's wait at the save (`on_failure=\"stop\"`: `max_unverified=1`; "
+        f"{meta['save_waits'][0]['saves']} saves each, the training thread waiting in `before_save` for the "
+        "verdict of the save before): " + "; ".join(
+            f"a save every {w['every']} step{'s' if w['every'] > 1 else ''} ({1e3 * w['gap']:.0f} ms of steps "
+            f"between saves, audits of {1e3 * w['audit']:.0f} ms): {w['waited']} of {w['saves']} saves waited"
+            + (f", {1e3 * w['median']:.0f} ms (median; at most {1e3 * w['max']:.0f} ms)" if w["waited"] else "")
+            for w in meta["save_waits"]) + ".", ""])
     free = next((s for s in scenarios if s.name == "free-core"), scenarios[0])
     assert free.wall is not None and free.steps is not None
     sentence = (f"Its cost, measured by `{command}` on a {meta['cores']}-core machine (load average "
@@ -351,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=1.0, help="the overhead to resolve, in percent")
     p.add_argument("--write-docs", nargs="+", metavar="FILE.md",
                    help="rewrite the figures between the bench_guard markers in these files")
+    p.add_argument("--first-rounds", type=int, default=5, help="new guards timed for the first verdict")
+    p.add_argument("--wait-saves", type=int, default=10, help="saves per cadence for stop mode's wait at the save")
     p.add_argument("--note", default="shared with other jobs",
                    help="what the docs say about the machine's state")
     args = p.parse_args(argv)
@@ -362,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
                             "note": args.note, "machine": platform.machine()}
     loop = Loop(args)
     try:
+        meta["first_rounds"] = args.first_rounds
+        meta["first_verdict"] = loop.first_verdict(args.first_rounds)
+        meta["save_waits"] = [loop.save_waits(args.wait_saves, every) for every in sorted({args.steps, 1},
+                                                                                            reverse=True)]
         for sc in scenarios:
             loop.run(sc, args.rounds, args.budget_s / len(scenarios))
         verdicts = loop.guard.verdicts

@@ -1,15 +1,28 @@
 """Time and peak memory of auditing each class of hostile input (the figures in docs/security.md).
 
-    .venv/bin/python bench/hostile_figures.py
+    .venv/bin/python bench/hostile_figures.py                    # both rounds
+    .venv/bin/python bench/hostile_figures.py --round 3          # issue 25's work bounds only
+    .venv/bin/python bench/hostile_figures.py --round 3 --src /tmp/base/src   # the same inputs, other code
 
-Builds every hostile file of ``tests/test_hostile2.py`` (the builders the tests use) in a temporary directory
-and audits each in one child process (``tests/audit_worker.py``: warmed up on real checkpoints, then under
-``RLIMIT_AS`` = its address space + 1.5 GiB), printing the finding, the seconds of the audit and the growth of
-the child's peak resident set over its warmed-up baseline. A line per class, Markdown table rows.
+Round 2 builds every hostile file of ``tests/test_hostile2.py`` (the builders the tests use) in a temporary
+directory and audits each in one child process (``tests/audit_worker.py``: warmed up on real checkpoints, then
+under ``RLIMIT_AS`` = its address space + 1.5 GiB), printing the finding, the seconds of the audit and the growth
+of the child's peak resident set over its warmed-up baseline. A line per class, Markdown table rows.
+
+Round 3 (issue 25: work that grew faster than the input) runs each case in a fresh child (killed after
+``--limit`` seconds) and prints its seconds and peak resident set: ZeRO-2 layouts built from DeepSpeed's own
+files (``tests/hostile_deepspeed.py``; the DeepSpeed writer runs first, a minute or two), a DCP ``.metadata``
+whose entries share one chunk list (``safe_dcp_reader``), and ``http://`` audits against the local servers of
+``tests/http_servers.py`` (requests made and body bytes the server could send). ``--src`` runs the children on
+another source tree, e.g. the code before a change: ``git archive <commit> src | tar -x -C /tmp/base``.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,8 +34,23 @@ import real_checkpoints as rc
 import test_hostile2 as t2
 from audit_worker import AuditWorker
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def main() -> int:
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--round", choices=["2", "3", "all"], default="all")
+    parser.add_argument("--src", default=str(ROOT / "src"), help="the ckptaudit source tree the children run")
+    parser.add_argument("--limit", type=float, default=600, help="seconds after which a round-3 child is killed")
+    args = parser.parse_args(argv)
+    if args.round in ("2", "all"):
+        round2()
+    if args.round in ("3", "all"):
+        round3(args.src, args.limit)
+    return 0
+
+
+def round2() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         bases = {"pt": rc.torch_save_checkpoint(d / "ckpt.pt"), "dcp": rc.dcp_checkpoint(d / "dcp"),
@@ -45,7 +73,6 @@ def main() -> int:
                 _row(worker, name, build(bases, case_dir))
         finally:
             worker.close()
-    return 0
 
 
 def _row(worker: AuditWorker, name: str, path: Path) -> None:
@@ -57,6 +84,119 @@ def _row(worker: AuditWorker, name: str, path: Path) -> None:
     grow = answer.get("maxrss_mib", 0) - worker.baseline_mib
     print(f"| {name} | {size / 2**20:.1f} MiB | {', '.join(sorted(set(found))) or answer.get('error', '?')[-80:]} "
           f"| {wall:.1f} s | +{max(grow, 0):.0f} MiB |", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Round 3: each case in a fresh child on --src
+
+
+_CHILD = """
+import json, os, sys, time
+sys.path.insert(0, sys.argv[1])
+what, path = sys.argv[2], sys.argv[3]
+from ckptaudit.audit import audit
+start = time.perf_counter()
+out = {}
+if what == "dcp-reader":
+    from ckptaudit.formats.torchload import safe_dcp_reader
+    md = safe_dcp_reader(path).read_metadata()
+    out["chunk objects"] = len({id(c) for item in md.state_dict_metadata.values() for c in getattr(item, "chunks", ())})
+else:
+    try:
+        report = audit(path)
+        out["codes"] = sorted({f.code for f in report.findings if f.code.startswith(("integrity", "deepspeed"))})
+        out["tensors"] = len(report.tensors)
+    except OSError as exc:
+        out["error"] = str(exc)[:120]
+out["seconds"] = time.perf_counter() - start
+with open("/proc/self/status") as fh:  # VmHWM: this process's own peak (ru_maxrss keeps the parent's across exec)
+    out["maxrss_mib"] = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:")) / 1024
+print(json.dumps(out))
+"""
+
+
+def _run(src: str, what: str, path: str, limit: float) -> dict[str, object]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, src, what, path], capture_output=True, text=True,
+                              timeout=limit, env=env)
+    except subprocess.TimeoutExpired:
+        return {"killed": f"> {limit:.0f} s (killed)"}
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1][:160] if proc.stderr.strip() else proc.returncode}
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _row3(name: str, size: int, answer: dict[str, object], extra: str = "") -> None:
+    if "killed" in answer:
+        print(f"| {name} | {size / 2**20:.1f} MiB | {answer['killed']} | - | {extra} |", flush=True)
+        return
+    codes: list[object] = answer.get("codes", []) or []  # type: ignore[assignment]
+    what = answer.get("error") or ", ".join(map(str, codes)) or answer.get("chunk objects", "")
+    print(f"| {name} | {size / 2**20:.1f} MiB | {answer.get('seconds', 0):.1f} s | "
+          f"{answer.get('maxrss_mib', 0):.0f} MiB | {what} {extra}|", flush=True)
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
+
+
+def round3(src: str, limit: float) -> None:
+    import hostile_deepspeed as hd
+    import http_servers
+
+    print("| input | size | time | peak RSS of the child | result |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        try:
+            import lib_writers
+
+            (d / "ds").mkdir()
+            lib_writers.run_writer("deepspeed", str(d / "ds"), timeout_s=1800)
+            zero2 = d / "ds" / "s2-bf16" / "global_step2"
+            many = hd.many_ranks(zero2, d / "many" / "global_step2", ranks=256, params=51_200)
+            _row3("ZeRO-2: 256 ranks x 51,200 one-element parameters", _size(many), _run(src, "audit", str(many), limit))
+            empty = hd.empty_params(zero2, d / "empty" / "global_step2", count=1_000_000)
+            _row3("ZeRO-2: 10^6 zero-size param_shapes entries (memoised)", _size(empty),
+                  _run(src, "audit", str(empty), limit))
+        except (ImportError, RuntimeError) as exc:
+            print(f"| DeepSpeed cases | - | not run: {str(exc)[:100]} | - | - |")
+        ckpt = _shared_chunks_dcp(d / "dcp", 3000)
+        _row3("DCP .metadata: 3000 entries share one 3000-chunk list (safe_dcp_reader)", _size(ckpt),
+              _run(src, "dcp-reader", str(ckpt), limit))
+        big = d / "ckpt.pt"
+        _tensors_pt(big)
+        for mode in ("honest", "lying-length", "trickle", "no-ranges"):
+            with http_servers.ObjectServer(big.read_bytes(), mode, trickle_s=0.05) as srv:
+                answer = _run(src, "audit", f"{srv.url}/ckpt.pt", limit)
+                extra = f"({srv.requests} requests, {srv.sent / 2**20:.1f} MiB sent by the server) "
+            _row3(f"http://, server {mode}", big.stat().st_size, answer, extra)
+
+
+def _shared_chunks_dcp(path: Path, n: int) -> Path:
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    import real_checkpoints as rc
+
+    ckpt = rc.dcp_checkpoint(path, {"base": torch.arange(4.0)})
+    md = rc.read_dcp_metadata(ckpt)
+    shared = [ChunkStorageMetadata(torch.Size([i]), torch.Size([1])) for i in range(n)]
+    for j in range(n):
+        md.state_dict_metadata[f"t{j}"] = TensorStorageMetadata(md.state_dict_metadata["base"].properties,
+                                                                torch.Size([n]), shared)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
+    return ckpt
+
+
+def _tensors_pt(path: Path) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    torch.save({"model": {f"w{i}": torch.randn(1 << 16, generator=g) for i in range(16)}, "step": 3}, path)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,40 @@
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ckptaudit.dist.launch import launch
+import cpu_features
+from configurations import Written, fixture_launch
+
+# CKPTAUDIT_TEST_CPU=avx2: this machine as a CPU without oneDNN's fp16/bf16 kernels (see cpu_features.py). Set
+# before anything in this process starts oneDNN; every process the tests start inherits it.
+try:
+    CPU_PROFILE = cpu_features.apply()
+except (ValueError, RuntimeError) as exc:
+    raise pytest.UsageError(str(exc)) from None
+
+# DeepSpeed JIT-compiles one C++ op at first use into TORCH_EXTENSIONS_DIR (default: one directory per user, shared
+# by every checkout, each of which would rebuild it over the others' build with its own source paths): one per
+# interpreter instead, compiled once.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
+    os.path.expanduser("~"), ".cache", "ckptaudit-torch-extensions",
+    hashlib.blake2b(sys.prefix.encode(), digest_size=6).hexdigest()))
+
+# DeepSpeed runs on the CPU everywhere in the suite (its writers, and its converters and schedulers in this process):
+# without this it probes for accelerators at import and warns.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 # Every JSON report the suite renders, here or in a child process, is validated against the shipped schema
 # (ckptaudit/schema/report.schema.json) before it is returned.
 os.environ["CKPTAUDIT_VALIDATE_REPORTS"] = "1"
+
+FSDP_FAST: dict[str, Any] = {"start_method": "forkserver", "preload": ("torch", "torch.distributed.fsdp", "fsdp_jobs")}
 
 
 @pytest.fixture(scope="session")
@@ -21,10 +44,17 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     Read-only: a test that damages a checkpoint copies it first (see ``copy_of``).
     """
     out = tmp_path_factory.mktemp("fsdp")
-    fast: dict[str, Any] = {"start_method": "forkserver", "preload": ("torch", "torch.distributed.fsdp", "fsdp_jobs")}
-    info = launch(_jobs().write_variants, 2, (str(out), 6), timeout_s=240, **fast)[0]
-    launch(_jobs().write_low_precision, 2, (str(out), 6), timeout_s=240, **fast)
+    info = fixture_launch("fsdp_run", _jobs().write_variants, 2, (str(out), 6), timeout_s=240, **FSDP_FAST)[0]
     return {"dir": out, **info}
+
+
+@pytest.fixture(scope="session")
+def fsdp_low_precision(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real 2-rank FSDP2 run with bf16 masters by design (the model cast to bf16 before ``fully_shard``), saved
+    the documented way: its own launch, so that neither run's failure takes the other's tests with it."""
+    out = tmp_path_factory.mktemp("fsdp-low-precision")
+    fixture_launch("fsdp_low_precision", _jobs().write_low_precision, 2, (str(out), 6), timeout_s=240, **FSDP_FAST)
+    return out / "low-precision-masters"
 
 
 def _jobs() -> Any:
@@ -74,11 +104,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_ORDER] = _file_order()
 
 
-def pytest_report_header(config: pytest.Config) -> str | None:
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = [cpu_features.describe()]
     mode, seed = config.stash[_ORDER]
-    if mode == "default":
-        return None
-    return f"test file order: {mode}" + (f" (CKPTAUDIT_TEST_ORDER=random:{seed} repeats it)" if seed is not None else "")
+    if mode != "default":
+        lines.append(f"test file order: {mode}" + (f" (CKPTAUDIT_TEST_ORDER=random:{seed} repeats it)"
+                                                   if seed is not None else ""))
+    return lines
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -96,6 +128,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     else:
         random.Random(seed).shuffle(order)
     items[:] = [item for f in order for item in files[f]]
+
+
+@pytest.fixture(scope="session")
+def ds(tmp_path_factory: pytest.TempPathFactory) -> Written:
+    """The checkpoints DeepSpeed itself writes (``lib_writers.py deepspeed``: ZeRO stages 0-3, 2 CPU ranks), once
+    per session, shared by test_libs_deepspeed.py and the hostile DeepSpeed tests. Read-only. Every
+    configuration is its own 2-rank launch: ``ds / "s2-fp16"`` skips where DeepSpeed refuses fp16 on this CPU
+    (its accelerator's ``is_fp16_supported()``, oneDNN's), and fails naming it if its launch failed."""
+    pytest.importorskip("deepspeed")
+    import lib_writers
+
+    out = tmp_path_factory.mktemp("deepspeed")
+    written: Written = lib_writers.run_writer("deepspeed", str(out))
+    return written
 
 
 @pytest.fixture(scope="session")

@@ -13,16 +13,26 @@ from ckptaudit.exporters import capture_and_export
 def write_variants(ctx: RankContext, out_dir: str, steps: int) -> dict[str, Any]:
     """(2 ranks) Train the built-in recipe and save it every way the tests need, from the same state."""
     from ckptaudit.recipes.tinygpt import recipe
+    from configurations import configuration
 
-    job = recipe.setup(ctx)
-    for _ in range(steps):
-        recipe.step(job)
-    exporters.documented(job, os.path.join(out_dir, "faithful"), ctx)
-    write_torch_save_copy(job, os.path.join(out_dir, "faithful.pt"), ctx)
-    capture_and_export(job, exporters.compute_copy, os.path.join(out_dir, "compute-copy-fp32.pt"), ctx, recipe)
-    capture_and_export(job, exporters.compute_copy_bf16, os.path.join(out_dir, "compute-copy-bf16.pt"), ctx, recipe)
-    exporters.fp16_copy(job, os.path.join(out_dir, "fp16-copy.pt"), ctx)
-    exporters.swapped_moments(job, os.path.join(out_dir, "swapped.pt"), ctx)
+    with configuration("training"):
+        job = recipe.setup(ctx)
+        for _ in range(steps):
+            recipe.step(job)
+    # Each save named: a failure (its exception, or a rank's stderr when it dies by a signal) says which one.
+    with configuration("faithful"):
+        exporters.documented(job, os.path.join(out_dir, "faithful"), ctx)
+    with configuration("faithful.pt"):
+        write_torch_save_copy(job, os.path.join(out_dir, "faithful.pt"), ctx)
+    with configuration("compute-copy-fp32.pt"):
+        capture_and_export(job, exporters.compute_copy, os.path.join(out_dir, "compute-copy-fp32.pt"), ctx, recipe)
+    with configuration("compute-copy-bf16.pt"):
+        capture_and_export(job, exporters.compute_copy_bf16, os.path.join(out_dir, "compute-copy-bf16.pt"), ctx,
+                           recipe)
+    with configuration("fp16-copy.pt"):
+        exporters.fp16_copy(job, os.path.join(out_dir, "fp16-copy.pt"), ctx)
+    with configuration("swapped.pt"):
+        exporters.swapped_moments(job, os.path.join(out_dir, "swapped.pt"), ctx)
     full = exporters.full_model_state(job.model)
     return {"params": [n for n, _ in job.model.named_parameters()], "shapes": {k: tuple(v.shape) for k, v in full.items()}}
 

@@ -98,7 +98,10 @@ def _hf_story(out: str) -> dict[str, Any]:
 
     trainer = RoundingTrainer(model=model(), args=args(20), train_dataset=_dataset(),
                               callbacks=[SlowSteps(), guard])
-    trainer.train()
+    raised = _raised(trainer.train)
+    # Read now: the resumed run's own rotation (save_total_limit=3, no guard) deletes checkpoint-2, and the guard's
+    # close then removes its report with it.
+    verdicts = [_verdict(v) for v in guard.verdicts]
     stopped_at = trainer.state.global_step
     listing = sorted(os.listdir(out))
     files = {n: sorted(os.listdir(os.path.join(out, n))) for n in listing if os.path.isdir(os.path.join(out, n))}
@@ -108,8 +111,8 @@ def _hf_story(out: str) -> dict[str, Any]:
     resumed.train(resume_from_checkpoint=True)
     guard.guard.close(120)  # the worker process is reaped here, not left to the interpreter's exit
     return dict(stopped_at=stopped_at, listing=listing, files=files, get_last_checkpoint=os.path.basename(last or ""),
-                resumed_from_step=Seen.begin_step, resumed_to_step=resumed.state.global_step,
-                verdicts=[_verdict(v) for v in guard.verdicts])
+                raised=raised,
+                resumed_from_step=Seen.begin_step, resumed_to_step=resumed.state.global_step, verdicts=verdicts)
 
 
 def lightning(out: str) -> None:
@@ -173,7 +176,7 @@ def _lightning_story(out: str, ddp: bool = False) -> dict[str, Any]:
 
     torch.manual_seed(0)
     first = trainer(20, SlowSteps(), guard)
-    first.fit(LitGPT(), loader())
+    raised = _raised(lambda: first.fit(LitGPT(), loader()))
     stopped_at = first.global_step
     listing = sorted(os.listdir(os.path.join(out, "ckpts")))
     last = os.path.join(out, "ckpts", "last.ckpt")
@@ -181,7 +184,7 @@ def _lightning_story(out: str, ddp: bool = False) -> dict[str, Any]:
     second = trainer(stopped_at + 2, Seen())
     second.fit(LitGPT(), loader(), ckpt_path="last")
     guard.guard.close(120)
-    return dict(stopped_at=stopped_at, listing=listing, last_is_link=os.path.islink(last),
+    return dict(stopped_at=stopped_at, listing=listing, last_is_link=os.path.islink(last), raised=raised,
                 last_global_step=last_state["global_step"], resumed_from_step=Seen.start_step,
                 resumed_to_step=second.global_step, verdicts=[_verdict(v) for v in guard.verdicts])
 
@@ -476,6 +479,17 @@ def _torchtitan_story(out: str, async_mode: str) -> dict[str, Any]:
     mgr2.close()
     return dict(stopped_at=stopped_at, listing=listing, loaded=loaded, loaded_step_2_weights=same,
                 saves_still_writing_when_save_returned=pending_saves, verdicts=[_verdict(v) for v in guard.verdicts])
+
+
+def _raised(train: Any) -> dict[str, Any] | None:
+    """Run ``train()``; what :class:`CheckpointAuditFailed` it raised at the end (``None`` if it returned)."""
+    from ckptaudit.integrations.guard import CheckpointAuditFailed
+
+    try:
+        train()
+    except CheckpointAuditFailed as exc:
+        return {"message": str(exc), "failed": [os.path.basename(v.checkpoint) for v in exc.failed]}
+    return None
 
 
 def _verdict(v: Any) -> dict[str, Any]:

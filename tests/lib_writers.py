@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 VOCAB, HIDDEN, LAYERS, STEPS = 64, 32, 2, 2
@@ -72,28 +73,6 @@ def _llama() -> Any:
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return LlamaForCausalLM(cfg)
-
-
-def _optional(out: str, write: Any) -> None:
-    """Run ``write(out)``; if it fails (a library or CPU without what this configuration needs), leave its error in
-    ``<out>.failed`` instead, so that the other configurations are still written and its tests can say why they
-    skip (:func:`failed_reason`)."""
-    import traceback
-
-    try:
-        write(out)
-    except Exception:  # one configuration's failure never takes the others down
-        with open(out.rstrip("/") + ".failed", "w") as fh:
-            fh.write(traceback.format_exc())
-
-
-def failed_reason(checkpoint: str) -> str | None:
-    """(tests) Why an :func:`_optional` configuration was not written, or ``None`` when it was."""
-    path = checkpoint.rstrip("/") + ".failed"
-    if not os.path.exists(path):
-        return None
-    with open(path) as fh:
-        return fh.read().strip().splitlines()[-1]
 
 
 def cast_to_bf16(state: Any) -> Any:
@@ -222,24 +201,42 @@ def _peft_lora(out: str) -> None:
                  trainable=[n for n, p in model.named_parameters() if p.requires_grad])
 
 
+def _each(out: str, configs: dict[str, Callable[[str], None]]) -> None:
+    """(writer process) Each configuration into ``out/<name>``, its outcome recorded (see ``configurations.py``):
+    one that raises takes no other with it."""
+    from configurations import Outcomes, configuration
+
+    outcomes = Outcomes(out, list(configs))
+
+    def one(name: str) -> None:
+        with configuration(name):
+            configs[name](os.path.join(out, name))
+
+    for name in configs:
+        outcomes.run(name, one, name)
+
+
 def write_hf(out: str) -> None:
-    _trainer(os.path.join(out, "trainer-safetensors"), bin_weights=False)
-    _trainer(os.path.join(out, "trainer-bin"), bin_weights=True)
-    _accelerate(os.path.join(out, "accelerate"), frozen=None, safe_serialization=True)
-    # gate_proj and up_proj have the same shape: with one of them frozen, index-keyed state cannot say which.
-    _accelerate(os.path.join(out, "accelerate-bin-frozen"), frozen="model.layers.0.mlp.gate_proj.weight",
-                safe_serialization=False)
-    # The same from a bf16 release: the frozen gate_proj keeps its bf16 values, and the optimizer state cannot say
-    # whether it or up_proj is the frozen one (by order beside pytorch_model.bin; by shape beside safetensors).
-    for name, safe in (("accelerate-bin-frozen-bf16init", False), ("accelerate-frozen-bf16init", True)):
-        _accelerate(os.path.join(out, name), frozen="model.layers.0.mlp.gate_proj.weight", safe_serialization=safe,
-                    bf16_init=True)
-    _sharded(os.path.join(out, "sharded"))
-    _peft_lora(os.path.join(out, "peft-lora"))
-    # fp16 mixed precision: the saved GradScaler state is the run's record of its fp32 masters.
-    _optional(os.path.join(out, "trainer-fp16"), lambda d: _trainer(d, bin_weights=False, fp16=True))
-    _optional(os.path.join(out, "accelerate-fp16"), lambda d: _accelerate(d, frozen=None, safe_serialization=True,
-                                                                          fp16=True))
+    frozen = "model.layers.0.mlp.gate_proj.weight"
+    _each(out, {
+        "trainer-safetensors": lambda d: _trainer(d, bin_weights=False),
+        "trainer-bin": lambda d: _trainer(d, bin_weights=True),
+        "accelerate": lambda d: _accelerate(d, frozen=None, safe_serialization=True),
+        # gate_proj and up_proj have the same shape: with one of them frozen, index-keyed state cannot say which.
+        "accelerate-bin-frozen": lambda d: _accelerate(d, frozen=frozen, safe_serialization=False),
+        # The same from a bf16 release: the frozen gate_proj keeps its bf16 values, and the optimizer state cannot
+        # say whether it or up_proj is the frozen one (by order beside pytorch_model.bin; by shape beside
+        # safetensors).
+        "accelerate-bin-frozen-bf16init": lambda d: _accelerate(d, frozen=frozen, safe_serialization=False,
+                                                                bf16_init=True),
+        "accelerate-frozen-bf16init": lambda d: _accelerate(d, frozen=frozen, safe_serialization=True,
+                                                            bf16_init=True),
+        "sharded": _sharded,
+        "peft-lora": _peft_lora,
+        # fp16 mixed precision: the saved GradScaler state is the run's record of its fp32 masters.
+        "trainer-fp16": lambda d: _trainer(d, bin_weights=False, fp16=True),
+        "accelerate-fp16": lambda d: _accelerate(d, frozen=None, safe_serialization=True, fp16=True),
+    })
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -294,9 +291,8 @@ def _lightning(out: str, precision: str) -> None:
 
 
 def write_lightning(out: str) -> None:
-    _lightning(os.path.join(out, "fp32"), "32-true")
-    _lightning(os.path.join(out, "bf16-true"), "bf16-true")
-    _optional(os.path.join(out, "16-mixed"), lambda d: _lightning(d, "16-mixed"))
+    _each(out, {"fp32": lambda d: _lightning(d, "32-true"), "bf16-true": lambda d: _lightning(d, "bf16-true"),
+                "16-mixed": lambda d: _lightning(d, "16-mixed")})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -477,35 +473,28 @@ def _finetune_lr0(out: str, *, steps: int = 2) -> None:
 
 
 def write_dcp(out: str) -> None:
-    _dcp_job(os.path.join(out, "step0"), steps=0, export_rounded=False, frozen=None)
-    _dcp_job(os.path.join(out, "step0-frozen"), steps=0, export_rounded=False, frozen="tok_emb.weight")
-    _dcp_job(os.path.join(out, "trained"), steps=2, export_rounded=False, frozen=None)
-    _dcp_job(os.path.join(out, "trained-frozen"), steps=2, export_rounded=False, frozen="tok_emb.weight")
-    _dcp_job(os.path.join(out, "trained-rounded-frozen"), steps=2, export_rounded=True, frozen="tok_emb.weight")
-    _finetune_lr0(os.path.join(out, "finetune-lr0"))
+    _each(out, {
+        "step0": lambda d: _dcp_job(d, steps=0, export_rounded=False, frozen=None),
+        "step0-frozen": lambda d: _dcp_job(d, steps=0, export_rounded=False, frozen="tok_emb.weight"),
+        "trained": lambda d: _dcp_job(d, steps=2, export_rounded=False, frozen=None),
+        "trained-frozen": lambda d: _dcp_job(d, steps=2, export_rounded=False, frozen="tok_emb.weight"),
+        "trained-rounded-frozen": lambda d: _dcp_job(d, steps=2, export_rounded=True, frozen="tok_emb.weight"),
+        "finetune-lr0": _finetune_lr0,  # also writes finetune-lr0.pt beside it
+    })
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # DeepSpeed (ZeRO stages 0-3, bf16 and fp16 engines), 2 real CPU ranks
 
 
-def _deepspeed_rank(ctx: Any, out: str) -> dict[str, Any]:
-    """(2 ranks) Train a tiny model 2 steps with ``deepspeed.initialize`` per variant; ``save_checkpoint`` each.
+DEEPSPEED_VARIANTS = [("s0-bf16", 0, "bf16"), ("s1-bf16", 1, "bf16"), ("s2-bf16", 2, "bf16"), ("s3-bf16", 3, "bf16"),
+                      ("s2-fp16", 2, "fp16"), ("s2-bf16-rounded", 2, "bf16"), ("s0-fp32", 0, "fp32"),
+                      ("s1-bf16-warmup0", 1, "bf16"), ("s2-bf16-aligned", 2, "bf16")]
+"""(name, ZeRO stage, engine dtype) of every DeepSpeed configuration; each is its own 2-rank launch."""
 
-    The model's sizes are odd on purpose (91, 13 and 4 elements): ZeRO-1/2 pads each group's flat buffer and
-    ZeRO-3 pads each parameter's partition, so a reader that ignores padding misplaces every later parameter.
-    ``s1-bf16`` is saved at steps 2 and 4 (``latest`` names ``global_step4``). ``s2-bf16-rounded`` rounds the fp32
-    masters to bf16 values in the engine's own optimizer before saving: the true positive. ``s1-bf16-warmup0``
-    keeps DeepSpeed's default ``warmup_min_lr`` 0, so its first two steps apply lr 0: saved after steps 1 and 2
-    (masters still the bf16 initial weights, moments non-zero: done right) and 4, its masters rounded to bf16
-    after the real steps 3 and 4 (the true positive the lr-0 reading must not excuse).
-    """
-    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(ctx.rank),
-                      LOCAL_WORLD_SIZE=str(ctx.world_size))
-    import deepspeed
+
+def _deepspeed_tiny() -> Any:
     import torch
-
-    deepspeed.init_distributed(dist_backend="gloo")  # joins the group ckptaudit.dist.launch already made
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
@@ -517,62 +506,122 @@ def _deepspeed_rank(ctx: Any, out: str) -> dict[str, Any]:
             self.seen += x.shape[0]
             return self.body(x)
 
-    variants = [("s0-bf16", 0, "bf16"), ("s1-bf16", 1, "bf16"), ("s2-bf16", 2, "bf16"), ("s3-bf16", 3, "bf16"),
-                ("s2-fp16", 2, "fp16"), ("s2-bf16-rounded", 2, "bf16"), ("s0-fp32", 0, "fp32"),
-                ("s1-bf16-warmup0", 1, "bf16")]
-    kinds = {}
-    for name, stage, dtype in variants:
-        torch.manual_seed(0)
-        model = Tiny()
-        config: dict[str, Any] = {
-            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-            # warmup_min_lr > 0: from 0 (the default), the first step is a no-op and the masters still equal the
-            # bf16-cast initial weights after 2 steps (a step-0 checkpoint, not what these tests are about).
-            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
-                                                         "warmup_num_steps": 10}},
-            **({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 10}}}
-               if "warmup0" in name else {}),  # DeepSpeed's default warmup_min_lr: 0
-            **({dtype: {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})}}
-               if dtype != "fp32" else {}),
-            "zero_optimization": {"stage": stage}}
+    return Tiny()
+
+
+def _deepspeed_predicates() -> str:
+    """What DeepSpeed's engine asks before it builds an fp16 or bf16 engine on this CPU, and what oneDNN says."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    return (f"DeepSpeed's {type(acc).__name__}.is_fp16_supported() {bool(acc.is_fp16_supported())}, "
+            f"is_bf16_supported() {bool(acc.is_bf16_supported())}; torch.ops.mkldnn._is_mkldnn_fp16_supported() "
+            f"{bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())}, _is_mkldnn_bf16_supported() "
+            f"{bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}")
+
+
+def _deepspeed_rank(ctx: Any, out: str, name: str, stage: int, dtype: str) -> dict[str, Any]:
+    """(2 ranks) Train a tiny model 2 steps with ``deepspeed.initialize`` as configuration ``name``; save it.
+
+    The model's sizes are odd on purpose (91, 13 and 4 elements): ZeRO-1/2 pads each group's flat buffer and
+    ZeRO-3 pads each parameter's partition, so a reader that ignores padding misplaces every later parameter.
+    ``s2-bf16-aligned`` sets ``zero_optimization.parameter_alignment``: DeepSpeed then pads every parameter but the
+    last to a multiple of 8 bf16 elements inside the flat buffer (``param_alignment_paddings``), so the padding
+    sits between parameters, not only at the end. ``s1-bf16`` is saved at steps 2 and 4 (``latest`` names
+    ``global_step4``). ``s2-bf16-rounded`` rounds the fp32
+    masters to bf16 values in the engine's own optimizer before saving: the true positive. ``s1-bf16-warmup0``
+    keeps DeepSpeed's default ``warmup_min_lr`` 0, so its first two steps apply lr 0: saved after steps 1 and 2
+    (masters still the bf16 initial weights, moments non-zero: done right) and 4, its masters rounded to bf16
+    after the real steps 3 and 4 (the true positive the lr-0 reading must not excuse).
+
+    Returns ``{"refused": reason}`` when DeepSpeed's engine refuses the dtype on this CPU (its own sanity check,
+    before any collective, on both ranks alike).
+    """
+    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(ctx.rank),
+                      LOCAL_WORLD_SIZE=str(ctx.world_size))
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")  # joins the group ckptaudit.dist.launch already made
+    torch.manual_seed(0)
+    model = _deepspeed_tiny()
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+        # warmup_min_lr > 0: from 0 (the default), the first step is a no-op and the masters still equal the
+        # bf16-cast initial weights after 2 steps (a step-0 checkpoint, not what these tests are about).
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                     "warmup_num_steps": 10}},
+        **({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 10}}}
+           if "warmup0" in name else {}),  # DeepSpeed's default warmup_min_lr: 0
+        **({dtype: {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})}}
+           if dtype != "fp32" else {}),
+        "zero_optimization": {"stage": stage, **({"parameter_alignment": True} if "aligned" in name else {})}}
+    try:
         engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                        config=config)
-        gen = torch.Generator().manual_seed(ctx.rank)
-        half = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-        last = 4 if name.startswith("s1-") else 2
-        for step in range(1, last + 1):
-            loss = engine(torch.randn(2, 7, generator=gen).to(half)).float().pow(2).mean()
-            engine.backward(loss)
-            engine.step()
-            if name in ("s2-bf16-rounded", "s1-bf16-warmup0") and step == last:
-                for flat in optimizer.single_partition_of_fp32_groups:
-                    flat.data.copy_(flat.data.to(torch.bfloat16).float())
-            if step % 2 == 0 or (step == 1 and "warmup0" in name):
-                engine.save_checkpoint(os.path.join(out, name), client_state={"batches_seen": 2 * step})
-        kinds[name] = type(optimizer).__name__
-        if stage > 0 and ctx.rank == 0:
-            # DeepSpeed's own consolidation of the fp32 masters (zero_to_fp32), as a plain torch.save beside the root.
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ValueError as exc:
+        if "is not supported on your device" not in str(exc):
+            raise
+        return {"refused": f"deepspeed.initialize: {exc} ({_deepspeed_predicates()})"}
+    gen = torch.Generator().manual_seed(ctx.rank)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    last = 4 if name.startswith("s1-") else 2
+    for step in range(1, last + 1):
+        loss = engine(torch.randn(2, 7, generator=gen).to(half)).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        if name in ("s2-bf16-rounded", "s1-bf16-warmup0") and step == last:
+            for flat in optimizer.single_partition_of_fp32_groups:
+                flat.data.copy_(flat.data.to(torch.bfloat16).float())
+        if step % 2 == 0 or (step == 1 and "warmup0" in name):
+            engine.save_checkpoint(os.path.join(out, name), client_state={"batches_seen": 2 * step})
+    if stage > 0 and ctx.rank == 0:
+        # DeepSpeed's own consolidation of the fp32 masters (zero_to_fp32), as a plain torch.save beside the root.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            fp32 = get_fp32_state_dict_from_zero_checkpoint(os.path.join(out, name))
-            torch.save({k: v.detach().clone().contiguous() for k, v in fp32.items()},
-                       os.path.join(out, f"{name}.zero_to_fp32.pt"))
-        torch.distributed.barrier()
-    return {"optimizers": kinds, "params": [n for n, _ in Tiny().named_parameters()]}
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(os.path.join(out, name))
+        torch.save({k: v.detach().clone().contiguous() for k, v in fp32.items()},
+                   os.path.join(out, f"{name}.zero_to_fp32.pt"))
+    torch.distributed.barrier()
+    return {"optimizer": type(optimizer).__name__}
 
 
 def write_deepspeed(out: str) -> None:
+    """(writer process) Each configuration of :data:`DEEPSPEED_VARIANTS` in its own 2-rank launch, so that one the
+    engine refuses on this CPU (fp16 without oneDNN's fp16 kernels) or one that fails takes no other with it."""
     from ckptaudit.dist.launch import launch
+    from configurations import Outcomes, Refused
 
-    info = launch(_deepspeed_rank, 2, (out,), timeout_s=900, env={"DS_ACCELERATOR": "cpu"})[0]
-    _write_truth(out, **info)
+    os.environ["DS_ACCELERATOR"] = "cpu"  # before the fork server imports deepspeed: it picks its accelerator once
+    outcomes = Outcomes(out, [name for name, _, _ in DEEPSPEED_VARIANTS])
+    # deepspeed.init_distributed JIT-compiles DeepSpeed's one C++ op (shared-memory allreduce) at first use, minutes
+    # of g++ on 2 busy cores: done here, once (TORCH_EXTENSIONS_DIR keeps it), outside every rank's deadline.
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
+    fast: dict[str, Any] = {"start_method": "forkserver", "preload": ("torch", "deepspeed", "lib_writers")}
+
+    def one(name: str, stage: int, dtype: str) -> str:
+        results = launch(_deepspeed_rank, 2, (out, name, stage, dtype), timeout_s=300, **fast)
+        if "refused" in results[0]:
+            raise Refused(results[0]["refused"])
+        return str(results[0]["optimizer"])
+
+    kinds = {name: outcomes.run(name, one, name, stage, dtype) for name, stage, dtype in DEEPSPEED_VARIANTS}
+    _write_truth(out, optimizers={k: v for k, v in kinds.items() if v is not None},
+                 params=[n for n, _ in _deepspeed_tiny().named_parameters()])
 
 
-def run_writer(what: str, out: str, timeout_s: float = 600) -> None:
-    """(test process) Run ``write_<what>`` in a fresh interpreter, offline, one thread; raise with its output."""
+def run_writer(what: str, out: str, timeout_s: float = 850) -> Any:
+    """(test process) Run ``write_<what>`` in a fresh interpreter, offline, one thread; return what it wrote
+    (``configurations.Written``: each configuration's path, skip or failure). A writer that dies raises with its
+    output, naming the configuration it was writing."""
     import subprocess
     from pathlib import Path
+
+    from configurations import Written, in_progress
 
     src = str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -582,7 +631,11 @@ def run_writer(what: str, out: str, timeout_s: float = 600) -> None:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), what, out], env=env, cwd=out,
                           capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"lib_writers {what} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        during = in_progress(out)
+        raise RuntimeError(f"lib_writers {what} died ({proc.returncode})"
+                           + (f" while writing configuration {during!r}" if during else "")
+                           + f":\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return Written(Path(out), what)
 
 
 if __name__ == "__main__":

@@ -175,56 +175,59 @@ def write_megatron(ctx: Any, out: str, variants: list[str]) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+    from configurations import configuration
+
     _patch_cuda()
     model = _model(ctx)
     opt, params, masters, sched = _train(model)
     paths = {}
     try:
         for variant in variants:
-            model_sd = model.sharded_state_dict()  # fresh each time: the save rewrites what it is given
-            saved = {k: v.data.clone() for k, v in model_sd.items() if isinstance(v, ShardedTensor)}
-            state: dict[str, Any] = {
-                "args": argparse.Namespace(num_layers=2, hidden_size=16, bf16=True, lr=1e-3, save_interval=STEPS,
-                                           ckpt_format="torch_dist", global_batch_size=8,
-                                           consumed_train_samples=8 * STEPS),
-                "checkpoint_version": 3.0,
-                "iteration": STEPS,
-                "model": model_sd,
-                "rng_state": [ShardedObject("rng_state", [{"random_rng_state": random.getstate(),
-                                                           "np_rng_state": np.random.get_state(),
-                                                           "torch_rng_state": torch.get_rng_state()}],
-                                            (1, ctx.world_size), (0, ctx.rank), replica_id=0)],
-                "num_floating_point_operations_so_far": 0,
-            }
-            if variant in ("full", "rounded-masters", "cast-to-bf16"):
-                state["optimizer"] = _optimizer_state(model_sd, opt, params, masters, variant == "rounded-masters",
-                                                      cast=variant == "cast-to-bf16")
-            elif variant.startswith("distributed-"):
-                sharding = variant.removeprefix("distributed-").replace("-", "_")
-                state["optimizer"] = _distributed_state(ctx, model_sd, opt, params, masters, sharding)
-            if variant == "cast-to-bf16":  # the fp32 weights (norms) cast too: the whole state is bf16
-                for t in _sharded_tensors(model_sd):
-                    if t.data.dtype == torch.float32:
-                        t.data = t.data.to(torch.bfloat16)
+            with configuration(variant):  # a variant's failure names it (its exception, its rank's stderr)
+                model_sd = model.sharded_state_dict()  # fresh each time: the save rewrites what it is given
                 saved = {k: v.data.clone() for k, v in model_sd.items() if isinstance(v, ShardedTensor)}
-            if variant != "model-only":
-                state["opt_param_scheduler"] = sched.state_dict()
-            root = os.path.join(out, variant)
-            path = os.path.join(root, f"iter_{STEPS:07d}")
-            if ctx.rank == 0:
-                os.makedirs(path, exist_ok=True)
-            torch.distributed.barrier()
-            dist_checkpointing.save(state, path)
-            if ctx.rank == 0:
-                with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
-                    fh.write(str(STEPS))
-            # Proof that the library reads what it wrote: a fresh model's tensors come back equal to the saved ones.
-            loaded = dist_checkpointing.load(_model(ctx, init=False).sharded_state_dict(), path)
-            back = {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
-            assert back.keys() == saved.keys(), sorted(set(back) ^ set(saved))
-            differ = [k for k, v in back.items() if not torch.equal(v.float(), saved[k].float())]
-            assert not differ, f"dist_checkpointing.load does not give back the saved {differ}"
-            paths[variant] = path
+                state: dict[str, Any] = {
+                    "args": argparse.Namespace(num_layers=2, hidden_size=16, bf16=True, lr=1e-3, save_interval=STEPS,
+                                               ckpt_format="torch_dist", global_batch_size=8,
+                                               consumed_train_samples=8 * STEPS),
+                    "checkpoint_version": 3.0,
+                    "iteration": STEPS,
+                    "model": model_sd,
+                    "rng_state": [ShardedObject("rng_state", [{"random_rng_state": random.getstate(),
+                                                               "np_rng_state": np.random.get_state(),
+                                                               "torch_rng_state": torch.get_rng_state()}],
+                                                (1, ctx.world_size), (0, ctx.rank), replica_id=0)],
+                    "num_floating_point_operations_so_far": 0,
+                }
+                if variant in ("full", "rounded-masters", "cast-to-bf16"):
+                    state["optimizer"] = _optimizer_state(model_sd, opt, params, masters, variant == "rounded-masters",
+                                                          cast=variant == "cast-to-bf16")
+                elif variant.startswith("distributed-"):
+                    sharding = variant.removeprefix("distributed-").replace("-", "_")
+                    state["optimizer"] = _distributed_state(ctx, model_sd, opt, params, masters, sharding)
+                if variant == "cast-to-bf16":  # the fp32 weights (norms) cast too: the whole state is bf16
+                    for t in _sharded_tensors(model_sd):
+                        if t.data.dtype == torch.float32:
+                            t.data = t.data.to(torch.bfloat16)
+                    saved = {k: v.data.clone() for k, v in model_sd.items() if isinstance(v, ShardedTensor)}
+                if variant != "model-only":
+                    state["opt_param_scheduler"] = sched.state_dict()
+                root = os.path.join(out, variant)
+                path = os.path.join(root, f"iter_{STEPS:07d}")
+                if ctx.rank == 0:
+                    os.makedirs(path, exist_ok=True)
+                torch.distributed.barrier()
+                dist_checkpointing.save(state, path)
+                if ctx.rank == 0:
+                    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
+                        fh.write(str(STEPS))
+                # Proof that the library reads what it wrote: a fresh model's tensors come back equal to the saved ones.
+                loaded = dist_checkpointing.load(_model(ctx, init=False).sharded_state_dict(), path)
+                back = {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+                assert back.keys() == saved.keys(), sorted(set(back) ^ set(saved))
+                differ = [k for k, v in back.items() if not torch.equal(v.float(), saved[k].float())]
+                assert not differ, f"dist_checkpointing.load does not give back the saved {differ}"
+                paths[variant] = path
     finally:
         # Megatron's async writer leaves a spawned multiprocessing Manager behind: reap it, as every child must be.
         import multiprocessing

@@ -60,16 +60,16 @@ def test_fp16_rounded_copy_is_flagged(fsdp_run: dict[str, Any]) -> None:
     assert "precision.bf16-rounded" not in codes(report)
 
 
-def test_low_precision_master_run_is_clean_under_its_contract(fsdp_run: dict[str, Any]) -> None:
-    report = audit(str(fsdp_run["dir"] / "low-precision-masters"))
+def test_low_precision_master_run_is_clean_under_its_contract(fsdp_low_precision: Path) -> None:
+    report = audit(str(fsdp_low_precision))
     assert report.contract is not None and report.contract.master_dtype == "bfloat16"
     # Inferred from the tensors (a DCP save records no precision): a warning that names the flag settling it.
     assert codes(report) == {"contract.inferred"}
     assert not report.fails(Severity.ERROR)
-    declared = audit(str(fsdp_run["dir"] / "low-precision-masters"), AuditOptions(master_dtype="bfloat16"))
+    declared = audit(str(fsdp_low_precision), AuditOptions(master_dtype="bfloat16"))
     assert codes(declared) == set() and declared.contract is not None and declared.contract.source == "flag"
     # The same checkpoint held to an fp32 contract is a defect.
-    strict = audit(str(fsdp_run["dir"] / "low-precision-masters"), AuditOptions(master_dtype="float32"))
+    strict = audit(str(fsdp_low_precision), AuditOptions(master_dtype="float32"))
     assert "precision.low-precision-storage" in codes(strict, Severity.ERROR)
 
 

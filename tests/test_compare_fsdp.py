@@ -144,9 +144,9 @@ def test_swapped_moments_between_two_same_shape_layers_are_misattached(fsdp_run:
     assert "compare.different" not in {f.code for f in report.findings}
 
 
-def test_another_run_is_different_with_measured_differences(fsdp_run: dict[str, Any]) -> None:
-    d = fsdp_run["dir"]
-    report = compare(str(d / "faithful"), str(d / "low-precision-masters"))
+def test_another_run_is_different_with_measured_differences(fsdp_run: dict[str, Any],
+                                                            fsdp_low_precision: Path) -> None:
+    report = compare(str(fsdp_run["dir"] / "faithful"), str(fsdp_low_precision))
     got = pairs(report)
     for name in params(fsdp_run):
         p = got[name]
@@ -162,7 +162,7 @@ def test_another_run_is_different_with_measured_differences(fsdp_run: dict[str, 
     assert set(params(fsdp_run)) <= casts
 
 
-def test_dcp_really_casts_silently_on_load(fsdp_run: dict[str, Any]) -> None:
+def test_dcp_really_casts_silently_on_load(fsdp_run: dict[str, Any], fsdp_low_precision: Path) -> None:
     """The premise of ``load.silent-cast`` on this torch: a bf16 DCP checkpoint loads into an fp32 template
     without an error, the values cast."""
     import torch
@@ -170,14 +170,13 @@ def test_dcp_really_casts_silently_on_load(fsdp_run: dict[str, Any]) -> None:
 
     from ckptaudit.formats.dcp import check_metadata_safe
 
-    d = fsdp_run["dir"]
-    check_metadata_safe(str(d / "low-precision-masters"))
+    check_metadata_safe(str(fsdp_low_precision))
     name = fsdp_run["params"][0]
     shape = fsdp_run["shapes"][name]
     template = {"model": {name: torch.zeros(shape, dtype=torch.float32)}}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(template, checkpoint_id=str(d / "low-precision-masters"))
+        dcp.load(template, checkpoint_id=str(fsdp_low_precision))
     loaded = template["model"][name]
     assert loaded.dtype == torch.float32 and loaded.abs().sum() > 0
     assert torch.equal(loaded, loaded.bfloat16().float())  # bf16 values, widened without a word
@@ -266,10 +265,10 @@ def test_index_keyed_optimizer_state_is_matched_through_the_attachment(fsdp_run:
     assert len(statuses(report, "optimizer moments")) == 2 * len(names)
 
 
-def test_json_report_and_verbose_table(fsdp_run: dict[str, Any]) -> None:
+def test_json_report_and_verbose_table(fsdp_run: dict[str, Any], fsdp_low_precision: Path) -> None:
     d = fsdp_run["dir"]
     out = io.StringIO()
-    code = main(["compare", str(d / "faithful"), str(d / "low-precision-masters"), "--format", "json",
+    code = main(["compare", str(d / "faithful"), str(fsdp_low_precision), "--format", "json",
                  "--no-progress"], stdout=out, stderr=io.StringIO())
     assert code == 1
     doc = json.loads(out.getvalue())

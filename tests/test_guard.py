@@ -150,6 +150,46 @@ def test_saves_during_an_audit_queue_in_order_and_are_logged(tmp_path: Path,
     assert "audit(s) are pending; queued behind them" in caplog.text
 
 
+class _RewrittenDuringItsAudit(Guard):
+    """A Guard whose checkpoint is replaced by a newer, good one while its audit runs, as Lightning rewrites
+    ``last.ckpt`` at the next save: ``how`` is ``"in place"`` (the same file rewritten) or ``"renamed"`` (a new
+    file moved over it, as atomic savers do). The audit itself is the real one, on the file as it was."""
+
+    def __init__(self, how: str, **options: Any) -> None:
+        super().__init__(**options)
+        self.how = how
+
+    def _run_audit(self, checkpoint: str, where: str) -> dict[str, Any]:
+        result = super()._run_audit(checkpoint, where)
+        if self.how == "in place":
+            trained(Path(checkpoint))
+        else:
+            os.replace(trained(Path(checkpoint + ".tmp")), checkpoint)
+        return result
+
+
+@pytest.mark.parametrize("how", ["in place", "renamed"])
+def test_a_checkpoint_replaced_before_its_verdict_is_not_quarantined(tmp_path: Path, how: str,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    last = trained(tmp_path / "last.ckpt", rounded=True)
+    guard = _RewrittenDuringItsAudit(how, on_failure="stop", background="thread")
+    with caplog.at_level(logging.WARNING, logger="ckptaudit.guard"):
+        guard.submit(str(last), step=4)
+        assert guard.close(120)
+    (v,) = guard.verdicts
+    # The file that was audited failed, and says so; the newer, good checkpoint at its path stays where it is.
+    assert v.ok is False and set(v.codes) == {"precision.bf16-rounded"}
+    assert v.quarantined_to is None and not Path(str(last) + ".quarantined").exists()
+    assert last.exists() and _audits_clean(last)
+    assert "it was replaced since it was saved; the new one is not quarantined for it" in caplog.text
+
+
+def _audits_clean(path: Path) -> bool:
+    from ckptaudit import audit
+
+    return not [f for f in audit(str(path)).findings if f.code == "precision.bf16-rounded"]
+
+
 def test_guard_options_are_checked_before_training() -> None:
     with pytest.raises(ValueError, match="on_failure='halt' is not valid; pass 'warn'"):
         Guard(on_failure="halt")
@@ -199,6 +239,9 @@ def test_trainer_stops_after_the_lossy_save_and_resumes_from_the_good_one(hf_sto
     # Trainer's own resume path (resume_from_checkpoint=True -> get_last_checkpoint) took the good one.
     assert hf_story["get_last_checkpoint"] == "checkpoint-2"
     assert hf_story["resumed_from_step"] == 2 and hf_story["resumed_to_step"] == 7
+    # on_failure="stop": train() ended with CheckpointAuditFailed, naming the quarantined checkpoint.
+    assert hf_story["raised"]["failed"] == ["checkpoint-4"]
+    assert "quarantined-checkpoint-4" in hf_story["raised"]["message"]
 
 
 @pytest.mark.libs
@@ -221,6 +264,8 @@ def test_trainer_on_two_ranks_stops_on_both_after_the_lossy_save(tmp_path: Path)
         assert (r["resumed_from_step"], r["resumed_to_step"]) == (2, 7)
         assert r["files"]["quarantined-checkpoint-4"] == r["files"]["checkpoint-2"]
         assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(r["files"]["checkpoint-2"])
+    # Both processes' train() raised CheckpointAuditFailed; the one that audited names the checkpoint.
+    assert [r["raised"]["failed"] for r in ranks] == [["checkpoint-4"], []]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -243,11 +288,12 @@ def test_lightning_stops_after_the_lossy_save_and_last_resumes_the_good_one(ligh
     assert lightning_story["listing"] == [
         "epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.ckptaudit.json",
         "epoch=0-step=4.ckpt.quarantined", "epoch=0-step=4.ckpt.quarantined.ckptaudit.json",
-        "last.ckpt", "last.ckpt.quarantined", "last.ckpt.quarantined.ckptaudit.json"]
+        "last.ckpt", "last.ckpt.ckptaudit.json", "last.ckpt.quarantined", "last.ckpt.quarantined.ckptaudit.json"]
     # last.ckpt was the failed step-4 state; it is now a real copy (not a link) of the step-2 checkpoint, and
     # Lightning's own ckpt_path="last" resumed from it.
     assert lightning_story["last_global_step"] == 2 and not lightning_story["last_is_link"]
     assert lightning_story["resumed_from_step"] == 2 and lightning_story["resumed_to_step"] == 7
+    assert lightning_story["raised"]["failed"] == ["epoch=0-step=4.ckpt", "last.ckpt"]
 
 
 @pytest.mark.libs
@@ -266,10 +312,11 @@ def test_lightning_ddp_on_two_ranks_stops_on_both_after_the_lossy_save(tmp_path:
         assert r["listing"] == [
             "epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.ckptaudit.json",
             "epoch=0-step=4.ckpt.quarantined", "epoch=0-step=4.ckpt.quarantined.ckptaudit.json",
-            "last.ckpt", "last.ckpt.quarantined", "last.ckpt.quarantined.ckptaudit.json"]
+            "last.ckpt", "last.ckpt.ckptaudit.json", "last.ckpt.quarantined", "last.ckpt.quarantined.ckptaudit.json"]
         # ckpt_path="last" (a copy of step 2 now) resumed both ranks at step 2.
         assert r["last_global_step"] == 2 and not r["last_is_link"]
         assert (r["resumed_from_step"], r["resumed_to_step"]) == (2, 7)
+    assert [r["raised"]["failed"] for r in ranks] == [["epoch=0-step=4.ckpt", "last.ckpt"], []]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -370,13 +417,13 @@ def torchtitan_story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
 def test_torchtitan_newest_step_is_never_one_that_failed(torchtitan_story: dict[str, Any]) -> None:
     verdicts = [(v["checkpoint"], v["step"], v["ok"], v["report"]) for v in torchtitan_story["verdicts"]]
     assert verdicts == [("step-2", 2, True, "step_2.ckptaudit.json"),
-                        ("step-4", 4, False, "step_4.ckptaudit.json")]
+                        ("step-4", 4, False, "quarantined-step_4.ckptaudit.json")]
     assert set(torchtitan_story["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
     live(torchtitan_story["verdicts"][0], "(torchtitan)")
     assert torchtitan_story["stopped_at"] == 4
     # No name but step-2 holds "step-<digits>", which torchtitan's load and purge search for.
-    assert torchtitan_story["listing"] == ["quarantined-step_4", "step-2", "step_2.ckptaudit.json",
-                                           "step_4.ckptaudit.json"]
+    assert torchtitan_story["listing"] == ["quarantined-step_4", "quarantined-step_4.ckptaudit.json", "step-2",
+                                           "step_2.ckptaudit.json"]
     # CheckpointManager.load() (the newest valid step) restored step 2's weights.
     assert torchtitan_story["loaded"] is True and torchtitan_story["loaded_step_2_weights"] is True
 
@@ -389,12 +436,14 @@ def test_torchtitan_async_save_is_audited_when_its_future_completes(tmp_path: Pa
     ranks = launch_job(guard_jobs.torchtitan_async, str(tmp_path / "out"))
     zero, one = ranks
     verdicts = [(v["checkpoint"], v["step"], v["ok"], v["report"]) for v in zero["verdicts"]]
-    assert verdicts == [("step-2", 2, True, "step_2.ckptaudit.json"), ("step-4", 4, False, "step_4.ckptaudit.json")]
+    assert verdicts == [("step-2", 2, True, "step_2.ckptaudit.json"),
+                        ("step-4", 4, False, "quarantined-step_4.ckptaudit.json")]
     assert set(zero["verdicts"][1]["codes"]) == {"precision.bf16-rounded"}
     assert one["verdicts"] == []  # only rank 0 audits
     assert [r["stopped_at"] for r in ranks] == [4, 4]
     # Both saves returned with their future still held by the manager (really asynchronous).
     assert [r["saves_still_writing_when_save_returned"] for r in ranks] == [2, 2]
     for r in ranks:
-        assert r["listing"] == ["quarantined-step_4", "step-2", "step_2.ckptaudit.json", "step_4.ckptaudit.json"]
+        assert r["listing"] == ["quarantined-step_4", "quarantined-step_4.ckptaudit.json", "step-2",
+                                "step_2.ckptaudit.json"]
         assert r["loaded"] is True and r["loaded_step_2_weights"] is True

@@ -218,6 +218,43 @@ def test_audits_survive_a_file_rewritten_in_place_under_them(tmp_path: Path) -> 
     assert out["runs"] >= 3 and out["rewrites"] >= 3
 
 
+_DESCRIPTOR_REPLACED = """
+    import fcntl, json, os, subprocess, sys, time
+    from ckptaudit.formats.leased import LeasedFile
+
+    path = sys.argv[1]
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    lf = LeasedFile(fd)
+    view = lf.view(0, size)
+    assert view is not None
+    lf.done(view, 0)  # mapped, lease given back
+    fresh = os.open(path, os.O_RDONLY)  # another open file description of the same file, under the same number
+    os.dup2(fresh, fd)
+    os.close(fresh)
+    view = lf.view(0, size)  # the lease is taken on the new description
+    assert view is not None
+    # A writer opening the file breaks the lease: the break signal must be one this process survives.
+    writer = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'r+b').close()", path])
+    deadline = time.monotonic() + 60
+    while fcntl.fcntl(fd, 1025) == fcntl.F_RDLCK and time.monotonic() < deadline:  # F_GETLEASE: break pending?
+        time.sleep(0.005)
+    time.sleep(0.2)  # the signal is sent as the break starts: give it time to arrive
+    lf.done(view, 0)  # the lease is given back: the writer's open goes on
+    assert writer.wait(timeout=60) == 0
+    lf.close()
+    print(json.dumps({"survived": True}))
+"""
+
+
+def test_a_lease_on_a_replaced_descriptor_breaks_with_the_signal_this_process_ignores(tmp_path: Path) -> None:
+    """The break signal belongs to the open file description: were it set once per map, a descriptor number
+    re-opened under the map would hold a lease whose break sends ``SIGIO`` (default action: terminate)."""
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"x" * (4 * MIN_MAPPED_BYTES))
+    assert _child(_DESCRIPTOR_REPLACED, str(path)) == {"survived": True}
+
+
 def test_no_mapped_reads_where_this_process_handles_sigurg_or_they_are_switched_off() -> None:
     script = """
         import json, signal

@@ -19,6 +19,7 @@ from ckptaudit.audit import audit
 from ckptaudit.formats.torchload import safe_torch_load
 from ckptaudit.formats.torchzip import read_torch_zip
 from ckptaudit.model import ComponentKind, Report, Severity
+from configurations import Written
 
 pytestmark = pytest.mark.libs
 
@@ -27,12 +28,12 @@ pytest.importorskip("accelerate")
 
 
 @pytest.fixture(scope="module")
-def hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hf(tmp_path_factory: pytest.TempPathFactory) -> Written:
     import lib_writers
 
     out = tmp_path_factory.mktemp("hf")
-    lib_writers.run_writer("hf", str(out))
-    return out
+    written: Written = lib_writers.run_writer("hf", str(out))
+    return written
 
 
 def codes(report: Report, severity: Severity | None = None) -> set[str]:
@@ -71,7 +72,7 @@ def attached(report: Report) -> dict[int, str | None]:
 # Trainer
 
 
-def test_trainer_checkpoint_components_contract_and_step(hf: Path) -> None:
+def test_trainer_checkpoint_components_contract_and_step(hf: Written) -> None:
     ckpt = hf / "trainer-safetensors" / "checkpoint-2"
     report = audit(str(ckpt))
     assert report.format == "huggingface-trainer"
@@ -90,7 +91,7 @@ def test_trainer_checkpoint_components_contract_and_step(hf: Path) -> None:
     assert sorted(t.name.split("/", 1)[1] for t in params) == sorted(truth(ckpt)["params"])
 
 
-def test_rng_states_load_through_the_allowlist(hf: Path) -> None:
+def test_rng_states_load_through_the_allowlist(hf: Written) -> None:
     for path, keys in ((hf / "trainer-safetensors" / "checkpoint-2" / "rng_state.pth", {"python", "numpy", "cpu"}),
                        (hf / "accelerate" / "random_states_0.pkl", {"random_state", "numpy_random_seed"})):
         tz = read_torch_zip(str(path))
@@ -104,7 +105,7 @@ def test_rng_states_load_through_the_allowlist(hf: Path) -> None:
         assert where(report)[ComponentKind.RNG] == (path.name,)
 
 
-def test_training_args_are_reported_not_loaded_and_never_executed(hf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_training_args_are_reported_not_loaded_and_never_executed(hf: Written, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
     from transformers import TrainingArguments
 
@@ -132,7 +133,7 @@ def test_training_args_are_reported_not_loaded_and_never_executed(hf: Path, monk
     assert made == ["TrainingArguments"]
 
 
-def test_trainer_decay_split_is_attached_by_the_unique_order_consistent_assignment(hf: Path) -> None:
+def test_trainer_decay_split_is_attached_by_the_unique_order_consistent_assignment(hf: Written) -> None:
     ckpt = hf / "trainer-bin" / "checkpoint-2"
     groups = truth(ckpt)["groups"]
     assert len(groups) == 2 and all(n.endswith("bias") or ".ln_" in n for n in groups[1])
@@ -156,7 +157,7 @@ def test_trainer_decay_split_is_attached_by_the_unique_order_consistent_assignme
     assert not codes(report, Severity.ERROR)
 
 
-def test_trainer_safetensors_order_unknown_is_unverified_not_mismatched(hf: Path) -> None:
+def test_trainer_safetensors_order_unknown_is_unverified_not_mismatched(hf: Written) -> None:
     report = audit(str(hf / "trainer-safetensors" / "checkpoint-2"))
     assert one(report, "optimizer.index-keyed").evidence["attachment"] == "unknown-order"
     assert one(report, "optimizer.attachment-unverified").severity is Severity.WARNING
@@ -176,7 +177,7 @@ def _swap_first_entries_of_different_shapes(src: Path, dst: Path) -> tuple[int, 
     return a, b
 
 
-def test_swapped_entries_of_different_shapes_are_a_shape_mismatch(hf: Path, tmp_path: Path) -> None:
+def test_swapped_entries_of_different_shapes_are_a_shape_mismatch(hf: Written, tmp_path: Path) -> None:
     a, b = _swap_first_entries_of_different_shapes(hf / "trainer-bin" / "checkpoint-2", tmp_path / "swapped")
     report = audit(str(tmp_path / "swapped"))
     f = one(report, "optimizer.shape-mismatch")
@@ -204,7 +205,7 @@ def _reshape_entry(src: Path, dst: Path, shape: tuple[int, ...], avoid: tuple[in
     return int(key)
 
 
-def test_unordered_model_checks_the_multiset_of_moment_shapes(hf: Path, tmp_path: Path) -> None:
+def test_unordered_model_checks_the_multiset_of_moment_shapes(hf: Written, tmp_path: Path) -> None:
     """Beside model.safetensors (no parameter order) the moments are checked as a multiset of shapes: a shape the
     model lacks, and one shape needed once more often than the model has it, are each a shape mismatch."""
     from safetensors import safe_open
@@ -236,7 +237,7 @@ def test_unordered_model_checks_the_multiset_of_moment_shapes(hf: Path, tmp_path
 # Accelerate
 
 
-def test_accelerate_save_state_components(hf: Path) -> None:
+def test_accelerate_save_state_components(hf: Written) -> None:
     report = audit(str(hf / "accelerate"))
     assert report.format == "accelerate"
     found = where(report)
@@ -253,7 +254,7 @@ def test_accelerate_save_state_components(hf: Path) -> None:
     assert not codes(report, Severity.ERROR)
 
 
-def test_frozen_parameter_of_a_repeated_shape_makes_the_attachment_ambiguous(hf: Path) -> None:
+def test_frozen_parameter_of_a_repeated_shape_makes_the_attachment_ambiguous(hf: Written) -> None:
     ckpt = hf / "accelerate-bin-frozen"
     frozen = truth(ckpt)["frozen"]
     sibling = frozen.replace("gate_proj", "up_proj")
@@ -274,7 +275,7 @@ def test_frozen_parameter_of_a_repeated_shape_makes_the_attachment_ambiguous(hf:
 # Sharded save_pretrained
 
 
-def test_sharded_safetensors_with_index(hf: Path, tmp_path: Path) -> None:
+def test_sharded_safetensors_with_index(hf: Written, tmp_path: Path) -> None:
     src = hf / "sharded"
     index = json.loads((src / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -300,7 +301,7 @@ def test_sharded_safetensors_with_index(hf: Path, tmp_path: Path) -> None:
 # PEFT LoRA through Trainer: the frozen base embedding PEFT saves beside the adapters
 
 
-def test_peft_lora_frozen_base_embedding_is_not_optimised_so_no_master_is_due(hf: Path) -> None:
+def test_peft_lora_frozen_base_embedding_is_not_optimised_so_no_master_is_due(hf: Written) -> None:
     ckpt = hf / "peft-lora" / "checkpoint-2"
     report = audit(str(ckpt))
     assert report.format == "huggingface-trainer"
@@ -320,7 +321,7 @@ def test_peft_lora_frozen_base_embedding_is_not_optimised_so_no_master_is_due(hf
                                               "security.not-loaded"}
 
 
-def test_peft_lora_adapter_saved_rounded_is_still_an_error(hf: Path, tmp_path: Path) -> None:
+def test_peft_lora_adapter_saved_rounded_is_still_an_error(hf: Written, tmp_path: Path) -> None:
     """The same checkpoint with one trained adapter's values rounded to bf16 (low 16 bits cleared)."""
     from safetensors.numpy import load_file, save_file
 
@@ -337,7 +338,7 @@ def test_peft_lora_adapter_saved_rounded_is_still_an_error(hf: Path, tmp_path: P
 
 
 @pytest.mark.parametrize("name", ["accelerate-bin-frozen-bf16init", "accelerate-frozen-bf16init"])
-def test_a_bf16_frozen_parameter_the_index_keyed_state_cannot_place_is_not_judged(hf: Path, name: str) -> None:
+def test_a_bf16_frozen_parameter_the_index_keyed_state_cannot_place_is_not_judged(hf: Written, name: str) -> None:
     """From a bf16 release, gate_proj frozen: it keeps its bf16 values, and index-keyed state cannot tell it from
     up_proj (same shape): by order beside pytorch_model.bin, by shape beside model.safetensors."""
     report = audit(str(hf / name))
@@ -348,7 +349,7 @@ def test_a_bf16_frozen_parameter_the_index_keyed_state_cannot_place_is_not_judge
     assert "As a frozen parameter it owes no float32 master; as a trainable one it lost its low bits" in note.message
 
 
-def test_rounded_parameters_that_cannot_all_be_frozen_are_still_errors(hf: Path, tmp_path: Path) -> None:
+def test_rounded_parameters_that_cannot_all_be_frozen_are_still_errors(hf: Written, tmp_path: Path) -> None:
     """up_proj rounded too: only one of the two same-shape tensors can lack an entry, so both are judged."""
     from safetensors.numpy import load_file, save_file
 
@@ -369,15 +370,6 @@ def test_rounded_parameters_that_cannot_all_be_frozen_are_still_errors(hf: Path,
 # The master-dtype contract: what the Trainer and Accelerate record about their precision
 
 
-def _written(path: Path) -> Path:
-    import lib_writers
-
-    reason = lib_writers.failed_reason(str(path))
-    if reason is not None:
-        pytest.skip(f"{path.name} was not written on this machine: {reason}")
-    return path
-
-
 def _export_cast_to_bf16(src: Path, dst: Path, optimizer_file: str) -> Path:
     """A copy of a checkpoint directory whose model and optimizer moments an exporter cast to bf16 (the real
     files rewritten by safetensors and torch)."""
@@ -396,8 +388,8 @@ def _export_cast_to_bf16(src: Path, dst: Path, optimizer_file: str) -> Path:
 
 
 @pytest.mark.parametrize("name", ["trainer-fp16", "accelerate-fp16"])
-def test_a_saved_grad_scaler_decides_fp32_masters(hf: Path, name: str) -> None:
-    ckpt = _written(hf / name / "checkpoint-2" if name.startswith("trainer") else hf / name)
+def test_a_saved_grad_scaler_decides_fp32_masters(hf: Written, name: str) -> None:
+    ckpt = hf / name / "checkpoint-2" if name.startswith("trainer") else hf / name
     report = audit(str(ckpt))
     assert report.contract is not None
     assert (report.contract.master_dtype, report.contract.source, report.contract.where) == (
@@ -409,8 +401,8 @@ def test_a_saved_grad_scaler_decides_fp32_masters(hf: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["trainer-fp16", "accelerate-fp16"])
-def test_an_export_cast_to_bf16_contradicts_the_saved_grad_scaler(hf: Path, tmp_path: Path, name: str) -> None:
-    ckpt = _written(hf / name / "checkpoint-2" if name.startswith("trainer") else hf / name)
+def test_an_export_cast_to_bf16_contradicts_the_saved_grad_scaler(hf: Written, tmp_path: Path, name: str) -> None:
+    ckpt = hf / name / "checkpoint-2" if name.startswith("trainer") else hf / name
     opt = "optimizer.pt" if name.startswith("trainer") else "optimizer.bin"
     report = audit(str(_export_cast_to_bf16(ckpt, tmp_path / name, opt)))
     mismatch = one(report, "contract.mismatch")
@@ -422,7 +414,7 @@ def test_an_export_cast_to_bf16_contradicts_the_saved_grad_scaler(hf: Path, tmp_
 
 
 def test_an_export_cast_to_bf16_where_nothing_records_the_masters_is_a_warning_naming_the_flag(
-        hf: Path, tmp_path: Path) -> None:
+        hf: Written, tmp_path: Path) -> None:
     # A Trainer run without fp16 (no GradScaler): training_args.bin says bf16=False, fp16=False, which leaves the
     # masters to the dtype the model was loaded in. The all-bf16 export then looks like a bf16 run: said, not
     # called clean or broken; declared, it is an error.

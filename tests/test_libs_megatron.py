@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 
 from ckptaudit.audit import audit
-from ckptaudit.dist.launch import launch
 from ckptaudit.formats.dcp import check_metadata_safe
 from ckptaudit.formats.dcp_metadata import load_dcp_metadata
 from ckptaudit.formats.pickles import DCP_METADATA_GLOBALS, dcp_metadata_loads, scan
 from ckptaudit.model import ComponentKind, Precision, Severity
 from ckptaudit.store.latest import find_latest, latest_report
+from configurations import fixture_launch
 
 pytestmark = pytest.mark.dist
 
@@ -39,7 +39,8 @@ def megatron(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import megatron_writer
 
     out = tmp_path_factory.mktemp("megatron")
-    info: dict[str, Any] = launch(megatron_writer.write_megatron, 2, (str(out), VARIANTS), timeout_s=400)[0]
+    info: dict[str, Any] = fixture_launch("megatron", megatron_writer.write_megatron, 2, (str(out), VARIANTS),
+                                          timeout_s=400)[0]
     return info
 
 

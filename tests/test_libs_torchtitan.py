@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from ckptaudit.audit import audit
-from ckptaudit.dist.launch import launch
 from ckptaudit.formats.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.dcp_metadata import load_dcp_metadata
 from ckptaudit.formats.pickle_scan import opcode_limit, scan
 from ckptaudit.model import ComponentKind, Precision, Severity
+from configurations import fixture_launch
 
 pytestmark = pytest.mark.dist
 
@@ -31,7 +31,7 @@ def titan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import lib_writers
 
     out = tmp_path_factory.mktemp("torchtitan")
-    info: dict[str, Any] = launch(lib_writers.write_torchtitan, 2, (str(out), 2), timeout_s=240)[0]
+    info: dict[str, Any] = fixture_launch("titan", lib_writers.write_torchtitan, 2, (str(out), 2), timeout_s=240)[0]
     return info
 
 

@@ -306,6 +306,26 @@ def test_the_margin_scales_the_floor_step_by_step(margin: float, verdict: str) -
         assert c["drift_start"] == 1
 
 
+def test_a_reference_that_does_not_restore_exactly_gives_no_power() -> None:
+    # The documented restore is off by 1e-5 right after loading (floor[0] > 0): whatever happens afterwards cannot be
+    # told from the restore's own error, so no candidate is judged, however far the positive control stands out.
+    base = _traj([1.0, 1.0, 1.0], [2.0, 2.0])
+    ref = _traj([1.0 + 1e-5, 1.0 + 1e-5, 1.0 + 1e-5], [2.0, 2.0])
+    cand = _traj([1.0, 1.0, 1.0], [2.0, 2.0])  # bit-identical to the saved run
+    control = _traj([1.0 + 1e-1] * 3, [2.0, 2.0])  # 10^4 x the floor
+    state = {c: {"k": "v"} for c in COMPONENTS}
+    run = {"traj": cand, "fresh": state, "restored": state, "loader": "load", "control": ""}
+    report = _judge(ResumeConfig(), "/nonexistent", base, {**run, "traj": ref}, {**run, "traj": control, "control": "x"},
+                    [(0, run, "", "")])
+    doc = report.extra["resume"]
+    assert doc["floor"][0] > 0 and not doc["power"]
+    assert [c["verdict"] for c in doc["candidates"]] == ["not judged"]
+    # The cause is the finding (the control's power is moot, so no resume.no-power beside it).
+    (why,) = [f for f in report.findings if f.code == "resume.reference-not-reproducible"]
+    assert why.subject == "reference" and "the documented restore itself is not exact" in why.message
+    assert "reference does NOT resume exactly" in report.summary and "faithful" not in report.summary
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Across a world-size change
 

@@ -26,17 +26,18 @@ import pytest
 
 from ckptaudit.audit import audit
 from ckptaudit.model import Precision, Report, Severity
+from configurations import Written
 
 pytestmark = pytest.mark.libs
 
 
 @pytest.fixture(scope="session")
-def dcp_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def dcp_jobs(tmp_path_factory: pytest.TempPathFactory) -> Written:
     import lib_writers
 
     out = tmp_path_factory.mktemp("dcp-jobs")
-    lib_writers.run_writer("dcp", str(out))
-    return out
+    written: Written = lib_writers.run_writer("dcp", str(out))
+    return written
 
 
 def truth(checkpoint: Path) -> dict[str, Any]:
@@ -51,7 +52,7 @@ def rounded_params(report: Report) -> set[str]:
     return {t.name for t in report.tensors if t.component == "model" and t.precision is Precision.BF16}
 
 
-def test_before_the_first_update_bf16_masters_are_a_warning_that_says_what_it_means(dcp_jobs: Path) -> None:
+def test_before_the_first_update_bf16_masters_are_a_warning_that_says_what_it_means(dcp_jobs: Written) -> None:
     report = audit(str(dcp_jobs / "step0"))
     assert report.extra["step"] == 0
     assert not report.fails(Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
@@ -67,7 +68,7 @@ def test_before_the_first_update_bf16_masters_are_a_warning_that_says_what_it_me
     assert not by_code(report, "precision.bf16-rounded")
 
 
-def test_after_real_steps_rounded_masters_are_still_errors_and_the_frozen_one_is_info(dcp_jobs: Path) -> None:
+def test_after_real_steps_rounded_masters_are_still_errors_and_the_frozen_one_is_info(dcp_jobs: Written) -> None:
     path = dcp_jobs / "trained-rounded-frozen"
     report = audit(str(path))
     assert report.extra["step"] == 2
@@ -84,7 +85,7 @@ def test_after_real_steps_rounded_masters_are_still_errors_and_the_frozen_one_is
     assert "carries no optimizer state (no optimizer state entry names it)" in frozen["model/tok_emb.weight"].message
 
 
-def test_a_frozen_parameter_is_info_before_and_after_training(dcp_jobs: Path) -> None:
+def test_a_frozen_parameter_is_info_before_and_after_training(dcp_jobs: Written) -> None:
     trained = audit(str(dcp_jobs / "trained-frozen"))
     assert [(f.code, f.subject) for f in trained.findings if f.severity >= Severity.WARNING] == [
         ("component.missing", "rng")]  # this job saves no RNG state
@@ -97,14 +98,14 @@ def test_a_frozen_parameter_is_info_before_and_after_training(dcp_jobs: Path) ->
     assert "model/tok_emb.weight" not in by_code(early, "precision.before-first-update")
 
 
-def test_a_checkpoint_saved_right_after_real_steps_is_clean(dcp_jobs: Path) -> None:
+def test_a_checkpoint_saved_right_after_real_steps_is_clean(dcp_jobs: Written) -> None:
     report = audit(str(dcp_jobs / "trained"))
     assert [(f.code, f.subject) for f in report.findings] == [("component.missing", "rng")]
     assert not rounded_params(report)
 
 
 def test_model_only_bf16_checkpoint_has_an_unknown_contract_and_no_contradictory_precision_errors(
-        dcp_jobs: Path) -> None:
+        dcp_jobs: Written) -> None:
     report = audit(str(dcp_jobs / "trained-model-bf16.pt"))
     assert report.contract is not None and report.contract.master_dtype == "unknown"
     severities = {f.code: f.severity for f in report.findings if f.subject != "rng"}

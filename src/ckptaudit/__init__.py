@@ -8,9 +8,9 @@ The public Python API (documented in ``docs/api.md``; everything else is interna
     report.ok, report.findings, report.to_json()
     ckptaudit.compare("ref/step-8", "export/model.pt")       # -> ckptaudit.Report
 
-plus :mod:`ckptaudit.integrations` (guards for Trainer, Lightning, DeepSpeed, torchtitan, ckptaudit.store) and
-:mod:`ckptaudit.testing` (assertions for pytest and CI). ``import ckptaudit`` is cheap: nothing heavy (no torch,
-no NumPy) is imported until a function is called. The types of this surface are in ``__init__.pyi`` (the root
+plus :mod:`ckptaudit.integrations` (guards for Trainer, Lightning, Accelerate, DeepSpeed, torchtitan,
+ckptaudit.store) and :mod:`ckptaudit.testing` (assertions for pytest and CI). ``import ckptaudit`` is cheap:
+nothing heavy (no torch, no NumPy) is imported until a function is called. The types of this surface are in ``__init__.pyi`` (the root
 imports nothing of its own, not even for type checking).
 """
 

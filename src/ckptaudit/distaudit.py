@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -113,16 +114,25 @@ def partition(sizes: Mapping[int, int], world_size: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
+def _step_out(step: float | None) -> float | str | None:
+    """A step value as strict JSON holds it: a saved ``step`` tensor may hold NaN or an infinity (``"nan"``...)."""
+    return step if step is None or math.isfinite(step) else repr(step)
+
+
+def _step_in(step: float | str | None) -> float | None:
+    return float(step) if isinstance(step, str) else step
+
+
 def _encode(outcomes: dict[int, ScanOutcome]) -> list[list[Any]]:
     rows: list[list[Any]] = []
     for i, o in sorted(outcomes.items()):
         if o.scan is None:
-            rows.append([i, None, None, None, o.error, o.step])
+            rows.append([i, None, None, None, o.error, _step_out(o.step)])
             continue
         s = o.scan.stats
         stats = None if s is None else [s.bf16_representable, s.fp16_representable, s.informative_bf16,
                                         s.informative_fp16]
-        rows.append([i, o.scan.hash, o.scan.precision.value, stats, o.error, o.step])
+        rows.append([i, o.scan.hash, o.scan.precision.value, stats, o.error, _step_out(o.step)])
     return rows
 
 
@@ -130,19 +140,29 @@ def _decode(rows: list[list[Any]]) -> dict[int, ScanOutcome]:
     out: dict[int, ScanOutcome] = {}
     for i, digest, precision, stats, error, step in rows:
         if digest is None:
-            out[int(i)] = ScanOutcome(None, error, step)
+            out[int(i)] = ScanOutcome(None, error, _step_in(step))
             continue
         ps = None if stats is None else PrecisionStats(bool(stats[0]), bool(stats[1]), int(stats[2]), int(stats[3]))
-        out[int(i)] = ScanOutcome(TensorScan(digest, Precision(precision), ps), error, step)
+        out[int(i)] = ScanOutcome(TensorScan(digest, Precision(precision), ps), error, _step_in(step))
     return out
 
 
-def _gather_to_rank0(payload: dict[str, Any], rank: int, world_size: int) -> list[dict[str, Any]] | None:
-    """(all ranks) Send ``payload`` as JSON bytes; rank 0 gets every rank's, in rank order; others ``None``."""
+def _payload_bytes(payload: dict[str, Any], rank: int) -> tuple[bytes, ValueError | None]:
+    """(all ranks) ``payload`` as JSON bytes, encoded inside this rank's error handling: a value JSON cannot hold
+    fails this rank's share with its reason (the error returned beside it), never the collective every other rank
+    is waiting in."""
+    try:
+        return json.dumps(payload, allow_nan=False).encode(), None
+    except (ValueError, TypeError) as exc:
+        error = ValueError(f"rank {rank}'s results cannot be sent as JSON: {type(exc).__name__}: {exc}")
+        return json.dumps({"rank": rank, "error": f"ValueError: {error}"}).encode(), error
+
+
+def _gather_to_rank0(data: bytes, rank: int, world_size: int) -> list[dict[str, Any]] | None:
+    """(all ranks) Send ``data`` (a JSON payload); rank 0 gets every rank's, in rank order; others ``None``."""
     import torch
     import torch.distributed as dist
 
-    data = json.dumps(payload, allow_nan=False).encode()
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
     dist.all_gather(sizes, size)
@@ -239,7 +259,10 @@ def audit_distributed(path: str, options: AuditOptions | None = None, *, rank: i
             plan, shares, own_error, payload = _lead(path, options, world_size, clock)
         else:
             payload = _follow(path, options, rank, clock)
-        gathered = _gather_to_rank0(payload, rank, world_size)
+        data, unsent = _payload_bytes(payload, rank)
+        if rank == 0 and own_error is None:
+            own_error = unsent
+        gathered = _gather_to_rank0(data, rank, world_size)
         clock.mark("gather")
     except BaseException:
         if plan is not None:
@@ -251,6 +274,8 @@ def audit_distributed(path: str, options: AuditOptions | None = None, *, rank: i
     if gathered is None:  # not rank 0
         return None
     if own_error is not None:
+        if plan is not None:
+            plan.close()
         raise own_error
     assert plan is not None
     try:
@@ -324,17 +349,23 @@ def _follow(path: str, options: AuditOptions, rank: int, clock: _Clock) -> dict[
         if share.error:  # rank 0 raises it
             return {"rank": rank, "skipped": True}
         if is_url(path):
-            from ckptaudit.formats.remote import share_stand_in, share_view
+            from ckptaudit.formats.remote import ShareReader
 
-            view = share_view(path, [v.name for v in share.vetted],
-                              digest={v.name for v in share.vetted if v.digest is not None},
-                              single_file=share.single_file)
-            problems = []
-            for v in share.vetted:
-                seen = view[v.name]
-                problems += [(v.name, seen)] if isinstance(seen, str) else compare(v, *seen)
-            if not problems:
-                root, maps.remote = share_stand_in(path, share.data_files, single_file=share.single_file)
+            # Every read of this rank (the view check's and the scan's) goes through the reader's pinned, bounded
+            # ranged reads; the stand-in takes over its pins, released by maps.close().
+            reader = ShareReader(path, single_file=share.single_file)
+            try:
+                view = reader.view([v.name for v in share.vetted],
+                                   digest={v.name for v in share.vetted if v.digest is not None})
+                problems = []
+                for v in share.vetted:
+                    seen = view[v.name]
+                    problems += [(v.name, seen)] if isinstance(seen, str) else compare(v, *seen)
+                if not problems:
+                    root, maps.remote = reader.stand_in(share.data_files)
+            finally:
+                if maps.remote is None:
+                    reader.close()
         else:
             root = checkpoint_root(os.path.abspath(local_path(path)), share.single_file)
             problems = view_problems(root, share.vetted)

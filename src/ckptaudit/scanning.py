@@ -347,7 +347,7 @@ def assemble(plan: ScanPlan, outcomes: dict[int, ScanOutcome]) -> ScannedCheckpo
         for key, entry in view.optimizer.state.items():
             v = entry.get("step")
             if isinstance(v, int | float) and not isinstance(v, bool):
-                steps[key] = float(v)
+                steps[key] = v  # an int stays one: 10**400 has no float (2 and 2.0 still count as equal)
     return ScannedCheckpoint(plan.ckpt, view, records, refs, findings, plan.attachment, steps)
 
 

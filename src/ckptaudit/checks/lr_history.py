@@ -44,6 +44,10 @@ the lr (weight decay included): at lr 0 they move nothing."""
 
 
 _MAX_ITERATIONS = 100_000
+_MAX_COUNT = 1 << 62
+"""Counts and step numbers past this are not a real run's (a float holds them exactly enough, and no formula
+below can overflow): the schedule is not decided."""
+_MAX_LR = 1e30
 
 _GROUP_LRS = ("lr", "initial_lr", "max_lr")
 """A param group's own learning-rate records (``initial_lr``: set by a torch scheduler at its construction;
@@ -84,13 +88,20 @@ def zero_lr_groups(groups: Sequence[Mapping[str, Any]], schedulers: Sequence[Any
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    """A finite learning rate, or ``None``: the values come from the checkpoint's pickle, so an int too large
+    for a float (``10**400``) or an absurd magnitude is refused before any arithmetic, not raised."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    if isinstance(value, int):
+        return float(value) if -_MAX_COUNT <= value <= _MAX_COUNT else None
+    return value if math.isfinite(value) and abs(value) <= _MAX_LR else None
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """An int within :data:`_MAX_COUNT` of 0, or ``None`` (bools, floats and absurd magnitudes refused)."""
+    if isinstance(value, int) and not isinstance(value, bool) and -_MAX_COUNT <= value <= _MAX_COUNT:
+        return value
+    return None
 
 
 def _per_group(value: Any, groups: int) -> list[float] | None:

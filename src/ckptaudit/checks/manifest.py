@@ -99,17 +99,29 @@ def _inventory(ckpt: Checkpoint, view: View, m: dict) -> list[Finding]:  # type:
 
 def _content(records: Sequence[TensorRecord], m: dict) -> list[Finding]:  # type: ignore[type-arg]
     out: list[Finding] = []
+    malformed: list[str] = []
     tensors = m.get("tensors", {})
     for rec in records:
         if rec.hash is None:
             continue
-        entry = tensors.get(rec.name.replace("/", "."))
+        key = rec.name.replace("/", ".")
+        entry = tensors.get(key)
         shards = entry.get("shards") if isinstance(entry, dict) else None
         if not isinstance(shards, list) or len(shards) != 1 or not isinstance(shards[0], dict):
             continue
-        saved = shards[0].get("content_xxh3_128")
-        if isinstance(saved, str) and list(shards[0].get("sizes", [])) == list(rec.shape) and saved != rec.hash:
+        saved, sizes = shards[0].get("content_xxh3_128"), shards[0].get("sizes")
+        # The values come from a file: compared only when the entry's shape is a list of plain ints.
+        if not isinstance(sizes, list) or not all(type(n) is int for n in sizes):
+            malformed.append(key)
+            continue
+        if isinstance(saved, str) and sizes == list(rec.shape) and saved != rec.hash:
             out.append(finding("integrity.corrupt", rec.name,
                                f"{rec.name}: its values differ from those hashed in memory at save time",
                                xxh3_128=rec.hash, expected_xxh3_128=saved))
+    if malformed:
+        out.append(finding("integrity.corrupt", layout.MANIFEST,
+                           f"{layout.MANIFEST}: the entries of {len(malformed)} tensor(s) ({', '.join(malformed[:8])}"
+                           f"{', ...' if len(malformed) > 8 else ''}) have a shape (\"sizes\") that is not a list of "
+                           "integers: the manifest is damaged, and their values were not compared with those hashed "
+                           "at save time", tensors=malformed[:64]))
     return out

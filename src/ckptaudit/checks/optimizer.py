@@ -32,7 +32,7 @@ from typing import Any
 from ckptaudit.catalogue import finding
 from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts import ModelView, OptimizerView, TensorRef, View, normalize_fqn
-from ckptaudit.model import Finding, Severity
+from ckptaudit.model import Finding, Severity, text
 
 __all__ = [
     "ELEMENTWISE_STATE",
@@ -478,11 +478,17 @@ def check_steps(opt: OptimizerView | None, steps: dict[Any, float]) -> list[Find
         finding(
             "optimizer.step-mismatch",
             opt.where,
-            f"{opt.where}: per-parameter step counters disagree (most are {common:g}; {len(odd)} differ, e.g. "
-            f"{', '.join(odd[:5])}): bias correction will differ between parameters after resuming",
-            counts={f"{k:g}": c for k, c in values.items()},
+            f"{opt.where}: per-parameter step counters disagree (most are {_count_text(common)}; {len(odd)} differ, "
+            f"e.g. {', '.join(odd[:5])}): bias correction will differ between parameters after resuming",
+            counts={_count_text(k): c for k, c in values.items()},
         )
     ]
+
+
+def _count_text(value: float) -> str:
+    """A step counter as text: ``5``, ``2.5``, ``nan``; an int too large for a float or for ``str`` spelled
+    by :func:`~ckptaudit.model.text`, never raised."""
+    return text(value) if isinstance(value, int) else f"{value:g}"
 
 
 def assign_by_order(

@@ -5,19 +5,24 @@ resume experiment, the probe's CLI, the tests) calls :func:`launch`.
 
 Order of events:
 
-1. (parent) makes a private temporary directory holding the ``FileStore`` file and one result file per rank.
-2. (all ranks, each a fresh ``spawn`` process) join the process group through the ``FileStore`` with a
-   bounded ``timeout`` (no free port is needed, so parallel launches cannot collide), run
-   ``fn(ctx, *args)``, write the result (or the formatted exception) to their result file, and tear the
-   group down.
-3. (parent) waits for all ranks until ``timeout_s``; when any rank fails or the deadline passes, it kills the
-   survivors and reaps every child, so no process outlives the call. Failures of all ranks are reported
-   once, in one :class:`DistributedError` tagged by rank.
+1. (parent) makes a private temporary directory holding the ``FileStore`` file, one result file and one
+   standard-error file per rank.
+2. (all ranks, each a fresh ``spawn`` process) point their file descriptor 2 at their standard-error file (so
+   whatever the rank's C and C++ code, glibc's heap checks and ``faulthandler`` write lands there, even when
+   the rank dies by a signal), join the process group through the ``FileStore`` with a bounded ``timeout``
+   (no free port is needed, so parallel launches cannot collide), run ``fn(ctx, *args)``, write the result
+   (or the formatted exception) to their result file, and tear the group down.
+3. (parent) waits for all ranks until ``timeout_s``, copying what each rank writes to its standard error onto
+   its own, line by line behind a ``[rank N]`` tag; when the deadline passes it asks the ranks still alive for
+   the Python stacks of all their threads (``SIGUSR1``, see :mod:`faulthandler`), then kills them, and reaps
+   every child, so no process outlives the call. Failures of all ranks are reported once, in one
+   :class:`DistributedError` tagged by rank, with the last lines each failed rank wrote to its standard error.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import shutil
@@ -52,6 +57,16 @@ class RankFailure:
     reason: str
     """``"exception"``, ``"exit"`` (the process died, e.g. by a signal) or ``"timeout"``."""
     detail: str
+    stderr: str = ""
+    """The last lines the rank wrote to its standard error (at most :data:`STDERR_TAIL_LINES`): for a rank
+    that died by a signal, where glibc, torch or :mod:`faulthandler` said why."""
+    first: bool = False
+    """The likely cause: the failed rank the parent saw end first (of those seen in the same poll, one that died
+    rather than raised: its peers' errors usually only say that it vanished)."""
+
+
+STDERR_TAIL_LINES = 25
+"""How many of a failed rank's last standard-error lines :class:`DistributedError` carries and prints."""
 
 
 @dataclass
@@ -63,11 +78,17 @@ class DistributedError(Exception):
     """Results of the ranks that did finish, by rank."""
 
     def __str__(self) -> str:
-        lines = [f"{len(self.failures)} rank(s) failed:"]
-        for f in self.failures:
+        first = next((f.rank for f in self.failures if f.first), None)
+        lines = [f"{len(self.failures)} rank(s) failed" + (f" (rank {first} first)" if first is not None and
+                                                           len(self.failures) > 1 else "") + ":"]
+        # The rank that ended first is listed first: the others usually only saw their peer vanish.
+        for f in sorted(self.failures, key=lambda f: (not f.first, f.rank)):
             detail = f.detail.strip().splitlines()
             tail = detail[-1] if detail else ""
             lines.append(f"  rank {f.rank}: {f.reason}: {tail}")
+            if f.stderr.strip():
+                lines.append(f"    last lines of rank {f.rank}'s stderr:")
+                lines.extend(f"    | {line}" for line in f.stderr.rstrip().splitlines())
         return "\n".join(lines)
 
 
@@ -78,12 +99,14 @@ def _child(
     store_path: str,
     shared_dir: str,
     result_path: str,
+    stderr_path: str,
     pg_timeout_s: float,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     env: dict[str, str],
 ) -> None:
     # The child process body. Runs in a fresh interpreter (spawn), so imports happen here.
+    _capture_stderr(stderr_path)
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -120,6 +143,25 @@ def _child(
             pass
     # Skip interpreter teardown; gloo threads of a broken group can otherwise hang exit.
     os._exit(0 if outcome[0] == "ok" else 1)
+
+
+def _capture_stderr(path: str) -> None:
+    """(each rank, first thing) Send file descriptor 2 to ``path``, and make a fatal signal explain itself there.
+
+    The descriptor itself is redirected, not ``sys.stderr``: glibc's heap checks ("free(): invalid pointer"),
+    torch's C++ warnings and :mod:`faulthandler` write to descriptor 2 directly, and what the kernel has
+    received survives the process dying by a signal (a pipe read by a thread of the dying rank would not).
+    """
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # glibc writes its fatal messages (heap corruption) to the terminal unless told to use stderr.
+    os.environ.setdefault("LIBC_FATAL_STDERR_", "1")
+    # SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL: the Python stack of every thread, then the default action.
+    faulthandler.enable(all_threads=True)
+    # The parent's deadline: the stacks of a rank that hangs, just before it is killed.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 TORCH_PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "ckptaudit.exporters",
@@ -175,6 +217,7 @@ def launch(
         shared = shared_dir or os.path.join(own_tmp, "shared")
         os.makedirs(shared, exist_ok=True)
         result_paths = [os.path.join(own_tmp, f"result-{r}.pkl") for r in range(world_size)]
+        stderr_paths = [os.path.join(own_tmp, f"stderr-{r}.log") for r in range(world_size)]
         procs = []
         for rank in range(world_size):
             p = ctx.Process(
@@ -186,6 +229,7 @@ def launch(
                     store_path,
                     shared,
                     result_paths[rank],
+                    stderr_paths[rank],
                     float(pg_timeout_s if pg_timeout_s is not None else timeout_s),
                     fn,
                     tuple(args),
@@ -195,7 +239,7 @@ def launch(
             )
             p.start()
             procs.append(p)
-        return _collect(procs, result_paths, timeout_s)
+        return _collect(procs, result_paths, _Echo(stderr_paths), timeout_s)
     finally:
         shutil.rmtree(own_tmp, ignore_errors=True)
 
@@ -232,24 +276,86 @@ def _default_backend(world_size: int) -> str:
     return "gloo"
 
 
-def _collect(procs: list[Any], result_paths: list[str], timeout_s: float) -> list[Any]:
+class _Echo:
+    """(parent) Copies what each rank writes to its standard-error file onto the parent's, a whole line at a time
+    behind a ``[rank N]`` tag, and keeps each file's tail for the failure message."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+        self.offsets = [0] * len(paths)
+        self.partial = [b""] * len(paths)
+
+    def pump(self, *, final: bool = False) -> None:
+        for rank, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(self.offsets[rank])
+                    data = fh.read(1 << 20)
+            except FileNotFoundError:
+                continue
+            self.offsets[rank] += len(data)
+            data = self.partial[rank] + data
+            cut = len(data) if final else data.rfind(b"\n") + 1
+            self.partial[rank] = data[cut:]
+            if cut:
+                self._write(rank, data[:cut])
+
+    @staticmethod
+    def _write(rank: int, data: bytes) -> None:
+        text = data.decode("utf-8", "replace")
+        try:
+            sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+            sys.stderr.flush()
+        except (OSError, ValueError):  # the parent's stderr is closed or gone: the files still hold it all
+            pass
+
+    def tail(self, rank: int, lines: int = STDERR_TAIL_LINES) -> str:
+        try:
+            with open(self.paths[rank], "rb") as fh:
+                fh.seek(max(0, os.fstat(fh.fileno()).st_size - 64 * 1024))
+                data = fh.read()
+        except FileNotFoundError:
+            return ""
+        kept = [line for line in data.decode("utf-8", "replace").splitlines() if line.strip()]
+        return "\n".join(kept[-lines:])
+
+    def size(self, rank: int) -> int:
+        try:
+            return os.stat(self.paths[rank]).st_size
+        except FileNotFoundError:
+            return 0
+
+
+def _collect(procs: list[Any], result_paths: list[str], echo: _Echo, timeout_s: float) -> list[Any]:
     deadline = time.monotonic() + timeout_s
+    ended: dict[int, int] = {}  # rank -> the poll in which it was first seen ended
     killed: set[int] = set()
     try:
         # Ranks whose peer died end on their own through the process group's timeout; the deadline only
         # catches what that does not (a rank stuck outside collectives).
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        polls = 0
+        while time.monotonic() < deadline:
+            polls += 1
+            for rank, p in enumerate(procs):
+                if rank not in ended and not p.is_alive():
+                    ended[rank] = polls
+            echo.pump()
+            if len(ended) == len(procs):
+                break
             time.sleep(0.05)
     finally:
-        for rank, p in enumerate(procs):
-            if p.is_alive():
-                killed.add(rank)
-                try:
-                    os.kill(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        alive = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        killed.update(alive)  # past the deadline: a timeout, even if the stack request below ends it first
+        if alive:
+            _dump_stacks(procs, alive, echo)
+        for rank in alive:
+            try:
+                os.kill(procs[rank].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for p in procs:
             p.join(timeout=10)
+        echo.pump(final=True)
     results: dict[int, Any] = {}
     failures: list[RankFailure] = []
     for rank, (p, rp) in enumerate(zip(procs, result_paths, strict=True)):
@@ -259,11 +365,39 @@ def _collect(procs: list[Any], result_paths: list[str], timeout_s: float) -> lis
             if status == "ok":
                 results[rank] = value
             else:
-                failures.append(RankFailure(rank, "exception", str(value)))
+                failures.append(RankFailure(rank, "exception", str(value), echo.tail(rank)))
         elif rank in killed:
-            failures.append(RankFailure(rank, "timeout", f"no result within {timeout_s:.0f} s; killed"))
+            failures.append(RankFailure(rank, "timeout", f"no result within {timeout_s:.0f} s; killed",
+                                        echo.tail(rank)))
         else:
-            failures.append(RankFailure(rank, "exit", f"process ended with exit code {p.exitcode}"))
+            failures.append(RankFailure(rank, "exit", _exit_text(p.exitcode), echo.tail(rank)))
     if failures:
+        first = min(failures, key=lambda f: (ended.get(f.rank, 1 << 62), f.reason != "exit", f.rank)).rank
+        failures = [RankFailure(f.rank, f.reason, f.detail, f.stderr, f.rank == first) for f in failures]
         raise DistributedError(failures=failures, results=results)
     return [results[r] for r in range(len(procs))]
+
+
+def _dump_stacks(procs: list[Any], alive: list[int], echo: _Echo) -> None:
+    """(parent, at the deadline) Ask each rank still alive for its threads' Python stacks and wait (briefly) until
+    they are written, so that a hang is reported with where it hung."""
+    sizes = {rank: echo.size(rank) for rank in alive}
+    for rank in alive:
+        try:
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    until = time.monotonic() + 2.0
+    while time.monotonic() < until and any(echo.size(r) == sizes[r] and procs[r].is_alive() for r in alive):
+        time.sleep(0.05)
+    time.sleep(0.1)  # the dump is written a frame at a time
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"process ended with exit code {code} (killed by {name})"
+    return f"process ended with exit code {code}"

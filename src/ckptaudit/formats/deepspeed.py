@@ -45,7 +45,9 @@ from ckptaudit.catalogue import finding
 from ckptaudit.formats.base import Part, Unreadable
 from ckptaudit.formats.deepspeed_zero import (
     _add_optimizer,
+    _count_empty,
     _LayoutError,
+    _LimitError,
     _shape,
     _tree,
     _zero3,
@@ -54,7 +56,7 @@ from ckptaudit.formats.deepspeed_zero import (
     _zero12_frozen,
 )
 from ckptaudit.formats.tensors import TensorData
-from ckptaudit.model import Finding
+from ckptaudit.model import Finding, text
 
 __all__ = [
     "DeepSpeedRead",
@@ -238,10 +240,15 @@ def _read_mp_rank(mp: int, name_prefix: str, prefix: str, models: dict[tuple[int
             tree["client_state"][key] = value
     if tree["lr_scheduler"] is None:
         tree["lr_scheduler"] = rank0.get("lr_scheduler")
+    # The saved ds_config is a record, not what load_checkpoint reads (the resuming engine has its own config):
+    # where it is damaged or silent, the files present decide the stage and the dtype.
     config = _dict(rank0.get("ds_config"))
     raw_stage = _dict(config.get("zero_optimization")).get("stage")
-    stage = raw_stage if isinstance(raw_stage, int) and not isinstance(raw_stage, bool) else 0
-    dtype = next((d for d in ("bf16", "fp16") if _dict(config.get(d)).get("enabled")), "fp32")
+    has_shards = any(m == mp for m, _ in optims)
+    stage = (raw_stage if isinstance(raw_stage, int) and not isinstance(raw_stage, bool) and 0 <= raw_stage <= 3
+             else 1 if has_shards else 0)
+    dtype = (next((d for d in ("bf16", "fp16") if _dict(config.get(d)).get("enabled")), "fp32")
+             if isinstance(rank0.get("ds_config"), dict) else _compute_dtype(module, buffer_names, optims))
     facts.update({k: rank0.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "dp_world_size",
                                              "mp_world_size", "ds_version") if k in rank0})
     # What the schedule needs to be recomputed (checks/lr_history.py): the config's scheduler and optimizer; and its
@@ -263,6 +270,18 @@ def _read_mp_rank(mp: int, name_prefix: str, prefix: str, models: dict[tuple[int
     for alias, original in shared_map.items():
         if name_prefix + original in masters:
             masters[name_prefix + alias] = masters[name_prefix + original]
+
+
+def _compute_dtype(module: dict[str, Any], buffer_names: set[str],
+                   optims: dict[tuple[int, int], tuple[str, Part | None]]) -> str:
+    """The engine's dtype without its config: the optimizer shards' name prefix (``bf16_zero_pp_rank_...``), else
+    the module weights' one dtype, else fp32."""
+    names = {os.path.basename(name) for name, _ in optims.values()}
+    for prec in ("bf16", "fp16"):
+        if names and all(n.startswith(prec + "_") for n in names):
+            return prec
+    dtypes = {v.dtype.name for k, v in module.items() if k not in buffer_names and isinstance(v, TensorData)}
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(dtypes.pop(), "fp32") if len(dtypes) == 1 else "fp32"
 
 
 def _stage0(mp: int, name_prefix: str, prefix: str, rank0: dict[str, Any], module: dict[str, Any],
@@ -322,7 +341,11 @@ def _stage0(mp: int, name_prefix: str, prefix: str, rank0: dict[str, Any], modul
                                           if inner is opt else f"{where} (optimizer/fp32_groups)")
 
 
-def _missing(findings: list[Finding], subject: str, why: str) -> None:
+def _missing(findings: list[Finding], subject: str, why: str, *, limit: bool = False) -> None:
+    if limit:  # a safety limit of this reader: say so, claim nothing about what DeepSpeed would do
+        findings.append(finding(
+            "deepspeed.masters-missing", subject, f"the fp32 masters were not rebuilt: {why}", why=why, limit=True))
+        return
     findings.append(finding(
         "deepspeed.masters-missing", subject,
         f"the fp32 masters are gone: {why}. DeepSpeed's load_checkpoint would fail, or (load_optimizer_states="
@@ -343,6 +366,22 @@ def _zero(mp: int, name_prefix: str, prefix: str, stage: int, rank0: dict[str, A
         _missing(findings, subject, f"the optimizer shards name data-parallel rank {world - 1}, beyond any real "
                  f"job ({_MAX_RANKS} ranks); their partitions were not assembled")
         return
+    beyond = sorted(dp for dp in mine if dp >= world)
+    if beyond:
+        # DeepSpeed's zero_to_fp32 counts the *_optim_states.pt files against the ranks the save had and refuses
+        # the folder ("Possibly due to an overwrite of an old checkpoint"); load_checkpoint reads ranks 0..N-1
+        # only. Which files belong to this save is not decided: an error, the masters judged as load_checkpoint
+        # reads them.
+        names = [mine[dp][0] for dp in beyond]
+        findings.append(finding(
+            "integrity.corrupt", names[0],
+            f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''}: optimizer shard(s) of data-parallel "
+            f"rank(s) {', '.join(map(str, beyond[:8]))}, beyond the {world} ranks the model states record "
+            "(dp_world_size): files of another save (an overwrite of an older checkpoint with more ranks?). "
+            f"DeepSpeed's zero_to_fp32 refuses this folder (it expects {world} *_optim_states.pt files, finds "
+            f"{len(mine)}); load_checkpoint reads ranks 0-{world - 1} only, which are audited",
+            files=names[:64], ranks=beyond[:64], world_size=world))
+        mine = {dp: v for dp, v in mine.items() if dp < world}
     absent = [dp for dp in range(world) if dp not in mine]
     unreadable = [mine[dp][0] for dp in sorted(mine) if _tree(mine[dp][1]) is None]
     if absent or unreadable or not mine:
@@ -370,9 +409,25 @@ def _zero(mp: int, name_prefix: str, prefix: str, stage: int, rank0: dict[str, A
     tree["deepspeed"]["dp_world_size"] = world
     shapes = rank0.get("param_shapes")
     try:
+        counts = _opaque_value(states[0].get("partition_count"))
+        counts = counts if isinstance(counts, list) else [counts] if counts is not None else []
+        if counts and not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
+            raise _LayoutError("partition_count of the optimizer shards is not a list of ints")
+        if counts and max(counts) != world:  # zero_to_fp32's world size: the files must number as many
+            raise _LayoutError(f"the optimizer shards record {text(max(counts))} partitions (partition_count), the "
+                               f"folder holds {world} ranks' shards")
         if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
             raise _LayoutError("param_shapes of the model states is not a list of name -> shape maps")
-        groups = [[(str(n), _shape(s)) for n, s in g.items()] for g in shapes]
+        groups: list[list[tuple[str, tuple[int, ...]]]] = []
+        empty = 0
+        for g in shapes:
+            group = []
+            for n, s in g.items():
+                shape = _shape(s)
+                if 0 in shape:  # counted as they come: a flood of them stops here
+                    empty = _count_empty((shape,), empty, "param_shapes")
+                group.append((str(n), shape))
+            groups.append(group)
         if "fp32_flat_groups" in states[0]:
             _zero3(name_prefix, groups, states, tree)
         elif "single_partition_of_fp32_groups" in states[0]:
@@ -381,7 +436,7 @@ def _zero(mp: int, name_prefix: str, prefix: str, stage: int, rank0: dict[str, A
             raise _LayoutError("no fp32 partitions (single_partition_of_fp32_groups / fp32_flat_groups) in "
                                f"{mine[0][0]}")
         if stage == 3:
-            _zero3_frozen(name_prefix, rank0, model_parts, world, tree)
+            _zero3_frozen(name_prefix, rank0, model_parts, world, tree, empty)
         else:
             _zero12_frozen(name_prefix, rank0, tree)
     except _LayoutError as exc:
@@ -390,7 +445,8 @@ def _zero(mp: int, name_prefix: str, prefix: str, stage: int, rank0: dict[str, A
         if isinstance(tree["optimizer"], dict):
             for key in [k for k in tree["optimizer"]["state"] if k.startswith(name_prefix)]:
                 del tree["optimizer"]["state"][key]
-        _missing(findings, subject, f"the flat partitions cannot be mapped back to parameters ({exc})")
+        _missing(findings, subject, f"the flat partitions cannot be mapped back to parameters ({exc})",
+                 limit=isinstance(exc, _LimitError))
         return
     tree["deepspeed"]["masters_where"] = (f"{prefix}*zero_pp_rank_*_mp_rank_{mp:02d}_optim_states.pt "
                                           f"({world} ranks' flat partitions)")

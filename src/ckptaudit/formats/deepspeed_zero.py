@@ -9,17 +9,41 @@ Pure: the trees come from the caller; nothing is read or materialised here.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ckptaudit.formats.base import Part, Unreadable
 from ckptaudit.formats.tensors import Piece, TensorData
+from ckptaudit.model import text
 
 _MAX_RANK_DIMS = 32
+_MAX_NUMEL = 1 << 62
+"""More elements than any tensor holds: a shape past this is refused before any arithmetic uses it."""
+MAX_EMPTY_PARAMS = 1024
+"""Parameters with no elements read per checkpoint at most. A real model has a few; each costs a name and a
+memoised shape in ``param_shapes`` (about 20 bytes) but becomes a master, its moments and their records, with
+no partition bytes behind them: past this, the layout is refused, so the work stays bounded by the bytes read."""
 
 
 class _LayoutError(ValueError):
     """The files' own bookkeeping does not add up (damaged or hand-edited): the masters cannot be rebuilt."""
+
+
+class _LimitError(_LayoutError):
+    """The layout asks for more work than its bytes pay for (a reader's safety limit, not proof of damage)."""
+
+
+def _count_empty(shapes: Iterable[tuple[int, ...]], already: int, what: str) -> int:
+    """``already`` plus the shapes with no elements; :class:`_LimitError` as soon as the count passes
+    :data:`MAX_EMPTY_PARAMS` (the rest is not looked at)."""
+    total = already
+    for s in shapes:
+        total += 0 in s
+        if total > MAX_EMPTY_PARAMS:
+            raise _LimitError(f"{what} declares more than {MAX_EMPTY_PARAMS} parameters that hold no elements, "
+                              "more than a model has (each a few bytes of pickle, and a master and moments to "
+                              "audit): refused as the reader's safety limit")
+    return total
 
 
 def _tree(part: Part | None) -> dict[str, Any] | None:
@@ -34,10 +58,25 @@ def _add_optimizer(tree: dict[str, Any], state: dict[str, dict[str, Any]], group
     tree["optimizer"]["param_groups"].extend(groups)
 
 
+def _show(value: Any) -> str:
+    """A short text of a value read from a pickle (never fails: huge integers, long lists)."""
+    if isinstance(value, tuple | list):
+        items = [text(v) if isinstance(v, int | float) else type(v).__name__ for v in value[:8]]
+        return "[" + ", ".join(items) + (", ..." if len(value) > 8 else "") + "]"
+    return text(value) if isinstance(value, int | float) else type(value).__name__
+
+
 def _shape(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, tuple | list) or len(value) > _MAX_RANK_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                      for d in value):
-        raise _LayoutError(f"parameter shape {value!r} is not a tuple of non-negative ints")
+    """A parameter shape from ``param_shapes``, checked in integers before any arithmetic uses it."""
+    if not isinstance(value, tuple | list) or len(value) > _MAX_RANK_DIMS or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _MAX_NUMEL for d in value):
+        raise _LayoutError(f"parameter shape {_show(value)} is not a tuple of at most {_MAX_RANK_DIMS} "
+                           f"non-negative ints below 2**62")
+    numel = 1
+    for d in value:
+        numel *= d
+        if numel > _MAX_NUMEL:
+            raise _LayoutError(f"parameter shape {_show(value)} has more than 2**62 elements")
     return tuple(value)
 
 
@@ -53,6 +92,33 @@ def _flat(value: Any, what: str) -> TensorData:
 # A segment: elements [src_start, src_start + length) of the flat ``src`` hold elements
 # [logical_start, logical_start + length) of the parameter (row-major).
 _Segment = tuple[TensorData, int, int, int]
+# The same with the source named by its rank: (rank, src_start, logical_start, length).
+_Cut = tuple[int, int, int, int]
+
+
+def _cut(bounds: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[list[_Cut]]:
+    """Each ``[lo, hi)`` of ``ranges`` (sorted, disjoint) cut along the ranks' partitions, rank ``r`` holding
+    ``[bounds[r], bounds[r + 1])`` of the concatenation: one sweep, so the work is linear in parameters + ranks
+    (a parameter visits only the ranks it lies in, and the rank pointer never moves back)."""
+    out: list[list[_Cut]] = []
+    ranks = len(bounds) - 1
+    r = 0
+    for lo, hi in ranges:
+        cut: list[_Cut] = []
+        if hi > lo:
+            while r < ranks and bounds[r + 1] <= lo:
+                r += 1
+            k = r
+            while k < ranks:
+                start, end = bounds[k], bounds[k + 1]
+                if start >= hi:
+                    break
+                a, b = max(lo, start), min(hi, end)
+                if a < b:
+                    cut.append((k, a - start, a - lo, b - a))
+                k += 1
+        out.append(cut)
+    return out
 
 
 def _assemble(shape: tuple[int, ...], segments: list[_Segment]) -> TensorData:
@@ -115,7 +181,7 @@ def _base_state(osd: dict[str, Any], key: str, group: int) -> dict[str, Any]:
     index: Any = group
     if isinstance(groups, list) and group < len(groups) and isinstance(groups[group], dict):
         ps = groups[group].get("params")
-        if isinstance(ps, list) and len(ps) == 1:
+        if isinstance(ps, list) and len(ps) == 1 and isinstance(ps[0], int):  # a dict or list: unhashable
             index = ps[0]
     entry = state.get(index) if isinstance(state, dict) else None
     return entry if isinstance(entry, dict) else {}
@@ -131,73 +197,98 @@ def _param_groups(osd: dict[str, Any], key: str, names: list[list[str]]) -> list
     return out
 
 
-def _attach(name: str, shape: tuple[int, ...], numel: int, entries: list[dict[str, Any]],
-            spans: Callable[[str, list[dict[str, Any]]], list[_Segment] | None]) -> dict[str, Any]:
-    """The optimizer state of one parameter: per-element state rebuilt like the master, scalars from rank 0."""
-    state: dict[str, Any] = {}
+def _per_element(entries: list[dict[str, Any]], fits: Callable[[TensorData, TensorData], bool],
+                 flats: list[TensorData]) -> dict[str, list[TensorData] | None]:
+    """The per-element optimizer state of one flat group (``exp_avg``, ``exp_avg_sq``: a 1-D tensor in rank 0's
+    entry), each name mapped to every rank's flat tensor, checked once per group (``fits(tensor, that rank's
+    partition)``), or to ``None`` when they do not line up with the partitions (the state is then left out)."""
+    out: dict[str, list[TensorData] | None] = {}
     for sname, value in entries[0].items():
-        if isinstance(value, TensorData) and len(value.shape) == 1 and numel > 0:
-            segments = spans(str(sname), entries)
-            if segments is not None:
-                state[str(sname)] = _assemble(shape, segments)
+        if not (isinstance(value, TensorData) and len(value.shape) == 1):
+            continue
+        srcs = [e.get(sname) for e in entries]
+        ok = all(isinstance(s, TensorData) and len(s.shape) == 1 and fits(s, f)
+                 for s, f in zip(srcs, flats, strict=True))
+        try:
+            out[str(sname)] = [_flat(s, str(sname)) for s in srcs] if ok else None
+        except _LayoutError:
+            out[str(sname)] = None
+    return out
+
+
+def _attach(shape: tuple[int, ...], numel: int, entry0: dict[str, Any],
+            moments: dict[str, list[TensorData] | None],
+            segments: Callable[[list[TensorData]], list[_Segment]]) -> dict[str, Any]:
+    """The optimizer state of one parameter: per-element state cut like the master (an empty tensor of the
+    parameter's shape for a parameter with no elements), scalars from rank 0."""
+    state: dict[str, Any] = {}
+    for sname, value in entry0.items():
+        key = str(sname)
+        if key in moments:
+            srcs = moments[key]
+            if srcs is not None:
+                state[key] = _assemble(shape, segments(srcs)) if numel else TensorData(srcs[0].dtype, shape, ())
         elif isinstance(value, TensorData | Unreadable) or not isinstance(value, dict | list):
-            state[str(sname)] = value
+            state[key] = value
     return state
+
+
+def _paddings(raw: Any, group: int, params: int) -> list[int]:
+    """``param_alignment_paddings`` of one group as DeepSpeed's ``zero_to_fp32`` reads it: absent, no padding;
+    present, one non-negative int per parameter, else the layout is refused (as ``zero_to_fp32`` refuses it)."""
+    if raw is None:
+        return [0] * params
+    pads = raw[group] if isinstance(raw, list) and group < len(raw) else None
+    if not isinstance(pads, list) or len(pads) != params:
+        raise _LayoutError(f"param_alignment_paddings of group {group} holds "
+                           f"{len(pads) if isinstance(pads, list) else 'no list of'} entries for {params} "
+                           "parameters")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _MAX_NUMEL for x in pads):
+        raise _LayoutError(f"param_alignment_paddings of group {group} holds a value that is not a small "
+                           "non-negative int")
+    return pads
 
 
 def _zero12(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], states: list[dict[str, Any]],
             tree: dict[str, Any]) -> None:
     """ZeRO-1/2: per group, the ranks' saved partitions concatenated are the group's flat buffer (padding
-    dropped); parameters follow in ``param_shapes`` order, each followed by its alignment padding."""
+    dropped); parameters follow in ``param_shapes`` order, each followed by its alignment padding. Work: one
+    sweep over the parameters and the ranks' boundaries per group (:func:`_cut`)."""
     parts: list[Any] = [s.get("single_partition_of_fp32_groups") for s in states]
     if not all(isinstance(p, list) and len(p) == len(groups) for p in parts):
         raise _LayoutError(f"single_partition_of_fp32_groups does not hold {len(groups)} group(s) on every rank")
-    paddings = states[0].get("param_alignment_paddings")
-    paddings = paddings if isinstance(paddings, list) else []
+    raw_paddings = states[0].get("param_alignment_paddings")
     state_tree: dict[str, dict[str, Any]] = {}
     for g, params in enumerate(groups):
         flats = [_flat(p[g], f"rank {r}'s partition of group {g}") for r, p in enumerate(parts)]
         bounds = [0]
         for f in flats:
             bounds.append(bounds[-1] + f.numel)
-        pads = paddings[g] if g < len(paddings) else None
-        if not (isinstance(pads, list) and len(pads) == len(params) and all(isinstance(x, int) for x in pads)):
-            pads = [0] * len(params)
-        entries = [_base_state(s, "base_optimizer_state", g) for s in states]
-
-        def spans_of(lo: int, hi: int, sources: list[TensorData], bounds: list[int] = bounds) -> list[_Segment]:
-            out: list[_Segment] = []
-            for r, src in enumerate(sources):
-                a, b = max(lo, bounds[r]), min(hi, bounds[r + 1])
-                if a < b:
-                    out.append((src, a - bounds[r], a - lo, b - a))
-            return out
-
+        pads = _paddings(raw_paddings, g, len(params))
+        ranges: list[tuple[int, int]] = []
         offset = 0
         for (name, shape), pad in zip(params, pads, strict=True):
             numel = math.prod(shape)
             if offset + numel > bounds[-1]:
                 raise _LayoutError(f"{name} would end at element {offset + numel} of group {g}, whose partitions "
                                    f"hold {bounds[-1]}")
-            lo, hi = offset, offset + numel
-            fqn = name_prefix + name
-            tree["fp32_masters"][fqn] = (_assemble(shape, spans_of(lo, hi, flats)) if numel else
-                                         TensorData(flats[0].dtype, shape, ()))
-
-            def moment(sname: str, ents: list[dict[str, Any]], lo: int = lo, hi: int = hi,
-                       flats: list[TensorData] = flats, spans_of: Any = spans_of) -> list[_Segment] | None:
-                # The moments keep the partition padding the saved masters drop (last rank: longer by the pad).
-                srcs = [e.get(sname) for e in ents]
-                if not all(isinstance(s, TensorData) and len(s.shape) == 1 and s.numel >= f.numel
-                           for s, f in zip(srcs, flats, strict=True)):
-                    return None
-                return spans_of(lo, hi, [_flat(s, sname) for s in srcs])  # type: ignore[no-any-return]
-
-            state_tree[fqn] = _attach(fqn, shape, numel, entries, moment)
-            offset = hi + max(0, pad)
+            ranges.append((offset, offset + numel))
+            offset += numel + pad
         align = 2 * len(states)
-        if align * math.ceil(offset / align) != align * math.ceil(bounds[-1] / align):
+        if -(-offset // align) != -(-bounds[-1] // align):
             raise _LayoutError(f"group {g}'s parameters use {offset} elements, its partitions hold {bounds[-1]}")
+        entries = [_base_state(s, "base_optimizer_state", g) for s in states]
+        # The moments keep the partition padding the saved masters drop (last rank: longer by the pad).
+        moments = _per_element(entries, lambda t, f: t.numel >= f.numel, flats)
+        for (name, shape), (lo, hi), cut in zip(params, ranges, _cut(bounds, ranges), strict=True):
+            fqn = name_prefix + name
+
+            def segments(srcs: list[TensorData], cut: list[_Cut] = cut) -> list[_Segment]:
+                return [(srcs[r], a, b, n) for r, a, b, n in cut]
+
+            tree["fp32_masters"][fqn] = (_assemble(shape, segments(flats)) if hi > lo else
+                                         TensorData(flats[0].dtype, shape, ()))
+            state_tree[fqn] = _attach(shape, hi - lo, entries[0], moments, segments)
     _add_optimizer(tree, state_tree, _param_groups(states[0], "base_optimizer_state",
                                                    [[name_prefix + n for n, _ in ps] for ps in groups]))
 
@@ -205,7 +296,8 @@ def _zero12(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], s
 def _zero3(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], states: list[dict[str, Any]],
            tree: dict[str, Any]) -> None:
     """ZeRO-3: in each group's flat partition every parameter takes ``ceil(numel / world)`` elements per rank;
-    rank r's slice holds elements ``[r * part, (r + 1) * part)`` of the parameter, the last one padded."""
+    rank r's slice holds elements ``[r * part, (r + 1) * part)`` of the parameter, the last one padded. Work:
+    per parameter, the ranks that hold its elements (each holds ``part`` elements of every rank's partition)."""
     world = len(states)
     flats_all: list[Any] = [s.get("fp32_flat_groups") for s in states]
     if not all(isinstance(f, list) and len(f) == len(groups) for f in flats_all):
@@ -215,37 +307,26 @@ def _zero3(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], st
         flats = [_flat(f[g], f"rank {r}'s flat group {g}") for r, f in enumerate(flats_all)]
         if len({f.numel for f in flats}) != 1:
             raise _LayoutError(f"the ranks' flat partitions of group {g} differ in length "
-                               f"({', '.join(str(f.numel) for f in flats)})")
+                               f"({', '.join(str(f.numel) for f in flats[:8])}{', ...' if world > 8 else ''})")
         entries = [_base_state(s, "optimizer_state_dict", g) for s in states]
+        moments = _per_element(entries, lambda t, f: t.shape == f.shape, flats)
         offset = 0
         for name, shape in params:
             numel = math.prod(shape)
-            part = math.ceil(numel / world)
+            part = -(-numel // world)  # ceil in integers: a float overflows on a huge declared shape
             if offset + part > flats[0].numel:
                 raise _LayoutError(f"{name} would end at element {offset + part} of group {g}, whose partitions "
                                    f"hold {flats[0].numel} per rank")
+            # Only the first ceil(numel / part) ranks hold elements of it; the rest hold its padding.
+            cut = [(r, offset, r * part, min(part, numel - r * part)) for r in range(-(-numel // part) if part else 0)]
 
-            def spans(sources: list[TensorData], offset: int = offset, part: int = part,
-                      numel: int = numel) -> list[_Segment]:
-                out: list[_Segment] = []
-                for r, src in enumerate(sources):
-                    n = min(part, numel - r * part)
-                    if n > 0:
-                        out.append((src, offset, r * part, n))
-                return out
+            def segments(srcs: list[TensorData], cut: list[_Cut] = cut) -> list[_Segment]:
+                return [(srcs[r], a, b, n) for r, a, b, n in cut]
 
             fqn = name_prefix + name
-            tree["fp32_masters"][fqn] = (_assemble(shape, spans(flats)) if numel else
+            tree["fp32_masters"][fqn] = (_assemble(shape, segments(flats)) if numel else
                                          TensorData(flats[0].dtype, shape, ()))
-
-            def moment(sname: str, ents: list[dict[str, Any]], spans: Any = spans,
-                       flats: list[TensorData] = flats) -> list[_Segment] | None:
-                srcs = [e.get(sname) for e in ents]
-                if not all(isinstance(s, TensorData) and s.shape == flats[0].shape for s in srcs):
-                    return None
-                return spans([_flat(s, sname) for s in srcs])  # type: ignore[no-any-return]
-
-            state_tree[fqn] = _attach(fqn, shape, numel, entries, moment)
+            state_tree[fqn] = _attach(shape, numel, entries[0], moments, segments)
             offset += part
         if offset != flats[0].numel:
             raise _LayoutError(f"group {g}'s parameters use {offset} elements per rank, its partitions hold "
@@ -264,29 +345,32 @@ def _zero12_frozen(name_prefix: str, rank0: dict[str, Any], tree: dict[str, Any]
 
 
 def _zero3_frozen(name_prefix: str, rank0: dict[str, Any], model_parts: dict[int, Part | None], world: int,
-                  tree: dict[str, Any]) -> None:
-    """ZeRO-3 frozen parameters: every rank's model states holds its slice in ``frozen_param_fragments``."""
+                  tree: dict[str, Any], empty: int = 0) -> None:
+    """ZeRO-3 frozen parameters: every rank's model states holds its slice in ``frozen_param_fragments`` (DeepSpeed's
+    ``zero_to_fp32`` takes one from every rank: a rank without it fails the parameter). ``empty``: the trainable
+    parameters with no elements already read (:data:`MAX_EMPTY_PARAMS` counts both)."""
     shapes = rank0.get("frozen_param_shapes")
     if not isinstance(shapes, dict) or not shapes:
         return
-    trees = [_tree(model_parts.get(dp)) for dp in range(world)]
-    for name, raw in shapes.items():
-        if not isinstance(name, str):
-            continue
-        shape = _shape(raw)
+    maps = []
+    for dp in range(world):
+        t = _tree(model_parts.get(dp))
+        frags = t.get("frozen_param_fragments") if t is not None else None
+        maps.append(frags if isinstance(frags, dict) else {})
+    checked = {name: _shape(raw) for name, raw in shapes.items() if isinstance(name, str)}
+    _count_empty(checked.values(), empty, "frozen_param_shapes (with param_shapes)")
+    for name, shape in checked.items():
         numel = math.prod(shape)
-        part = math.ceil(numel / world)
-        frags = [t.get("frozen_param_fragments", {}).get(name) if t is not None and
-                 isinstance(t.get("frozen_param_fragments"), dict) else None for t in trees]
-        if not all(isinstance(f, TensorData) and len(f.shape) == 1 and f.numel >= min(part, numel - r * part)
-                   for r, f in enumerate(frags)):
-            tree["frozen"][name_prefix + name] = Unreadable(
-                f"ZeRO-3 frozen parameter {name}: a rank's fragment is missing or unreadable")
-            continue
+        part = -(-numel // world)
         segments: list[_Segment] = []
-        for r, f in enumerate(frags):
+        for r, frags in enumerate(maps):  # stops at the first rank without its fragment
+            f = frags.get(name)
             n = min(part, numel - r * part)
+            if not (isinstance(f, TensorData) and len(f.shape) == 1 and f.numel >= n):
+                tree["frozen"][name_prefix + name] = Unreadable(
+                    f"ZeRO-3 frozen parameter {name}: a rank's fragment is missing or unreadable")
+                break
             if n > 0:
-                assert isinstance(f, TensorData)
                 segments.append((_flat(f, name), 0, r * part, n))
-        tree["frozen"][name_prefix + name] = _assemble(shape, segments)
+        else:
+            tree["frozen"][name_prefix + name] = _assemble(shape, segments)

@@ -132,7 +132,9 @@ class LeasedFile:
                         return False
                     self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
                     self._bytes = memoryview(self._map)
-                    fcntl.fcntl(fd, _F_SETSIG, int(signal.SIGURG))  # before the lease: SIGIO would kill us
+                # Before every lease, not once per map: the break signal belongs to the open file description,
+                # and one without it (a descriptor number re-opened or dup2'd over) would get SIGIO, which kills.
+                fcntl.fcntl(fd, _F_SETSIG, int(signal.SIGURG))
                 fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_RDLCK)
             if fcntl.fcntl(fd, _F_GETLEASE) != fcntl.F_RDLCK:
                 # A writer is waiting: let the chunks in flight finish, start none, and never take the lease

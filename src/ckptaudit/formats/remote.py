@@ -15,21 +15,34 @@ members carry their sizes only after their data, so the data files cannot be wal
 stand-in is read by the same DCP reader as a local directory. Other sub-prefixes are left empty, as the readers
 open nothing else below a local directory's top level.
 
+Every read goes through :class:`_Remote` (one object of the staged checkpoint): its reply must be exactly the
+range asked (never more bytes are kept, fewer is an error), the object must still be the one staged (its ETag,
+read at staging, is sent as ``If-Match`` with every S3 ``GetObject`` and every HTTP request and checked in the
+replies: a replacement of the same length is reported, never read as the staged object), and the first read
+that times out or breaks the protocol fails every later read of the checkpoint at once (a misbehaving server
+costs one deadline, not one per request). ``http(s)://`` requests are bounded one by one
+(:mod:`ckptaudit.formats.remote_http`: a deadline per request, the reply capped to the range asked); S3 requests
+by the client's connect and read timeouts. ``$CKPTAUDIT_REMOTE_TIMEOUT`` (seconds, default 30) sets both.
+
 Credentials and endpoints come from fsspec's and the storage library's usual configuration (for S3:
-``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL`` or ``FSSPEC_S3_ENDPOINT_URL``...).
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles; ``FSSPEC_S3_*`` where the
+installed s3fs takes the option). A configuration the storage library rejects, or credentials it cannot find or
+use, is a :class:`RemoteError` naming the URL: one line, exit code 2.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MAX_STAGED_BYTES", "RemoteError", "RemoteFiles", "is_url", "local_path", "stage"]
+__all__ = ["MAX_STAGED_BYTES", "ObjectChanged", "ProtocolError", "RemoteError", "RemoteFiles", "RemoteReadError",
+           "RequestTimeout", "ShareReader", "is_url", "local_path", "request_timeout", "stage"]
 
 MAX_STAGED_BYTES = 1 << 30
 """Metadata bytes staged per checkpoint at most (headers, pickles, JSON): a limit against hostile listings."""
@@ -49,7 +62,44 @@ TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
 
 
 class RemoteError(OSError):
-    """A URL that cannot be read: unknown protocol, missing library, unsupported layout, too much metadata."""
+    """A URL that cannot be read: unknown protocol, missing library, unsupported layout, too much metadata,
+    a configuration or credentials the storage library refuses."""
+
+
+class RemoteReadError(OSError):
+    """A ranged read that did not return the bytes asked (the message says why)."""
+
+
+class ProtocolError(RemoteReadError):
+    """The reply is not the range asked: ranges ignored, another range, more or fewer bytes than asked."""
+
+
+class RequestTimeout(RemoteReadError):
+    """A request that outlived its deadline."""
+
+
+class ObjectChanged(RemoteReadError):
+    """The object is no longer the one staged (another ETag, or the server refused the pinned one)."""
+
+
+TIMEOUT_ENV = "CKPTAUDIT_REMOTE_TIMEOUT"
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def request_timeout() -> float:
+    """Seconds one request may wait to connect or for its next bytes: ``$CKPTAUDIT_REMOTE_TIMEOUT`` (default
+    30). A value that is not a number of seconds in (0, 3600] is a :class:`RemoteError` (a configuration
+    error: one line, exit 2)."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 3600:
+        raise RemoteError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds between 0 and 3600")
+    return value
 
 
 def is_url(path: str) -> bool:
@@ -63,11 +113,81 @@ def local_path(path: str) -> str:
     return path[len("file://"):] if path.lower().startswith("file://") else path
 
 
+class _Guard:
+    """The reads of one staged checkpoint: the first that times out or breaks the protocol trips it, and every
+    later read fails at once with the same reason."""
+
+    def __init__(self) -> None:
+        self.tripped: str | None = None
+
+    def check(self) -> None:
+        if self.tripped is not None:
+            raise RemoteReadError(f"{self.tripped} (an earlier read failed so; no more requests are made)")
+
+    def failed(self, exc: RemoteReadError) -> RemoteReadError:
+        if self.tripped is None and isinstance(exc, ProtocolError | RequestTimeout):
+            self.tripped = str(exc)
+        return exc
+
+
 @dataclass(frozen=True, slots=True)
 class _Remote:
+    """One remote object of a staged checkpoint, read only through :meth:`read` / :meth:`read_many`."""
+
     fs: Any
     path: str
     size: int
+    guard: _Guard = field(default_factory=_Guard)
+    pin: tuple[tuple[str, str], str] | None = None
+    """S3: (bucket, key) and the ETag staged, which must still be the one every read sends."""
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object (clipped to its size): exactly those, or :class:`RemoteReadError`."""
+        return self.read_many([(start, end)])[0]
+
+    def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """:meth:`read` of each ``(start, end)``, concurrently where the filesystem can (``cat_ranges``)."""
+        self.guard.check()
+        if self.pin is not None:
+            with _S3_LOCK:
+                now = _S3_PINS.get(self.pin[0])
+            if now is None or now[0] != self.pin[1]:
+                raise ObjectChanged(f"{self.path} changed since it was staged (ETag {self.pin[1]} then, "
+                                    f"{now[0] if now else 'unknown'} when staged again since)")
+        spans = [(s, max(s, min(self.size, e))) for s, e in ranges]
+        todo = [(s, e) for s, e in spans if e > s]
+        datas: list[Any]
+        try:
+            if len(todo) == 1:
+                datas = [self.fs.cat_file(self.path, start=todo[0][0], end=todo[0][1])]
+            elif todo:
+                datas = self.fs.cat_ranges([self.path] * len(todo), [s for s, _ in todo], [e for _, e in todo])
+            else:
+                datas = []
+        except Exception as exc:  # noqa: BLE001 - the storage library's errors, one per read
+            datas = [exc] * len(todo)
+        got: dict[tuple[int, int], bytes] = {}
+        for (s, e), data in zip(todo, datas, strict=True):
+            if isinstance(data, BaseException):
+                raise self.guard.failed(self._error(data, s, e)) from None
+            if len(data) != e - s:
+                raise self.guard.failed(ProtocolError(
+                    f"{self.path}: {len(data)} bytes came back for bytes {s}-{e - 1} (the object is not the size "
+                    f"it was staged with, {self.size} bytes, or the server ignores ranges)"))
+            got[(s, e)] = bytes(data)
+        return [got.get(span, b"") for span in spans]
+
+    def _error(self, exc: BaseException, start: int, end: int) -> RemoteReadError:
+        if isinstance(exc, RemoteReadError):
+            return exc
+        text = f"{type(exc).__name__}: {exc}"
+        lower = text.lower()
+        if "precondition" in lower or "pre-condition" in lower or " 412" in lower:  # the pinned ETag refused
+            return ObjectChanged(f"{self.path} changed since it was staged (the store refused the ETag pinned "
+                                 f"then: {text})")
+        if isinstance(exc, TimeoutError) or "Timeout" in type(exc).__name__:
+            return RequestTimeout(f"{self.path}: bytes {start}-{end - 1}: {text}")
+        return RemoteReadError(f"ranged read of {self.path} at {start}: {text}")
 
 
 class RemoteFiles:
@@ -86,16 +206,20 @@ class RemoteFiles:
         self._blocks: dict[str, tuple[tuple[int, bytes], ...]] = {}
         """Prefetched ranges by stand-in file (:meth:`prefetched`): ``(offset, bytes)``; replaced, never changed
         in place, so a scanning thread reads it without the lock."""
+        self.on_close: list[Any] = []
+        """Called by :meth:`close` (the S3 pins released)."""
 
-    def add(self, local: str, fs: Any, path: str, size: int) -> None:
-        self._files[local] = _Remote(fs, path, size)
+    def add(self, local: str, remote: _Remote) -> None:
+        self._files[local] = remote
 
     def __contains__(self, local: object) -> bool:
         return local in self._files
 
     def read_into(self, local: str, buf: memoryview, offset: int) -> int:
         """Fill ``buf`` with the remote bytes at ``offset`` of the file behind ``local``; the count read. Served
-        from a block :meth:`prefetched` fetched when one holds the whole range, else one ranged read."""
+        from a block :meth:`prefetched` fetched when one holds the whole range, else one ranged read
+        (:meth:`_Remote.read`: bounded, pinned, exactly the range asked). Raises :class:`RemoteReadError` (an
+        ``OSError``: the scan reports the tensor's data as unreadable, with why)."""
         r = self._files[local]
         end = min(r.size, offset + len(buf))
         if end <= offset:
@@ -104,37 +228,29 @@ class RemoteFiles:
             if start <= offset and end <= start + len(data):
                 buf[: end - offset] = data[offset - start : end - start]
                 return end - offset
-        got = self._get(r, offset, end)
-        buf[: len(got)] = got
-        return len(got)
-
-    @staticmethod
-    def _get(r: _Remote, start: int, end: int) -> bytes:
-        try:
-            data: bytes = r.fs.cat_file(r.path, start=start, end=end)
-        except OSError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the scan reports OSError as unreadable data, with this text
-            raise OSError(f"ranged read of {r.path} at {start}: {type(exc).__name__}: {exc}") from None
-        return data
+        data = r.read(offset, end)
+        buf[: len(data)] = data
+        return len(data)
 
     def read_ahead(self, local: str, start: int, length: int, piece: int) -> Iterator[bytes]:
         """The remote bytes ``[start, start+length)`` of the file behind ``local``, in order, ``piece`` bytes at a
         time (a short one means the object ended early), fetched :data:`READ_AHEAD` ranged reads at a time,
-        issued together (``cat_ranges``: concurrent requests): a large tensor streams at the store's parallel
+        issued together (:meth:`_Remote.read_many`: concurrent requests, each bounded, pinned and exactly the
+        range asked, as every read of the checkpoint is): a large tensor streams at the store's parallel
         throughput rather than one round trip per piece, memory bounded by those pieces. The order (and so a
         tensor's hash) is the sequential one."""
         r = self._files[local]
         end = min(r.size, start + length)
         offsets = range(start, end, piece)
         for k in range(0, len(offsets), READ_AHEAD):
-            yield from _cat_ranges(r, [(o, min(end, o + piece)) for o in offsets[k : k + READ_AHEAD]])
+            yield from r.read_many([(o, min(end, o + piece)) for o in offsets[k : k + READ_AHEAD]])
 
     @contextmanager
     def prefetched(self, ranges: Iterable[tuple[str, int, int]]) -> Iterator[int]:
         """Within the block, :meth:`read_into` serves the ranges ``(local, offset, length)`` (small tensors) from
         memory: they are fetched first, coalesced into ranged reads of at most :data:`COALESCE_BYTES` that span
-        gaps of at most :data:`COALESCE_GAP` (a DCP item's archive headers between two tensors), concurrently.
+        gaps of at most :data:`COALESCE_GAP` (a DCP item's archive headers between two tensors), concurrently
+        (:meth:`_Remote.read_many`, with its checks).
         Yields the number of ranged reads made. The caller bounds the bytes (a batch of small tensors); the
         blocks are dropped on leaving. Ranges of files that are not remote are ignored."""
         spans: dict[str, list[tuple[int, int]]] = {}
@@ -154,7 +270,7 @@ class RemoteFiles:
                     else:
                         merged.append([s, e])
                 r = self._files[local]
-                datas = _cat_ranges(r, [(s, e) for s, e in merged if e > s])
+                datas = r.read_many([(s, e) for s, e in merged if e > s])
                 reads += len(datas)
                 blocks = [(s, d) for (s, _), d in zip((m for m in merged if m[1] > m[0]), datas, strict=True)]
                 with self._lock:
@@ -183,37 +299,106 @@ class RemoteFiles:
     def close(self) -> None:
         import shutil
 
+        for release in self.on_close:
+            release()
+        self.on_close = []
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _cat_ranges(r: _Remote, spans: list[tuple[int, int]]) -> list[bytes]:
-    """The remote bytes of each ``(start, end)`` span of ``r``, fetched concurrently (``cat_ranges``), checked."""
-    if not spans:
-        return []
-    try:
-        datas = r.fs.cat_ranges([r.path] * len(spans), [s for s, _ in spans], [e for _, e in spans])
-    except OSError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - as read_into: an unreadable tensor, with the storage library's words
-        raise OSError(f"ranged reads of {r.path}: {type(exc).__name__}: {exc}") from None
-    out = []
-    for (s, _), data in zip(spans, datas, strict=True):
-        if isinstance(data, BaseException):
-            raise OSError(f"ranged read of {r.path} at {s}: {type(data).__name__}: {data}")
-        out.append(bytes(data))
-    return out
-
-
 def _fs(url: str) -> tuple[Any, str]:
+    """The filesystem of ``url`` (HTTP: a private instance holding this checkpoint's pins) and the
+    path in it. Configuration the storage library refuses is a :class:`RemoteError`."""
     try:
         import fsspec
     except ImportError:
-        raise RemoteError(f"{url}: reading URLs needs fsspec (pip install fsspec s3fs/gcsfs)") from None
+        raise RemoteError(f"{url}: reading URLs needs fsspec: pip install 'ckptaudit[remote]' (fsspec and s3fs; "
+                          "add gcsfs for gs://)") from None
+    protocol = url.partition("://")[0].lower()
+    timeout = request_timeout()
     try:
-        fs, path = fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as exc:
+        if protocol in ("http", "https"):
+            from ckptaudit.formats.remote_http import BoundedHTTPFileSystem
+
+            return BoundedHTTPFileSystem(skip_instance_cache=True), url
+        options: dict[str, Any] = {}
+        if protocol in ("s3", "s3a") and "config_kwargs" not in fsspec.config.conf.get("s3", {}):
+            # botocore's own per-request bounds (connect, and each wait for bytes), few retries
+            options["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout,
+                                        "retries": {"max_attempts": 2}}
+        fs, path = fsspec.core.url_to_fs(url, **options)
+    except ImportError as exc:
         raise RemoteError(f"{url}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the storage library refused its configuration: say so in one line
+        hint = ""
+        if "endpoint_url" in str(exc):
+            hint = (" (this s3fs takes no endpoint_url option: set AWS_ENDPOINT_URL instead of "
+                    "FSSPEC_S3_ENDPOINT_URL, or install a newer s3fs)")
+        raise RemoteError(f"{url}: the {protocol} filesystem refused its configuration{hint}: "
+                          f"{type(exc).__name__}: {exc}") from None
     return fs, path
+
+
+_S3_PINS: dict[tuple[str, str], tuple[str, int]] = {}
+"""(bucket, key) -> (the ETag staged, how many live stagings hold it): what every ``GetObject`` of the key sends
+as ``IfMatch``. Process-wide, as the S3 filesystem (and its client) is fsspec's cached instance."""
+_S3_LOCK = threading.Lock()
+
+
+def _inject_if_match(params: dict[str, Any], **_: Any) -> None:
+    """botocore's ``before-parameter-build.s3.GetObject`` event: a pinned key is read only as it was staged."""
+    with _S3_LOCK:
+        pin = _S3_PINS.get((str(params.get("Bucket")), str(params.get("Key"))))
+    if pin is not None and "IfMatch" not in params and "VersionId" not in params:
+        params["IfMatch"] = pin[0]
+
+
+class _Pins:
+    """The identity of each staged object (its ETag), recorded from ``info``/``ls`` and enforced by the
+    filesystem's own requests: S3 sends it as ``IfMatch`` with every ``GetObject`` (botocore's event hook on the
+    filesystem's client) and answers 412 once the object was replaced; HTTP sends ``If-Match`` and checks the
+    replies' ETag (:mod:`ckptaudit.formats.remote_http`). Other filesystems: not pinned (sizes still checked)."""
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+        self.s3 = False
+        self.held: list[tuple[tuple[str, str], str]] = []
+        if hasattr(fs, "split_path") and "s3" in (fs.protocol if isinstance(fs.protocol, tuple | list) else
+                                                  (fs.protocol,)):
+            events = getattr(getattr(getattr(fs, "s3", None), "meta", None), "events", None)
+            if events is not None:
+                events.register("before-parameter-build.s3.GetObject", _inject_if_match,
+                                unique_id="ckptaudit-pin-etag")  # once per client
+                self.s3 = True
+
+    def add(self, path: str, info: dict[str, Any]) -> tuple[tuple[str, str], str] | None:
+        """Pin ``path`` as ``info`` describes it; the S3 pin (key, ETag) to check before each read, if any."""
+        pin = getattr(self.fs, "pin", None)
+        if pin is not None:
+            pin(path, info)
+            return None
+        etag = info.get("ETag") or info.get("etag")
+        if not self.s3 or not isinstance(etag, str) or not etag:
+            return None
+        bucket, key = self.fs.split_path(path)[:2]
+        with _S3_LOCK:
+            old = _S3_PINS.get((bucket, key))
+            # Another live staging pinned another ETag: the object changed between the two; its reads now fail
+            # their check in _Remote.read_many, and this staging pins what it saw.
+            holders = old[1] + 1 if old is not None and old[0] == etag else 1
+            _S3_PINS[(bucket, key)] = (etag, holders)
+        self.held.append(((bucket, key), etag))
+        return (bucket, key), etag
+
+    def release(self) -> None:
+        with _S3_LOCK:
+            for key, etag in self.held:
+                pin = _S3_PINS.get(key)
+                if pin is not None and pin[0] == etag:
+                    if pin[1] <= 1:
+                        del _S3_PINS[key]
+                    else:
+                        _S3_PINS[key] = (etag, pin[1] - 1)
+        self.held = []
 
 
 _FILL_PIECE = 8 << 20
@@ -225,7 +410,7 @@ def _fill(remote: _Remote, local: str, start: int, length: int) -> None:
     end = min(remote.size, start + length)
     with open(local, "r+b") as fh:
         for pos in range(start, end, _FILL_PIECE):
-            data: bytes = remote.fs.cat_file(remote.path, start=pos, end=min(end, pos + _FILL_PIECE))
+            data = remote.read(pos, min(end, pos + _FILL_PIECE))
             fh.seek(pos)
             fh.write(data)
 
@@ -245,7 +430,9 @@ class _Budget:
 def stage(url: str) -> tuple[str, RemoteFiles]:
     """A local stand-in for the checkpoint at ``url`` (see the module docstring), and its remote files.
 
-    Raises ``FileNotFoundError`` when nothing is at ``url``, :class:`RemoteError` when it cannot be staged.
+    Raises ``FileNotFoundError`` when nothing is at ``url``, :class:`RemoteError` when it cannot be staged:
+    the storage library's configuration, credentials, the network, a server that breaks the protocol, each
+    said in one line naming the URL.
     """
     fs, root = _fs(url)
     try:
@@ -259,27 +446,60 @@ def stage(url: str) -> tuple[str, RemoteFiles]:
     tmp = tempfile.mkdtemp(prefix="ckptaudit-remote-")
     remote = RemoteFiles(tmp)
     budget = _Budget(url)
+    ctx = _Staging(fs, _Guard(), _Pins(fs), remote, budget)
+    remote.on_close.append(ctx.pins.release)
     try:
         base = _safe_name(os.path.basename(root.rstrip("/"))) or "checkpoint"
         if info.get("type") == "directory":
             local_root = os.path.join(tmp, base)
-            _stage_dir(fs, root, url, local_root, remote, budget, nested=True)
+            _stage_dir(ctx, root, url, local_root, nested=True)
             return local_root, remote
         local = os.path.join(tmp, base)
-        _stage_file(fs, root, int(info.get("size") or 0), local, remote, budget)
+        _stage_file(ctx, root, _size(info, url), info, local)
         return local, remote
+    except (RemoteError, FileNotFoundError, KeyboardInterrupt, MemoryError):
+        remote.close()
+        raise
+    except Exception as exc:  # noqa: BLE001 - the storage library's errors while staging: one line, exit 2
+        remote.close()
+        raise RemoteError(f"{url}: staging failed: {type(exc).__name__}: {exc}") from None
     except BaseException:
         remote.close()
         raise
 
 
-def _stage_dir(fs: Any, root: str, url: str, local_root: str, remote: RemoteFiles, budget: _Budget, *,
-               nested: bool) -> None:
+@dataclass
+class _Staging:
+    """What staging one checkpoint shares: its filesystem, read guard, pins, remote files and budget."""
+
+    fs: Any
+    guard: _Guard
+    pins: _Pins
+    remote: RemoteFiles
+    budget: _Budget
+
+    def handle(self, path: str, size: int, info: dict[str, Any]) -> _Remote:
+        return _Remote(self.fs, path, size, self.guard, self.pins.add(path, info))
+
+
+def _size(entry: dict[str, Any], url: str) -> int:
+    """An object's size as the listing gives it: a non-negative int (a server's listing is checked too)."""
+    size = entry.get("size")
+    if size is None:
+        return 0
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size < 1 << 50:
+        shown = (type(size).__name__ if isinstance(size, bool) or not isinstance(size, int) else
+                 "a negative number" if size < 0 else "more than 2**50 bytes")
+        raise RemoteError(f"{url}: the store lists {str(entry.get('name', 'an object'))[:200]} with size {shown}")
+    return size
+
+
+def _stage_dir(ctx: _Staging, root: str, url: str, local_root: str, *, nested: bool) -> None:
     """Stage the prefix ``root`` into the new directory ``local_root``: its files, and when ``nested`` its
     sub-prefixes one level down (a DCP sub-prefix staged like a DCP directory, any other left empty: in a local
     directory the readers open nothing else below the top level either)."""
     os.mkdir(local_root)
-    entries = fs.ls(root, detail=True)
+    entries = ctx.fs.ls(root, detail=True)
     if len(entries) > MAX_FILES:
         raise RemoteError(f"{url}: more than {MAX_FILES} objects under the prefix")
     names = {os.path.basename(str(e["name"]).rstrip("/")): e for e in entries}
@@ -287,6 +507,7 @@ def _stage_dir(fs: Any, root: str, url: str, local_root: str, remote: RemoteFile
     if not nested and not dcp:
         return  # the readers look one level down for DCP directories only
     files: dict[str, tuple[str, int, str]] = {}
+    handles: dict[str, _Remote] = {}
     for name, entry in sorted(names.items()):
         safe = _safe_name(name)
         if safe is None:
@@ -294,17 +515,17 @@ def _stage_dir(fs: Any, root: str, url: str, local_root: str, remote: RemoteFile
         local = os.path.join(local_root, safe)
         if entry.get("type") == "directory":
             if nested:
-                _stage_dir(fs, str(entry["name"]), f"{url.rstrip('/')}/{safe}", local, remote, budget, nested=False)
+                _stage_dir(ctx, str(entry["name"]), f"{url.rstrip('/')}/{safe}", local, nested=False)
             continue
         if entry.get("type") != "file":
             continue
-        size = int(entry.get("size") or 0)
+        size = _size(entry, url)
         files[safe] = (str(entry["name"]), size, local)
-        _stage_file(fs, str(entry["name"]), size, local, remote, budget)
+        handles[str(entry["name"])] = _stage_file(ctx, str(entry["name"]), size, entry, local)
     if dcp:
         from ckptaudit.formats.remote_dcp import stage_dcp
 
-        stage_dcp(files, lambda path, size: _Remote(fs, path, size), budget.take)
+        stage_dcp(files, lambda path, size: handles[path], ctx.budget.take)
 
 
 def _safe_name(name: str) -> str | None:
@@ -313,56 +534,85 @@ def _safe_name(name: str) -> str | None:
     return name
 
 
-def _stage_file(fs: Any, path: str, size: int, local: str, remote: RemoteFiles, budget: _Budget) -> None:
+def _stage_file(ctx: _Staging, path: str, size: int, info: dict[str, Any], local: str) -> _Remote:
     with open(local, "wb") as fh:
         fh.truncate(size)  # sparse: holds no disk blocks until written
-    r = _Remote(fs, path, size)
-    remote.add(local, fs, path, size)
+    r = ctx.handle(path, size, info)
+    ctx.remote.add(local, r)
     lower = local.lower()
+    budget = ctx.budget
     if size == 0:
-        return
+        return r
     if lower.endswith(".safetensors"):
-        head = fs.cat_file(path, start=0, end=min(size, 8))
+        head = r.read(0, min(size, 8))
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         n = min(n, _SAFETENSORS_HEADER_LIMIT, size - len(head))
         budget.take(8 + n)
         _fill(r, local, 0, 8 + n)
-        return
+        return r
     if lower.endswith(".json"):
         budget.take(size)
         _fill(r, local, 0, size)
-        return
+        return r
     if not lower.endswith(TORCH_EXTENSIONS):
-        return  # not a file the readers open
-    head = fs.cat_file(path, start=0, end=min(size, 4))
+        return r  # not a file the readers open
+    head = r.read(0, min(size, 4))
     if head != b"PK\x03\x04":  # a plain or legacy pickle: the readers parse all of it
         budget.take(size)
         _fill(r, local, 0, size)
-        return
+        return r
     _stage_zip(r, local, budget)
+    return r
+
+
+class _StagedFile:
+    """The stand-in of one remote object as a seekable file for :class:`zipfile.ZipFile`: every range read is
+    staged first (fetched once, charged to the budget), then read back from the stand-in."""
+
+    def __init__(self, stager: Any) -> None:
+        self._stager, self._pos = stager, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = max(0, {0: 0, 1: self._pos, 2: self._stager.remote.size}[whence] + pos)
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = self._stager.remote.size if n is None or n < 0 else min(self._stager.remote.size, self._pos + n)
+        self._stager.stage([(self._pos, end)])
+        data: bytes = self._stager.read(self._pos, end)
+        self._pos += len(data)
+        return data
 
 
 def _stage_zip(r: _Remote, local: str, budget: _Budget) -> None:
     """Stage a zip archive's end records, central directory, every local header and every small member."""
     import zipfile
 
-    with r.fs.open(r.path, "rb", block_size=1 << 20, cache_type="readahead") as fh:
-        try:
-            zf = zipfile.ZipFile(fh)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error):
-            # Not a readable zip: stage it whole if small, so the readers report what is wrong with it.
-            if r.size <= MAX_MEMBER_BYTES:
-                budget.take(r.size)
-                _fill(r, local, 0, r.size)
-            return
-        infos = zf.infolist()
-        start_dir = getattr(zf, "start_dir", None)
-        zf.close()
-    # The central directory and end records: from the first central header to the end of the file.
+    from ckptaudit.formats.remote_dcp import RangeStager
+
+    stager = RangeStager(r, local, budget.take)
+    try:
+        with zipfile.ZipFile(_StagedFile(stager)) as zf:  # type: ignore[arg-type]
+            infos = zf.infolist()
+            start_dir = getattr(zf, "start_dir", None)
+    except RemoteReadError:
+        raise
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error):
+        # Not a readable zip: stage it whole if small, so the readers report what is wrong with it.
+        if r.size <= MAX_MEMBER_BYTES:
+            stager.stage([(0, r.size)])
+        return
+    # The central directory and end records: from the first central header to the end of the file (zipfile
+    # staged what it read of them; the archive readers may read the span between them too).
     if start_dir is None or not 0 <= start_dir <= r.size:
         start_dir = min((i.header_offset for i in infos), default=r.size)
-    budget.take(r.size - start_dir)
-    _fill(r, local, start_dir, r.size - start_dir)
+    stager.stage([(start_dir, r.size)])
     # One concurrent batch of ranged reads for every local header (and small member), then a second one for
     # the rare header whose own name or extra field is longer than the central directory let us guess.
     plan: list[tuple[int, int, int]] = []  # (offset, guessed length, member bytes needed after the header)
@@ -375,38 +625,15 @@ def _stage_zip(r: _Remote, local: str, budget: _Budget) -> None:
         member = i.compress_size if small else 0
         guess = 30 + len(i.orig_filename.encode("utf-8", "surrogateescape")) + len(i.extra) + 128 + member
         plan.append((i.header_offset, guess, member))
-    budget.take(sum(g for _, g, _ in plan))
+    stager.stage((off, off + guess) for off, guess, _ in plan)
     more: list[tuple[int, int]] = []
-    for (off, _, member), got in zip(plan, _fill_many(r, local, [(o, g) for o, g, _ in plan]), strict=True):
+    for off, _, member in plan:
+        got = stager.read(off, off + 30)
         if len(got) < 30:
             continue
         n, m = struct.unpack("<HH", got[26:30])
-        need = 30 + n + m + member
-        if need > len(got):
-            more.append((off + len(got), need - len(got)))
-    budget.take(sum(n for _, n in more))
-    _fill_many(r, local, more)
-
-
-def _fill_many(r: _Remote, local: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-    """:func:`_fill` for many ranges at once (``cat_ranges``: concurrent requests where the filesystem can)."""
-    spans = [(o, min(r.size, o + n)) for o, n in ranges]
-    if not spans:
-        return []
-    out: list[bytes] = []
-    batch = 1024
-    with open(local, "r+b") as fh:
-        for k in range(0, len(spans), batch):
-            part = spans[k : k + batch]
-            datas = r.fs.cat_ranges([r.path] * len(part), [s for s, _ in part], [e for _, e in part])
-            for (s, e), data in zip(part, datas, strict=True):
-                if isinstance(data, BaseException):
-                    raise data
-                if e > s:
-                    fh.seek(s)
-                    fh.write(data)
-                out.append(bytes(data) if e > s else b"")
-    return out
+        more.append((off, off + 30 + n + m + member))
+    stager.stage(more)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -414,76 +641,133 @@ def _fill_many(r: _Remote, local: str, ranges: list[tuple[int, int]]) -> list[by
 # the others are sent their share and read only its data files, and check their own view of the vetted files.
 
 
-def _share_base(url: str, single_file: bool) -> tuple[Any, str]:
-    """The filesystem and the remote prefix a share's file names are relative to."""
-    fs, root = _fs(url)
-    root = root.rstrip("/")
-    return fs, (root.rsplit("/", 1)[0] if single_file and "/" in root else root)
+class ShareReader:
+    """(ranks other than 0 of a distributed audit) This rank's reads of its share of the checkpoint at ``url``:
+    one filesystem, one read guard, and the objects this rank listed pinned as it listed them, so that both its
+    view check (:meth:`view`) and its data reads (:meth:`stand_in`) go through :class:`_Remote` as rank 0's
+    staging does: a deadline per request, replies exactly the range asked, the listed ETag sent with every read
+    (S3 ``IfMatch``, HTTP ``If-Match``) and a later replacement an :class:`ObjectChanged`. The stand-in's
+    :class:`RemoteFiles` takes over the pins (released by its ``close``); :meth:`close` releases them otherwise.
 
+    File names are relative to ``url``, or to the prefix holding it when ``single_file``.
+    """
 
-def share_view(url: str, names: list[str], *, digest: set[str],
-               single_file: bool) -> dict[str, tuple[int, str | None] | str]:
-    """This rank's view of the files ``names`` of the checkpoint at ``url`` (names relative to it, or to the prefix
-    holding it when ``single_file``): each file's size and, for those in ``digest``, the xxh3-128 (hex) of its
-    bytes, read in 8 MiB ranges; or why it cannot be read. One listing per prefix, made afresh (no cached listing
-    answers for the object store)."""
-    import xxhash
+    def __init__(self, url: str, *, single_file: bool) -> None:
+        self.url = url
+        self.fs, root = _fs(url)
+        root = root.rstrip("/")
+        self.base = root.rsplit("/", 1)[0] if single_file and "/" in root else root
+        self.guard = _Guard()
+        self._pins: _Pins | None = None  # made at the first pin: an S3 filesystem's client exists after a request
+        self._listed: dict[str, dict[str, dict[str, Any]] | str | None] = {}
+        self._handles: dict[str, _Remote | str] = {}
 
-    fs, base = _share_base(url, single_file)
-    listed: dict[str, dict[str, int]] = {}
-    out: dict[str, tuple[int, str | None] | str] = {}
-    for name in names:
-        folder, _, leaf = f"{base}/{name}".rpartition("/")
-        if folder not in listed:
+    def _entry(self, path: str) -> dict[str, Any] | str:
+        """The store's entry for ``path`` from a fresh listing of its prefix (one per prefix; no cached listing
+        answers), its own ``info`` where the store lists nothing (HTTP), or why there is none."""
+        folder, _, leaf = path.rpartition("/")
+        if folder not in self._listed:
             try:
-                fs.invalidate_cache(folder)
-                listed[folder] = {str(e["name"]).rstrip("/").rpartition("/")[2]: int(e.get("size") or 0)
-                                  for e in fs.ls(folder, detail=True) if e.get("type") == "file"}
+                self.fs.invalidate_cache(folder)
+                self._listed[folder] = {str(e["name"]).rstrip("/").rpartition("/")[2]: e
+                                        for e in self.fs.ls(folder, detail=True) if e.get("type") == "file"}
             except FileNotFoundError:
-                listed[folder] = {}
+                self._listed[folder] = {}
+            except NotImplementedError:
+                self._listed[folder] = None  # no listings (HTTP): each object's own HEAD below
             except Exception as exc:  # noqa: BLE001 - the storage library's own words, as for stage()
-                listed[folder] = {}
-                out[name] = f"cannot be listed ({type(exc).__name__}: {exc})"
-                continue
-        size = listed[folder].get(leaf)
-        if size is None:
-            out.setdefault(name, "cannot be read (no such object)")
-            continue
-        if name not in digest:
-            out[name] = (size, None)
-            continue
-        h = xxhash.xxh3_128()
+                self._listed[folder] = f"cannot be listed ({type(exc).__name__}: {exc})"
+        listed = self._listed[folder]
+        if isinstance(listed, str):
+            return listed
+        if listed is not None:
+            return listed.get(leaf) or "cannot be read (no such object)"
         try:
-            for pos in range(0, size, _FILL_PIECE):
-                h.update(fs.cat_file(f"{base}/{name}", start=pos, end=min(size, pos + _FILL_PIECE)))
-        except Exception as exc:  # noqa: BLE001 - reported as this rank's view of the file
-            out[name] = f"cannot be read ({type(exc).__name__}: {exc})"
-            continue
-        out[name] = (size, h.hexdigest())
-    return out
+            info: dict[str, Any] = self.fs.info(path)
+        except FileNotFoundError:
+            return "cannot be read (no such object)"
+        except Exception as exc:  # noqa: BLE001 - the storage library's own words
+            return f"cannot be read ({type(exc).__name__}: {exc})"
+        return info
 
+    def handle(self, name: str) -> _Remote | str:
+        """The pinned object behind ``name``, or why this rank cannot read it."""
+        known = self._handles.get(name)
+        if known is not None:
+            return known
+        path = f"{self.base}/{name}"
+        entry = self._entry(path)
+        if isinstance(entry, str):
+            out: _Remote | str = entry
+        else:
+            try:
+                size = _size(entry, self.url)
+            except RemoteError as exc:
+                out = f"cannot be read ({exc})"
+            else:
+                if self._pins is None:
+                    self._pins = _Pins(self.fs)
+                out = _Remote(self.fs, path, size, self.guard, self._pins.add(path, entry))
+        self._handles[name] = out
+        return out
 
-def share_stand_in(url: str, files: dict[str, int], *, single_file: bool) -> tuple[str, RemoteFiles]:
-    """A bare stand-in for the data files of one rank's share of a distributed audit of ``url``: sparse files of
-    the sizes rank 0 saw, named as the share names them, each mapped to its object. Nothing is staged (the rank
-    parses no metadata); tensor data streams by ranged reads as for :func:`stage`. Returns the directory the
-    names are relative to and the :class:`RemoteFiles`, whose ``close`` removes it."""
-    import tempfile
+    def view(self, names: list[str], *, digest: set[str]) -> dict[str, tuple[int, str | None] | str]:
+        """This rank's view of the files ``names``: each one's size as listed and, for those in ``digest``, the
+        xxh3-128 (hex) of its bytes, read in 8 MiB pinned ranged reads; or why it cannot be read."""
+        import xxhash
 
-    fs, base = _share_base(url, single_file)
-    tmp = tempfile.mkdtemp(prefix="ckptaudit-share-")
-    remote = RemoteFiles(tmp)
-    try:
-        for name, size in files.items():
-            parts = name.split("/")
-            if any(_safe_name(p) is None for p in parts):
-                raise RemoteError(f"{url}: the share names a file {name!r} that is not a plain relative path")
-            local = os.path.join(tmp, *parts)
-            os.makedirs(os.path.dirname(local), exist_ok=True)
-            with open(local, "wb") as fh:
-                fh.truncate(size)
-            remote.add(local, fs, f"{base}/{name}", size)
-        return tmp, remote
-    except BaseException:
-        remote.close()
-        raise
+        out: dict[str, tuple[int, str | None] | str] = {}
+        for name in names:
+            r = self.handle(name)
+            if isinstance(r, str):
+                out[name] = r
+                continue
+            if name not in digest:
+                out[name] = (r.size, None)
+                continue
+            h = xxhash.xxh3_128()
+            try:
+                for pos in range(0, r.size, _FILL_PIECE):
+                    h.update(r.read(pos, min(r.size, pos + _FILL_PIECE)))
+            except OSError as exc:  # RemoteReadError: reported as this rank's view of the file
+                out[name] = f"cannot be read ({exc})"
+                continue
+            out[name] = (r.size, h.hexdigest())
+        return out
+
+    def stand_in(self, files: dict[str, int]) -> tuple[str, RemoteFiles]:
+        """A bare stand-in for the share's data files ``files`` (name -> the size rank 0 saw): sparse files named
+        as the share names them, each mapped to its pinned object. Nothing is staged (the rank parses no
+        metadata); tensor data streams by ranged reads as for :func:`stage`. Returns the directory the names are
+        relative to and the :class:`RemoteFiles`, whose ``close`` removes it and releases the pins. Raises
+        :class:`RemoteError` for a name that is not a plain relative path or an object this rank cannot read or
+        sees at another size (the view check reports those first)."""
+        import tempfile
+
+        tmp = tempfile.mkdtemp(prefix="ckptaudit-share-")
+        remote = RemoteFiles(tmp)
+        remote.on_close.append(self.close)
+        try:
+            for name, size in files.items():
+                parts = name.split("/")
+                if any(_safe_name(p) is None for p in parts):
+                    raise RemoteError(f"{self.url}: the share names a file {name!r} that is not a plain relative "
+                                      "path")
+                r = self.handle(name)
+                if isinstance(r, str) or r.size != size:
+                    why = r if isinstance(r, str) else f"is {r.size} bytes, rank 0 saw {size}"
+                    raise RemoteError(f"{self.url}: {name} {why}")
+                local = os.path.join(tmp, *parts)
+                os.makedirs(os.path.dirname(local), exist_ok=True)
+                with open(local, "wb") as fh:
+                    fh.truncate(size)
+                remote.add(local, r)
+            return tmp, remote
+        except BaseException:
+            remote.close()
+            raise
+
+    def close(self) -> None:
+        """Release this rank's pins (idempotent)."""
+        if self._pins is not None:
+            self._pins.release()

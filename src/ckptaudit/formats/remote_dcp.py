@@ -53,8 +53,8 @@ _ZIP64_LOCATOR = 20
 class RangeStager:
     """Fills byte ranges of one stand-in file from its remote object, each byte fetched at most once.
 
-    ``remote`` is a :class:`~ckptaudit.formats.remote._Remote` (filesystem, path, size); ``take(n)`` charges the
-    staged-metadata budget before anything is fetched.
+    ``remote`` is a :class:`~ckptaudit.formats.remote._Remote` (its reads bounded and checked there);
+    ``take(n)`` charges the staged-metadata budget before anything is fetched.
     """
 
     def __init__(self, remote: Any, local: str, take: Any) -> None:
@@ -120,12 +120,9 @@ class RangeStager:
         self._fetch(batch)
 
     def _fetch(self, batch: list[tuple[int, int]]) -> None:
-        r = self.remote
-        datas = r.fs.cat_ranges([r.path] * len(batch), [s for s, _ in batch], [e for _, e in batch])
+        datas = self.remote.read_many(batch)  # exactly the bytes asked, or RemoteReadError
         with open(self.local, "r+b") as fh:
             for (s, e), data in zip(batch, datas, strict=True):
-                if isinstance(data, BaseException):
-                    raise data
                 fh.seek(s)
                 fh.write(memoryview(data)[: e - s])  # no copy of the read
                 self._mark(s, e)

@@ -50,7 +50,7 @@ def loads_limited(raw: bytes | str, what: str, *, max_depth: int = MAX_JSON_DEPT
         raise JsonLimitError(f"{what} nests deeper than the reader's limit of {max_depth} levels") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the int digit limit
         raise ValueError(f"{what} is not valid JSON ({exc})") from None
-    problem = check_tree(value, max_depth=max_depth + 1)
+    problem = check_tree(value, max_depth=max_depth)
     if problem is not None:
         raise JsonLimitError(f"{what}: {problem}")
     return value

@@ -124,7 +124,13 @@ def materialize(data: Any, maps: Any) -> Any:
 
 
 def to_torch_metadata(md: DcpMetadata) -> Any:
-    """``torch.distributed.checkpoint.metadata.Metadata`` built from vetted plain data (for the live loader)."""
+    """``torch.distributed.checkpoint.metadata.Metadata`` built from vetted plain data (for the live loader).
+
+    What the pickle shared stays shared, as torch's own ``pickle.load`` of ``.metadata`` would share it: each
+    distinct chunk list (:func:`~ckptaudit.formats.dcp_metadata.rebuild` converts each once, however many
+    entries reach it through the memo) and each distinct set of properties becomes one torch object, so the
+    work here is linear in the metadata's bytes, not in its entries times their shared chunks.
+    """
     import torch
     from torch.distributed.checkpoint import filesystem as dcp_fs
     from torch.distributed.checkpoint import metadata as dcp_md
@@ -132,16 +138,24 @@ def to_torch_metadata(md: DcpMetadata) -> Any:
     formats = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                "preserve_format": torch.preserve_format}
     sd: dict[str, Any] = {}
+    chunk_lists: dict[int, tuple[Any, list[Any]]] = {}  # id(vetted tuple) -> (the tuple, kept alive; torch's list)
+    properties: dict[Any, Any] = {}
     for fqn, item in md.state_dict_metadata.items():
         if isinstance(item, TensorMeta):
             p = item.properties
-            dtype, layout = getattr(torch, p.dtype, None), getattr(torch, p.layout, None)
-            if not isinstance(dtype, torch.dtype) or not isinstance(layout, torch.layout):
-                raise UnsafeCheckpointError(f"item {fqn}: dtype {p.dtype} / layout {p.layout} unknown to torch")
-            props = dcp_md.TensorProperties(dtype=dtype, layout=layout, requires_grad=p.requires_grad,
-                                            memory_format=formats[p.memory_format], pin_memory=p.pin_memory)
-            chunks = [dcp_md.ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in item.chunks]
-            sd[fqn] = dcp_md.TensorStorageMetadata(props, torch.Size(item.size), chunks)
+            props = properties.get(p)
+            if props is None:
+                dtype, layout = getattr(torch, p.dtype, None), getattr(torch, p.layout, None)
+                if not isinstance(dtype, torch.dtype) or not isinstance(layout, torch.layout):
+                    raise UnsafeCheckpointError(f"item {fqn}: dtype {p.dtype} / layout {p.layout} unknown to torch")
+                props = properties[p] = dcp_md.TensorProperties(
+                    dtype=dtype, layout=layout, requires_grad=p.requires_grad,
+                    memory_format=formats[p.memory_format], pin_memory=p.pin_memory)
+            got = chunk_lists.get(id(item.chunks))
+            if got is None or got[0] is not item.chunks:
+                got = chunk_lists[id(item.chunks)] = (item.chunks, [
+                    dcp_md.ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in item.chunks])
+            sd[fqn] = dcp_md.TensorStorageMetadata(props, torch.Size(item.size), got[1])
         elif isinstance(item, BytesMeta):
             sd[fqn] = dcp_md.BytesStorageMetadata()
         else:

@@ -5,6 +5,7 @@ One file per library, each a thin adapter over :class:`ckptaudit.integrations.gu
 
 - :mod:`.transformers`: ``AuditCallback``, a ``TrainerCallback``;
 - :mod:`.lightning`: ``AuditCallback``, a Lightning ``Callback``;
+- :mod:`.accelerate`: ``guard_accelerator(accelerator, guard)``, a wrapper of ``Accelerator.save_state``;
 - :mod:`.deepspeed`: ``save_checkpoint(engine, ...)``, which moves DeepSpeed's ``latest`` only when the new tag passes;
 - :mod:`.torchtitan`: ``guard_checkpoint_manager(manager)``, a hook around ``CheckpointManager.save``;
 - ckptaudit's own writer: ``ckptaudit.store.save_checkpoint(..., guard=...)``.

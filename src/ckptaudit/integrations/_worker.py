@@ -1,8 +1,15 @@
 """The guard's child process (``Guard(background="process")``): one JSON request per line on stdin, one answer
 per line on stdout, until stdin closes.
 
-    {"checkpoint": PATH, "report": PATH, "options": {...}}  ->  {"ok": bool, "summary": str, "codes": [...]}
-                                                             or {"error": "Type: message"}
+    (first, once started)                                  ->  {"ready": true, "priority": {...}}
+    {"checkpoint": PATH, "report": PATH, "as_path": PATH, "options": {...}}
+                                                           ->  {"ok": bool, "summary": str, "codes": [...]}
+                                                               or {"error": "Type: message"}
+    {"quit": true}                                         ->  (exits)
+
+``as_path`` is the path the report names (the checkpoint's own; ``checkpoint`` is its pinned copy). The ready
+line comes after the audit engine, NumPy and every reader are imported (:func:`warm`), so the first audit costs what the others do: the guard starts
+this process when it is created, off the training thread, and waits for that line on its worker thread.
 
 Started as ``python -m ckptaudit.integrations._worker`` (never by re-importing the training script, as
 multiprocessing's spawn would), it imports no torch: the audit reads files with NumPy.
@@ -73,16 +80,43 @@ def lower_priority() -> dict[str, str]:
     return done
 
 
+WARM_PACKAGES = ("ckptaudit.formats", "ckptaudit.layouts", "ckptaudit.checks", "ckptaudit.report")
+"""Imported whole by :func:`warm`: the readers, layouts, checks and renderers an audit imports lazily."""
+
+
+def warm() -> None:
+    """(worker, before the first audit) Import what an audit imports on first use (the engine, NumPy, every
+    reader, layout, check and renderer): ~0.3 s that would otherwise fall on the first verdict (measured by
+    bench/bench_guard.py). A module that cannot be imported here is left to the audit that needs it."""
+    import importlib
+    import pkgutil
+
+    for name in ("numpy", "ckptaudit.api", "ckptaudit.audit", "ckptaudit.scanning", "ckptaudit.records"):
+        importlib.import_module(name)
+    for package in WARM_PACKAGES:
+        module = importlib.import_module(package)
+        for info in pkgutil.iter_modules(module.__path__, package + "."):
+            try:
+                importlib.import_module(info.name)
+            except Exception:  # noqa: BLE001,S112 - optional parts (a remote reader's client) load when needed
+                continue
+
+
 def main() -> int:
-    lower_priority()
+    priority = lower_priority()
+    warm()  # before the ready line: the guard waits for it off the training thread
     from ckptaudit.integrations.guard import audit_to_file
 
+    sys.stdout.write(json.dumps({"ready": True, "priority": priority}) + "\n")
+    sys.stdout.flush()
     for line in sys.stdin:
         if not line.strip():
             continue
         try:
             req = json.loads(line)
-            answer = audit_to_file(req["checkpoint"], req["report"], req.get("options", {}))
+            if req.get("quit"):
+                break
+            answer = audit_to_file(req["checkpoint"], req["report"], req.get("options", {}), req.get("as_path"))
         except Exception as exc:  # noqa: BLE001 - reported to the guard, which logs it as "not judged"
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         sys.stdout.write(json.dumps(answer) + "\n")

@@ -1,7 +1,6 @@
 """DeepSpeed: ``latest`` moves to a new tag only when its audit passes. See ``docs/integrations/deepspeed.md``.
 
     from ckptaudit.integrations.guard import Guard, stop_requested
-from ckptaudit.integrations.live_contract import declare_live_contract
     from ckptaudit.integrations.deepspeed import save_checkpoint
 
     guard = Guard(on_failure="stop")                         # on every rank; only global rank 0 audits
@@ -11,12 +10,14 @@ from ckptaudit.integrations.live_contract import declare_live_contract
             save_checkpoint(engine, "ckpts", guard=guard)   # all ranks, instead of engine.save_checkpoint
         if stop_requested(guard):                            # all ranks, the same answer
             break
-    guard.close()
+    guard.finish()                                           # raises CheckpointAuditFailed if a save failed (stop)
 
     engine.load_checkpoint("ckpts")                          # reads `latest`: never a tag that failed
 
-Which ranks run what: every rank calls :func:`save_checkpoint`, which calls ``engine.save_checkpoint(...,
-save_latest=False)`` (collective; DeepSpeed's own files, nothing changed); then global rank 0 queues
+Which ranks run what: every rank calls :func:`save_checkpoint`; global rank 0 first waits while
+``max_unverified`` saves are waiting for a verdict (:func:`before_save_everywhere`: the other ranks wait
+beside it in rounds of one tiny all-reduce; default 1 with ``on_failure="stop"``); then every rank calls ``engine.save_checkpoint(..., save_latest=False)`` (collective;
+DeepSpeed's own files, nothing changed); then global rank 0 queues
 ``save_dir/<tag>`` for the audit. When it passes, rank 0 writes ``save_dir/latest`` (atomically: a temporary file
 renamed over it) with the tag, which is what ``engine.load_checkpoint(save_dir)`` reads; when it fails, the tag
 directory becomes ``quarantined-<tag>`` and ``latest`` keeps naming the previous tag that passed.
@@ -27,7 +28,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ckptaudit.integrations.guard import Guard, stop_requested
+from ckptaudit.integrations.guard import Guard, before_save_everywhere, stop_requested
 from ckptaudit.integrations.live_contract import declare_live_contract
 
 __all__ = ["save_checkpoint", "stop_requested"]
@@ -54,6 +55,7 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], tag: str | No
             "then; use DeepSpeed's default (synchronous) checkpoint engine")
     save_dir = os.fspath(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    before_save_everywhere(guard, int(engine.global_steps))
     engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
     path = os.path.join(save_dir, tag)
     if engine.global_rank == 0:

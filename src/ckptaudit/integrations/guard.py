@@ -1,25 +1,45 @@
 """The guard every integration shares: audit each new checkpoint in the background, quarantine a failed one.
 
 Which process runs what: only the process that owns the checkpoint's files (rank 0, or the rank that wrote
-them) creates a :class:`Guard` and calls :meth:`Guard.submit` right after the library's save returns. The
+them) starts the guard's worker and calls :meth:`Guard.submit` right after the library's save returns. The
 audit (:func:`ckptaudit.audit`, nothing re-implemented) runs on one background worker, one long-lived child
 interpreter at the lowest CPU and I/O priority, scanning with one thread (``background="process"``, the default:
 measured cheaper for the training loop, bench/bench_guard.py; the training thread's part is a message on a queue)
 or a thread of this process (``background="thread"``: no second interpreter, but it shares the GIL), while
-training goes on; saves that come while an audit is running wait in a queue, in order (logged), and no step
-ever waits. Then, on the worker:
+training goes on. The worker starts when the guard is created (on the process that looks like rank 0: the
+default group's rank 0, or ``RANK=0``, or a single process) or at the latest when the integration calls
+:meth:`Guard.start` at the beginning of training, so the first verdict waits for its audit, not for a start-up.
 
-1. the JSON report is written beside the checkpoint, ``<checkpoint>.ckptaudit.json`` (atomically);
-2. a checkpoint that fails (a finding at or above ``fail_on``) is quarantined: moved to a name no resume path
-   picks (:func:`quarantine_name`: ``quarantined-<dir>``, ``<file>.quarantined``), its report with it, and the
-   integration's own ``quarantine`` callable repairs that library's pointer (Lightning's ``last.ckpt``, ...);
-   a checkpoint that passes calls the integration's ``on_pass`` (DeepSpeed's ``latest`` moves only then);
-3. with ``on_failure="stop"``, :meth:`Guard.should_stop` turns true; the integration polls it at each step
-   boundary and stops training through the library's own mechanism.
+1. **At submit** (training thread) the checkpoint's files are pinned (:mod:`._pins`: hard links in a private
+   ``.ckptaudit-pins`` folder beside it, and each file's identity), so the audit judges the bytes that were
+   saved even when the library replaces or deletes them before the audit's turn; a pinned file rewritten in
+   place makes the verdict *not judged*, never "passed".
+2. **Bounded unverified saves**: at most ``max_unverified`` save points (default 1 with ``on_failure="stop"``,
+   no bound with ``"warn"``) are ever waiting for a verdict. The integration calls :meth:`Guard.before_save`
+   just before the library writes the next checkpoint (:func:`before_save_everywhere` on every rank, which keeps
+   the other ranks beside the auditing one in short rounds rather than in one long collective); when the bound is reached it waits there for the oldest
+   verdict (logged, and measured in :attr:`Guard.waits`). In a run whose saves are further apart than an audit
+   takes, it never waits. Saves at the same step (Lightning's ``epoch=..-step=N.ckpt`` and ``last.ckpt``) are one
+   save point.
+3. **On the worker**, in order: the audit, then the pin's check; the JSON report is written beside the
+   checkpoint, ``<checkpoint>.ckptaudit.json`` (atomically); a checkpoint that fails (a finding at or above
+   ``fail_on``) is quarantined: moved to a name no resume path picks (:func:`quarantine_name`:
+   ``quarantined-<dir>``, ``<file>.quarantined``, or the integration's ``quarantine_to``), its report with it,
+   then the integration's ``after_quarantine`` repairs that library's pointer (Lightning's ``last.ckpt``); one
+   that passes calls the integration's ``on_pass`` (DeepSpeed's ``latest`` moves only then).
+4. With ``on_failure="stop"``, :meth:`Guard.should_stop` turns true; the integration polls it at each step
+   boundary and stops training through the library's own mechanism, and at the end of training (after the last
+   audits, every checkpoint saved and quarantined) raises :class:`CheckpointAuditFailed` on every rank.
 
-An audit that cannot run (the directory vanished under a retention policy, a bug) gives a verdict that is
-*not judged*: logged, nothing quarantined, training not stopped. At the end of training the integration calls
-:meth:`Guard.close`, which waits for the audits still queued.
+A checkpoint whose path holds other files by the time of its verdict (replaced) keeps the verdict of what was
+saved: a failing one's pinned bytes are quarantined, the new content is left alone for its own audit. One
+deleted before its verdict (retention) is judged from its pin, and no report is left behind for it; reports this
+guard wrote for checkpoints deleted since are removed too. An audit that cannot run (a bug, a read error) gives
+a verdict that is *not judged*: logged, nothing quarantined, training not stopped.
+
+The audit options flow unchanged from the integration's constructor (``AuditCallback(quick=True, ...)``) to
+``Guard(**audit_options)`` (checked there, :data:`ckptaudit.api.AUDIT_OPTIONS`), to :attr:`Guard.audit_options`,
+to every worker request's ``"options"``, to :func:`audit_to_file`, to :func:`ckptaudit.audit`.
 """
 
 from __future__ import annotations
@@ -33,25 +53,33 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptaudit.formats.quarantine import REPORT_SUFFIX, is_quarantined, quarantine_name
+from ckptaudit.integrations import _pins
 
-__all__ = ["BACKGROUNDS", "ON_FAILURE", "REPORT_SUFFIX", "Guard", "Verdict", "is_quarantined", "quarantine_name",
-           "report_path", "stop_requested"]
+__all__ = ["BACKGROUNDS", "ON_FAILURE", "REPORT_SUFFIX", "CheckpointAuditFailed", "Guard", "Kept", "SaveWait", "Verdict",
+           "before_save_everywhere", "is_quarantined", "quarantine_name", "report_path", "stop_requested",
+           "wait_everywhere"]
 
 log = logging.getLogger("ckptaudit.guard")
 
 ON_FAILURE = ("warn", "stop")
 BACKGROUNDS = ("thread", "process")
+_BY_MODE = object()
+"""``max_unverified``'s default: 1 with ``on_failure="stop"``, no bound with ``"warn"``."""
 
 
 def report_path(checkpoint: str) -> str:
     """Where the guard writes the report of ``checkpoint``: beside it, ``<checkpoint>.ckptaudit.json``."""
     return os.path.normpath(checkpoint) + REPORT_SUFFIX
+
+
+def _key(path: str) -> str:
+    return os.path.normpath(os.path.abspath(path))
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +90,8 @@ class Verdict:
     """The path audited (where the library saved it)."""
     step: int | None
     ok: bool | None
-    """``True`` passed, ``False`` failed, ``None`` not judged (the audit could not run: see ``error``)."""
+    """``True`` passed, ``False`` failed, ``None`` not judged (the audit could not run, or the bytes it read may
+    not be the bytes saved: see ``error``)."""
     summary: str
     codes: tuple[str, ...]
     """The codes of the findings at or above ``fail_on``."""
@@ -74,41 +103,96 @@ class Verdict:
     queued_s: float
     """Time between the save and the start of its audit (waiting behind earlier audits)."""
     error: str = ""
+    note: str = ""
+    """What happened to the checkpoint's path between the save and the verdict, when anything did: replaced by
+    newer content (the verdict is the saved content's) or deleted (no report is left behind)."""
 
 
 @dataclass(frozen=True, slots=True)
+class SaveWait:
+    """A save that waited at :meth:`Guard.before_save` because ``max_unverified`` save points were unverified."""
+
+    step: int | None
+    seconds: float
+    unverified: int
+    """Save points waiting for a verdict when the wait began."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A checkpoint's newest passing content, kept by the guard (:meth:`Guard.kept`)."""
+
+    path: str
+    """The pinned copy (the guard's hard link; copy it, never write to it)."""
+    step: int | None
+    report: str
+    """A copy of its JSON report."""
+
+
+class CheckpointAuditFailed(RuntimeError):
+    """Raised at the end of training, with ``on_failure="stop"``, when a checkpoint saved during it failed its audit.
+
+    Raised on every rank, after the last audit has finished and every failing checkpoint is quarantined (the
+    library's own resume path skips it): by the Trainer and Lightning callbacks at the end of ``train()`` /
+    ``fit()``, and by :meth:`Guard.finish` in the loops that call it. ``failed`` holds the failing verdicts on
+    the rank that audited (empty on the others).
+    """
+
+    def __init__(self, message: str, failed: tuple[Verdict, ...] = ()) -> None:
+        super().__init__(message)
+        self.failed = failed
+
+
+@dataclass(eq=False, slots=True)
 class _Job:
     checkpoint: str
     step: int | None
-    quarantine: Callable[[str], str | None] | None
+    point: object
+    """Its save point: the step, or an object of its own when no step is given."""
+    quarantine_to: Callable[[str], str] | None
+    after_quarantine: Callable[[str, str], None] | None
     on_pass: Callable[[str], None] | None
     submitted: float
     report: str
     """Where the report goes (``<checkpoint>.ckptaudit.json`` unless the integration names another place)."""
-    signature: tuple[int, int, int] | None
-    """(inode, mtime_ns, size) at submit: a checkpoint replaced since (Lightning rewrites ``last.ckpt``) is not
-    the one audited, and is never quarantined for it."""
+    pins: str | None
+    keep_pin: bool
+    pin: _pins.Pin | None = None
+    """The checkpoint's files as saved (pinned at submit; for an asynchronous save, when its future completes)."""
     ready: Future[Any] | None = None
     """An asynchronous save's future: the worker waits for it (never the training loop) before the audit."""
 
 
-def _signature(path: str) -> tuple[int, int, int] | None:
+def _likely_owner() -> bool:
+    """Whether this process looks like the one that will audit (rank 0), before the integration knows: the
+    default group's rank when torch.distributed is already up, else ``RANK`` (torchrun, ...), else
+    ``LOCAL_RANK`` and ``NODE_RANK`` (Lightning's launcher sets no ``RANK`` in the processes it starts), else a
+    single process (yes)."""
+    dist = sys.modules.get("torch.distributed")
     try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank()) == 0
+    except (AttributeError, RuntimeError):
+        pass
+    env = os.environ
+    if env.get("RANK", "").strip():
+        return env["RANK"].strip() == "0"
+    return all(env.get(name, "0").strip() in ("", "0") for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
 
 
 class Guard:
     """Audits checkpoints as they are saved, in the background (see the module docstring).
 
-    ``on_failure``: ``"warn"`` (log, quarantine, go on) or ``"stop"`` (also make :meth:`should_stop` true);
-    ``background``: ``"process"`` (default) or ``"thread"``; every other keyword is an option of :func:`ckptaudit.audit`
-    (``quick``, ``fail_on``, ``master_dtype``, ``require``, ...), checked here, before training starts.
+    ``on_failure``: ``"warn"`` (log, quarantine, go on) or ``"stop"`` (also make :meth:`should_stop` true, and
+    raise :class:`CheckpointAuditFailed` at the end of training); ``background``: ``"process"`` (default) or
+    ``"thread"``; ``max_unverified``: the most save points ever waiting for a verdict (an int >= 1, or ``None``
+    for no bound; default 1 with ``"stop"``, ``None`` with ``"warn"``); every other keyword is an option of
+    :func:`ckptaudit.audit` (``quick``, ``fail_on``, ``master_dtype``, ``require``, ...), checked here, before
+    training starts.
     """
 
-    def __init__(self, *, on_failure: str = "warn", background: str = "process", **audit_options: Any) -> None:
+    def __init__(self, *, on_failure: str = "warn", background: str = "process",
+                 max_unverified: int | object | None = _BY_MODE, **audit_options: Any) -> None:
         from ckptaudit.api import AUDIT_OPTIONS, _resolve
 
         if on_failure not in ON_FAILURE:
@@ -117,47 +201,146 @@ class Guard:
         if background not in BACKGROUNDS:
             raise ValueError(f"ckptaudit guard: background={background!r} is not valid; pass 'thread' or "
                              "'process'")
+        if max_unverified is _BY_MODE:
+            max_unverified = 1 if on_failure == "stop" else None
+        if max_unverified is not None and (isinstance(max_unverified, bool) or not isinstance(max_unverified, int)
+                                           or max_unverified < 1):
+            raise ValueError(f"ckptaudit guard: max_unverified={max_unverified!r} is not valid; pass an int of at "
+                             "least 1 (the most saves waiting for a verdict) or None (no bound)")
         _resolve("ckptaudit guard", audit_options, AUDIT_OPTIONS)
         self.on_failure = on_failure
         self.background = background
+        self.max_unverified: int | None = max_unverified  # type: ignore[assignment]
         self.audit_options = dict(audit_options)
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._cond = threading.Condition()
-        self._pending = 0
+        self._live: list[_Job] = []
+        """Jobs submitted and not yet judged, in order."""
+        self._open: dict[object, int] = {}
+        """Save point -> its jobs not yet judged."""
+        self._status: dict[str, str] = {}
         self._verdicts: list[Verdict] = []
         self._failed: Verdict | None = None
+        self._waits: list[SaveWait] = []
+        self._wait_began: tuple[float, int] | None = None
+        self._kept: dict[str, tuple[_pins.Pin, int | None]] = {}
+        """Checkpoint path -> the pin of its newest passing content (``submit(keep_pin=True)``), and its step."""
+        self._placed: dict[str, str] = {}
+        """Report path -> the checkpoint it describes (to remove it when the checkpoint is deleted)."""
         self._thread: threading.Thread | None = None
         self._child: subprocess.Popen[str] | None = None
+        self._ready = threading.Event()
         self._closed = False
+        if _likely_owner():
+            self.start()
 
     # -- training side (the owning process's main thread) ----------------------------------------------------
 
+    def start(self) -> None:
+        """(owning process) Start the worker now, if it is not running: the worker process (or thread) starts and
+        imports the audit engine in the background, off the training thread. Idempotent; the integrations call
+        it at the beginning of training on the process that audits."""
+        with self._cond:
+            if self._thread is not None or self._closed:
+                return
+            self._thread = threading.Thread(target=self._work, name="ckptaudit-guard", daemon=True)
+            self._thread.start()
+
+    def started(self, timeout: float | None = None) -> bool:
+        """Whether the worker is up (its process started and the audit engine imported), waiting up to
+        ``timeout`` seconds for it."""
+        return self._ready.wait(timeout)
+
+    def before_save(self, step: int | None = None, *, timeout: float | None = None) -> float | None:
+        """(owning process, training thread) Called just before the library writes a checkpoint at ``step``: when
+        ``max_unverified`` other save points are waiting for a verdict, wait here until the oldest has one
+        (logged). Returns the seconds waited (0.0 in a run whose saves are further apart than an audit takes),
+        or ``None`` when ``timeout`` seconds passed and it must still wait (call it again; the wait is recorded
+        once, whole). A save at a step whose save point is already pending (Lightning's ``last.ckpt`` after the
+        step's top-k file) never waits. With several ranks, call :func:`before_save_everywhere` on all of them
+        instead."""
+        limit = self.max_unverified
+        if limit is None:
+            return 0.0
+        with self._cond:
+            def others() -> int:
+                return sum(1 for p in self._open if step is None or p != step)
+            if others() >= limit:
+                if self._wait_began is None:
+                    self._wait_began = (time.monotonic(), others())
+                if not self._cond.wait_for(lambda: others() < limit, timeout):
+                    return None  # still waiting: call again (before_save_everywhere's rounds)
+            began, self._wait_began = self._wait_began, None
+            if began is None:
+                return 0.0
+            waited = time.monotonic() - began[0]
+            self._waits.append(SaveWait(step, waited, began[1]))
+        log.warning("ckptaudit guard: the save at step %s waited %.3f s for the verdict of an earlier save "
+                    "(max_unverified=%d): its audit took longer than the time between the saves", step, waited,
+                    limit)
+        return waited
+
     def submit(self, checkpoint: str, *, step: int | None = None,
-               quarantine: Callable[[str], str | None] | None = None,
+               quarantine_to: Callable[[str], str] | None = None,
+               after_quarantine: Callable[[str, str], None] | None = None,
                on_pass: Callable[[str], None] | None = None, report: str | None = None,
-               ready: Future[Any] | None = None) -> None:
-        """Queue ``checkpoint`` (just saved, complete) for an audit; returns at once.
+               ready: Future[Any] | None = None, pins: str | None = None, keep_pin: bool = False) -> None:
+        """Queue ``checkpoint`` (just saved, complete) for an audit; returns once its files are pinned.
 
-        ``ready``: the future of an asynchronous save still writing ``checkpoint``; the worker waits for it
-        before the audit (a save that fails gives a *not judged* verdict), and the queue keeps its place.
+        Waits first, as :meth:`before_save` does, when the save bound is reached (the integrations call
+        :meth:`before_save` before the library writes, so this never waits for them).
 
-        ``report``: where to write the JSON report instead of ``<checkpoint>.ckptaudit.json`` (it then stays
-        there when the checkpoint is quarantined).
-        ``quarantine(path)`` replaces the default move (:func:`quarantine_name`) and returns where the checkpoint
-        went (or ``None`` if it stayed); ``on_pass(path)`` runs when it passes. Both run on the worker.
+        ``ready``: the future of an asynchronous save still writing ``checkpoint``; the worker waits for it, pins
+        the files then, and audits (a save that fails gives a *not judged* verdict); the queue keeps its place.
+
+        ``report``: where to write the JSON report instead of ``<checkpoint>.ckptaudit.json`` (it moves beside
+        the quarantined checkpoint if it fails). ``quarantine_to(path)``: where a failing checkpoint goes
+        (default :func:`quarantine_name`, beside it); ``after_quarantine(path, dest)`` then repairs the library's
+        pointers (only when the checkpoint at ``path`` was the one judged); ``on_pass(path)`` runs when it passes
+        and ``path`` still holds what was judged. All three run on the worker. ``pins``: the folder for the pins
+        (default ``.ckptaudit-pins`` beside the checkpoint; on the same filesystem). ``keep_pin``: keep the pin
+        of the newest passing content of ``checkpoint`` until the next one passes or :meth:`close`
+        (:meth:`kept`: Lightning restores ``last.ckpt`` from it).
         """
         if self._closed:
             raise RuntimeError("ckptaudit guard: submit() after close(); create a new Guard")
+        self.before_save(step)
+        pin: _pins.Pin | None = None
+        if ready is None:
+            try:
+                pin = _pins.pin(checkpoint, pins)
+            except OSError:
+                pin = None  # it does not exist (the audit says so), or cannot be read
+        job = _Job(checkpoint, step, step if step is not None else object(), quarantine_to, after_quarantine,
+                   on_pass, time.monotonic(), report or report_path(checkpoint), pins, keep_pin, pin, ready)
         with self._cond:
-            ahead = self._pending
-            self._pending += 1
+            ahead = len(self._live)
+            self._live.append(job)
+            self._open[job.point] = self._open.get(job.point, 0) + 1
+            self._status[_key(checkpoint)] = "pending"
         if ahead:
             log.info("ckptaudit guard: %s saved while %d audit(s) are pending; queued behind them", checkpoint, ahead)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="ckptaudit-guard", daemon=True)
-            self._thread.start()
-        self._jobs.put(_Job(checkpoint, step, quarantine, on_pass, time.monotonic(),
-                            report or report_path(checkpoint), None if ready else _signature(checkpoint), ready))
+        self.start()
+        self._jobs.put(job)
+
+    def detach(self, path: str) -> bool:
+        """(training thread, just before the library writes ``path`` again in place) When a pin still needs the
+        bytes at ``path`` (an audit pending, or a kept pin), unlink the name, so the library's write makes a new
+        file and the pin keeps the bytes that were saved. Returns whether it did. Lightning's callback calls it
+        before every save: its ``last.ckpt`` is rewritten in place when its temporary file is on another
+        filesystem."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        with self._cond:
+            pins = [j.pin for j in self._live if j.pin is not None and j.pin.pinned] + [p for p, _ in
+                                                                                        self._kept.values()]
+            if not any(p.holds(st.st_dev, st.st_ino) is not None for p in pins):
+                return False
+            # The pin's identity accepts this: a ctime moved with the link count dropping (_pins.FileIdentity).
+            os.unlink(path)
+        return True
 
     def should_stop(self) -> bool:
         """True once a checkpoint failed and ``on_failure="stop"``: stop at this step boundary."""
@@ -175,47 +358,157 @@ class Guard:
             return tuple(self._verdicts)
 
     @property
+    def waits(self) -> tuple[SaveWait, ...]:
+        """Every save that waited for a verdict (:meth:`before_save`), in order."""
+        with self._cond:
+            return tuple(self._waits)
+
+    @property
     def pending(self) -> int:
         """Audits queued or running."""
         with self._cond:
-            return self._pending
+            return len(self._live)
+
+    @property
+    def unverified(self) -> int:
+        """Save points waiting for a verdict now (what ``max_unverified`` bounds)."""
+        with self._cond:
+            return len(self._open)
+
+    def status(self, checkpoint: str) -> str | None:
+        """``"pending"``, ``"passed"``, ``"failed"`` or ``"not judged"`` for a checkpoint this guard was given (its
+        newest submission), ``None`` for any other."""
+        with self._cond:
+            return self._status.get(_key(checkpoint))
+
+    def kept(self, checkpoint: str) -> Kept | None:
+        """The pinned copy of the newest content of ``checkpoint`` that passed (``submit(keep_pin=True)``), its
+        step and its report, if the guard still keeps it."""
+        with self._cond:
+            kept = self._kept.get(_key(checkpoint))
+        if kept is None or kept[0].folder is None:
+            return None
+        return Kept(kept[0].path, kept[1], os.path.join(kept[0].folder, "kept" + REPORT_SUFFIX))
+
+    def release_kept(self) -> None:
+        """Remove the kept pins (:meth:`kept`); :meth:`close` does it too."""
+        with self._cond:
+            kept, self._kept = [p for p, _ in self._kept.values()], {}
+        for pin in kept:
+            pin.release()
+
+    def retention(self, checkpoints: Sequence[str], keep: int, protect: Sequence[str] = ()) -> list[str]:
+        """Which of ``checkpoints`` (one library's, oldest first) a retention of ``keep`` may delete now.
+
+        The rule every integration applies to the retention it takes over: the ``keep`` newest stay; so does the
+        newest that passed its audit (before any has passed in this run: the newest this guard was never given,
+        the one training resumed from), so the last good checkpoint is never deleted before a newer one has
+        passed; so does every one whose audit is pending, and those in ``protect``."""
+        with self._cond:
+            status = [self._status.get(_key(c)) for c in checkpoints]
+        good = next((c for c, s in zip(reversed(checkpoints), reversed(status), strict=True) if s == "passed"),
+                    None)
+        if good is None:
+            good = next((c for c, s in zip(reversed(checkpoints), reversed(status), strict=True) if s is None),
+                        None)
+        keep_set = {_key(c) for c in checkpoints[-keep:]} if keep > 0 else set()
+        keep_set |= {_key(p) for p in protect}
+        if good is not None:
+            keep_set.add(_key(good))
+        return [c for c, s in zip(checkpoints, status, strict=True) if s != "pending" and _key(c) not in keep_set]
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every submitted audit has finished (True) or ``timeout`` seconds pass (False)."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+            return self._cond.wait_for(lambda: not self._live, timeout)
 
     def close(self, timeout: float | None = None) -> bool:
         """Wait for the pending audits (``timeout``: give up after that many seconds, logged), then stop the
-        worker. Returns whether every audit finished."""
+        worker and remove the guard's pins. Returns whether every audit finished. Idempotent."""
         done = self.wait(timeout)
         if not done:
             log.warning("ckptaudit guard: %d audit(s) still running after %.0f s; not waiting for them",
                         self.pending, timeout or 0.0)
         self._closed = True
-        if self._thread is not None and done:
+        with self._cond:
+            thread = self._thread
+        if thread is not None and done:
             self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
+            thread.join()
+            with self._cond:
+                self._thread = None
+            self.release_kept()
+            self._sweep()
         return done
+
+    def finish(self, timeout: float | None = None) -> None:
+        """(all ranks, at the end of training; one tiny collective when distributed with ``on_failure="stop"``)
+        :meth:`close`, then raise :class:`CheckpointAuditFailed` on every rank when a checkpoint saved during
+        training failed its audit and ``on_failure="stop"``."""
+        done = wait_everywhere(self, timeout) if self.on_failure == "stop" else self.wait(timeout)
+        self.close(None if done else 0.0)
+        if stop_requested(self):
+            raise self.failure()
+
+    def failure(self) -> CheckpointAuditFailed:
+        """The :class:`CheckpointAuditFailed` that says which checkpoints failed (on the rank that audited), or
+        that rank 0's guard found one (on the others)."""
+        with self._cond:
+            failed = tuple(v for v in self._verdicts if v.ok is False)
+        if not failed:
+            return CheckpointAuditFailed(
+                "ckptaudit guard (on_failure='stop'): a checkpoint saved during training failed its audit on the "
+                "process that audits (rank 0), and was quarantined; training stopped. Rank 0's log "
+                "(logger ckptaudit.guard) names it and its report")
+        lines = [f"ckptaudit guard (on_failure='stop'): {len(failed)} checkpoint(s) saved during training failed "
+                 "their audit; training stopped:"]
+        for v in failed:
+            where = f" -> quarantined to {v.quarantined_to}" if v.quarantined_to else " (not kept: " + v.note + ")"
+            lines.append(f"  {v.checkpoint}{f' (step {v.step})' if v.step is not None else ''}: "
+                         f"{', '.join(sorted(set(v.codes)))}{where}; report: {v.report}")
+        lines.append("The library's own resume path skips quarantined checkpoints; `ckptaudit latest DIR` names "
+                     "the newest that can be resumed. Fix the save (the report says what is wrong) before "
+                     "resuming.")
+        return CheckpointAuditFailed("\n".join(lines), failed)
 
     # -- worker side ----------------------------------------------------------------------------------------
 
     def _work(self) -> None:
         try:
+            try:
+                self._boot()
+            except Exception as exc:  # noqa: BLE001 - the audits then start their own worker (and say why not)
+                log.warning("ckptaudit guard: the audit worker did not start (%s: %s); each audit retries",
+                            type(exc).__name__, exc)
+            finally:
+                self._ready.set()
             while True:
                 job = self._jobs.get()
                 if job is None:
                     return
                 verdict = self._judge(job)
+                self._sweep()  # before the verdict is published: wait() returns with the orphans gone
                 with self._cond:
                     self._verdicts.append(verdict)
                     if verdict.ok is False and self._failed is None:
                         self._failed = verdict
-                    self._pending -= 1
+                    self._live.remove(job)
+                    self._open[job.point] -= 1
+                    if not self._open[job.point]:
+                        del self._open[job.point]
                     self._cond.notify_all()
+                self._settle(job, verdict.ok, done=True)
         finally:
             self._stop_child()
+
+    def _boot(self) -> None:
+        """(worker thread, once) The worker process started and ready, or the audit engine imported."""
+        if self.background == "process":
+            self._spawn()
+        else:
+            from ckptaudit.integrations._worker import warm
+
+            warm()  # the engine's imports, paid here rather than by the first audit
 
     def _judge(self, job: _Job) -> Verdict:
         if job.ready is not None:
@@ -226,63 +519,169 @@ class Guard:
                             job.checkpoint, type(exc).__name__, exc)
                 return Verdict(job.checkpoint, job.step, None, "not judged", (), None, None, 0.0,
                                time.monotonic() - job.submitted, f"the save failed: {type(exc).__name__}: {exc}")
-            job = replace(job, signature=_signature(job.checkpoint), ready=None)
+            try:
+                pin = _pins.pin(job.checkpoint, job.pins)
+            except OSError:
+                pin = None
+            with self._cond:
+                job.pin, job.ready = pin, None
         start = time.monotonic()
         queued = start - job.submitted
-        where = job.report
+        pin = job.pin
+        target = pin.path if pin is not None else job.checkpoint
+        draft = (os.path.join(pin.folder, "report" + REPORT_SUFFIX) if pin is not None and pin.folder
+                 else f"{job.report}.tmp-{os.getpid()}-{threading.get_ident()}")
         try:
-            result = self._run_audit(job.checkpoint, where)
-        except Exception as exc:  # noqa: BLE001 - any failure of one audit is reported, never kills the loop
-            log.warning("ckptaudit guard: %s was not judged: the audit could not run (%s: %s); it stays "
-                        "where it is", job.checkpoint, type(exc).__name__, exc)
-            return Verdict(job.checkpoint, job.step, None, "not judged", (), None, None,
-                           time.monotonic() - start, queued, f"{type(exc).__name__}: {exc}")
-        seconds = time.monotonic() - start
+            try:
+                result = self._run_audit(target, draft, job.checkpoint)
+            except Exception as exc:  # noqa: BLE001 - any failure of one audit is reported, never kills the loop
+                log.warning("ckptaudit guard: %s was not judged: the audit could not run (%s: %s); it stays "
+                            "where it is", job.checkpoint, type(exc).__name__, exc)
+                return Verdict(job.checkpoint, job.step, None, "not judged", (), None, None,
+                               time.monotonic() - start, queued, f"{type(exc).__name__}: {exc}")
+            seconds = time.monotonic() - start
+            with self._cond:  # against detach(): the pin's record and its files are read together
+                why = pin.changed() if pin is not None else None
+                state = pin.at_checkpoint() if pin is not None else (
+                    "same" if os.path.lexists(job.checkpoint) else "gone")
+            if why:
+                log.warning("ckptaudit guard: %s was not judged: it was replaced or rewritten in place while it "
+                            "waited for its audit (%s), so the bytes the audit read may not be the bytes saved; "
+                            "nothing is quarantined", job.checkpoint, why)
+                return Verdict(job.checkpoint, job.step, None, "not judged", (), None, None, seconds, queued,
+                               f"replaced: {why}")
+            return self._decide(job, result, state, draft, seconds, queued)
+        finally:
+            if os.path.exists(draft):
+                os.remove(draft)
+            if pin is not None and not (job.keep_pin and self._status_of_kept(job, pin)):
+                pin.release()
+
+    def _status_of_kept(self, job: _Job, pin: _pins.Pin) -> bool:
+        """(worker) Whether ``pin`` became the kept pin of its checkpoint (set by :meth:`_decide`)."""
+        with self._cond:
+            kept = self._kept.get(_key(job.checkpoint))
+            return kept is not None and kept[0] is pin
+
+    def _decide(self, job: _Job, result: dict[str, Any], state: str, draft: str, seconds: float,
+                queued: float) -> Verdict:
+        """(worker) Record the verdict of what was saved: report, quarantine, the integration's hooks."""
         ok, summary, codes = bool(result["ok"]), str(result["summary"]), tuple(result["codes"])
+        pin = job.pin
+        note = ""
+        where: str | None = None
         moved: str | None = None
+        if state == "replaced":
+            note = ("replaced since it was saved: this is the verdict of the content saved then; the new content "
+                    "has its own audit")
+        elif state == "gone":
+            note = "deleted before its verdict (retention): judged from its pin; no report is left behind"
+        self._settle(job, ok)  # before the hooks: on_pass's retention must see this one as passed
         if ok:
-            log.info("ckptaudit guard: %s passed (%.2f s): %s", job.checkpoint, seconds, summary)
-            if job.on_pass is not None:
+            if state == "same":
+                where = self._place(draft, job.report, job.checkpoint)
+            log.info("ckptaudit guard: %s passed (%.2f s): %s%s", job.checkpoint, seconds, summary,
+                     f" ({note})" if note else "")
+            if job.keep_pin and pin is not None and pin.folder is not None:
+                shutil.copyfile(where or draft, os.path.join(pin.folder, "kept" + REPORT_SUFFIX))
+                with self._cond:
+                    old = self._kept.get(_key(job.checkpoint))
+                    self._kept[_key(job.checkpoint)] = (pin, job.step)
+                if old is not None:
+                    old[0].release()
+            if state == "same" and job.on_pass is not None:
                 try:
                     job.on_pass(job.checkpoint)
                 except Exception as exc:  # noqa: BLE001
                     log.error("ckptaudit guard: %s passed, but updating the library's pointer failed (%s: %s)",
                               job.checkpoint, type(exc).__name__, exc)
-        elif _signature(job.checkpoint) != job.signature:
-            log.warning("ckptaudit guard: %s FAILED its audit (%s), but it was replaced since it was saved; the new "
-                        "one is not quarantined for it. Report: %s", job.checkpoint, ", ".join(sorted(set(codes))),
-                        where)
-        else:
+            return Verdict(job.checkpoint, job.step, True, summary, codes, where, None, seconds, queued, "", note)
+        source = job.checkpoint if state == "same" else (pin.path if state == "replaced" and pin is not None
+                                                         else None)
+        if source is not None:
             try:
-                moved = (job.quarantine or _move_aside)(job.checkpoint)
-                if moved is not None and where == report_path(job.checkpoint) and os.path.exists(where):
-                    os.replace(where, report_path(moved))
-                    where = report_path(moved)
+                dest = (job.quarantine_to or quarantine_name)(job.checkpoint)
+                os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+                shutil.move(source, dest)
+                moved = dest
+                where = self._place(draft, report_path(dest), dest)
+                if state == "same" and job.after_quarantine is not None:
+                    job.after_quarantine(job.checkpoint, dest)
             except Exception as exc:  # noqa: BLE001
                 log.error("ckptaudit guard: %s failed its audit and could NOT be quarantined (%s: %s); do not "
                           "resume from it", job.checkpoint, type(exc).__name__, exc)
-            log.warning("ckptaudit guard: %s FAILED its audit (%s)%s; report: %s%s", job.checkpoint,
-                        ", ".join(sorted(set(codes))), f", moved to {moved}" if moved else "", where,
-                        "; stopping training at the next step" if self.on_failure == "stop" else "")
-        return Verdict(job.checkpoint, job.step, ok, summary, codes, where, moved, seconds, queued)
+        log.warning("ckptaudit guard: %s FAILED its audit (%s)%s; report: %s%s%s", job.checkpoint,
+                    ", ".join(sorted(set(codes))), f", moved to {moved}" if moved else "", where,
+                    f" ({note})" if note else "",
+                    "; stopping training at the next step" if self.on_failure == "stop" else "")
+        return Verdict(job.checkpoint, job.step, False, summary, codes, where, moved, seconds, queued, "", note)
 
-    def _run_audit(self, checkpoint: str, where: str) -> dict[str, Any]:
+    def _settle(self, job: _Job, ok: bool | None, done: bool = False) -> None:
+        """(worker) :meth:`status` of ``job``'s checkpoint once it has a verdict, unless a newer save of the same
+        path still waits for one (``done``: ``job`` has left the pending list)."""
+        with self._cond:
+            if sum(j.checkpoint == job.checkpoint for j in self._live) <= (0 if done else 1):
+                self._status[_key(job.checkpoint)] = {True: "passed", False: "failed", None: "not judged"}[ok]
+
+    def _place(self, draft: str, where: str, checkpoint: str) -> str:
+        """(worker) Move the report drafted in the pin (or beside) to ``where``, atomically."""
+        try:
+            os.replace(draft, where)
+        except OSError:
+            shutil.move(draft, where)  # another filesystem: copied, then the draft removed
+        with self._cond:
+            self._placed[where] = checkpoint
+        return where
+
+    def _sweep(self) -> None:
+        """(worker, after each verdict; close) Remove the reports this guard wrote for checkpoints that are gone
+        (deleted by the library's retention, or by hand): no ``checkpoint-N.ckptaudit.json`` is left orphaned."""
+        with self._cond:
+            placed = list(self._placed.items())
+        for rep, ckpt in placed:
+            if os.path.lexists(ckpt):
+                continue
+            try:
+                os.remove(rep)
+                log.info("ckptaudit guard: removed %s: %s was deleted", rep, ckpt)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("ckptaudit guard: could not remove the orphaned report %s (%s)", rep, exc)
+            with self._cond:
+                if self._placed.get(rep) == ckpt:
+                    del self._placed[rep]
+
+    def _run_audit(self, checkpoint: str, where: str, as_path: str) -> dict[str, Any]:
         if self.background == "process":
-            return self._run_in_child(checkpoint, where)
-        return audit_to_file(checkpoint, where, self.audit_options)
+            return self._run_in_child(checkpoint, where, as_path)
+        return audit_to_file(checkpoint, where, self.audit_options, as_path)
 
-    def _run_in_child(self, checkpoint: str, where: str) -> dict[str, Any]:
-        if self._child is None or self._child.poll() is not None:
-            self._child = subprocess.Popen([sys.executable, "-m", "ckptaudit.integrations._worker"],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                           env=worker_env())
-        assert self._child.stdin is not None and self._child.stdout is not None
-        self._child.stdin.write(json.dumps({"checkpoint": checkpoint, "report": where,
-                                            "options": self.audit_options}) + "\n")
-        self._child.stdin.flush()
-        line = self._child.stdout.readline()
+    def _spawn(self) -> subprocess.Popen[str]:
+        """(worker thread) Start the worker process and wait for its ready line (priority lowered, engine
+        imported)."""
+        child = subprocess.Popen([sys.executable, "-m", "ckptaudit.integrations._worker"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, bufsize=1, env=worker_env())
+        self._child = child
+        assert child.stdout is not None
+        line = child.stdout.readline()
         if not line:
-            code = self._child.wait()
+            code = child.wait()
+            self._child = None
+            raise RuntimeError(f"the audit worker process exited with code {code} before it was ready")
+        return child
+
+    def _run_in_child(self, checkpoint: str, where: str, as_path: str) -> dict[str, Any]:
+        child = self._child
+        if child is None or child.poll() is not None:
+            child = self._spawn()
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(json.dumps({"checkpoint": checkpoint, "report": where, "as_path": as_path,
+                                      "options": self.audit_options}) + "\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        if not line:
+            code = child.wait()
             self._child = None
             raise RuntimeError(f"the audit worker process exited with code {code}")
         answer: dict[str, Any] = json.loads(line)
@@ -296,6 +695,13 @@ class Guard:
             return
         try:
             if child.stdin is not None:
+                # A quit line, not only EOF: a process forked from training (a DataLoader worker) may hold the
+                # pipe's write end open, and the worker would never see EOF.
+                try:
+                    child.stdin.write(json.dumps({"quit": True}) + "\n")
+                    child.stdin.flush()
+                except OSError:
+                    pass
                 child.stdin.close()
             child.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -313,23 +719,20 @@ def worker_env() -> dict[str, str]:
     return {**os.environ, **dict.fromkeys(WORKER_ONE_THREAD, "1")}
 
 
-def audit_to_file(checkpoint: str, where: str, options: dict[str, Any]) -> dict[str, Any]:
-    """(worker) Audit ``checkpoint``, write its JSON report to ``where`` atomically, return the gist."""
+def audit_to_file(checkpoint: str, where: str, options: dict[str, Any], as_path: str | None = None) -> dict[str, Any]:
+    """(worker) Audit ``checkpoint``, write its JSON report to ``where`` atomically, return the gist. ``as_path``:
+    the path the report names (the checkpoint's own, when ``checkpoint`` is its pinned copy)."""
     from ckptaudit.api import audit
 
     report = audit(checkpoint, **options)
+    if as_path is not None:
+        report = replace(report, raw=replace(report.raw, path=as_path))
     tmp = f"{where}.tmp-{os.getpid()}-{threading.get_ident()}"
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(report.to_json())
         fh.write("\n")
     os.replace(tmp, where)
     return {"ok": report.ok, "summary": report.summary, "codes": [f.code for f in report.failing]}
-
-
-def _move_aside(checkpoint: str) -> str:
-    dest = quarantine_name(checkpoint)
-    shutil.move(checkpoint, dest)
-    return dest
 
 
 def stop_requested(guard: Guard) -> bool:
@@ -351,6 +754,65 @@ def stop_requested(guard: Guard) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+ROUND_S = 1.0
+"""How long the rank that audits waits between two all-reduces in :func:`before_save_everywhere` and
+:func:`wait_everywhere`."""
+
+
+def _any_rank_default() -> Callable[[bool], bool] | None:
+    """An "any rank says true" reduction over the default group (a 4-byte all-reduce), or ``None`` when this
+    process is alone."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+
+    def any_rank(flag: bool) -> bool:
+        import torch
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    return any_rank
+
+
+def before_save_everywhere(guard: Guard, step: int | None = None,
+                           any_rank: Callable[[bool], bool] | None = None) -> None:
+    """(all ranks, just before a collective save; collective when distributed and ``max_unverified`` is set)
+    :meth:`Guard.before_save` on the rank that audits, while the others wait beside it in rounds of at most
+    :data:`ROUND_S` seconds, one tiny all-reduce each (``any_rank``: the library's own "any rank true" reduction,
+    Lightning's ``reduce_boolean_decision``; default, the default group's all-reduce): no rank sits in the save's
+    first collective for as long as an audit takes, which its timeout (10 to 30 minutes) could end. Every rank
+    builds its guard with the same ``max_unverified``, so none enters the rounds alone; with no bound there are
+    none."""
+    if guard.max_unverified is None:
+        return
+    reduce = any_rank or _any_rank_default()
+    if reduce is None:
+        guard.before_save(step)
+        return
+    while reduce(guard.before_save(step, timeout=ROUND_S) is None):
+        pass
+
+
+def wait_everywhere(guard: Guard, timeout: float | None = None,
+                    any_rank: Callable[[bool], bool] | None = None) -> bool:
+    """(all ranks, at the end of training; collective when distributed) :meth:`Guard.wait` on the rank that
+    audits (up to ``timeout`` seconds), the others beside it in rounds of one tiny all-reduce (as in
+    :func:`before_save_everywhere`). Returns whether every audit finished (on the rank that audits; true on
+    the others)."""
+    reduce = any_rank or _any_rank_default()
+    if reduce is None:
+        return guard.wait(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = ROUND_S if deadline is None else max(0.0, min(ROUND_S, deadline - time.monotonic()))
+        done = guard.wait(left)
+        expired = deadline is not None and time.monotonic() >= deadline
+        if not reduce(not done and not expired):
+            return done
 
 
 def _collective_device() -> Any:

@@ -2,7 +2,6 @@
 See ``docs/integrations/store.md``.
 
     from ckptaudit.integrations.guard import Guard, stop_requested
-from ckptaudit.integrations.live_contract import declare_live_contract
     from ckptaudit.integrations.store import save_checkpoint
 
     guard = Guard(on_failure="stop")                                  # on every rank; only rank 0 audits
@@ -12,12 +11,14 @@ from ckptaudit.integrations.live_contract import declare_live_contract
             save_checkpoint(job, "ckpts", guard=guard, keep_last=3)   # all ranks, collective
         if stop_requested(guard):                                      # all ranks agree at the step boundary
             break
-    guard.close()
+    guard.finish()                                                     # raises CheckpointAuditFailed (stop)
 
-Which ranks run what: every rank calls :func:`save_checkpoint` (the writer's collective save and commit,
-unchanged); then the coordinator (rank 0) holds ``latest`` at the previous checkpoint and submits the new one to
+Which ranks run what: every rank calls :func:`save_checkpoint`; the coordinator (rank 0) first waits while
+``max_unverified`` saves are waiting for a verdict (:func:`~ckptaudit.integrations.guard.before_save_everywhere`; default 1 with
+``on_failure="stop"``); then the writer's collective save and commit, unchanged; then the coordinator (rank 0) holds ``latest`` at the previous checkpoint and submits the new one to
 the guard. The audit runs on rank 0's background worker; when it passes, ``latest`` moves to it and retention
-(``keep_last``) runs, so a failed save never costs the last good checkpoint; when it fails, ``step-N`` becomes
+(``keep_last``) runs, so a failed save never costs the last good checkpoint (the reports of the checkpoints it
+deletes go with them); when it fails, ``step-N`` becomes
 ``quarantined-step-N``, which neither ``load_checkpoint`` nor ``ckptaudit latest`` resumes from.
 :func:`stop_requested` shares rank 0's decision with every rank (one tiny all-reduce per call).
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ckptaudit.integrations.guard import Guard, stop_requested
+from ckptaudit.integrations.guard import Guard, before_save_everywhere, report_path, stop_requested
 from ckptaudit.integrations.live_contract import declare_live_contract
 
 __all__ = ["save_checkpoint", "stop_requested"]
@@ -55,6 +56,7 @@ def save_checkpoint(job: Any, root: str | os.PathLike[str], *, guard: Guard, kee
     root = os.path.abspath(os.fspath(root))
     coordinator = _rank() == 0
     previous = layout.read_pointer(root) if coordinator and os.path.isdir(root) else None
+    before_save_everywhere(guard, None)
     saved = store_save(job, root, keep_last=None, **kwargs)
     if not coordinator:
         return saved
@@ -71,7 +73,10 @@ def save_checkpoint(job: Any, root: str | os.PathLike[str], *, guard: Guard, kee
 
         layout.write_durably(pointer, (name + "\n").encode())
         if keep_last is not None:
-            apply_retention(root, keep_last, protect=(name,))
+            for gone in apply_retention(root, keep_last, protect=(name,)):
+                report = report_path(os.path.join(root, gone))
+                if os.path.exists(report):
+                    os.remove(report)
 
     declare_live_contract(guard, job.optimizer, "ckptaudit.store")
     guard.submit(saved.path, step=saved.step, on_pass=passed)

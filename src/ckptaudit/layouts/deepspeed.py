@@ -14,7 +14,7 @@ from ckptaudit.formats.tensors import TensorData
 from ckptaudit.layouts.keyed import _optimizer_view
 from ckptaudit.layouts.precision import deepspeed_record
 from ckptaudit.layouts.view import DATA_KEYS, RNG_KEYS, STEP_KEYS, View, _as_int, _label, is_step_key
-from ckptaudit.model import ComponentKind
+from ckptaudit.model import ComponentKind, text
 
 
 def _deepspeed(part: Part, tree: dict[str, Any], view: View, found: Any, add_model: Any, ckpt: Checkpoint) -> None:
@@ -69,10 +69,11 @@ def _deepspeed(part: Part, tree: dict[str, Any], view: View, found: Any, add_mod
         found(ComponentKind.DATA_PROGRESS, _label(part, "data_sampler"), "DeepSpeed data_sampler state")
     elif data_keys:
         found(ComponentKind.DATA_PROGRESS, _label(part, "client_state"),
-              f"client_state ({', '.join(data_keys)}), global_steps {steps}")
+              f"client_state ({', '.join(data_keys)}), global_steps {text(steps)}")
     elif steps is not None:
         found(ComponentKind.DATA_PROGRESS, _label(part, "global_steps"),
-              f"step counter only (global_steps {steps}, global_samples {facts.get('global_samples')}); no "
+              f"step counter only (global_steps {text(steps)}, global_samples {text(facts.get('global_samples'))}); "
+              "no "
               "data-loader position: DeepSpeed saves its data_sampler only for its own data-efficiency sampler; "
               "save the loader's state in client_state" + (f" (client_state holds {', '.join(map(str, client))})"
                                                             if client else ""))

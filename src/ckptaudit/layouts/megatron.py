@@ -26,7 +26,7 @@ from ckptaudit.layouts.view import (
     _present,
     _unreadable_detail,
 )
-from ckptaudit.model import ComponentKind
+from ckptaudit.model import ComponentKind, text
 
 MEGATRON_MASTERS = frozenset({"fp32_param", "param"})
 """Megatron's names for the fp32 master of a parameter: ``fp32_param`` (``Float16OptimizerWithFloat16Params``, the
@@ -167,6 +167,7 @@ def _megatron_data_detail(common: dict[str, Any]) -> str:
     consumed = values.get("consumed_train_samples") if isinstance(values, dict) else None
     it = common.get("iteration")
     if isinstance(consumed, int) and not isinstance(consumed, bool):
-        return (f"Megatron iteration {it}, args.consumed_train_samples {consumed} (the sampler skips the consumed "
-                "samples)")
-    return f"step counter only (iteration {it}); no data-loader position (args.consumed_train_samples not saved)"
+        return (f"Megatron iteration {text(it)}, args.consumed_train_samples {text(consumed)} (the sampler skips "
+                "the consumed samples)")
+    return (f"step counter only (iteration {text(it)}); no data-loader position (args.consumed_train_samples not "
+            "saved)")

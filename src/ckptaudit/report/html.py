@@ -11,6 +11,7 @@ from typing import Any, TextIO
 
 from ckptaudit import __version__
 from ckptaudit.model import Precision, Report, Severity
+from ckptaudit.report.text import clean
 
 __all__ = ["render_html", "render_page"]
 
@@ -45,7 +46,8 @@ def render_page(reports: Sequence[Report], out: TextIO, *, title: str = "ckptaud
 
 
 def _e(text: Any) -> str:
-    return html.escape(str(text))
+    # Untrusted names: bidi controls and line separators shown as escapes, then HTML-escaped.
+    return html.escape(clean(text))
 
 
 def _report(r: Report) -> str:
@@ -92,7 +94,10 @@ def _report(r: Report) -> str:
 def _message(text: str) -> str:
     """A finding's message; a traceback after its first line kept in lines of its own."""
     head, _, rest = text.partition("\n")
-    return _e(head) + (f"<pre class='tb'>{_e(rest.rstrip())}</pre>" if rest.strip() else "")
+    if not rest.strip():
+        return _e(head)
+    # Each line escaped on its own: the newlines stay line breaks, any other separator in a line is shown escaped.
+    return _e(head) + "<pre class='tb'>" + "\n".join(_e(line) for line in rest.rstrip().split("\n")) + "</pre>"
 
 
 def _table(title: str, columns: Sequence[Any], rows: Sequence[Sequence[Any]], *, escaped: bool = False) -> str:

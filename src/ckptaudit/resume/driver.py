@@ -37,7 +37,12 @@ def _launch(fn: Callable[..., Any], nproc: int, args: tuple[Any, ...], timeout_s
 
 
 def _crash_text(failures: list[Any]) -> str:
-    return "\n".join(f"rank {f.rank}: {f.reason}:\n{f.detail.strip()}" for f in failures)
+    # Each rank's stderr tail (why a rank killed by a signal died) before its detail, whose last line stays
+    # the crash text's last line: the one-line summary of a crashed exporter.
+    return "\n".join(
+        f"rank {f.rank}: {f.reason}:"
+        + (f"\nlast lines of rank {f.rank}'s stderr:\n{f.stderr.rstrip()}" if f.stderr.strip() else "")
+        + f"\n{f.detail.strip()}" for f in failures)
 
 
 def _export_crash(spec: str, failures: list[Any], timeout_s: float) -> Any:
