@@ -26,6 +26,7 @@ from ckptaudit.distaudit import partition
 from ckptaudit.distplan import (
     VettedFile,
     checkpoint_root,
+    compare,
     decode_share,
     encode_share,
     share_datas,
@@ -186,3 +187,53 @@ def test_two_ranks_audit_a_url_as_one_process_does(s3_dcp: tuple[str, dict[str, 
     assert results[0]["report"] == expected
     assert results[1]["calls"] == {"walk": 0, "load": 0}
     assert results[1]["stats"]["share_items"] >= 1
+
+
+def test_a_ranks_share_behind_a_url_reads_the_objects_rank_0_pinned(s3_dcp: tuple[str, dict[str, str]],
+                                                                    fsdp_dcp: Path) -> None:
+    """Rank 0's share carries the ETag it pinned each data file to; another rank's reads (its view check and its
+    tensors' bytes) go through the same pinned, bounded reads as rank 0's: an object replaced by bytes of the same
+    length before that rank lists it is ``integrity.changed`` (another object than rank 0 read), and one replaced
+    after it is refused by the store (``IfMatch``), never read as the vetted object."""
+    import s3fs
+
+    from ckptaudit.formats.remote import ObjectChanged, ShareReader
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.put(str(fsdp_dcp), "plans/pinned", recursive=True)  # its own objects: the module's others stay as saved
+    url = "s3://plans/pinned"
+    plan = plan_scan(url)
+    try:
+        raw = decode_share(encode_share(plan, plan.scannable()))
+    finally:
+        plan.close()
+    data_names = sorted(raw.data_files)
+    assert data_names and all(v.etag for v in raw.vetted if v.name in raw.data_files)
+
+    def problems() -> list[tuple[str, str]]:
+        reader = ShareReader(url, single_file=raw.single_file)
+        try:
+            view = reader.view([v.name for v in raw.vetted], digest={v.name for v in raw.vetted if v.digest})
+        finally:
+            reader.close()
+        out: list[tuple[str, str]] = []
+        for v in raw.vetted:
+            seen = view[v.name]
+            out += [(v.name, seen)] if isinstance(seen, str) else compare(v, *seen)
+        return out
+
+    assert problems() == []
+    reader = ShareReader(url, single_file=raw.single_file)
+    reader.view([v.name for v in raw.vetted], digest=set())
+    root, remote = reader.stand_in(raw.data_files)
+    try:
+        name = data_names[0]
+        body = bytearray(fs.cat_file(f"plans/pinned/{name}"))
+        body[len(body) // 2] ^= 0x01  # same size, other bytes
+        fs.pipe_file(f"plans/pinned/{name}", bytes(body))
+        buf = memoryview(bytearray(4096))
+        with pytest.raises(ObjectChanged, match="changed since it was staged"):
+            remote.read_into(os.path.join(root, name), buf, len(body) // 2 - 100)
+    finally:
+        remote.close()
+    assert [n for n, what in problems() if what.startswith("is another object than rank 0 read (ETag ")] == [name]

@@ -33,7 +33,7 @@ from ckptaudit.scanning import ScanPlan
 __all__ = ["SHARE_FORMAT", "RawShare", "VettedFile", "checkpoint_root", "compare", "decode_share", "encode_error",
            "encode_share", "file_digest", "is_single_file", "share_datas", "vetted_files", "view_problems"]
 
-SHARE_FORMAT = 1
+SHARE_FORMAT = 2
 """Version of the share's encoding (every rank runs the same ckptaudit; a mismatch is an error, not a guess)."""
 _READ_BYTES = 8 << 20
 
@@ -41,11 +41,13 @@ _READ_BYTES = 8 << 20
 @dataclass(frozen=True, slots=True)
 class VettedFile:
     """A file as rank 0 read it: its name (relative to the checkpoint's root), size and, for a file parsed whole
-    as metadata, the xxh3-128 (hex) of its bytes."""
+    as metadata, the xxh3-128 (hex) of its bytes; behind a URL, the ETag rank 0 pinned it to (if the store gave
+    one), so that another rank reads the same object or says it cannot."""
 
     name: str
     size: int
     digest: str | None = None
+    etag: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +96,7 @@ def encode_share(plan: ScanPlan, indices: Sequence[int]) -> bytes:
                 names.append(ckpt.file_name(p.file))
             pieces.append([fid, p.data_offset, p.storage_offset, p.sizes, p.stride, p.offsets])
         items.append([i, data.dtype.name, data.shape, int(i in plan.step_items), pieces])
-    vetted = [[v.name, v.size, v.digest] for v in _vetted(plan, fids)]
+    vetted = [[v.name, v.size, v.digest, v.etag] for v in _vetted(plan, fids)]
     doc = {"format": SHARE_FORMAT, "single_file": is_single_file(plan), "vetted": vetted, "files": names,
            "items": items}
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
@@ -119,11 +121,13 @@ def vetted_files(plan: ScanPlan, indices: Sequence[int]) -> tuple[VettedFile, ..
 
 def _vetted(plan: ScanPlan, files: Iterable[str]) -> tuple[VettedFile, ...]:
     ckpt = plan.ckpt
+    remote = ckpt.maps.remote
     vetted = [VettedFile(name, size, digest) for name, (size, digest) in ckpt.digests.items()]
     for file in files:
         name = ckpt.file_name(file)
         size = ckpt.files.get(name)
-        vetted.append(VettedFile(name, size if size is not None else os.path.getsize(file)))
+        vetted.append(VettedFile(name, size if size is not None else os.path.getsize(file),
+                                 etag=None if remote is None else remote.etag(file)))
     return tuple(vetted)
 
 
@@ -142,7 +146,8 @@ def decode_share(data: bytes) -> RawShare:
                              "run the same ckptaudit")
         if "error" in doc:
             return RawShare((), False, error=str(doc["error"]))
-        vetted = tuple(VettedFile(str(n), int(s), None if d is None else str(d)) for n, s, d in doc["vetted"])
+        vetted = tuple(VettedFile(str(n), int(s), None if d is None else str(d), None if e is None else str(e))
+                       for n, s, d, e in doc["vetted"])
         return RawShare(vetted, bool(doc["single_file"]), files=tuple(str(n) for n in doc["files"]),
                         items=tuple(doc["items"]))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -200,8 +205,11 @@ def view_problems(root: str, vetted: Iterable[VettedFile]) -> list[tuple[str, st
     return problems
 
 
-def compare(v: VettedFile, size: int, digest: str | None) -> list[tuple[str, str]]:
-    """What differs between rank 0's reading ``v`` and this rank's (``size``, ``digest`` or ``None`` if not read)."""
+def compare(v: VettedFile, size: int, digest: str | None, etag: str | None = None) -> list[tuple[str, str]]:
+    """What differs between rank 0's reading ``v`` and this rank's (``size``, ``digest`` or ``None`` if not read,
+    ``etag`` as this rank's store lists it, or ``None``)."""
+    if v.etag is not None and etag is not None and etag != v.etag:
+        return [(v.name, f"is another object than rank 0 read (ETag {etag}, rank 0: {v.etag})")]
     if size != v.size:
         return [(v.name, f"has {size} bytes where rank 0 read {v.size}")]
     if v.digest is not None and digest != v.digest:

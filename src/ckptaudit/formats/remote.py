@@ -215,6 +215,17 @@ class RemoteFiles:
     def __contains__(self, local: object) -> bool:
         return local in self._files
 
+    def etag(self, local: str) -> str | None:
+        """The ETag the object behind ``local`` is pinned to (S3, HTTP), or ``None`` (not remote, not pinned)."""
+        r = self._files.get(local)
+        if r is None:
+            return None
+        if r.pin is not None:
+            return r.pin[1]
+        pins = getattr(r.fs, "pins", None)
+        held = pins.get(r.path) if isinstance(pins, dict) else None
+        return held[0] if isinstance(held, tuple) and isinstance(held[0], str) else None
+
     def read_into(self, local: str, buf: memoryview, offset: int) -> int:
         """Fill ``buf`` with the remote bytes at ``offset`` of the file behind ``local``; the count read. Served
         from a block :meth:`prefetched` fetched when one holds the whole range, else one ranged read
@@ -661,6 +672,7 @@ class ShareReader:
         self._pins: _Pins | None = None  # made at the first pin: an S3 filesystem's client exists after a request
         self._listed: dict[str, dict[str, dict[str, Any]] | str | None] = {}
         self._handles: dict[str, _Remote | str] = {}
+        self._etags: dict[str, str] = {}
 
     def _entry(self, path: str) -> dict[str, Any] | str:
         """The store's entry for ``path`` from a fresh listing of its prefix (one per prefix; no cached listing
@@ -708,22 +720,28 @@ class ShareReader:
                 if self._pins is None:
                     self._pins = _Pins(self.fs)
                 out = _Remote(self.fs, path, size, self.guard, self._pins.add(path, entry))
+                etag = entry.get("ETag") or entry.get("etag")
+                if isinstance(etag, str) and etag:
+                    self._etags[name] = etag
         self._handles[name] = out
         return out
 
-    def view(self, names: list[str], *, digest: set[str]) -> dict[str, tuple[int, str | None] | str]:
-        """This rank's view of the files ``names``: each one's size as listed and, for those in ``digest``, the
-        xxh3-128 (hex) of its bytes, read in 8 MiB pinned ranged reads; or why it cannot be read."""
+    def view(self, names: list[str], *,
+             digest: set[str]) -> dict[str, tuple[int, str | None, str | None] | str]:
+        """This rank's view of the files ``names``: each one's size as listed, for those in ``digest`` the xxh3-128
+        (hex) of its bytes, read in 8 MiB pinned ranged reads, and the ETag listed (or ``None``); or why it cannot
+        be read."""
         import xxhash
 
-        out: dict[str, tuple[int, str | None] | str] = {}
+        out: dict[str, tuple[int, str | None, str | None] | str] = {}
         for name in names:
             r = self.handle(name)
             if isinstance(r, str):
                 out[name] = r
                 continue
+            etag = self._etags.get(name)
             if name not in digest:
-                out[name] = (r.size, None)
+                out[name] = (r.size, None, etag)
                 continue
             h = xxhash.xxh3_128()
             try:
@@ -732,7 +750,7 @@ class ShareReader:
             except OSError as exc:  # RemoteReadError: reported as this rank's view of the file
                 out[name] = f"cannot be read ({exc})"
                 continue
-            out[name] = (r.size, h.hexdigest())
+            out[name] = (r.size, h.hexdigest(), etag)
         return out
 
     def stand_in(self, files: dict[str, int]) -> tuple[str, RemoteFiles]:
