@@ -154,7 +154,7 @@ def _payload_bytes(payload: dict[str, Any], rank: int) -> tuple[bytes, ValueErro
     try:
         return json.dumps(payload, allow_nan=False).encode(), None
     except (ValueError, TypeError) as exc:
-        error = ValueError(f"rank {rank}'s results cannot be sent as JSON: {type(exc).__name__}: {exc}")
+        error = ValueError(f"the results cannot be sent as JSON ({type(exc).__name__}: {exc})")
         return json.dumps({"rank": rank, "error": f"ValueError: {error}"}).encode(), error
 
 
