@@ -124,3 +124,136 @@ def test_the_recipe_page_example_runs_and_resumes_bit_identically(tmp_path: Path
     loaded = load_checkpoint(fresh, tmp_path / "ckpts")
     assert loaded.step == 3 and [recipe.step(fresh) for _ in range(3)] == expected
     assert recipe.build_model()(recipe.eval_batch(None)).shape == (4, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The demo's sample output and stated duration (README and docs/demo.md), held to a real run by
+# tests/test_install.py, which runs the demo from the installed wheel.
+
+DEMO_PAGES = (ROOT / "README.md", DOCS / "demo.md")
+_VOLATILE = re.compile(r"\b[0-9a-f]{8}\b|\d+\.\d+e[+-]\d+|\d+\.\d+%|\(\d+ s\)")
+"""Hashes of the run's tensors, deviations, loss differences (what another CPU's kernels may change) and the
+demo's time."""
+
+
+def demo_sample(page: Path) -> str:
+    """The abridged demo output a page shows: the code block after "ends like this"."""
+    text = page.read_text()
+    start = text.index("```\n", text.index("ends like this")) + 4
+    return text[start:text.index("```\n", start)]
+
+
+def stated_demo_seconds(page: Path) -> int:
+    return int(re.search(r"takes about (\d+) s on 2 quiet cores", re.sub(r"\s+", " ", page.read_text()))[1])
+
+
+def _norm(line: str) -> str:
+    line = _VOLATILE.sub("<n>", line.replace("│", "|").replace("┃", "|"))
+    return re.sub(r"\s+", " ", line).strip()
+
+
+def _cells_in_row(cells: list[str], row: list[str]) -> bool:
+    """The sample row's cells appear in the real row in order (columns may be left out); a cell ending in "..."
+    is abridged: a prefix of the real cell."""
+    it = iter(row)
+    for cell in cells:
+        want = cell.removesuffix("...").rstrip()
+        if not any(real == cell or (cell.endswith("...") and real.startswith(want)) for real in it):
+            return False
+    return True
+
+
+def demo_sample_differences(sample: str, real: str) -> list[str]:
+    """The lines of a page's abridged demo output that the real run does not bear out: a section header that is
+    not in the real output verbatim, a table row whose cells are not a real row's (in order), any other line that
+    does not begin a real line (a docs line wrapped in two is joined first). Volatile numbers are masked."""
+    real_lines = [_norm(line) for line in real.splitlines() if line.strip()]
+    rows = [[c.strip() for c in line.split("|")] for line in real_lines if "|" in line]
+    lines = [_norm(line) for line in sample.splitlines() if line.strip()]
+    wrong = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("==="):
+            ok = line in real_lines
+        elif " | " in line:
+            ok = any(_cells_in_row([c.strip() for c in line.split("|")], row) for row in rows)
+        else:
+            joined = f"{line} {lines[i + 1]}" if i + 1 < len(lines) else None
+            if joined and any(r.startswith(joined) for r in real_lines):
+                ok, i = True, i + 1
+            else:
+                ok = any(r.startswith(line) for r in real_lines)
+        if not ok:
+            wrong.append(line)
+        i += 1
+    return wrong
+
+
+def test_the_pages_state_one_demo_and_one_duration() -> None:
+    assert demo_sample(DEMO_PAGES[0]) == demo_sample(DEMO_PAGES[1])
+    assert len({stated_demo_seconds(p) for p in DEMO_PAGES}) == 1
+    assert f"({stated_demo_seconds(DEMO_PAGES[0])} s)" in demo_sample(DEMO_PAGES[0])
+
+
+def test_the_demo_sample_check_catches_a_stale_line() -> None:
+    """The check itself, on the README's sample drawn as rich draws it (heavy and light rules, other numbers):
+    it passes; a changed verdict, a renamed row or a lost section does not."""
+    sample = demo_sample(DEMO_PAGES[0])
+    drawn = sample.replace(" | ", " │ ").replace("1.83e-03", "1.91e-03").replace("(abridged)", "")
+    drawn = drawn.replace("drifts\nin the resume", "drifts in the resume")
+    assert demo_sample_differences(sample, drawn) == []
+    for old, new in (("DRIFT", "drift"), ("compute_copy    ", "compute-copy    "),
+                     ("=== live probe", "=== probe")):
+        assert old in drawn
+        assert demo_sample_differences(sample, drawn.replace(old, new)), old
+
+
+def synopsis(page: Path, command: str) -> str | None:
+    """The page's synopsis: the code block that begins ``ckptaudit COMMAND``."""
+    for block in re.findall(r"```\n(.*?)```", page.read_text(), flags=re.S):
+        if block.startswith(f"ckptaudit {command}"):
+            return str(block)
+    return None
+
+
+def synopsis_gaps(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The options (and choices of options) of ``parser`` that the synopsis ``text`` leaves out."""
+    gaps = []
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--") and o != "--help"]
+        if not longs:
+            continue
+        found = [o for o in longs if re.search(re.escape(o) + r"(?![\w-])", text)]
+        if not found:
+            gaps.append(longs[0])
+        elif action.choices:
+            m = re.search(re.escape(found[0]) + r"[ =]([\w|.-]+)", text)
+            listed = set(m[1].split("|")) if m else set()
+            gaps += [f"{found[0]} {c}" for c in action.choices if str(c) not in listed]
+    return gaps
+
+
+@pytest.mark.parametrize("command", sorted(_subparsers()))
+def test_every_option_is_in_the_synopsis(command: str) -> None:
+    page = _page(command)
+    text = synopsis(page, command)
+    assert text is not None, f"{page.relative_to(ROOT)} has no synopsis (a code block beginning 'ckptaudit {command}')"
+    gaps = synopsis_gaps(_subparsers()[command], text)
+    assert not gaps, f"the synopsis in {page.relative_to(ROOT)} leaves out {', '.join(gaps)}"
+
+
+def test_a_synopsis_gap_is_caught() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--format", choices=["table", "json", "html"])
+    parser.add_argument("--jobs", "-j")
+    assert synopsis_gaps(parser, "ckptaudit x [--format table|json|html] [-j N]") == ["--jobs"]
+    assert synopsis_gaps(parser, "ckptaudit x [--format table|json] [--jobs N]") == ["--format html"]
+
+
+def test_the_index_states_the_schema_version() -> None:
+    from ckptaudit.model import SCHEMA_VERSION
+
+    index = (DOCS / "index.md").read_text()
+    assert f"(schema {SCHEMA_VERSION})" in index
+    assert (DOCS / "json-schema.md").read_text().startswith(f"# JSON report (schema {SCHEMA_VERSION})")

@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     # data model and the standalone multi-process harness: import nothing of ours
     "model": 0,
     "dist": 0,
+    "extras": 0,
     "catalogue": 1,
     "schema": 1,
     "recipe": 1,

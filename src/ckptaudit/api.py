@@ -68,6 +68,20 @@ class Report:
     def path(self) -> str:
         return self.raw.path
 
+    def __repr__(self) -> str:
+        """One line: the verdict at ``fail_on``, the counts, the path (the whole report is :attr:`raw`)."""
+        counts = {s: 0 for s in Severity}
+        ignored = 0
+        for f in self.raw.findings:
+            if f.ignored:
+                ignored += 1
+            else:
+                counts[f.severity] += 1
+        return (f"Report(command={self.raw.command!r}, ok={self.ok}{', quick=True' if self.quick else ''}, "
+                f"fail_on={self.fail_on.label!r}, errors={counts[Severity.ERROR]}, "
+                f"warnings={counts[Severity.WARNING]}, infos={counts[Severity.INFO]}, ignored={ignored}, "
+                f"tensors={len(self.raw.tensors)}, path={self.raw.path!r})")
+
     def describe(self, limit: int = 20) -> str:
         """The summary, then one line per failing finding (``code subject: message``), at most ``limit``."""
         lines = [f"{self.raw.path}: {self.raw.summary}"]

@@ -7,6 +7,7 @@ Reports go to stdout (or ``--output``); progress and diagnostics to stderr.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -235,27 +236,32 @@ def _require(text: str) -> frozenset[ComponentKind]:
 
 
 class _PipeSafe:
-    """``stdout`` that a closed pipe cannot break (``ckptaudit audit X | head -1``): writes after the reader went
-    away are dropped, so the command finishes and returns its verdict's exit code, with no error text."""
+    """``stdout`` whose reader may go away (``ckptaudit audit X --verbose | head``). The write that finds the pipe
+    closed marks it ``broken`` and raises :class:`BrokenPipeError`, and so does every later write, so that a
+    renderer stops at its next batch instead of formatting rows nobody reads; :func:`_emit` then returns the
+    verdict's exit code, with no error text."""
 
     def __init__(self, out: TextIO) -> None:
         self._out = out
         self.broken = False
 
     def write(self, text: str) -> int:
-        if not self.broken:
-            try:
-                self._out.write(text)
-            except BrokenPipeError:
-                self.broken = True
-        return len(text)
+        if self.broken:
+            raise BrokenPipeError(errno.EPIPE, "the reader of stdout has gone")
+        try:
+            return self._out.write(text)
+        except BrokenPipeError:
+            self.broken = True
+            raise
 
     def flush(self) -> None:
-        if not self.broken:
-            try:
-                self._out.flush()
-            except BrokenPipeError:
-                self.broken = True
+        if self.broken:
+            return
+        try:
+            self._out.flush()
+        except BrokenPipeError:
+            self.broken = True
+            raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._out, name)
@@ -282,7 +288,11 @@ def _emit(report: Report, args: argparse.Namespace, stdout: TextIO) -> int:
         except OSError as exc:
             raise UsageError(f"--output {args.output}: cannot write ({exc.strerror})") from None
     else:
-        render(report, fmt, stdout, verbose=args.verbose)
+        try:
+            render(report, fmt, stdout, verbose=args.verbose)
+        except BrokenPipeError:  # the reader has gone (`| head`): what it read is all it wanted
+            if not (isinstance(stdout, _PipeSafe) and stdout.broken):
+                raise
     from ckptaudit.model import Severity
 
     return EXIT_FINDINGS if report.fails(Severity.parse(args.fail_on)) else EXIT_CLEAN
@@ -512,6 +522,9 @@ COMMANDS = {"audit": _cmd_audit, "compare": _cmd_compare, "demo": _cmd_demo,
             "export-serving": _cmd_export_serving, "latest": _cmd_latest, "probe": _cmd_probe,
             "resume-test": _cmd_resume}
 
+NEEDS_TORCH = frozenset({"demo", "export-serving", "probe", "resume-test"})
+"""The commands that run PyTorch: without it installed they stop at one line naming the extra to install."""
+
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """``parse_args``, except that flags the command does not know are reported with the command's own usage
@@ -553,11 +566,30 @@ def _main(argv: Sequence[str] | None, stdout: Any, stderr: TextIO) -> int:
     if not args.command:
         parser.print_help(stderr)
         return EXIT_USAGE
+    from ckptaudit.extras import torch_missing, torch_older_than_tested
+
+    if args.command in NEEDS_TORCH:
+        missing = torch_missing(f"ckptaudit {args.command}")
+        if missing is not None:
+            stderr.write(f"ckptaudit {args.command}: error: {missing}\n")
+            return EXIT_USAGE
+        old = torch_older_than_tested(f"ckptaudit {args.command}")
+        if old is not None:
+            stderr.write(f"warning: {old}\n")
     try:
         return COMMANDS[args.command](args, stdout, stderr)
+    except ModuleNotFoundError as exc:  # a path into torch not foreseen above (the audit under torchrun)
+        if exc.name != "torch" and not (exc.name or "").startswith("torch."):
+            raise
+        stderr.write(f"ckptaudit {args.command}: error: {torch_missing(f'ckptaudit {args.command}') or exc}\n")
+        return EXIT_USAGE
     except UsageError as exc:
         stderr.write(f"ckptaudit {args.command}: error: {exc}\n")
         return EXIT_USAGE
+    except BrokenPipeError:
+        if not (isinstance(stdout, _PipeSafe) and stdout.broken):
+            raise
+        return EXIT_USAGE  # output cut short before a verdict: an I/O error, and nobody left to tell
     except PermissionError as exc:
         stderr.write(f"ckptaudit {args.command}: error: {exc.filename}: permission denied\n")
         return EXIT_USAGE

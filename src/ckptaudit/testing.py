@@ -107,6 +107,9 @@ def assert_resumes_faithfully(recipe: str, exporter: str, **options: Any) -> Rep
     ``export_timeout_s``, ``workdir`` (see :class:`ckptaudit.resume.ResumeConfig`), and ``fail_on`` (default
     ``"error"``).
     """
+    from ckptaudit.extras import require_torch
+
+    require_torch("ckptaudit.testing.assert_resumes_faithfully")
     from ckptaudit.api import _resolve
     from ckptaudit.resume import ResumeConfig, run_resume_test
 

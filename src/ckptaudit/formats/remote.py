@@ -237,7 +237,8 @@ def _fs(url: str) -> tuple[Any, str]:
     try:
         import fsspec
     except ImportError:
-        raise RemoteError(f"{url}: reading URLs needs fsspec (pip install fsspec s3fs/gcsfs)") from None
+        raise RemoteError(f"{url}: reading URLs needs fsspec: pip install 'ckptaudit[remote]' (fsspec and s3fs; "
+                          "add gcsfs for gs://)") from None
     protocol = url.partition("://")[0].lower()
     timeout = request_timeout()
     try:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any, TextIO
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -14,7 +17,7 @@ from ckptaudit.catalogue import CATALOGUE
 from ckptaudit.model import Finding, Precision, Report, Severity
 from ckptaudit.report.text import clean
 
-__all__ = ["render_table"]
+__all__ = ["STREAM_ABOVE", "print_table", "render_table"]
 
 _STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 GROUP_ABOVE = 3
@@ -45,9 +48,16 @@ def width_for(out: TextIO) -> int | None:
     return PIPE_WIDTH
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """A closed pipe is the caller's to handle (the CLI stops rendering and returns the verdict's exit code);
+        rich's default would point the process's fd 1 at /dev/null and exit."""
+        raise BrokenPipeError(errno.EPIPE, "the reader of the output has gone")
+
+
 def console_for(out: TextIO) -> Console:
     # Markup and emoji off: names and messages come from untrusted checkpoints ("[/]" would be a markup error).
-    return Console(file=out, width=width_for(out), highlight=False, soft_wrap=False, markup=False, emoji=False)
+    return _Console(file=out, width=width_for(out), highlight=False, soft_wrap=False, markup=False, emoji=False)
 
 
 def _column(t: Table, header: str, **kwargs: Any) -> None:
@@ -77,10 +87,9 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
             _column(t, "component", no_wrap=True)
             _column(t, "found", no_wrap=True)
             _column(t, "where", overflow="fold")
-            for comp in report.components:
-                t.add_row(comp.kind.value, "yes" if comp.found else Text("MISSING", style="red"),
-                          _t(", ".join(comp.where) + (f"  ({comp.detail})" if comp.detail else "")))
-            con.print(t)
+            print_table(con, t, [(comp.kind.value, "yes" if comp.found else Text("MISSING", style="red"),
+                                  _t(", ".join(comp.where) + (f"  ({comp.detail})" if comp.detail else "")))
+                                 for comp in report.components])
         else:
             con.print(_t("components: " + ", ".join(f"{c.kind.value} ({', '.join(c.where)})"
                                                     for c in report.components)))
@@ -97,6 +106,7 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
             by_key[(f.severity, f.code, f.ignored)].append(i)
         shown: set[tuple[Severity, str, bool]] = set()
         details: list[tuple[Finding, list[str]]] = []
+        rows: list[tuple[Any, ...]] = []
         for f in report.findings:
             key = (f.severity, f.code, f.ignored)
             same = by_key[key]
@@ -105,7 +115,7 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
                 if rest.strip():  # a traceback: its lines below the table, not escaped inside a cell
                     details.append((f, rest.rstrip().split("\n")))  # not splitlines(): U+2028 stays escaped
                     head += " (traceback below)"
-                t.add_row(_severity(f), _t(f.code), _t(f.subject), _t(head))
+                rows.append((_severity(f), clean(f.code), clean(f.subject), clean(head)))
                 continue
             if key in shown:
                 continue
@@ -114,9 +124,9 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
             subjects = [report.findings[i].subject for i in same]
             listed = ", ".join(subjects[:MAX_SUBJECTS]) + (", ..." if len(subjects) > MAX_SUBJECTS else "")
             rule = CATALOGUE.get(f.code)
-            t.add_row(_severity(f), _t(f.code), f"{len(same)} subjects",
-                      _t(f"{listed}. {rule.summary if rule else f.message} (--verbose lists each)"))
-        con.print(t)
+            rows.append((_severity(f), clean(f.code), f"{len(same)} subjects",
+                         clean(f"{listed}. {rule.summary if rule else f.message} (--verbose lists each)")))
+        print_table(con, t, rows)
         for f, lines in details:
             cut = not verbose and len(lines) > MAX_DETAIL_LINES
             con.print(_t(f"{f.code} {f.subject}:" + (f" (last {MAX_DETAIL_LINES} of {len(lines)} lines; "
@@ -132,11 +142,11 @@ def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
                   show_edge=False)
         for col in ("name", "role", "dtype", "shape", "effective", "hash"):
             _column(t, col, overflow="fold")
-        for r in odd[: None if verbose else 20]:
-            t.add_row(_t(r.name), _t(r.role), _t(r.dtype), str(list(r.shape)), r.precision.value, (r.hash or "-")[:16])
+        rows = [(clean(r.name), clean(r.role), clean(r.dtype), str(list(r.shape)), r.precision.value,
+                 (r.hash or "-")[:16]) for r in odd[: None if verbose else 20]]
         if not verbose and len(odd) > 20:
-            t.add_row(f"... {len(odd) - 20} more", "", "", "", "", "")
-        con.print(t)
+            rows.append((f"... {len(odd) - 20} more", "", "", "", "", ""))
+        print_table(con, t, rows)
 
 
 def _severity(f: Finding) -> Text:
@@ -157,9 +167,271 @@ def _section(con: Console, section: dict, verbose: bool) -> None:
         t.add_column(Text(header), overflow="fold", min_width=max((len(w) for w in header.split()), default=1))
     rows = section.get("rows", [])
     shown = rows if verbose or len(rows) <= MAX_SECTION_ROWS else rows[: MAX_SECTION_ROWS - 2]
-    for row in shown:
-        t.add_row(*[_t(c) for c in row])
+    cells: list[tuple[Any, ...]] = [tuple(clean(c) for c in row) for row in shown]
     if len(shown) < len(rows):
-        t.add_row(_t(f"... {len(rows) - len(shown)} more rows (--verbose, or --format json, lists all)"),
-                  *[""] * (len(section.get("columns", [])) - 1))
-    con.print(t)
+        cells.append((clean(f"... {len(rows) - len(shown)} more rows (--verbose, or --format json, lists all)"),
+                      *[""] * (len(section.get("columns", [])) - 1)))
+    print_table(con, t, cells)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Long tables, streamed. rich measures, wraps and renders every cell of a table before it prints the first line
+# (about 1 ms a row: `audit --verbose` of 100k tensors took two minutes, all of it before any output). A long table
+# is laid out here by rich's own rules from one pass over its cells: rich draws the title and the header, the rows
+# are formatted as plain lines (a wrapped cell is wrapped as rich wraps it) and written in batches, so the first
+# rows appear at once and a closed pipe (`| head`) stops the work at the next batch. tests/test_table_stream.py
+# holds the streamed table to rich's drawing of the same table, line for line.
+
+STREAM_ABOVE = 100
+"""Tables of more rows than this are streamed; shorter ones are drawn by rich itself."""
+_BATCH = 512
+"""Rows formatted before each write."""
+_WORD = re.compile(r"\s*\S+\s*")
+"""A word and the whitespace around it, as rich's word wrap cuts text."""
+
+
+def print_table(con: Console, table: Table, rows: Sequence[Sequence[Any]], *,
+                stream_above: int | None = None) -> None:
+    """Print ``table`` with ``rows`` (cells are ``str`` or :class:`~rich.text.Text`) on ``con``: drawn by rich when
+    it has at most ``stream_above`` rows (default :data:`STREAM_ABOVE`), else streamed in the same layout."""
+    if len(rows) > (STREAM_ABOVE if stream_above is None else stream_above):
+        widths = _layout(con, table, rows)
+        if widths is not None:
+            _stream(con, table, rows, widths)
+            return
+    for row in rows:
+        table.add_row(*row)
+    con.print(table)
+
+
+def _plain(cell: Any) -> str:
+    return cell.plain if isinstance(cell, Text) else str(cell)
+
+
+def _simple(text: str) -> bool:
+    """Printable ASCII: one cell per character, no line breaks, nothing rich would treat specially."""
+    return text.isascii() and text.isprintable()
+
+
+def _longest_line(text: str) -> int:
+    """rich's measure of a text's widest line, in terminal cells."""
+    if _simple(text):
+        return len(text)
+    return max((cell_len(line) for line in text.splitlines()), default=0)
+
+
+def _layout(con: Console, table: Table, rows: Sequence[Sequence[Any]]) -> list[int] | None:
+    """The column widths (padding included) rich would give ``table`` holding ``rows``, or ``None`` for a table this
+    module does not lay out (options our tables do not use, a table wider than the console)."""
+    columns = table.columns
+    if (table.expand or table.width is not None or table.min_width is not None or table.box is None
+            or tuple(table.padding) != (0, 1, 0, 1) or not table.pad_edge or table.collapse_padding
+            or table.show_lines or table.leading or table.show_footer or not table.show_header or table.row_styles
+            or any(c.justify != "left" or c.max_width is not None or c.style or c.vertical != "top"
+                   for c in columns)
+            or any(len(row) != len(columns) for row in rows)):
+        return None
+    extra = len(columns) - 1 + (2 if table.show_edge else 0)
+    available = con.width - extra
+    longest = [_longest_line(_plain(c.header)) for c in columns]
+    for row in rows:
+        for i, cell in enumerate(row):
+            if isinstance(cell, str) and len(cell) <= longest[i] and cell.isascii():
+                continue
+            n = _longest_line(_plain(cell))
+            if n > longest[i]:
+                longest[i] = n
+
+    def measure(limit: int) -> list[int]:
+        # rich's Table._measure_column over Padding(Text): the widest line plus the padding, capped at the limit,
+        # raised to the column's min_width; a fixed-width column is its width plus the padding.
+        out = []
+        for c, n in zip(columns, longest, strict=True):
+            if limit < 1:
+                out.append(0)
+            elif c.width is not None:
+                out.append(min(c.width + 2, limit))
+            else:
+                w = limit if limit <= 2 else min(n + 2, limit)
+                out.append(w if c.min_width is None else max(w, c.min_width + 2))
+        return out
+
+    widths = [w or 1 for w in measure(available)]
+    if sum(widths) > available:
+        widths = _collapse(widths, [c.width is None and not c.no_wrap for c in columns], available)
+        if sum(widths) > available:
+            widths = _reduce(sum(widths) - available, [1] * len(widths), widths, widths)
+        widths = [w or 0 for w in (measure(w)[i] for i, w in enumerate(widths))]
+    if sum(widths) > available or min(widths) < 3:
+        return None
+    return widths
+
+
+def _reduce(total: int, ratios: list[int], maximums: list[int], values: list[int]) -> list[int]:
+    """Take ``total`` off ``values`` in proportion to ``ratios``, at most ``maximums`` each (rich's rounding)."""
+    ratios = [r if m else 0 for r, m in zip(ratios, maximums, strict=True)]
+    left_ratio = sum(ratios)
+    if not left_ratio:
+        return values[:]
+    remaining = total
+    out = []
+    for r, m, v in zip(ratios, maximums, values, strict=True):
+        if r and left_ratio > 0:
+            cut = min(m, round(r * remaining / left_ratio))
+            out.append(v - cut)
+            remaining -= cut
+            left_ratio -= r
+        else:
+            out.append(v)
+    return out
+
+
+def _collapse(widths: list[int], wrapable: list[bool], available: int) -> list[int]:
+    """Narrow the widest wrapping columns toward the next widest until the table fits (rich's rule)."""
+    excess = sum(widths) - available
+    if not any(wrapable):
+        return widths
+    while sum(widths) and excess > 0:
+        widest = max(w for w, ok in zip(widths, wrapable, strict=True) if ok)
+        second = max(w if ok and w != widest else 0 for w, ok in zip(widths, wrapable, strict=True))
+        ratios = [1 if w == widest and ok else 0 for w, ok in zip(widths, wrapable, strict=True)]
+        if not any(ratios) or not widest - second:
+            break
+        widths = _reduce(excess, ratios, [min(excess, widest - second)] * len(widths), widths)
+        excess = sum(widths) - available
+    return widths
+
+
+def _wrap(text: str, width: int, fold: bool) -> list[str]:
+    """Printable ASCII ``text`` cut into lines of exactly ``width`` characters, as rich's ``Text.wrap`` cuts and
+    pads it (left-justified; a word longer than the width folded when ``fold``, else cropped)."""
+    if len(text) <= width:
+        return [text + " " * (width - len(text))]
+    if text[0] != " " and max(map(len, text.split())) <= width:
+        return _fit(_wrap_words(text, width), width)
+    breaks = []
+    offset = 0
+    for m in _WORD.finditer(text):
+        start, word = m.start(), m.group()
+        length = len(word.rstrip())
+        if width - offset >= length:
+            offset += len(word)
+        elif length > width:
+            if fold:
+                pieces = [word[i:i + width] for i in range(0, len(word), width)]
+                for piece in pieces[:-1]:
+                    if start:
+                        breaks.append(start)
+                    start += len(piece)
+                if start:
+                    breaks.append(start)
+                offset = len(pieces[-1])
+            else:
+                if start:
+                    breaks.append(start)
+                offset = len(word)
+        elif offset and start:
+            breaks.append(start)
+            offset = len(word)
+    return _fit([text[a:b] for a, b in zip([0, *breaks], [*breaks, len(text)], strict=True)], width)
+
+
+def _wrap_words(text: str, width: int) -> list[str]:
+    """The same cut, for text with no leading space and no word longer than the width (a finding's message): each
+    line runs from a word's start to the start of the first word that does not end within the width."""
+    lines = []
+    p, n = 0, len(text)
+    while p + width < n:
+        q = p + width
+        if text[q] == " ":
+            while q < n and text[q] == " ":
+                q += 1
+            if q == n:
+                break
+        else:
+            q = text.rfind(" ", p, q) + 1
+        lines.append(text[p:q])
+        p = q
+    lines.append(text[p:])
+    return lines
+
+
+def _fit(lines: list[str], width: int) -> list[str]:
+    """Each line as rich finishes it: whitespace past the width dropped, then cropped or padded to the width."""
+    out = []
+    for line in lines:
+        if len(line) > width:
+            spaces = len(line) - len(line.rstrip())
+            line = line[: len(line) - min(spaces, len(line) - width)]
+        out.append(line[:width] + " " * (width - len(line)))
+    return out
+
+
+def _cell_lines(con: Console, cell: Any, width: int, column: Any) -> list[Any]:
+    """One cell as lines of exactly ``width`` cells: ``str`` for plain text, :class:`Text` where rich must do it (a
+    styled text, wide characters, a no-wrap cell that does not fit)."""
+    text = _plain(cell)
+    styled = isinstance(cell, Text) and (cell.spans or cell.justify or cell.overflow or cell.no_wrap is not None)
+    if not styled and _simple(text):
+        if len(text) <= width:
+            return [text + " " * (width - len(text))]
+        if not column.no_wrap and column.overflow in ("fold", "crop"):
+            return _wrap(text, width, column.overflow == "fold")
+    rich_text = cell if isinstance(cell, Text) else Text(text)
+    return list(rich_text.wrap(con, width, justify=column.justify, overflow=column.overflow,
+                               no_wrap=column.no_wrap))
+
+
+def _stream(con: Console, table: Table, rows: Sequence[Sequence[Any]], widths: list[int]) -> None:
+    """Print the title and header through rich (the columns fixed at ``widths``), then the rows in batches."""
+    for column, width in zip(table.columns, widths, strict=True):
+        column.width = width - 2
+    con.print(table)  # no rows yet: the title, the header and its rule
+    box = table.box.substitute(con.options, safe=con.safe_box) if table.box is not None else None
+    mid, foot = (box.mid_vertical, box.foot_vertical) if box is not None else (" ", " ")
+    left, right = (mid, mid) if box is not None and table.show_edge else ("", "")
+    color = con.color_system is not None
+    columns = table.columns
+    batch: list[Any] = []
+    for index, row in enumerate(rows):
+        cells = [_cell_lines(con, cell, w - 2, col) for cell, w, col in zip(row, widths, columns, strict=True)]
+        divider = foot if index == len(rows) - 1 else mid
+        height = max(len(c) for c in cells)
+        for k in range(height):
+            if color:
+                batch.append(_styled_line(cells, k, widths, row, divider, left, right))
+            else:
+                parts = [_plain(c[k]) if k < len(c) else " " * (w - 2) for c, w in zip(cells, widths, strict=True)]
+                batch.append(left + " " + f" {divider} ".join(parts) + " " + right + "\n")
+        if len(batch) >= _BATCH:
+            _flush(con, batch, color)
+    _flush(con, batch, color)
+
+
+def _styled_line(cells: list[list[Any]], k: int, widths: list[int], row: Sequence[Any], divider: str, left: str,
+                 right: str) -> Text:
+    """Line ``k`` of a row for a terminal that shows styles: each cell's text in its style, the blank lines below
+    a shorter cell unstyled (as rich draws them)."""
+    line = Text(left + " ")
+    for i, (lines, width, cell) in enumerate(zip(cells, widths, row, strict=True)):
+        if i:
+            line.append(f" {divider} ")
+        if k >= len(lines):
+            line.append(" " * (width - 2))
+        elif isinstance(lines[k], Text):
+            line.append(lines[k])
+        else:
+            line.append(lines[k], style=cell.style if isinstance(cell, Text) else "")
+    line.append(" " + right)
+    return line
+
+
+def _flush(con: Console, batch: list[Any], color: bool) -> None:
+    if not batch:
+        return
+    if color:
+        con.print(Text("\n").join(batch), soft_wrap=True)
+    else:
+        con.file.write("".join(batch))
+    batch.clear()
+

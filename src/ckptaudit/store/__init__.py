@@ -43,4 +43,8 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'ckptaudit.store' has no attribute {name!r}")
     import importlib
 
+    if module in ("checkpoint", "loader", "writer"):
+        from ckptaudit.extras import require_torch
+
+        require_torch(f"ckptaudit.store.{name}")
     return getattr(importlib.import_module(f"ckptaudit.store.{module}"), name)

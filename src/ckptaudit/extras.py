@@ -1,0 +1,58 @@
+"""The optional dependencies, by what they enable, and the one line a user sees when one is missing.
+
+``pip install ckptaudit`` is the torch-free auditor: ``audit``, ``compare`` and ``latest`` (local paths) read
+every format with their own readers (numpy, safetensors, rich, xxhash) and never import torch. The extras:
+
+- ``[torch]``: the commands and APIs that run PyTorch (``demo``, ``probe``, ``resume-test``, ``export-serving``,
+  the store's writer and loader, the guards, ``assert_resumes_faithfully``, the distributed audit under
+  ``torchrun``). A torch already installed (a CUDA build, a nightly) is used as it is: pip keeps it when it
+  satisfies :data:`TORCH_MIN`.
+- ``[remote]``: checkpoints behind ``s3://``/``gs://`` URLs (fsspec, s3fs; gcsfs for ``gs://``).
+- ``[all]``: both.
+
+Imports nothing of ours and nothing heavy: ``find_spec`` looks for torch without importing it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+TORCH_MIN = "2.13"
+"""The oldest torch release the test suite runs on (the only one our CI machines can install: 2.13.0 CPU);
+``pyproject.toml``'s ``[torch]`` extra states the same bound."""
+
+
+class MissingExtra(ModuleNotFoundError):
+    """A feature needs an optional dependency that is not installed; the message is one line naming the extra."""
+
+
+def torch_missing(what: str) -> str | None:
+    """The one-line message for ``what`` (a command or an API) when torch is not installed, else None."""
+    if importlib.util.find_spec("torch") is not None:
+        return None
+    return (f"{what} needs PyTorch, which is not installed here: pip install 'ckptaudit[torch]' (torch >= "
+            f"{TORCH_MIN}), or install your own torch build first (audit, compare and latest work without it)")
+
+
+def torch_older_than_tested(what: str) -> str | None:
+    """A one-line warning for ``what`` when the installed torch is older than :data:`TORCH_MIN` (read from its
+    metadata: torch is not imported), else None."""
+    import importlib.metadata
+    import re
+
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    parts = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
+    if parts >= tuple(int(n) for n in TORCH_MIN.split(".")):
+        return None
+    return (f"{what}: torch {version} is older than {TORCH_MIN}, the oldest release ckptaudit is tested on; "
+            "results may differ")
+
+
+def require_torch(what: str) -> None:
+    """Raise :class:`MissingExtra` with :func:`torch_missing`'s line when torch is not installed."""
+    message = torch_missing(what)
+    if message is not None:
+        raise MissingExtra(message, name="torch")
