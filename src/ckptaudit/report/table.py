@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, TextIO
