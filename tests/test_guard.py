@@ -159,12 +159,13 @@ class _RewrittenDuringItsAudit(Guard):
         super().__init__(**options)
         self.how = how
 
-    def _run_audit(self, checkpoint: str, where: str) -> dict[str, Any]:
-        result = super()._run_audit(checkpoint, where)
+    def _run_audit(self, checkpoint: str, where: str, as_path: str) -> dict[str, Any]:
+        # ``checkpoint`` is what is read (the bytes pinned at the save), ``as_path`` the user's path: replaced.
+        result = super()._run_audit(checkpoint, where, as_path)
         if self.how == "in place":
-            trained(Path(checkpoint))
+            trained(Path(as_path))
         else:
-            os.replace(trained(Path(checkpoint + ".tmp")), checkpoint)
+            os.replace(trained(Path(as_path + ".tmp")), as_path)
         return result
 
 
@@ -177,11 +178,17 @@ def test_a_checkpoint_replaced_before_its_verdict_is_not_quarantined(tmp_path: P
         guard.submit(str(last), step=4)
         assert guard.close(120)
     (v,) = guard.verdicts
-    # The file that was audited failed, and says so; the newer, good checkpoint at its path stays where it is.
-    assert v.ok is False and set(v.codes) == {"precision.bf16-rounded"}
-    assert v.quarantined_to is None and not Path(str(last) + ".quarantined").exists()
+    # The newer, good checkpoint at the path stays where it is, whatever happened to the one that was audited.
     assert last.exists() and _audits_clean(last)
-    assert "it was replaced since it was saved; the new one is not quarantined for it" in caplog.text
+    assert not Path(str(last) + ".quarantined").exists() or not _audits_clean(Path(str(last) + ".quarantined"))
+    if how == "in place":
+        # The bytes under the audit changed: no verdict can be given for them, and nothing is moved.
+        assert v.ok is None and v.error.startswith("replaced: ") and v.quarantined_to is None
+    else:
+        # The saved bytes (pinned) failed, and say so; they alone go to the quarantine name.
+        assert v.ok is False and set(v.codes) == {"precision.bf16-rounded"}
+        assert v.note.startswith("replaced since it was saved")
+        assert v.quarantined_to == str(last) + ".quarantined"
 
 
 def _audits_clean(path: Path) -> bool:
