@@ -1,13 +1,15 @@
 """A DCP directory behind an ``s3://`` URL against its local copy, measured in the same run.
 
     .venv/bin/python bench/bench_remote_dcp.py              # 400 small tensors + one of 64 MiB
-    .venv/bin/python bench/bench_remote_dcp.py --items 2000
+    .venv/bin/python bench/bench_remote_dcp.py --items 2000 --rounds 5
 
 Saves a single-process DCP (``torch.distributed.checkpoint``) into a temporary directory, starts a local
 S3-compatible server (moto's server mode, in a child process so its CPU is not counted here), uploads the
 directory, and in this process: opens (stages) and audits the local copy and the URL, reporting CPU seconds
 (``time.process_time``: the client's own work, steadier than wall time on a loaded machine), wall seconds, and
-the staging's ranged reads and fetched bytes against the directory's size. The local server answers every
+the staging's ranged reads and fetched bytes against the directory's size; then the audit of the URL against a
+plain parallel download of every object under it (``fs.cat`` of all of them: concurrent GETs), alternating,
+``--rounds`` times each: wall seconds and the ratio of the medians. The local server answers every
 ranged read by copying the object, so the wall figures over the URL are the server's more than ours.
 """
 
@@ -33,6 +35,7 @@ _SERVER = ("import logging, time; logging.disable(logging.CRITICAL)\n"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=int, default=400, help="small tensors besides the 64 MiB one")
+    ap.add_argument("--rounds", type=int, default=3, help="audits and plain downloads, alternating")
     args = ap.parse_args()
     import torch
     import torch.distributed.checkpoint as dcp
@@ -55,16 +58,17 @@ def main() -> None:
         fs = s3fs.S3FileSystem(skip_instance_cache=True)
         fs.mkdir("bench-remote")
         fs.put(str(d / "dcp"), "bench-remote/dcp", recursive=True)
-        run(str(d / "dcp"), "s3://bench-remote/dcp", args.items)
+        run(str(d / "dcp"), "s3://bench-remote/dcp", args.items, args.rounds)
     finally:
         server.kill()
         server.wait()
 
 
-def run(local: str, url: str, items: int) -> None:
+def run(local: str, url: str, items: int, rounds: int) -> None:
     from ckptaudit.auditing.judge import audit
     from ckptaudit.formats import open_checkpoint
     from ckptaudit.formats.remote import dcp as remote_dcp
+
     staged: dict[str, int] = {}
     real = remote_dcp.stage_dcp
 
@@ -87,6 +91,44 @@ def run(local: str, url: str, items: int) -> None:
                           "findings": sorted({f.code for f in report.findings})}))
     size = sum(p.stat().st_size for p in Path(local).iterdir())
     print(json.dumps({"staging_reads": staged["reads"], "staged_bytes": staged["bytes"], "directory_bytes": size,
+                      "load_average": [round(x, 2) for x in os.getloadavg()]}))
+    against_download(url, rounds)
+
+
+def against_download(url: str, rounds: int) -> None:
+    """The audit of ``url`` against a plain parallel download of every object under it (the same bytes and more:
+    the audit reads the metadata and the tensors, not the archives' other members), alternating, ``rounds``
+    times each; medians and their ratio."""
+    import statistics
+
+    import fsspec
+
+    from ckptaudit.auditing.plan import plan_scan
+    from ckptaudit.auditing.scan import scan_items
+
+    fs, root = fsspec.core.url_to_fs(url)
+    paths = list(fs.find(root))
+    times: dict[str, list[tuple[float, float]]] = {"download": [], "stage": [], "scan": []}
+    got = 0
+    for _ in range(rounds):
+        fs.invalidate_cache()
+        c0, w0 = time.process_time(), time.perf_counter()
+        got = sum(len(b) for b in fs.cat(paths).values())  # s3fs: concurrent GETs, the client's own batching
+        times["download"].append((time.perf_counter() - w0, time.process_time() - c0))
+        c0, w0 = time.process_time(), time.perf_counter()
+        plan = plan_scan(url)  # staging: .metadata, then each item's archive metadata
+        times["stage"].append((time.perf_counter() - w0, time.process_time() - c0))
+        c0, w0 = time.process_time(), time.perf_counter()
+        try:
+            scan_items(plan, plan.scannable())  # the tensors: coalesced small ones, large ones read ahead
+        finally:
+            plan.close()
+        times["scan"].append((time.perf_counter() - w0, time.process_time() - c0))
+    med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
+    print(json.dumps({"download_bytes": got, "objects": len(paths), "rounds": rounds,
+                      **{f"{k}_{u}_s": round(med[k][j], 3) for k in med for j, u in enumerate(("wall", "cpu"))},
+                      "scan_over_download": round(med["scan"][0] / med["download"][0], 2),
+                      "audit_over_download": round((med["stage"][0] + med["scan"][0]) / med["download"][0], 2),
                       "load_average": [round(x, 2) for x in os.getloadavg()]}))
 
 

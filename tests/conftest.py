@@ -113,9 +113,30 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
+WRITER_FIXTURES = frozenset({"ds", "hf", "ckpts", "fsdp_run", "fsdp_low_precision", "megatron", "titan", "dcp_jobs",
+                             "hf_story", "lightning_story", "deepspeed_story", "deepspeed_zero_story",
+                             "torchtitan_story"})
+"""Session (and module) fixtures whose setup launches a library's writer under deadlines of its own (``fixture_launch``'s
+``timeout_s``, ``lib_writers.run_writer``'s 850 s): pytest-timeout counts a fixture's setup in the first test
+that uses it, so such tests get :data:`WRITER_SETUP_S` more than the suite's per-test timeout. A hang is still
+a failure: the writer's own deadline ends it first, naming the configuration."""
+WRITER_SETUP_S = 900
+
+
+def _lengthen_writer_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
+    base = float(config.getini("timeout") or 0)
+    if base <= 0:
+        return
+    for item in items:
+        if WRITER_FIXTURES.intersection(getattr(item, "fixturenames", ())) and item.get_closest_marker(
+                "timeout") is None:
+            item.add_marker(pytest.mark.timeout(base + WRITER_SETUP_S))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import random
 
+    _lengthen_writer_timeouts(config, items)
     mode, seed = config.stash[_ORDER]
     if mode == "default":
         return

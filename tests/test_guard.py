@@ -178,18 +178,17 @@ def test_a_checkpoint_replaced_before_its_verdict_is_not_quarantined(tmp_path: P
         guard.submit(str(last), step=4)
         assert guard.close(120)
     (v,) = guard.verdicts
-    if how == "renamed":
-        # The pin kept the bytes that were saved: they failed, and say so; what is quarantined is those bytes
-        # (the pin), never the newer checkpoint now at the path.
-        assert v.ok is False and set(v.codes) == {"precision.bf16-rounded"}
-        assert "replaced since it was saved: this is the verdict of the content saved then" in caplog.text
-        assert v.quarantined_to is not None and not _audits_clean(Path(v.quarantined_to))
-    else:
-        # A rewrite in place changes the pinned inode too: what the audit read is not known, so not judged.
-        assert v.ok is None and v.error.startswith("replaced: ")
-        assert v.quarantined_to is None and not Path(str(last) + ".quarantined").exists()
-    # Either way the newer, good checkpoint at its path stays where it is.
+    # The newer, good checkpoint at the path stays where it is, whatever happened to the one that was audited.
     assert last.exists() and _audits_clean(last)
+    assert not Path(str(last) + ".quarantined").exists() or not _audits_clean(Path(str(last) + ".quarantined"))
+    if how == "in place":
+        # The bytes under the audit changed: no verdict can be given for them, and nothing is moved.
+        assert v.ok is None and v.error.startswith("replaced: ") and v.quarantined_to is None
+    else:
+        # The saved bytes (pinned) failed, and say so; they alone go to the quarantine name.
+        assert v.ok is False and set(v.codes) == {"precision.bf16-rounded"}
+        assert v.note.startswith("replaced since it was saved")
+        assert v.quarantined_to == str(last) + ".quarantined"
 
 
 def _audits_clean(path: Path) -> bool:

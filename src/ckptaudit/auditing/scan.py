@@ -15,7 +15,8 @@ import struct
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from ckptaudit.formats.io.tensors import (
 from ckptaudit.layouts import TensorRef, View
 
 __all__ = ["BATCH_BYTES", "BATCH_COUNT", "SERIAL_BYTES", "Progress", "ScanOutcome", "ScannedCheckpoint", "assemble",
-           "default_jobs", "scalar_value", "scan_checkpoint", "scan_items"]
+           "default_jobs", "scalar_value", "scan_checkpoint", "scan_datas", "scan_items"]
 
 Progress = Callable[[int, int], None]
 """Called with (bytes scanned so far, total bytes) as the scan proceeds."""
@@ -76,6 +77,9 @@ class ScanOutcome:
     """Why the data could not be read (``scan`` is then ``None``)."""
     step: float | None = None
     """The value of a one-element ``step`` state tensor."""
+    reported: bool = False
+    """``scan`` is ``None`` for a reason another finding already reports (a distributed audit's
+    ``integrity.changed``): :func:`assemble` adds no ``integrity.corrupt`` of its own for this tensor."""
 
 
 SERIAL_BYTES = 1 << 20
@@ -102,43 +106,91 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
     ``ValueError``/``OSError`` of an unreadable tensor, which is that tensor's outcome) stops every thread after
     its current tensor and is raised here.
     """
+    datas: dict[int, TensorData] = {}
+    for i in indices:
+        data = plan.items[i][0].data
+        assert isinstance(data, TensorData)
+        datas[i] = data
+    return scan_datas(datas, plan.ckpt.maps, step_items=plan.step_items, jobs=jobs, chunk_bytes=chunk_bytes,
+                      progress=progress, quick=quick)
+
+
+def scan_datas(datas: Mapping[int, TensorData], maps: FileMaps, *, step_items: Collection[int] = frozenset(),
+               jobs: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Progress | None = None,
+               quick: bool = False) -> dict[int, ScanOutcome]:
+    """:func:`scan_items` on tensors given by index (``datas``) and the files they lie in (``maps``), without a
+    plan: what a rank of a distributed audit scans from the share it was sent (:mod:`ckptaudit.auditing.distributed`).
+    ``step_items``: the indices whose one-element value is also read (:attr:`ScanPlan.step_items`)."""
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
-    sizes = {i: plan.nbytes(i) for i in indices}
+    sizes = {i: d.nbytes for i, d in datas.items()}
     total = sum(sizes.values())
     out: dict[int, ScanOutcome] = {}
     local = threading.local()  # one read buffer per scanning thread, reused across its tensors
 
     def one(index: int) -> ScanOutcome:
-        data = plan.items[index][0].data
-        assert isinstance(data, TensorData)
+        data = datas[index]
         try:
             if quick:
-                scanned = scan_first_chunk(data, plan.ckpt.maps, chunk_bytes)
+                scanned = scan_first_chunk(data, maps, chunk_bytes)
             else:
                 buffer = getattr(local, "buffer", None)
                 if buffer is None and (sizes[index] > SMALL_TENSOR_BYTES or "numpy" in sys.modules):
                     # Not for a small tensor while NumPy is not loaded: scan_tensor may judge it without NumPy.
                     buffer = local.buffer = scratch_buffer(chunk_bytes)
-                scanned = scan_tensor(data, plan.ckpt.maps, chunk_bytes, buffer)
+                scanned = scan_tensor(data, maps, chunk_bytes, buffer)
         except (ValueError, OSError) as exc:
             return ScanOutcome(None, str(exc))
-        step = scalar_value(data, plan.ckpt.maps) if index in plan.step_items else None
+        step = scalar_value(data, maps) if index in step_items else None
         return ScanOutcome(scanned, step=step)
+
+    remote = maps.remote
+
+    def prefetched(unit: list[int]) -> AbstractContextManager[Any]:
+        """Behind a URL, a batch of small tensors is fetched first in a few coalesced ranged reads (their hash is
+        then computed from memory); one request per tensor is what makes many small items slow to audit there."""
+        if remote is None or len(unit) < 2:
+            return nullcontext()
+        return remote.prefetched(_small_ranges(datas, unit))
 
     if jobs == 1 or len(sizes) <= 1 or total <= SERIAL_BYTES:
         done = 0
-        for i in sorted(sizes):
-            out[i] = one(i)
-            done += sizes[i]
-            if progress is not None:
-                progress(done, total)
+        for unit in (_units(sizes) if remote is not None else [sorted(sizes)]):
+            with prefetched(unit):
+                for i in unit:
+                    out[i] = one(i)
+                    done += sizes[i]
+                    if progress is not None:
+                        progress(done, total)
         return out
-    return _scan_on_threads(sizes, one, jobs, progress, out)
+    return _scan_on_threads(sizes, one, jobs, progress, out, prefetched)
+
+
+def _units(sizes: Mapping[int, int]) -> list[list[int]]:
+    """Batches of at most :data:`BATCH_COUNT` small tensors (in index order), then each large one alone."""
+    small = sorted(i for i in sizes if sizes[i] <= BATCH_BYTES)
+    large = sorted((i for i in sizes if sizes[i] > BATCH_BYTES), key=lambda i: (-sizes[i], i))
+    return [small[lo : lo + BATCH_COUNT] for lo in range(0, len(small), BATCH_COUNT)] + [[i] for i in large]
+
+
+def _small_ranges(datas: Mapping[int, TensorData], unit: list[int]) -> list[tuple[str, int, int]]:
+    """``(file, offset, length)`` of every byte the scan of the small tensors ``unit`` reads (the contiguous ones:
+    a tensor read otherwise is fetched as it is read)."""
+    out = []
+    for i in unit:
+        data = datas[i]
+        try:
+            pieces = small_read_plan(data, BATCH_BYTES)
+        except ValueError:  # pieces that do not tile it: its scan says so, reading nothing
+            continue
+        for piece, pos in pieces or ():
+            out.append((piece.file, pos, piece.numel * data.dtype.itemsize))
+    return out
 
 
 def _scan_on_threads(sizes: dict[int, int], one: Callable[[int], ScanOutcome], jobs: int,
-                     progress: Progress | None, out: dict[int, ScanOutcome]) -> dict[int, ScanOutcome]:
+                     progress: Progress | None, out: dict[int, ScanOutcome],
+                     prefetched: Callable[[list[int]], AbstractContextManager[Any]]) -> dict[int, ScanOutcome]:
     """(main thread) Start the scanning threads of :func:`scan_items`, wait for them, raise what stopped them."""
     large = deque([[i] for i in sorted((i for i in sizes if sizes[i] > BATCH_BYTES), key=lambda i: (-sizes[i], i))])
     small = sorted(i for i in sizes if sizes[i] <= BATCH_BYTES)
@@ -157,10 +209,11 @@ def _scan_on_threads(sizes: dict[int, int], one: Callable[[int], ScanOutcome], j
                         unit = queue.popleft()  # atomic: no lock needed to hand out work
                     except IndexError:
                         break
-                    for i in unit:
-                        if failed:
-                            return
-                        out[i] = one(i)  # each index is written by one thread only
+                    with prefetched(unit):
+                        for i in unit:
+                            if failed:
+                                return
+                            out[i] = one(i)  # each index is written by one thread only
                     if progress is not None:
                         with lock:
                             done += sum(sizes[i] for i in unit)
@@ -200,8 +253,9 @@ def assemble(plan: ScanPlan, outcomes: dict[int, ScanOutcome]) -> ScannedCheckpo
             continue
         outcome = outcomes[index]
         if outcome.scan is None:
-            findings.append(finding("integrity.corrupt", ref.name, f"{ref.name}: cannot read its data ({outcome.error})",
-                                    file=ref.file))
+            if not outcome.reported:
+                findings.append(finding("integrity.corrupt", ref.name,
+                                        f"{ref.name}: cannot read its data ({outcome.error})", file=ref.file))
             records.append(TensorRecord(ref.name, comp, role, param, ref.file, data.dtype.name, data.shape,
                                         data.numel, None, Precision.UNREAD))
             continue

@@ -249,6 +249,9 @@ def scan_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHU
     return TensorScan(h.hexdigest(), Precision.EXACT, None)
 
 
+REMOTE_PIECE_BYTES = 4 << 20
+"""A ranged read of a large tensor behind a URL (:data:`ckptaudit.formats.remote.READ_AHEAD` of them in flight):
+object stores answer a request after a round trip, so 1 MiB reads spend more time waiting than reading."""
 MAPPED_CHUNK_BYTES = 8 << 20
 """Once a tensor's precision is decided, a chunk read through a leased map (:mod:`ckptaudit.formats.io.leased`) is
 this long: nothing reads it after the hash, so it need not stay in cache, and fewer chunks mean fewer lease and
@@ -298,6 +301,27 @@ def _scan_span(span: tuple[str, int, int], itemsize: int, maps: FileMaps, chunk_
                          "make it with scratch_buffer(chunk_bytes)")
     buf = np.empty(min(step, remaining), dtype=np.uint8) if buffer is None else buffer
     raw = buf.data.cast("B")
+    if remaining > step and maps.remote is not None and path in maps.remote:
+        # Behind a URL: ranged reads of REMOTE_PIECE_BYTES, several in flight (a request costs a round trip: few
+        # large ones reach the store's throughput), hashed in order; the precision still sees iter_chunks' chunks.
+        piece = max(step, REMOTE_PIECE_BYTES // step * step)
+        for data in maps.remote.read_ahead(path, pos, remaining, piece):
+            want = min(piece, remaining)
+            for at in range(0, want, step):
+                n = min(step, want - at)
+                if len(data) - at < n:  # iter_chunks' message
+                    raise ValueError(f"{path}: {max(0, len(data) - at)} of {n} bytes at offset {pos}: the file "
+                                     "ends early (truncated, or changed while being read)")
+                chunk = memoryview(data)[at : at + n]
+                h.update(chunk)
+                if state is not None and state.undecided:
+                    state.update(np.frombuffer(chunk, dtype=np.uint32))  # keeps no reference to it
+                pos += n
+                remaining -= n
+        if remaining:  # the object is shorter than the stand-in: the reads ended early
+            raise ValueError(f"{path}: 0 of {min(step, remaining)} bytes at offset {pos}: the file ends early "
+                             "(truncated, or changed while being read)")
+        return
     leased = maps.leased(path) if remaining >= MIN_MAPPED_BYTES else None
     big = max(step, MAPPED_CHUNK_BYTES // itemsize * itemsize)
     while remaining:

@@ -54,9 +54,10 @@ def open_checkpoint(path: str) -> Checkpoint:
     path = os.path.abspath(path)
     findings: list[Finding] = []
     files: dict[str, int] = {}
+    digests: dict[str, tuple[int, str]] = {}
     parts: list[Part] = []
     if os.path.isdir(path):
-        from ckptaudit.formats.dcp.reader import is_dcp_dir, read_dcp
+        from ckptaudit.formats.dcp.reader import METADATA, is_dcp_dir, read_dcp
         from ckptaudit.formats.deepspeed.reader import is_deepspeed_root, is_deepspeed_step_dir
 
         if is_deepspeed_step_dir(path) or is_deepspeed_root(path):
@@ -66,6 +67,8 @@ def open_checkpoint(path: str) -> Checkpoint:
             read = read_dcp(path)
             findings += read.findings
             files.update(read.files)
+            if read.digest is not None:
+                digests[METADATA] = read.digest
             if read.part is not None:
                 parts.append(read.part)
             fmt = "dcp"
@@ -87,6 +90,8 @@ def open_checkpoint(path: str) -> Checkpoint:
                         read = read_dcp(full, name)
                         findings += read.findings
                         files.update(read.files)
+                        if read.digest is not None:
+                            digests[os.path.join(name, METADATA)] = read.digest
                         if read.part is not None:
                             parts.append(read.part)
                     elif _recognised_name(name):
@@ -113,7 +118,7 @@ def open_checkpoint(path: str) -> Checkpoint:
         fmt = part.format if part is not None else "unknown"
         if part is not None:
             parts.append(part)
-    return Checkpoint(path=path, format=fmt, parts=parts, findings=findings, files=files)
+    return Checkpoint(path=path, format=fmt, parts=parts, findings=findings, files=files, digests=digests)
 
 
 def _read_deepspeed(path: str, findings: list[Finding], files: dict[str, int]) -> Part:

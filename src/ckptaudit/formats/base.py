@@ -56,6 +56,10 @@ class Checkpoint:
     files: dict[str, int] = field(default_factory=dict)
     """Every file that belongs to the checkpoint (relative path -> size in bytes)."""
     maps: FileMaps = field(default_factory=FileMaps)
+    digests: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Files parsed whole as metadata (DCP ``.metadata``): relative path -> size and xxh3-128 (hex) of the bytes
+    parsed. A distributed audit's ranks check their own view of these files against it
+    (:mod:`ckptaudit.auditing.distributed`)."""
     local_path: str = ""
     """The local path the files were read from, when ``path`` is a URL (its stand-in, see
     :mod:`ckptaudit.formats.remote.staging`); ``""`` otherwise. Use :attr:`read_path` for file paths."""

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import Finding
 from ckptaudit.formats.base import Part, Unreadable
@@ -72,6 +74,9 @@ class DcpRead:
     findings: list[Finding]
     files: dict[str, int]
     metadata: DcpMetadata | None = None
+    digest: tuple[int, str] | None = None
+    """The size and xxh3-128 (hex) of the ``.metadata`` bytes parsed: what a distributed audit's ranks check
+    their own view of the file against (:mod:`ckptaudit.auditing.distributed`); ``None`` when it was not read."""
 
 
 class UnsafeCheckpointError(Exception):
@@ -266,17 +271,18 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
     if data is None:
         findings.append(finding(code, meta_subject, f"{subject}: {message}", file=meta_subject))
         return DcpRead(None, findings, files)
+    digest = (len(data), xxhash.xxh3_128_hexdigest(data))
     result = scan(data, DCP_METADATA_GLOBALS, max_opcodes=opcode_limit(len(data)))
     problem = _scan_problem(result)
     if problem is not None:
         evidence: dict[str, Any] = {"globals": list(result.unsafe + result.harmless)} if problem[0].startswith(
             "security") else {"offset": result.error_offset}
         findings.append(finding(problem[0], meta_subject, problem[1], file=meta_subject, **evidence))
-        return DcpRead(None, findings, files)
+        return DcpRead(None, findings, files, digest=digest)
     md, code, why = _load_metadata(data, result)
     if md is None:
         findings.append(finding(code, meta_subject, why, file=meta_subject))
-        return DcpRead(None, findings, files)
+        return DcpRead(None, findings, files, digest=digest)
     sd_meta, storage = md.state_dict_metadata, md.storage_data
 
     # Locate every storage item once: file inside the directory, a regular file, range inside the file, and
@@ -429,7 +435,7 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
             item_evidence["file"] = where_of[i]
         findings.append(finding(code, fqn, f"item {fqn}: {reason}", **item_evidence))
     tree = _unflatten(flat, md.planner_data)
-    return DcpRead(Part(name, "dcp", tree), findings, files, md)
+    return DcpRead(Part(name, "dcp", tree), findings, files, md, digest)
 
 
 def _tensor_item(

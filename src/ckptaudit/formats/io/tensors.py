@@ -356,6 +356,23 @@ def _piece_chunks(p: Piece, npdt: np.dtype, maps: FileMaps, per_chunk: int,
         raw = buf.data.cast("B")
         pos = p.data_offset + p.storage_offset * npdt.itemsize
         remaining = p.numel
+        if remaining > per_chunk and maps.remote is not None and p.file in maps.remote:
+            # Behind a URL: several ranged reads in flight (the store's parallel throughput), read in order.
+            nbytes = per_chunk * npdt.itemsize
+            total = p.numel * npdt.itemsize
+            for data in maps.remote.read_ahead(p.file, pos, total, nbytes):
+                want = min(nbytes, total)
+                if len(data) != want:
+                    raise ValueError(f"{p.file}: {len(data)} of {want} bytes at offset {pos}: the file ends early "
+                                     "(truncated, or changed while being read)")
+                raw[:want] = data
+                yield buf[: want // npdt.itemsize]
+                pos += want
+                total -= want
+            if total:
+                raise ValueError(f"{p.file}: 0 of {min(nbytes, total)} bytes at offset {pos}: the file ends early "
+                                 "(truncated, or changed while being read)")
+            return
         while remaining:
             n = min(per_chunk, remaining)
             nbytes = n * npdt.itemsize

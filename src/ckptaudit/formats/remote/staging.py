@@ -36,17 +36,27 @@ import math
 import os
 import struct
 import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["MAX_STAGED_BYTES", "ObjectChanged", "ProtocolError", "RemoteError", "RemoteFiles", "RemoteReadError",
-           "RequestTimeout", "is_url", "local_path", "request_timeout", "stage"]
+           "RequestTimeout", "ShareReader", "is_url", "local_path", "request_timeout", "stage"]
 
 MAX_STAGED_BYTES = 1 << 30
 """Metadata bytes staged per checkpoint at most (headers, pickles, JSON): a limit against hostile listings."""
 MAX_MEMBER_BYTES = 64 << 20
 """A zip member larger than this is tensor data: only its local header is staged."""
 MAX_FILES = 100_000
+READ_AHEAD = 2
+"""Ranged reads issued together per large tensor streamed (:meth:`RemoteFiles.read_ahead`): memory holds as many
+pieces (4 MiB each, ``auditing.tensor_scan.REMOTE_PIECE_BYTES``; and the storage library's buffers for them) per scanning
+thread."""
+COALESCE_BYTES = 8 << 20
+"""The largest ranged read that coalesces small tensors (:meth:`RemoteFiles.prefetched`)."""
+COALESCE_GAP = 64 << 10
+"""Bytes between two small tensors that one ranged read fetches rather than make two requests."""
 _SAFETENSORS_HEADER_LIMIT = 100_000_000
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
 
@@ -193,6 +203,9 @@ class RemoteFiles:
         self._files: dict[str, _Remote] = {}
         self._staged: set[tuple[str, int, int]] = set()
         self._lock = threading.Lock()
+        self._blocks: dict[str, tuple[tuple[int, bytes], ...]] = {}
+        """Prefetched ranges by stand-in file (:meth:`prefetched`): ``(offset, bytes)``; replaced, never changed
+        in place, so a scanning thread reads it without the lock."""
         self.on_close: list[Any] = []
         """Called by :meth:`close` (the S3 pins released)."""
 
@@ -202,16 +215,88 @@ class RemoteFiles:
     def __contains__(self, local: object) -> bool:
         return local in self._files
 
+    def etag(self, local: str) -> str | None:
+        """The ETag the object behind ``local`` is pinned to (S3, HTTP), or ``None`` (not remote, not pinned)."""
+        r = self._files.get(local)
+        if r is None:
+            return None
+        if r.pin is not None:
+            return r.pin[1]
+        pins = getattr(r.fs, "pins", None)
+        held = pins.get(r.path) if isinstance(pins, dict) else None
+        return held[0] if isinstance(held, tuple) and isinstance(held[0], str) else None
+
     def read_into(self, local: str, buf: memoryview, offset: int) -> int:
-        """Fill ``buf`` with the remote bytes at ``offset`` of the file behind ``local``; the count read. Raises
-        :class:`RemoteReadError` (an ``OSError``: the scan reports the tensor's data as unreadable, with why)."""
+        """Fill ``buf`` with the remote bytes at ``offset`` of the file behind ``local``; the count read. Served
+        from a block :meth:`prefetched` fetched when one holds the whole range, else one ranged read
+        (:meth:`_Remote.read`: bounded, pinned, exactly the range asked). Raises :class:`RemoteReadError` (an
+        ``OSError``: the scan reports the tensor's data as unreadable, with why)."""
         r = self._files[local]
         end = min(r.size, offset + len(buf))
         if end <= offset:
             return 0
+        for start, data in self._blocks.get(local, ()):  # a handful per scanning thread
+            if start <= offset and end <= start + len(data):
+                buf[: end - offset] = data[offset - start : end - start]
+                return end - offset
         data = r.read(offset, end)
         buf[: len(data)] = data
         return len(data)
+
+    def read_ahead(self, local: str, start: int, length: int, piece: int) -> Iterator[bytes]:
+        """The remote bytes ``[start, start+length)`` of the file behind ``local``, in order, ``piece`` bytes at a
+        time (a short one means the object ended early), fetched :data:`READ_AHEAD` ranged reads at a time,
+        issued together (:meth:`_Remote.read_many`: concurrent requests, each bounded, pinned and exactly the
+        range asked, as every read of the checkpoint is): a large tensor streams at the store's parallel
+        throughput rather than one round trip per piece, memory bounded by those pieces. The order (and so a
+        tensor's hash) is the sequential one."""
+        r = self._files[local]
+        end = min(r.size, start + length)
+        offsets = range(start, end, piece)
+        for k in range(0, len(offsets), READ_AHEAD):
+            yield from r.read_many([(o, min(end, o + piece)) for o in offsets[k : k + READ_AHEAD]])
+
+    @contextmanager
+    def prefetched(self, ranges: Iterable[tuple[str, int, int]]) -> Iterator[int]:
+        """Within the block, :meth:`read_into` serves the ranges ``(local, offset, length)`` (small tensors) from
+        memory: they are fetched first, coalesced into ranged reads of at most :data:`COALESCE_BYTES` that span
+        gaps of at most :data:`COALESCE_GAP` (a DCP item's archive headers between two tensors), concurrently
+        (:meth:`_Remote.read_many`, with its checks).
+        Yields the number of ranged reads made. The caller bounds the bytes (a batch of small tensors); the
+        blocks are dropped on leaving. Ranges of files that are not remote are ignored."""
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for local, offset, length in ranges:
+            r = self._files.get(local)
+            if r is not None and length > 0:
+                spans.setdefault(local, []).append((offset, min(r.size, offset + length)))
+        mine: list[tuple[str, tuple[int, bytes]]] = []
+        reads = 0
+        try:
+            for local, items in spans.items():
+                merged: list[list[int]] = []
+                for s, e in sorted(items):
+                    if merged and s - merged[-1][1] <= COALESCE_GAP and max(e, merged[-1][1]) - merged[-1][0] <= \
+                            COALESCE_BYTES:
+                        merged[-1][1] = max(merged[-1][1], e)
+                    else:
+                        merged.append([s, e])
+                r = self._files[local]
+                datas = r.read_many([(s, e) for s, e in merged if e > s])
+                reads += len(datas)
+                blocks = [(s, d) for (s, _), d in zip((m for m in merged if m[1] > m[0]), datas, strict=True)]
+                with self._lock:
+                    self._blocks[local] = self._blocks.get(local, ()) + tuple(blocks)
+                mine += [(local, b) for b in blocks]
+            yield reads
+        finally:
+            with self._lock:
+                for local in {name for name, _ in mine}:
+                    ours = {id(b) for name, b in mine if name == local}
+                    held = tuple(x for x in self._blocks.get(local, ()) if id(x) not in ours)
+                    if held:
+                        self._blocks[local] = held
+                    else:
+                        self._blocks.pop(local, None)
 
     def stage_span(self, local: str, start: int, length: int) -> None:
         """Write the remote bytes ``[start, start+length)`` into the stand-in (before a strided view maps it)."""
@@ -560,3 +645,147 @@ def _stage_zip(r: _Remote, local: str, budget: _Budget) -> None:
         n, m = struct.unpack("<HH", got[26:30])
         more.append((off, off + 30 + n + m + member))
     stager.stage(more)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The ranks of a distributed audit other than rank 0 (ckptaudit.auditing.distributed): rank 0 stages and vets the checkpoint;
+# the others are sent their share and read only its data files, and check their own view of the vetted files.
+
+
+class ShareReader:
+    """(ranks other than 0 of a distributed audit) This rank's reads of its share of the checkpoint at ``url``:
+    one filesystem, one read guard, and the objects this rank listed pinned as it listed them, so that both its
+    view check (:meth:`view`) and its data reads (:meth:`stand_in`) go through :class:`_Remote` as rank 0's
+    staging does: a deadline per request, replies exactly the range asked, the listed ETag sent with every read
+    (S3 ``IfMatch``, HTTP ``If-Match``) and a later replacement an :class:`ObjectChanged`. The stand-in's
+    :class:`RemoteFiles` takes over the pins (released by its ``close``); :meth:`close` releases them otherwise.
+
+    File names are relative to ``url``, or to the prefix holding it when ``single_file``.
+    """
+
+    def __init__(self, url: str, *, single_file: bool) -> None:
+        self.url = url
+        self.fs, root = _fs(url)
+        root = root.rstrip("/")
+        self.base = root.rsplit("/", 1)[0] if single_file and "/" in root else root
+        self.guard = _Guard()
+        self._pins: _Pins | None = None  # made at the first pin: an S3 filesystem's client exists after a request
+        self._listed: dict[str, dict[str, dict[str, Any]] | str | None] = {}
+        self._handles: dict[str, _Remote | str] = {}
+        self._etags: dict[str, str] = {}
+
+    def _entry(self, path: str) -> dict[str, Any] | str:
+        """The store's entry for ``path`` from a fresh listing of its prefix (one per prefix; no cached listing
+        answers), its own ``info`` where the store lists nothing (HTTP), or why there is none."""
+        folder, _, leaf = path.rpartition("/")
+        if folder not in self._listed:
+            try:
+                self.fs.invalidate_cache(folder)
+                self._listed[folder] = {str(e["name"]).rstrip("/").rpartition("/")[2]: e
+                                        for e in self.fs.ls(folder, detail=True) if e.get("type") == "file"}
+            except FileNotFoundError:
+                self._listed[folder] = {}
+            except NotImplementedError:
+                self._listed[folder] = None  # no listings (HTTP): each object's own HEAD below
+            except Exception as exc:  # noqa: BLE001 - the storage library's own words, as for stage()
+                self._listed[folder] = f"cannot be listed ({type(exc).__name__}: {exc})"
+        listed = self._listed[folder]
+        if isinstance(listed, str):
+            return listed
+        if listed is not None:
+            return listed.get(leaf) or "cannot be read (no such object)"
+        try:
+            info: dict[str, Any] = self.fs.info(path)
+        except FileNotFoundError:
+            return "cannot be read (no such object)"
+        except Exception as exc:  # noqa: BLE001 - the storage library's own words
+            return f"cannot be read ({type(exc).__name__}: {exc})"
+        return info
+
+    def handle(self, name: str) -> _Remote | str:
+        """The pinned object behind ``name``, or why this rank cannot read it."""
+        known = self._handles.get(name)
+        if known is not None:
+            return known
+        path = f"{self.base}/{name}"
+        entry = self._entry(path)
+        if isinstance(entry, str):
+            out: _Remote | str = entry
+        else:
+            try:
+                size = _size(entry, self.url)
+            except RemoteError as exc:
+                out = f"cannot be read ({exc})"
+            else:
+                if self._pins is None:
+                    self._pins = _Pins(self.fs)
+                out = _Remote(self.fs, path, size, self.guard, self._pins.add(path, entry))
+                etag = entry.get("ETag") or entry.get("etag")
+                if isinstance(etag, str) and etag:
+                    self._etags[name] = etag
+        self._handles[name] = out
+        return out
+
+    def view(self, names: list[str], *,
+             digest: set[str]) -> dict[str, tuple[int, str | None, str | None] | str]:
+        """This rank's view of the files ``names``: each one's size as listed, for those in ``digest`` the xxh3-128
+        (hex) of its bytes, read in 8 MiB pinned ranged reads, and the ETag listed (or ``None``); or why it cannot
+        be read."""
+        import xxhash
+
+        out: dict[str, tuple[int, str | None, str | None] | str] = {}
+        for name in names:
+            r = self.handle(name)
+            if isinstance(r, str):
+                out[name] = r
+                continue
+            etag = self._etags.get(name)
+            if name not in digest:
+                out[name] = (r.size, None, etag)
+                continue
+            h = xxhash.xxh3_128()
+            try:
+                for pos in range(0, r.size, _FILL_PIECE):
+                    h.update(r.read(pos, min(r.size, pos + _FILL_PIECE)))
+            except OSError as exc:  # RemoteReadError: reported as this rank's view of the file
+                out[name] = f"cannot be read ({exc})"
+                continue
+            out[name] = (r.size, h.hexdigest(), etag)
+        return out
+
+    def stand_in(self, files: dict[str, int]) -> tuple[str, RemoteFiles]:
+        """A bare stand-in for the share's data files ``files`` (name -> the size rank 0 saw): sparse files named
+        as the share names them, each mapped to its pinned object. Nothing is staged (the rank parses no
+        metadata); tensor data streams by ranged reads as for :func:`stage`. Returns the directory the names are
+        relative to and the :class:`RemoteFiles`, whose ``close`` removes it and releases the pins. Raises
+        :class:`RemoteError` for a name that is not a plain relative path or an object this rank cannot read or
+        sees at another size (the view check reports those first)."""
+        import tempfile
+
+        tmp = tempfile.mkdtemp(prefix="ckptaudit-share-")
+        remote = RemoteFiles(tmp)
+        remote.on_close.append(self.close)
+        try:
+            for name, size in files.items():
+                parts = name.split("/")
+                if any(_safe_name(p) is None for p in parts):
+                    raise RemoteError(f"{self.url}: the share names a file {name!r} that is not a plain relative "
+                                      "path")
+                r = self.handle(name)
+                if isinstance(r, str) or r.size != size:
+                    why = r if isinstance(r, str) else f"is {r.size} bytes, rank 0 saw {size}"
+                    raise RemoteError(f"{self.url}: {name} {why}")
+                local = os.path.join(tmp, *parts)
+                os.makedirs(os.path.dirname(local), exist_ok=True)
+                with open(local, "wb") as fh:
+                    fh.truncate(size)
+                remote.add(local, r)
+            return tmp, remote
+        except BaseException:
+            remote.close()
+            raise
+
+    def close(self) -> None:
+        """Release this rank's pins (idempotent)."""
+        if self._pins is not None:
+            self._pins.release()
