@@ -14,7 +14,7 @@ def audit_rank(ctx: RankContext, paths: list[str], jobs: int) -> dict[str, Any]:
     report. Every rank returns its phase figures and how often it walked and loaded a DCP ``.metadata``."""
     from ckptaudit.auditing.distributed import audit_distributed
     from ckptaudit.auditing.judge import AuditOptions
-    from ckptaudit.formats import dcp
+    from ckptaudit.formats.dcp import reader as dcp
     from ckptaudit.report import OutputFormat, render
 
     calls = {"walk": 0, "load": 0}
