@@ -51,8 +51,8 @@ MAX_MEMBER_BYTES = 64 << 20
 MAX_FILES = 100_000
 READ_AHEAD = 2
 """Ranged reads issued together per large tensor streamed (:meth:`RemoteFiles.read_ahead`): memory holds as many
-pieces (4 MiB each, ``auditing.tensor_scan.REMOTE_PIECE_BYTES``; and the storage library's buffers for them) per scanning
-thread."""
+pieces (4 MiB each, ``auditing.tensor_scan.REMOTE_PIECE_BYTES``; and the storage library's buffers for them)
+per scanning thread."""
 COALESCE_BYTES = 8 << 20
 """The largest ranged read that coalesces small tensors (:meth:`RemoteFiles.prefetched`)."""
 COALESCE_GAP = 64 << 10
@@ -648,8 +648,9 @@ def _stage_zip(r: _Remote, local: str, budget: _Budget) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The ranks of a distributed audit other than rank 0 (ckptaudit.auditing.distributed): rank 0 stages and vets the checkpoint;
-# the others are sent their share and read only its data files, and check their own view of the vetted files.
+# The ranks of a distributed audit other than rank 0 (ckptaudit.auditing.distributed): rank 0 stages and vets the
+# checkpoint; the others are sent their share and read only its data files, and check their own view of the vetted
+# files.
 
 
 class ShareReader:
