@@ -110,6 +110,10 @@ def _child(
     _capture_stderr(stderr_path)
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # init_process_group returns on a gloo rank once its own side of the mesh is connected; a rank whose job ends
+    # at once could then exit while a slower peer is still connecting to it ("Gloo connectFullMesh failed ...
+    # Connection closed by peer", seen under load). torch's store-based barrier at the end of init closes that.
+    os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "1")
     import torch
     import torch.distributed as dist
 
