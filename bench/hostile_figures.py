@@ -4,16 +4,16 @@
     .venv/bin/python bench/hostile_figures.py --round 3          # issue 25's work bounds only
     .venv/bin/python bench/hostile_figures.py --round 3 --src /tmp/base/src   # the same inputs, other code
 
-Round 2 builds every hostile file of ``tests/test_hostile2.py`` (the builders the tests use) in a temporary
-directory and audits each in one child process (``tests/audit_worker.py``: warmed up on real checkpoints, then
+Round 2 builds every hostile file of ``tests/hostile/test_hostile_views_and_bounds.py`` (the builders the tests use) in a temporary
+directory and audits each in one child process (``tests/support/audit_worker.py``: warmed up on real checkpoints, then
 under ``RLIMIT_AS`` = its address space + 1.5 GiB), printing the finding, the seconds of the audit and the growth
 of the child's peak resident set over its warmed-up baseline. A line per class, Markdown table rows.
 
 Round 3 (issue 25: work that grew faster than the input) runs each case in a fresh child (killed after
 ``--limit`` seconds) and prints its seconds and peak resident set: ZeRO-2 layouts built from DeepSpeed's own
-files (``tests/hostile_deepspeed.py``; the DeepSpeed writer runs first, a minute or two), a DCP ``.metadata``
+files (``tests/support/hostile_deepspeed.py``; the DeepSpeed writer runs first, a minute or two), a DCP ``.metadata``
 whose entries share one chunk list (``safe_dcp_reader``), and ``http://`` audits against the local servers of
-``tests/http_servers.py`` (requests made and body bytes the server could send). ``--src`` runs the children on
+``tests/support/http_servers.py`` (requests made and body bytes the server could send). ``--src`` runs the children on
 another source tree, e.g. the code before a change: ``git archive <commit> src | tar -x -C /tmp/base``.
 """
 
@@ -30,8 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import test_hostile_views_and_bounds as t2
+
 import real_checkpoints as rc
-import test_hostile2 as t2
 from audit_worker import AuditWorker
 
 ROOT = Path(__file__).resolve().parents[1]

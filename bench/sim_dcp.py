@@ -23,7 +23,7 @@ What is torch's and what is not:
   data left as a hole (``--sparse-over``, default 64 KiB: a sparse file reads as zeros and takes no disk).
   Small tensors (steps, RNG states) hold their real values.
 
-``tests/test_bench_sim.py`` holds this writer to a real 2-rank FSDP2 save: the same ``.metadata`` and the same
+``tests/bench/test_bench_sim.py`` holds this writer to a real 2-rank FSDP2 save: the same ``.metadata`` and the same
 item offsets and lengths. A sparse checkpoint's data reads as zeros from no disk: it measures the metadata path
 and the plan, not I/O.
 """

@@ -175,7 +175,7 @@ def scale_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The hostile-input tests (test_hostile.py, test_hostile2.py): one clean checkpoint of each format per module,
+# The hostile-input tests (test_hostile.py, test_hostile_views_and_bounds.py): one clean checkpoint of each format per module,
 # and a warm audit worker (a child under an address-space cap) that audits damaged copies of them.
 
 

@@ -13,22 +13,7 @@ import torch
 
 import ckptaudit
 from ckptaudit.schema import SCHEMA_PATH, load_schema, validate
-
-
-def trained(path: Path, *, rounded: bool = False, width: int = 16) -> Path:
-    """A real tiny model trained 2 AdamW steps, saved with torch.save as most training scripts do."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(2):
-        model(torch.randn(8, width)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    if rounded:
-        state = {k: v.bfloat16().float() for k, v in state.items()}
-    torch.save({"model": state, "optimizer": opt.state_dict(), "step": 2}, path)
-    return path
+from real_checkpoints import trained
 
 
 def test_import_is_cheap_and_the_surface_is_stable() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 import os
 import re
 import shutil
@@ -33,7 +32,8 @@ from typing import Any
 import pytest
 
 import real_checkpoints as rc
-from test_docs import DEMO_PAGES, demo_sample, demo_sample_differences, stated_demo_seconds
+from demo_pages import DEMO_PAGES, demo_sample, demo_sample_differences, stated_demo_seconds
+from local_s3 import environment, s3_server
 
 ROOT = Path(__file__).resolve().parents[1]
 LIGHT = ("numpy", "safetensors", "rich", "xxhash", "markdown-it-py", "mdurl", "pygments")
@@ -127,7 +127,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     shard = sorted((root / "step-2").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # torn: a rank died mid-write
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "WANDB_DISABLED": "true", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
+           "WANDB_DISABLED": "true", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests" / "support")])}
     _ok([sys.executable, "-c", f"import lib_writers; lib_writers._trainer({str(d / 'trainer')!r}, bin_weights=False)"],
         env=env, cwd=str(d))
     (hf,) = (p for p in (d / "trainer").glob("checkpoint-*") if p.is_dir())
@@ -140,43 +140,28 @@ def s3(checkpoints: dict[str, Path], torch_free: Path, wheel: Path,
        tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A local S3 server (moto's server mode) holding the torch.save files and the DCP directory, and the torch-free
     venv with ``ckptaudit[remote]`` added (still no torch): the environment that points a client at the server."""
-    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("moto.server")
     import s3fs
 
     _pip_install(torch_free / "python", "-c", str(_pins(tmp_path_factory.mktemp("pins"))),
                  f"ckptaudit[remote] @ {wheel.as_uri()}")
     _ok([str(torch_free / "python"), "-c", "import importlib.util as u; assert u.find_spec('torch') is None"])
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    fs = None
-    try:
-        env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server._server.server_port}"}
-        # The uploader (this process) takes its settings from the environment, as the audits will.
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+    with s3_server() as env:
+        fs = None
         try:
-            # moto keeps its buckets in this process's memory, shared by every server it starts (tests/test_remote.py
+            # The uploader (this process) takes its settings from the environment, as the audits will. moto keeps
+            # its buckets in this process's memory, shared by every server it starts (tests/formats/test_remote.py
             # starts another): a bucket of this module's own name, removed at the end.
-            fs = s3fs.S3FileSystem(skip_instance_cache=True)
-            fs.mkdir(BUCKET)
-            fs.put(str(checkpoints["pt"]), f"{BUCKET}/ckpt.pt")
-            fs.put(str(checkpoints["lossy"]), f"{BUCKET}/lossy.pt")
-            fs.put(str(checkpoints["dcp"]), f"{BUCKET}/dcp", recursive=True)
+            with environment(env):
+                fs = s3fs.S3FileSystem(skip_instance_cache=True)
+                fs.mkdir(BUCKET)
+                fs.put(str(checkpoints["pt"]), f"{BUCKET}/ckpt.pt")
+                fs.put(str(checkpoints["lossy"]), f"{BUCKET}/lossy.pt")
+                fs.put(str(checkpoints["dcp"]), f"{BUCKET}/dcp", recursive=True)
+            yield env
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        yield env
-    finally:
-        try:
             if fs is not None:
                 fs.rm(BUCKET, recursive=True)
-        finally:
-            server.stop()
 
 
 BUCKET = "ckptaudit-install-test"

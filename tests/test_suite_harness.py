@@ -13,12 +13,12 @@ import pytest
 import launch_jobs
 from configurations import Outcomes, Refused, Written, fixture_launch, in_progress
 
-HERE = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parent / "support"
 
 
 def _features(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
-    return subprocess.run([sys.executable, str(HERE / "cpu_features.py")], env={**clean, **env}, capture_output=True,
+    return subprocess.run([sys.executable, str(SUPPORT / "cpu_features.py")], env={**clean, **env}, capture_output=True,
                           text=True, timeout=300, check=False)
 
 
@@ -68,7 +68,7 @@ def test_a_writer_that_dies_leaves_the_configuration_it_was_in(tmp_path: Path) -
     code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from configurations import Outcomes; "
             "o = Outcomes(sys.argv[2], ['trainer-bin', 'accelerate']); o.run('trainer-bin', lambda: None); "
             "o.run('accelerate', os.abort)")
-    proc = subprocess.run([sys.executable, "-c", code, str(HERE), str(tmp_path)], capture_output=True, timeout=120,
+    proc = subprocess.run([sys.executable, "-c", code, str(SUPPORT), str(tmp_path)], capture_output=True, timeout=120,
                           check=False)
     assert proc.returncode == -6
     assert in_progress(tmp_path) == "accelerate"

@@ -24,9 +24,10 @@ from ckptaudit.testing import (
     assert_checkpoint_ok,
     assert_resumes_faithfully,
 )
-from test_api import trained
+from real_checkpoints import trained
+from runs import SUPPORT
 
-USER = str(Path(__file__).with_name("resume_user_code.py"))
+USER = str(SUPPORT / "resume_user_code.py")
 
 
 def test_assert_checkpoint_ok_passes_a_good_checkpoint_and_names_each_finding_of_a_bad_one(tmp_path: Path) -> None:

@@ -423,7 +423,7 @@ def scan_small(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHUN
     Importing NumPy costs more than scanning a few kilobytes in Python, and a small checkpoint's audit should
     start in a blink. The result is the same as :func:`scan_tensor`'s, bit for bit: the same bytes hashed, and
     the precision evidence gathered chunk by chunk in the same steps (:meth:`_Fp32State.update_values`);
-    ``tests/test_small_scan.py`` holds the two paths equal on random and crafted values of every dtype.
+    ``tests/auditing/test_tensor_scan_small.py`` holds the two paths equal on random and crafted values of every dtype.
     """
     if sys.byteorder != "little":
         return None

@@ -180,7 +180,7 @@ def _section(con: Console, section: dict, verbose: bool) -> None:
 # (about 1 ms a row: `audit --verbose` of 100k tensors took two minutes, all of it before any output). A long table
 # is laid out here by rich's own rules from one pass over its cells: rich draws the title and the header, the rows
 # are formatted as plain lines (a wrapped cell is wrapped as rich wraps it) and written in batches, so the first
-# rows appear at once and a closed pipe (`| head`) stops the work at the next batch. tests/test_table_stream.py
+# rows appear at once and a closed pipe (`| head`) stops the work at the next batch. tests/report/test_table_stream.py
 # holds the streamed table to rich's drawing of the same table, line for line.
 
 STREAM_ABOVE = 100

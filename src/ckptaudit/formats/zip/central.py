@@ -6,7 +6,7 @@ canonical layout ``torch.save`` writes (no archive comment, no extra fields, ASC
 before the end records, nothing torch's zip reader refuses) from one tail read, and answers ``None`` for anything
 else, so that the caller reads it with :func:`ckptaudit.formats.zip.miniz.directory`, the general restatement of
 torch's reader, and its errors. Where it answers, it gives the same members, names, offsets, sizes, methods and
-CRCs as ``zipfile.ZipFile(...).infolist()`` and as miniz (``tests/test_lean_readers.py`` compares them); every
+CRCs as ``zipfile.ZipFile(...).infolist()`` and as miniz (``tests/formats/test_fast_paths.py`` compares them); every
 check the caller makes afterwards (the count, names, local headers one to one, sizes, overlaps) is unchanged.
 
 :class:`Region` serves reads inside the archive with ``os.pread`` and keeps the archive's first bytes (local
