@@ -9,10 +9,8 @@ shows each payload is live, so a test cannot pass because the attack was inert.
 
 from __future__ import annotations
 
-import collections
 import io
 import pickle
-import pickletools
 import shutil
 import struct
 import time
@@ -30,71 +28,21 @@ from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_s
 from ckptaudit.formats.pickle.scan import UnsafeGlobalError
 from ckptaudit.formats.pickle.unpickler import RestrictedUnpickler, base_table
 from ckptaudit.formats.torchload import safe_dcp_load
-
-M61 = (1 << 61) - 1
-"""Python hashes an int ``n`` to ``n mod M61``: every multiple of it hashes to 0."""
-
-
+from hostile_cases import (
+    ATTACKS,
+    BOUNDED,
+    JSON_CASES,
+    M61,
+    Shadowed,
+    case_collisions_data_pkl,
+    case_memo_amplification,
+    memo_mutated_index,
+    payload_dcp,
+    shadow,
+)
 
 # --------------------------------------------------------------------------------------------------------------
 # One view: a pickle may not give an object an attribute that shadows a method a check reads it through
-
-
-class _Shadowed:
-    """Pickles as ``OrderedDict(entries)`` followed by ``BUILD {attr: OrderedDict}``: after ``pickle.load`` the
-    dict holds every entry, but ``d.<attr>()`` returns an empty dict (``OrderedDict()``)."""
-
-    def __init__(self, entries: dict[Any, Any], attr: str) -> None:
-        self.entries, self.attr = entries, attr
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return collections.OrderedDict, (), {self.attr: collections.OrderedDict}, None, iter(self.entries.items())
-
-
-def _payload_dcp(d: Path, sentinel: str) -> Path:
-    """A DCP checkpoint written by DCP itself whose non-tensor item ``extra`` runs a payload when
-    ``torch.distributed.checkpoint.load`` unpickles it (``torch.load(weights_only=False)``)."""
-    return rc.dcp_checkpoint(d, {"extra": hf.payload_object("os.system", sentinel)})
-
-
-def _shadow(ckpt: Path, how: str) -> None:
-    md = rc.read_dcp_metadata(ckpt)
-    if how == "items":  # the check walks storage_data.items() and sees nothing; DCP looks entries up by key
-        md.storage_data = _Shadowed(md.storage_data, "items")
-    elif how == "values":
-        md.state_dict_metadata = _Shadowed(md.state_dict_metadata, "values")
-    elif how == "planner_data.get":
-        md.planner_data = _Shadowed(md.planner_data, "get")
-    (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
-
-
-def _memo_index(data: bytes, class_name: str) -> int:
-    """The memo slot of the first object of ``class_name`` a protocol-4 pickle builds (NEWOBJ + MEMOIZE)."""
-    memo, pending, last = 0, False, ""
-    for op, arg, _pos in pickletools.genops(data):
-        if op.name == "SHORT_BINUNICODE" and arg == class_name:
-            pending = True
-        if op.name == "MEMOIZE":
-            if pending and last == "NEWOBJ":
-                return memo
-            memo += 1
-        last = op.name
-    raise AssertionError(f"no {class_name} in the pickle")
-
-
-def _memo_mutated_index(ckpt: Path) -> None:
-    """After ``storage_data`` is built, ``BUILD`` its first ``MetadataIndex`` key again (through the memo) with
-    another item's name: the dict's key no longer hashes where it sits, and lookups by key fail."""
-    data = pickle.dumps(rc.read_dcp_metadata(ckpt), protocol=4)
-    slot = _memo_index(data, "MetadataIndex")
-    assert data.endswith(b"b.")  # ... Metadata's BUILD, STOP
-    name = b"model.2.bias"
-    rebuild = b"j" + struct.pack("<I", slot)  # LONG_BINGET slot
-    rebuild += b"}(" + b"\x8c\x03fqn" + b"\x8c" + bytes([len(name)]) + name + b"ub0"  # {fqn: name} BUILD POP
-    (ckpt / ".metadata").write_bytes(data[:-1] + rebuild + b".")
-
-
-ATTACKS = ("items", "values", "planner_data.get", "memo-mutated-MetadataIndex")
 
 
 @pytest.mark.parametrize("how", ATTACKS)
@@ -103,11 +51,11 @@ def test_metadata_that_shows_checks_another_view_is_refused_everywhere(
     import torch
 
     sentinel = tmp_path / "ran"
-    ckpt = _payload_dcp(tmp_path / "ckpt", str(sentinel))
+    ckpt = payload_dcp(tmp_path / "ckpt", str(sentinel))
     if how == "memo-mutated-MetadataIndex":
-        _memo_mutated_index(ckpt)
+        memo_mutated_index(ckpt)
     else:
-        _shadow(ckpt, how)
+        shadow(ckpt, how)
     control = tmp_path / "control"
     shutil.copytree(ckpt, control)
 
@@ -154,7 +102,7 @@ def test_torch_save_dict_with_a_shadowing_attribute_is_refused(how: str, tmp_pat
     import torch
 
     path = tmp_path / "model.pt"
-    torch.save({"model": _Shadowed({f"w{i}": torch.ones(4) for i in range(3)}, how)}, path)
+    torch.save({"model": Shadowed({f"w{i}": torch.ones(4) for i in range(3)}, how)}, path)
     report = audit(str(path))
     assert any(f.code == "integrity.corrupt" and how in f.message and "shadow" in f.message
                for f in report.findings), [(f.code, f.message) for f in report.findings]
@@ -184,52 +132,6 @@ def _write(path: Path, data: bytes) -> str:
 
 # --------------------------------------------------------------------------------------------------------------
 # Bounded work: hash collisions, opcode amplification
-
-
-def colliding_dict_pickle(n: int) -> bytes:
-    """A protocol-4 pickle of a dict of ``n`` integer keys that all hash to 0 (assembled: building the dict in
-    Python to pickle it would itself take quadratic time)."""
-    out = [b"\x80\x04}("]
-    for i in range(1, n + 1):
-        k = (i * M61).to_bytes(((i * M61).bit_length() + 8) // 8, "little", signed=True)
-        out.append(b"\x8a" + bytes([len(k)]) + k + b"K\x00")
-        if i % 1000 == 0:
-            out.append(b"u(")
-    out.append(b"u.")
-    return b"".join(out)
-
-
-def _case_collisions_pkl(b: dict[str, Path], d: Path) -> Path:
-    p = d / "state.pkl"
-    p.write_bytes(colliding_dict_pickle(200_000))
-    return p
-
-
-def _case_collisions_data_pkl(b: dict[str, Path], d: Path) -> Path:
-    p = d / "model.pt"
-    hf.replace_data_pkl(b["pt"], p, colliding_dict_pickle(200_000))
-    return p
-
-
-def _case_empty_set_amplification(b: dict[str, Path], d: Path) -> Path:
-    p = d / "state.pkl"
-    # A list of 2M empty sets, 1000 per APPENDS: 2 MB of pickle, 460 MiB if built.
-    p.write_bytes(b"\x80\x04]" + (b"(" + b"\x8f" * 1000 + b"e") * 2000 + b".")
-    return p
-
-
-def _case_memo_amplification(b: dict[str, Path], d: Path) -> Path:
-    p = d / "model.pt"
-    hf.replace_data_pkl(b["pt"], p, b"\x80\x04K\x00" + b"\x94" * 4_000_000 + b".")  # 4M memo entries
-    return p
-
-
-BOUNDED = {
-    "200k-colliding-keys.pkl": (_case_collisions_pkl, "share the hash value"),
-    "200k-colliding-keys-in-data.pkl": (_case_collisions_data_pkl, "share the hash value"),
-    "2MB-of-EMPTY_SET": (_case_empty_set_amplification, "amplification"),
-    "4M-MEMOIZE": (_case_memo_amplification, "amplification"),
-}
 
 
 @pytest.mark.parametrize("case", list(BOUNDED))
@@ -281,35 +183,6 @@ def test_dcp_shards_that_overlap_and_leave_a_hole_are_corrupt(tmp_path: Path) ->
 
 # --------------------------------------------------------------------------------------------------------------
 # JSON: bounded size, containers and nesting; files that are not regular never block
-
-
-def _case_trainer_state_of_empty_objects(b: dict[str, Path], d: Path) -> Path:
-    ckpt = d / "checkpoint-10"
-    ckpt.mkdir()
-    shutil.copy(b["st"], ckpt / "model.safetensors")
-    (ckpt / "trainer_state.json").write_bytes(b"[" + b"{}," * 7_000_000 + b"{}]")  # 21 MB, 1.3 GiB if parsed
-    return ckpt
-
-
-def _case_safetensors_header_of_empty_objects(b: dict[str, Path], d: Path) -> Path:
-    header = b'{"__metadata__": {}, "x": [' + b"{}," * 2_000_000 + b"{}]}"
-    p = d / "model.safetensors"
-    p.write_bytes(struct.pack("<Q", len(header)) + header)
-    return p
-
-
-def _case_deep_manifest(b: dict[str, Path], d: Path) -> Path:
-    ckpt = d / "step-000010"
-    shutil.copytree(b["dcp"], ckpt)
-    (ckpt / "manifest.json").write_bytes(b"[" * 200_000 + b"]" * 200_000)
-    return ckpt
-
-
-JSON_CASES = {
-    "trainer_state.json-7M-empty-objects": (_case_trainer_state_of_empty_objects, "objects and arrays"),
-    "safetensors-header-2M-empty-objects": (_case_safetensors_header_of_empty_objects, "objects and arrays"),
-    "manifest.json-nested-200k-deep": (_case_deep_manifest, "deeper"),
-}
 
 
 @pytest.mark.parametrize("case", list(JSON_CASES))
@@ -630,8 +503,8 @@ def test_the_live_loader_refuses_the_bounded_work_attacks_before_torch_load(
 
     (tmp_path / "collisions").mkdir()
     (tmp_path / "memo").mkdir()
-    cases = {"collisions": _case_collisions_data_pkl(bases, tmp_path / "collisions"),
-             "memo": _case_memo_amplification(bases, tmp_path / "memo")}
+    cases = {"collisions": case_collisions_data_pkl(bases, tmp_path / "collisions"),
+             "memo": case_memo_amplification(bases, tmp_path / "memo")}
     script = f"""
 import json, time
 import torch

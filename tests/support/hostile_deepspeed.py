@@ -3,7 +3,7 @@
 changed, and saved again with ``torch.save``, so every byte is still written by torch's own pickler (shared
 objects memoised, as a real save shares them).
 
-Used by ``tests/hostile/test_hostile_deepspeed.py`` and ``bench/hostile_figures.py``.
+Used by ``tests/hostile/test_hostile_deepspeed.py`` and ``tests/support/hostile_figures.py``.
 """
 
 from __future__ import annotations

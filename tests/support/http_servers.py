@@ -1,6 +1,6 @@
 """Local HTTP servers that serve one object, honestly or the way a broken or hostile server would (issue 25):
 real sockets on 127.0.0.1, a thread per connection, for ``tests/hostile/test_hostile_remote.py`` and
-``bench/hostile_figures.py``.
+``tests/support/hostile_figures.py``.
 
 Behaviours (``mode``), each applied to ranged ``GET`` s of more than ``honest_below`` bytes (smaller ones, the
 metadata a stager reads, are answered honestly unless ``honest_below`` is 0):

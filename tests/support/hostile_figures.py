@@ -1,19 +1,19 @@
 """Time and peak memory of auditing each class of hostile input (the figures in docs/security.md).
 
-    .venv/bin/python bench/hostile_figures.py                    # both rounds
-    .venv/bin/python bench/hostile_figures.py --round 3          # issue 25's work bounds only
-    .venv/bin/python bench/hostile_figures.py --round 3 --src /tmp/base/src   # the same inputs, other code
+    .venv/bin/python tests/support/hostile_figures.py                    # both rounds
+    .venv/bin/python tests/support/hostile_figures.py --round 3          # issue 25's work bounds only
+    .venv/bin/python tests/support/hostile_figures.py --round 3 --src /tmp/base/src   # the same inputs, other code
 
-Round 2 builds every hostile file of ``tests/hostile/test_hostile_views_and_bounds.py`` (the builders the tests use) in a temporary
-directory and audits each in one child process (``tests/support/audit_worker.py``: warmed up on real checkpoints, then
+Round 2 builds every hostile case of ``hostile_cases.py`` (the builders the tests use) in a temporary directory
+and audits each in one child process (``audit_worker.py``: warmed up on real checkpoints, then
 under ``RLIMIT_AS`` = its address space + 1.5 GiB), printing the finding, the seconds of the audit and the growth
 of the child's peak resident set over its warmed-up baseline. A line per class, Markdown table rows.
 
 Round 3 (issue 25: work that grew faster than the input) runs each case in a fresh child (killed after
 ``--limit`` seconds) and prints its seconds and peak resident set: ZeRO-2 layouts built from DeepSpeed's own
-files (``tests/support/hostile_deepspeed.py``; the DeepSpeed writer runs first, a minute or two), a DCP ``.metadata``
-whose entries share one chunk list (``safe_dcp_reader``), and ``http://`` audits against the local servers of
-``tests/support/http_servers.py`` (requests made and body bytes the server could send). ``--src`` runs the children on
+files (``hostile_deepspeed.py``; the DeepSpeed writer runs first, a minute or two), a DCP ``.metadata`` whose
+entries share one chunk list (``safe_dcp_reader``), and ``http://`` audits against the local servers of
+``http_servers.py`` (requests made and body bytes the server could send). ``--src`` runs the children on
 another source tree, e.g. the code before a change: ``git archive <commit> src | tar -x -C /tmp/base``.
 """
 
@@ -28,14 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-import test_hostile_views_and_bounds as t2
-
+import hostile_cases as hc
 import real_checkpoints as rc
 from audit_worker import AuditWorker
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,17 +53,17 @@ def round2() -> None:
         d = Path(tmp)
         bases = {"pt": rc.torch_save_checkpoint(d / "ckpt.pt"), "dcp": rc.dcp_checkpoint(d / "dcp"),
                  "st": rc.safetensors_file(d / "model.safetensors")}
-        cases = {**{k: v[0] for k, v in t2.BOUNDED.items()}, **{k: v[0] for k, v in t2.JSON_CASES.items()}}
+        cases = {**{k: v[0] for k, v in hc.BOUNDED.items()}, **{k: v[0] for k, v in hc.JSON_CASES.items()}}
         worker = AuditWorker(headroom_mib=1536, timeout_s=120)
         worker.start([str(bases["pt"]), str(bases["dcp"]), str(bases["st"])])
         try:
-            for attack in t2.ATTACKS:
+            for attack in hc.ATTACKS:
                 case_dir = d / f"attack-{attack}"
-                ckpt = t2._payload_dcp(case_dir / "ckpt", str(case_dir / "ran"))
+                ckpt = hc.payload_dcp(case_dir / "ckpt", str(case_dir / "ran"))
                 if attack == "memo-mutated-MetadataIndex":
-                    t2._memo_mutated_index(ckpt)
+                    hc.memo_mutated_index(ckpt)
                 else:
-                    t2._shadow(ckpt, attack)
+                    hc.shadow(ckpt, attack)
                 _row(worker, f"DCP .metadata: {attack}", ckpt)
             for name, build in cases.items():
                 case_dir = d / name
