@@ -19,7 +19,7 @@ import signal
 import sys
 from typing import Any
 
-from guard_jobs import JOB_ENV, VOCAB, _bf16_values, _dataset, _raised, _rank_env, _result, _verdict
+from guard_jobs import JOB_ENV, VOCAB, _bf16_values, _dataset, _raised, _rank_env, _result, _verdict, rounding_trainer
 
 
 def _unverified(saves: list[int], verdicts: Any, step: int) -> list[int]:
@@ -135,7 +135,7 @@ def _hf_fast(out: str, lossy: int = 2) -> dict[str, Any]:
 def hf_retention(out: str) -> None:
     """Warn mode, ``save_total_limit=2``, a save every 2 steps to step 10, the second save (step 4) lossy; the
     audits after the first are held until the end of training, so every save comes while older ones wait."""
-    from transformers import Trainer, TrainerCallback
+    from transformers import TrainerCallback
     from transformers.trainer_utils import get_last_checkpoint
 
     from ckptaudit.integrations.transformers import AuditCallback
@@ -144,14 +144,7 @@ def hf_retention(out: str) -> None:
     held = _Held()
     on_disk: list[list[str]] = []
 
-    class RoundingTrainer(Trainer):
-        saves = 0
-
-        def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
-            RoundingTrainer.saves += 1
-            if RoundingTrainer.saves == 2:
-                state_dict = _bf16_values(self.model.state_dict())
-            super()._save(output_dir, state_dict)
+    RoundingTrainer = rounding_trainer()
 
     class Hold(TrainerCallback):  # type: ignore[misc]  # before the guard's callback
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

@@ -28,6 +28,23 @@ def _bf16_values(state: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.detach().to(torch.bfloat16).float() if v.is_floating_point() else v) for k, v in state.items()}
 
 
+def rounding_trainer() -> Any:
+    """A fresh ``transformers.Trainer`` subclass, the lossy exporter: at its second save the model weights it writes
+    are rounded to bf16 values (a class per job: it counts its saves)."""
+    from transformers import Trainer
+
+    class RoundingTrainer(Trainer):  # type: ignore[misc]
+        saves = 0
+
+        def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+            RoundingTrainer.saves += 1
+            if RoundingTrainer.saves == 2:
+                state_dict = _bf16_values(self.model.state_dict())
+            super()._save(output_dir, state_dict)
+
+    return RoundingTrainer
+
+
 def _dataset(n: int = 64, seq: int = 8) -> Any:
     from lib_writers import VOCAB as WRITER_VOCAB
     from lib_writers import _token_dataset
@@ -61,16 +78,7 @@ def _hf_story(out: str) -> dict[str, Any]:
 
     from ckptaudit.integrations.transformers import AuditCallback
 
-    class RoundingTrainer(Trainer):
-        """The lossy exporter: at its second save the model weights it writes are rounded to bf16 values."""
-
-        saves = 0
-
-        def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
-            RoundingTrainer.saves += 1
-            if RoundingTrainer.saves == 2:
-                state_dict = _bf16_values(self.model.state_dict())
-            super()._save(output_dir, state_dict)
+    RoundingTrainer = rounding_trainer()
 
     def model() -> Any:
         torch.manual_seed(0)

@@ -382,6 +382,33 @@ def write_torchtitan(ctx: Any, out: str, steps: int) -> dict[str, Any]:
 # get_state_dict + DCP, one process: before the first step, and after real steps
 
 
+def _gpt_from_a_bf16_release() -> Any:
+    """A plain tiny GPT (seeded) whose fp32 weights are bf16-representable, as a bf16 release loaded into fp32."""
+    import torch
+
+    from ckptaudit.recipes.tinygpt import TinyGPT, plain_recipe
+
+    torch.manual_seed(0)
+    model = TinyGPT(plain_recipe.cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    return model
+
+
+def _train(model: Any, opt: Any, sched: Any, steps: int) -> None:
+    """``steps`` real steps of the tiny GPT on its synthetic tokens, the scheduler stepped after the optimizer."""
+    from ckptaudit.recipes.tinygpt import SyntheticTokens, lm_loss, plain_recipe
+
+    data = SyntheticTokens(plain_recipe.cfg, seed=0, rank=0, batch_size=4)
+    for _ in range(steps):
+        batch = data.next()
+        lm_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
 def _dcp_job(out: str, *, steps: int, export_rounded: bool, frozen: str | None) -> None:
     """A plain tiny GPT initialised from bf16-representable weights (a bf16 release loaded into fp32), AdamW,
     a LambdaLR warmup; ``steps`` real steps, then ``get_state_dict`` (which fills a fresh AdamW's state by its own
@@ -394,24 +421,12 @@ def _dcp_job(out: str, *, steps: int, export_rounded: bool, frozen: str | None) 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from ckptaudit.recipes.tinygpt import SyntheticTokens, TinyGPT, lm_loss, plain_recipe
-
-    torch.manual_seed(0)
-    model = TinyGPT(plain_recipe.cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.bfloat16().float())
+    model = _gpt_from_a_bf16_release()
     if frozen is not None:
         model.get_parameter(frozen).requires_grad_(False)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
-    data = SyntheticTokens(plain_recipe.cfg, seed=0, rank=0, batch_size=4)
-    for _ in range(steps):
-        batch = data.next()
-        lm_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+    _train(model, opt, sched, steps)
     model_sd, optim_sd = get_state_dict(model, opt)
     if export_rounded:
         model_sd = {k: v.bfloat16().float() for k, v in model_sd.items()}
@@ -438,13 +453,7 @@ def _finetune_lr0(out: str, *, steps: int = 2) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from ckptaudit.recipes.tinygpt import SyntheticTokens, TinyGPT, lm_loss, plain_recipe
-
-    torch.manual_seed(0)
-    model = TinyGPT(plain_recipe.cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.bfloat16().float())
+    model = _gpt_from_a_bf16_release()
     kept = [n for n, _ in model.named_parameters() if n.split(".")[0] in ("tok_emb", "pos_emb")
             or n.startswith("blocks.0.")]
     params = dict(model.named_parameters())
@@ -453,13 +462,7 @@ def _finetune_lr0(out: str, *, steps: int = 2) -> None:
                             weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     before = {n: params[n].detach().clone() for n in kept}
-    data = SyntheticTokens(plain_recipe.cfg, seed=0, rank=0, batch_size=4)
-    for _ in range(steps):
-        batch = data.next()
-        lm_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+    _train(model, opt, sched, steps)
     assert all(torch.equal(before[n], params[n]) for n in kept), "lr 0 changed a weight"
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "lr_scheduler": sched.state_dict(),
                 "trainer": {"global_step": steps}}, out + ".pt")
