@@ -36,8 +36,6 @@ from typing import Any
 
 from ckptaudit.launch import RankContext, launch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 
 def _hwm_mib() -> float:
     from common import proc_status

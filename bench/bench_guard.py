@@ -45,7 +45,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import proc_status
 from pairstats import Interval, abba_overheads, mean_ci, verdict
 

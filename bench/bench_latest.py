@@ -30,10 +30,7 @@ import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from bench_realistic import child_read, size_of, write  # noqa: E402
+from bench_realistic import child_read, size_of, write
 
 LEVELS = ("sizes", "hashes", "quick", "full")
 NAMES = {"torch.save": "step=1.ckpt", "dcp-1": "step-1"}
@@ -88,7 +85,7 @@ def round_copy(fmt: str, src: str, dst: str) -> None:
 
 def run(*argv: str) -> Any:
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *argv], capture_output=True,
-                         text=True, check=False, env={**os.environ, "PYTHONPATH": os.path.join(HERE, "..", "src")})
+                         text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-4000:])
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -34,8 +34,6 @@ import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(HERE, "..", "src")
 RENDERS = ("table", "verbose", "json", "html")
 
 
@@ -53,7 +51,6 @@ def write(path: str, tensors: int, rounded: bool) -> None:
 
 def child(path: str, out_dir: str) -> dict[str, Any]:
     """The audit, then each renderer on its report, timed in this process."""
-    sys.path.insert(0, SRC)
     from ckptaudit.auditing.judge import audit
     from ckptaudit.report import OutputFormat, render
 
@@ -90,7 +87,6 @@ CLI = {"table": [], "verbose": ["--verbose"], "json": ["--format", "json"], "htm
 def cli(path: str, flags: list[str], out_dir: str) -> float:
     """``ckptaudit audit PATH FLAGS`` as a whole process, its report written to a file: wall seconds."""
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    env["PYTHONPATH"] = SRC
     with open(os.path.join(out_dir, "cli.out"), "w") as out:
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "ckptaudit", "audit", path, *flags], env=env, stdout=out,

@@ -1,7 +1,7 @@
 """Before and after on a shared machine: the realistic audit of two source trees, alternated in fresh child
 processes, with a 2-thread read of the same bytes in every round.
 
-    git archive 234cbd1 src | (mkdir -p scratch/before && tar -x -C scratch/before)
+    git archive REV src | (mkdir -p scratch/before && tar -x -C scratch/before)   # REV: the code before the change
     .venv/bin/python bench/bench_pairs.py --before scratch/before/src --scale 0.5 --format torch.save --dir scratch
     .venv/bin/python bench/bench_pairs.py --before scratch/before/src --scale 0.5 --format safetensors --dir scratch
 

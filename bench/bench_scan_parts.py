@@ -45,8 +45,10 @@ import time
 from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv[:-1] else os.path.join(HERE, "..", "src")
-sys.path.insert(0, _SRC)
+# --src measures another source tree (the code before a change): put first, before the installed package.
+_SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv[:-1] else None
+if _SRC:
+    sys.path.insert(0, _SRC)
 
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402

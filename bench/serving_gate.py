@@ -1,6 +1,6 @@
 """What the serving quality gate measures for sound and for broken exports: the figures behind its default limits.
 
-    PYTHONPATH=src python bench/serving_gate.py [--steps 6 300] [--device cpu]
+    .venv/bin/python bench/serving_gate.py [--steps 6 300] [--device cpu]
 
 For each model (the built-in tiny GPT, and a wider one, each trained for a few and for many steps in one process,
 fp32) it exports the weights every way below and prints the gate's metrics and verdict:

@@ -140,7 +140,7 @@ def test_schema_1_x_is_additive_older_reports_still_validate(tmp_path: Path) -> 
 
 
 def test_the_garbage_collector_is_left_as_the_caller_had_it(tmp_path: Path) -> None:
-    """The open pauses Python's cyclic collector (docs/performance.md); the caller's process gets it back as it
+    """The open pauses Python's cyclic collector (bench/README.md); the caller's process gets it back as it
     was: on after an audit or a compare, off where the caller had switched it off, on after an open that failed,
     and paused during the open itself."""
     import gc

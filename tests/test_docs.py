@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,33 @@ def test_links_lead_somewhere(path: Path) -> None:
         if not target.exists() and target.parent == DOCS and target.name in WRITTEN_ELSEWHERE:
             target = DOCS / WRITTEN_ELSEWHERE[target.name]
         assert target.exists(), f"{path.relative_to(ROOT)} links {link}, which does not exist"
+
+
+BENCH_PAGES = (ROOT / "bench" / "README.md", DOCS / "performance.md")
+_SCRIPT_COMMAND = re.compile(r"\.venv/bin/python ((?:bench|tests)/[\w/.-]+\.py)([^`#|\n]*)")
+
+
+def _script_commands(page: Path) -> list[tuple[str, list[str]]]:
+    """Every ``.venv/bin/python bench/... .py ARGS`` (or ``tests/...``) a page names: the script and its options."""
+    return [(m[1], re.findall(r"(?<![\w-])--[\w-]+", m[2])) for m in _SCRIPT_COMMAND.finditer(page.read_text())]
+
+
+@pytest.mark.parametrize("page", BENCH_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_benchmark_command_names_a_script_and_options_it_has(page: Path) -> None:
+    """The figures' pages tell how to rerun them: each command they give must name a script of this checkout, and
+    each option it passes must be one the script's ``--help`` lists (a renamed script or flag breaks the page)."""
+    commands = _script_commands(page)
+    assert commands, f"{page.relative_to(ROOT)} names no command to rerun its figures"
+    helps: dict[str, str] = {}
+    for script, options in commands:
+        assert (ROOT / script).is_file(), f"{page.relative_to(ROOT)} runs {script}, which does not exist"
+        if options and script not in helps:
+            proc = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=300, check=False)
+            assert proc.returncode == 0, f"{script} --help failed:\n{proc.stderr[-2000:]}"
+            helps[script] = proc.stdout
+        missing = [o for o in options if o not in helps.get(script, "")]
+        assert not missing, f"{page.relative_to(ROOT)} runs {script} with {missing}, which its --help does not list"
 
 
 def test_every_page_is_reachable_from_the_index() -> None:

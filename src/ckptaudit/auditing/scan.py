@@ -98,7 +98,7 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
     """Scan the tensors ``plan.items[i]`` for ``i`` in ``indices`` on ``jobs`` threads.
 
     Each tensor is streamed in order by one thread (its hash is the sequential xxh3-128 of its bytes, whatever
-    ``jobs``); one thread reads in the checkpoint's order. Several share two queues (docs/performance.md, "Two
+    ``jobs``); one thread reads in the checkpoint's order. Several share two queues (bench/README.md, "Two
     threads"): the large tensors, largest first (no thread left alone with a big one at the end), and batches of
     small ones (:data:`BATCH_BYTES`); the first thread takes batches first, the others large tensors first, each
     turning to the other queue when its own is empty. Memory: one chunk buffer per thread. ``progress`` is

@@ -118,7 +118,7 @@ def gc_paused() -> Iterator[None]:
     An open allocates a million small objects that all stay alive (the DCP ``.metadata`` of an 8-rank save:
     records for 7301 items) and creates no garbage cycles to speak of, so every collection the allocations
     trigger walks a growing heap for nothing: 100-250 ms of the 0.6-0.9 s that open took
-    (docs/performance.md). The collector is switched back on afterwards if it was on before; a thread that runs
+    (bench/README.md, "The collector paused"). The collector is switched back on afterwards if it was on before; a thread that runs
     meanwhile only sees collections come later. Memory stays bounded by the readers' own limits, as the
     objects are live until the open returns anyway.
     """

@@ -2,7 +2,7 @@
 
 Hashing a chunk where it lies in the page cache (a memory map) instead of copying it into a buffer first
 (``os.preadv``) lets the scan keep up with the disk cache: 1.3-1.6x the chunks per second on two cores
-(docs/performance.md). A plain map is unsafe for a checker: if another process truncates the file while a
+(bench/README.md, "Hashing where the bytes lie"). A plain map is unsafe for a checker: if another process truncates the file while a
 thread reads its mapped pages, the read raises ``SIGBUS`` and the process dies (no finding, no report), and an
 I/O error on a page does the same where ``pread`` would return ``EIO``.
 
