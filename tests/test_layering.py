@@ -151,3 +151,48 @@ def test_an_upward_arrow_is_caught(tmp_path: Path, importer: str, imported: str)
     target.write_text(target.read_text() + "\n" + imported + "\n")
     bad = upward_arrows(tmp_path / "src")
     assert len(bad) == 1 and f"src/ckptaudit/{importer}:" in bad[0] and "runs upward" in bad[0], bad
+
+
+def private_imports(root: Path = SRC) -> list[str]:
+    """Every import under ``root/ckptaudit`` of another module's underscore name (``from x import _name``, or a module
+    ``_name`` itself): a name a sibling uses is that module's API and carries no underscore."""
+    bad = []
+    for path in sorted((root / "ckptaudit").rglob("*.py")):
+        importer = _module_name(path, root)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "ckptaudit"]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module.split(".")[0] != "ckptaudit":
+                    continue
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for dotted in names:
+                private = [p for p in dotted.split(".") if p.startswith("_") and not p.startswith("__")]
+                if private and dotted.rsplit(".", 1)[0] != importer:
+                    bad.append(f"{where}: {importer} imports {dotted}; {private[0]} is used outside its module, so "
+                               "it is that module's API: name it without the underscore")
+    return bad
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    assert private_imports() == []
+
+
+@pytest.mark.parametrize(("importer", "imported"), [
+    ("formats/pickle/walk.py", "from ckptaudit.formats.pickle.ops import _Const"),
+    ("checks/precision.py", "def f():\n    from ckptaudit.formats.dcp.reader import _lists"),
+    ("integrations/guard.py", "import ckptaudit.integrations._hidden"),
+])
+def test_a_private_import_is_caught(tmp_path: Path, importer: str, imported: str) -> None:
+    """The checker itself: a private import planted in a copy of the package is named with its line."""
+    import shutil
+
+    copy = tmp_path / "src" / "ckptaudit"
+    shutil.copytree(PACKAGE, copy)
+    target = copy / importer
+    target.write_text(target.read_text() + "\n" + imported + "\n")
+    bad = private_imports(tmp_path / "src")
+    assert len(bad) == 1 and f"src/ckptaudit/{importer}:" in bad[0] and "without the underscore" in bad[0], bad

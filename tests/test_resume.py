@@ -17,7 +17,7 @@ from ckptaudit.cli import main
 from ckptaudit.findings import Report
 from ckptaudit.formats.torchload import safe_torch_load
 from ckptaudit.report import OutputFormat, render
-from ckptaudit.resume import COMPONENTS, ResumeConfig, Trajectory, _judge, run_resume_test, thresholds
+from ckptaudit.resume import COMPONENTS, ResumeConfig, Trajectory, judge_resume, run_resume_test, thresholds
 
 pytestmark = pytest.mark.dist
 
@@ -297,7 +297,7 @@ def test_the_margin_scales_the_floor_step_by_step(margin: float, verdict: str) -
     state = {c: {"k": "v"} for c in COMPONENTS}
     run = {"traj": cand, "fresh": state, "restored": state, "loader": "load", "control": ""}
     cfg = ResumeConfig(margin=margin)
-    report = _judge(cfg, "/nonexistent", base, {**run, "traj": ref}, {**run, "traj": control, "control": "x"},
+    report = judge_resume(cfg, "/nonexistent", base, {**run, "traj": ref}, {**run, "traj": control, "control": "x"},
                     [(0, run, "", "")])
     assert report.extra["resume"]["threshold"] == pytest.approx(thresholds([0.0, 1e-4, 2e-4], margin, 1e-6))
     c = report.extra["resume"]["candidates"][0]
@@ -315,7 +315,7 @@ def test_a_reference_that_does_not_restore_exactly_gives_no_power() -> None:
     control = _traj([1.0 + 1e-1] * 3, [2.0, 2.0])  # 10^4 x the floor
     state = {c: {"k": "v"} for c in COMPONENTS}
     run = {"traj": cand, "fresh": state, "restored": state, "loader": "load", "control": ""}
-    report = _judge(ResumeConfig(), "/nonexistent", base, {**run, "traj": ref}, {**run, "traj": control, "control": "x"},
+    report = judge_resume(ResumeConfig(), "/nonexistent", base, {**run, "traj": ref}, {**run, "traj": control, "control": "x"},
                     [(0, run, "", "")])
     doc = report.extra["resume"]
     assert doc["floor"][0] > 0 and not doc["power"]

@@ -36,7 +36,7 @@ def _keys(keys: list[str]) -> str:
     return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
-def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any], control: dict[str, Any],
+def judge_resume(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any], control: dict[str, Any],
            candidates: list[tuple[int, Any, str, str]], *, saved: dict[str, dict[str, str]] | None = None,
            after: dict[str, dict[str, str]] | None = None) -> Report:
     """The verdicts. ``saved`` and ``after`` are the training run's state right after the save and after the

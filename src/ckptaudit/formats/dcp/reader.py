@@ -87,7 +87,7 @@ class UnsafeCheckpointError(Exception):
 def _metadata_problem(root: str) -> tuple[str, str, bytes | None]:
     """Read ``root/.metadata`` safely: ``(code, message, None)`` on failure, ``("", "", data)`` on success."""
     meta_path = os.path.join(root, METADATA)
-    escape = _path_problem(root, METADATA)
+    escape = path_problem(root, METADATA)
     if escape is not None:
         return ("integrity.path-escape",
                 f"{METADATA} is a link leading outside the directory (to {os.path.realpath(meta_path)}); not read",
@@ -175,7 +175,7 @@ def check_metadata_safe(path: str) -> DcpMetadata:
         if isinstance(where, str):
             raise UnsafeCheckpointError(f"{meta_path}: item {item}: {where}")
         rel, offset, length = where
-        escape = _path_problem(path, rel)
+        escape = path_problem(path, rel)
         if escape is not None:
             raise UnsafeCheckpointError(f"{meta_path} {escape} (item {item})")
         full = os.path.join(path, rel)
@@ -218,7 +218,7 @@ def check_metadata_safe(path: str) -> DcpMetadata:
     return md
 
 
-def _path_problem(root: str, rel: Any) -> str | None:
+def path_problem(root: str, rel: Any) -> str | None:
     if not isinstance(rel, str) or not rel:
         return f"names a data file {rel!r} that is not a relative path"
     if "\x00" in rel:
@@ -305,10 +305,10 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
         rel, offset, length = where
         if type(rel) is str:
             if rel not in path_problems:
-                path_problems[rel] = _path_problem(path, rel)
+                path_problems[rel] = path_problem(path, rel)
             problem_path = path_problems[rel]
         else:
-            problem_path = _path_problem(path, rel)
+            problem_path = path_problem(path, rel)
         if problem_path:
             findings.append(
                 finding("integrity.path-escape", meta_subject, f"{METADATA} {problem_path} (item {fqn}); not read",
