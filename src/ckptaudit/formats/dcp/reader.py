@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -47,7 +47,10 @@ from ckptaudit.formats.pickle.scan import (
 )
 from ckptaudit.formats.zip.archive import TorchZipError, TorchZipFiles, read_torch_zip
 
-__all__ = ["DcpRead", "UnsafeCheckpointError", "check_metadata_safe", "is_dcp_dir", "read_dcp"]
+if TYPE_CHECKING:
+    from ckptaudit.formats.contract import Reading
+
+__all__ = ["DcpRead", "UnsafeCheckpointError", "check_metadata_safe", "is_dcp_dir", "read_dcp", "read_into"]
 
 METADATA = ".metadata"
 MAX_BYTES_ITEM = 64 << 20
@@ -547,3 +550,28 @@ def _lists(node: Any) -> Any:
             return [converted[i] for i in range(len(keys))]
         return converted
     return node
+
+
+EXTRAS = ("manifest.json", "ckptaudit.json", "metadata.json", "common.pt")
+"""The files read beside a DCP checkpoint's items: our manifest; Megatron-Core's metadata.json (backends) and
+common.pt (its unsharded state)."""
+
+
+def read_into(path: str, name: str, reading: Reading) -> None:
+    """The DCP directory reader (:mod:`ckptaudit.formats.contract`): ``path`` read into ``reading``; the checkpoint
+    itself (``name`` empty) with the files of :data:`EXTRAS` beside it."""
+    read = read_dcp(path, name) if name else read_dcp(path)
+    reading.findings.extend(read.findings)
+    reading.files.update(read.files)
+    if read.digest is not None:
+        reading.digests[os.path.join(name, METADATA) if name else METADATA] = read.digest
+    if read.part is not None:
+        reading.parts.append(read.part)
+    if name:
+        return
+    for extra in EXTRAS:
+        extra_path = os.path.join(path, extra)
+        if os.path.lexists(extra_path):
+            part = reading.read_entry(extra_path, extra)
+            if part is not None:
+                reading.parts.append(part)

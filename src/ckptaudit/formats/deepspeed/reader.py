@@ -39,18 +39,18 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import Finding, text
 from ckptaudit.formats.base import Part, Unreadable
 from ckptaudit.formats.deepspeed.zero import (
-    add_optimizer,
-    count_empty,
     ZeroLayoutError,
     ZeroLimitError,
-    shape_of,
+    add_optimizer,
+    count_empty,
     part_tree,
+    shape_of,
     zero3,
     zero3_frozen,
     zero12,
@@ -58,11 +58,16 @@ from ckptaudit.formats.deepspeed.zero import (
 )
 from ckptaudit.formats.io.tensors import TensorData
 
+if TYPE_CHECKING:
+    from ckptaudit.formats.contract import Reading
+
 __all__ = [
     "DeepSpeedRead",
     "is_deepspeed_root",
     "is_deepspeed_step_dir",
     "read_deepspeed",
+    "read_into",
+    "recognises",
     "resolve_tag",
     "step_of",
 ]
@@ -450,3 +455,25 @@ def _zero(mp: int, name_prefix: str, prefix: str, stage: int, rank0: dict[str, A
         return
     tree["deepspeed"]["masters_where"] = (f"{prefix}*zero_pp_rank_*_mp_rank_{mp:02d}_optim_states.pt "
                                           f"({world} ranks' flat partitions)")
+
+
+def recognises(path: str) -> bool:
+    """A DeepSpeed tag folder, or the root ``save_checkpoint`` wrote."""
+    return is_deepspeed_step_dir(path) or is_deepspeed_root(path)
+
+
+def read_into(path: str, name: str, reading: Reading) -> None:
+    """The DeepSpeed directory reader (:mod:`ckptaudit.formats.contract`): a tag folder, or the root
+    ``save_checkpoint`` wrote (its ``latest`` tag resolved), read into ``reading`` as one ``deepspeed`` part."""
+    step_dir, prefix = path, ""
+    if not is_deepspeed_step_dir(path):
+        tag, notes = resolve_tag(path)
+        reading.findings.extend(notes)
+        for extra in (TAG_FILE, CONVERTER):
+            if os.path.isfile(os.path.join(path, extra)):  # recorded, never executed
+                reading.files[extra] = os.path.getsize(os.path.join(path, extra))
+        assert tag is not None  # is_deepspeed_root: at least one tag folder
+        step_dir, prefix = os.path.join(path, tag), tag + "/"
+    read = read_deepspeed(step_dir, prefix, reading.read_entry)
+    reading.findings.extend(read.findings)
+    reading.parts.append(read.part)
