@@ -83,7 +83,7 @@ def test_plain_number_step_counters_past_float_and_str_are_a_finding_not_a_trace
 
 
 def test_megatron_iteration_past_the_int_to_string_limit_is_spelled_not_raised() -> None:
-    from ckptaudit.layouts.megatron import _megatron_data_detail
+    from ckptaudit.layouts.megatron.layout import _megatron_data_detail
 
     huge = 10**5000
     assert "<integer of about 5001 digits>" in _megatron_data_detail({"iteration": huge,
