@@ -134,23 +134,15 @@ def test_the_architecture_page_names_the_same_tiers() -> None:
         assert listed == set(TIERS[name]), name
 
 
-@pytest.mark.parametrize(("importer", "imported"), [
-    ("checks/manifest.py", "from ckptaudit.store import durable"),
-    ("formats/io/tensors.py", "from ckptaudit.checks.precision import check_precision"),
-    ("findings.py", "import ckptaudit.catalogue"),
-    ("report/table.py", "from ckptaudit import cli"),
-    ("checks/precision.py", "def f():\n    from ckptaudit.report import json"),
-])
-def test_an_upward_arrow_is_caught(tmp_path: Path, importer: str, imported: str) -> None:
-    """The checker itself: each upward import, planted in a copy of the package, is named with its line."""
+def _planted(tmp_path: Path, importer: str, imported: str) -> Path:
+    """A copy of the package under ``tmp_path/src`` with ``imported`` appended to its module ``importer``."""
     import shutil
 
     copy = tmp_path / "src" / "ckptaudit"
     shutil.copytree(PACKAGE, copy)
     target = copy / importer
     target.write_text(target.read_text() + "\n" + imported + "\n")
-    bad = upward_arrows(tmp_path / "src")
-    assert len(bad) == 1 and f"src/ckptaudit/{importer}:" in bad[0] and "runs upward" in bad[0], bad
+    return tmp_path / "src"
 
 
 def private_imports(root: Path = SRC) -> list[str]:
@@ -174,6 +166,7 @@ def private_imports(root: Path = SRC) -> list[str]:
                 if private and dotted.rsplit(".", 1)[0] != importer:
                     bad.append(f"{where}: {importer} imports {dotted}; {private[0]} is used outside its module, so "
                                "it is that module's API: name it without the underscore")
+                    break  # one line a statement
     return bad
 
 
@@ -181,18 +174,20 @@ def test_no_module_imports_a_private_name_of_another() -> None:
     assert private_imports() == []
 
 
-@pytest.mark.parametrize(("importer", "imported"), [
-    ("formats/pickle/walk.py", "from ckptaudit.formats.pickle.ops import _Const"),
-    ("checks/precision.py", "def f():\n    from ckptaudit.formats.dcp.reader import _lists"),
-    ("integrations/guard.py", "import ckptaudit.integrations._hidden"),
+@pytest.mark.parametrize(("checker", "importer", "imported", "says"), [
+    ("upward", "checks/manifest.py", "from ckptaudit.store import durable", "runs upward"),
+    ("upward", "formats/io/tensors.py", "from ckptaudit.checks.precision import check_precision", "runs upward"),
+    ("upward", "findings.py", "import ckptaudit.catalogue", "runs upward"),
+    ("upward", "report/table.py", "from ckptaudit import cli", "runs upward"),
+    ("upward", "checks/precision.py", "def f():\n    from ckptaudit.report import json", "runs upward"),
+    ("private", "formats/pickle/walk.py", "from ckptaudit.formats.pickle.ops import _Const", "without the underscore"),
+    ("private", "checks/precision.py", "def f():\n    from ckptaudit.formats.dcp.reader import _lists",
+     "without the underscore"),
+    ("private", "integrations/guard.py", "import ckptaudit.integrations._hidden", "without the underscore"),
+    ("private", "integrations/store.py", "from ckptaudit.integrations._hidden import x", "without the underscore"),
 ])
-def test_a_private_import_is_caught(tmp_path: Path, importer: str, imported: str) -> None:
-    """The checker itself: a private import planted in a copy of the package is named with its line."""
-    import shutil
-
-    copy = tmp_path / "src" / "ckptaudit"
-    shutil.copytree(PACKAGE, copy)
-    target = copy / importer
-    target.write_text(target.read_text() + "\n" + imported + "\n")
-    bad = private_imports(tmp_path / "src")
-    assert len(bad) == 1 and f"src/ckptaudit/{importer}:" in bad[0] and "without the underscore" in bad[0], bad
+def test_a_planted_import_is_caught(tmp_path: Path, checker: str, importer: str, imported: str, says: str) -> None:
+    """The checkers themselves: each upward or private import, planted in a copy of the package, is named once,
+    with its line."""
+    bad = {"upward": upward_arrows, "private": private_imports}[checker](_planted(tmp_path, importer, imported))
+    assert len(bad) == 1 and f"src/ckptaudit/{importer}:" in bad[0] and says in bad[0], bad

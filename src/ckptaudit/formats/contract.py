@@ -33,14 +33,38 @@ import os
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:  # the container packages import this module as they register: it imports none of them
     from ckptaudit.findings import Finding
     from ckptaudit.formats.base import Part
 
-__all__ = ["DirectoryReader", "FileReader", "Probe", "Reading", "directory_readers", "file_readers", "register",
-           "resolve"]
+__all__ = [
+    "READERS",
+    "DirectoryReader",
+    "FileReader",
+    "Probe",
+    "Reading",
+    "Registry",
+    "directory_readers",
+    "file_readers",
+    "register",
+    "resolve",
+]
+
+
+
+class Entry(Protocol):
+    """What a registry holds: a name and a place in the order."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def order(self) -> int: ...
+
+
+E = TypeVar("E", bound=Entry)
 
 HEAD_BYTES = 512
 """How much of a file's start a :class:`Probe` reads once: a tar header block, the longest magic any reader needs."""
@@ -122,47 +146,60 @@ class DirectoryReader:
     nested: bool = False
 
 
-_FILE: dict[str, FileReader] = {}
-_DIRECTORY: dict[str, DirectoryReader] = {}
-_discovered = False
+class Registry:
+    """Entries (anything with a ``name`` and an ``order``) registered, by kind (their class), by the modules of
+    ``package`` as they are imported; :meth:`ordered` imports them all once (``packages_only``: only its
+    sub-packages, whose ``__init__`` registers what their heavier modules implement) and lists one kind's entries
+    in precedence order. One name, one entry; one place, one entry: precedence is never left to the order of
+    discovery."""
+
+    def __init__(self, what: str, package: str, *, packages_only: bool) -> None:
+        self.what, self.package, self.packages_only = what, package, packages_only
+        self._entries: dict[type, dict[str, Entry]] = {}
+        self._discovered = False
+
+    def register(self, entry: Entry) -> None:
+        """Add ``entry`` (again: a no-op)."""
+        table = self._entries.setdefault(type(entry), {})
+        known = table.get(entry.name)
+        if known is not None and known != entry:
+            raise ValueError(f"two {self.what}s are named {entry.name!r}: {known} and {entry}; give the new one its "
+                             "own name")
+        clash = [n for n, e in table.items() if e.order == entry.order and n != entry.name]
+        if clash:
+            raise ValueError(f"{self.what} {entry.name!r} has order {entry.order}, as {clash[0]!r} has: the order is "
+                             f"the {self.what}s' precedence, so two may not share it; give it its own place")
+        table[entry.name] = entry
+
+    def ordered(self, kind: type[E]) -> list[E]:
+        """Every entry of ``kind``, in precedence order (the package's modules imported first, once)."""
+        if not self._discovered:
+            package = importlib.import_module(self.package)
+            for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+                if info.ispkg or not self.packages_only:
+                    importlib.import_module(f"{self.package}.{info.name}")
+            self._discovered = True
+        entries = [e for e in self._entries.get(kind, {}).values() if isinstance(e, kind)]
+        return sorted(entries, key=lambda e: e.order)
+
+
+READERS = Registry("reader", "ckptaudit.formats", packages_only=True)
+"""The readers: :class:`FileReader` and :class:`DirectoryReader` entries, registered by the container packages."""
 
 
 def register(reader: FileReader | DirectoryReader) -> None:
     """Add ``reader`` to the registry (again: a no-op). Called by a container package's ``__init__.py``."""
-    table: dict[str, Any] = _FILE if isinstance(reader, FileReader) else _DIRECTORY
-    known = table.get(reader.name)
-    if known is not None and known != reader:
-        raise ValueError(f"two readers are named {reader.name!r}: {known} and {reader}; give the new one its own name")
-    clash = [r.name for r in table.values() if r.order == reader.order and r.name != reader.name]
-    if clash:
-        raise ValueError(f"reader {reader.name!r} has order {reader.order}, as {clash[0]!r} has: the order is the "
-                         "readers' precedence, so two readers may not share it; give it its own place")
-    table[reader.name] = reader
-
-
-def _discover() -> None:
-    """Import every sub-package of :mod:`ckptaudit.formats` once: their ``__init__``\\ s register the readers."""
-    global _discovered
-    if _discovered:
-        return
-    import ckptaudit.formats as package
-
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-        if info.ispkg:
-            importlib.import_module(f"{package.__name__}.{info.name}")
-    _discovered = True
+    READERS.register(reader)
 
 
 def file_readers() -> list[FileReader]:
     """The registered file readers, in precedence order."""
-    _discover()
-    return sorted(_FILE.values(), key=lambda r: r.order)
+    return READERS.ordered(FileReader)
 
 
 def directory_readers() -> list[DirectoryReader]:
     """The registered directory readers, in precedence order."""
-    _discover()
-    return sorted(_DIRECTORY.values(), key=lambda r: r.order)
+    return READERS.ordered(DirectoryReader)
 
 
 def resolve(spec: str) -> Callable[..., Any]:

@@ -20,18 +20,18 @@ precedence: two rules of one kind may not share it.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ckptaudit.formats.contract import Registry
 
 if TYPE_CHECKING:  # the layout modules import this one as they register
     from ckptaudit.findings import ComponentKind
     from ckptaudit.formats.base import Checkpoint, Part
     from ckptaudit.layouts.view import View
 
-__all__ = ["CheckpointRule", "Context", "PartRule", "checkpoint_rules", "part_rules", "register"]
+__all__ = ["RULES", "CheckpointRule", "Context", "PartRule", "checkpoint_rules", "part_rules", "register"]
 
 
 @dataclass(frozen=True)
@@ -70,43 +70,16 @@ class PartRule:
     read: str
 
 
-_CHECKPOINT: dict[str, CheckpointRule] = {}
-_PART: dict[str, PartRule] = {}
-_discovered = False
-
-
-def register(rule: CheckpointRule | PartRule) -> None:
-    """Add ``rule`` to the registry (again: a no-op). Called by a layout module at import."""
-    table: dict[str, Any] = _CHECKPOINT if isinstance(rule, CheckpointRule) else _PART
-    known = table.get(rule.name)
-    if known is not None and known != rule:
-        raise ValueError(f"two layout rules are named {rule.name!r}: {known} and {rule}; give the new one its own name")
-    clash = [r.name for r in table.values() if r.order == rule.order and r.name != rule.name]
-    if clash:
-        raise ValueError(f"layout rule {rule.name!r} has order {rule.order}, as {clash[0]!r} has: the order is the "
-                         "rules' precedence, so two rules may not share it; give it its own place")
-    table[rule.name] = rule
-
-
-def _discover() -> None:
-    """Import every module and sub-package of :mod:`ckptaudit.layouts` once: they register the rules."""
-    global _discovered
-    if _discovered:
-        return
-    import ckptaudit.layouts as package
-
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-        importlib.import_module(f"{package.__name__}.{info.name}")
-    _discovered = True
+RULES = Registry("layout rule", "ckptaudit.layouts", packages_only=False)
+"""The layout rules: :class:`CheckpointRule` and :class:`PartRule` entries, registered by the layout modules."""
+register = RULES.register
 
 
 def checkpoint_rules() -> list[CheckpointRule]:
     """The registered whole-checkpoint rules, in precedence order."""
-    _discover()
-    return sorted(_CHECKPOINT.values(), key=lambda r: r.order)
+    return RULES.ordered(CheckpointRule)
 
 
 def part_rules() -> list[PartRule]:
     """The registered part rules, in precedence order."""
-    _discover()
-    return sorted(_PART.values(), key=lambda r: r.order)
+    return RULES.ordered(PartRule)
