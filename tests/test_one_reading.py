@@ -377,12 +377,12 @@ def s3_env() -> Iterator[Any]:
 
 
 def test_the_prefixed_dcp_item_is_refused_behind_s3_too(dcp_dir: Path, tmp_path: Path, s3_env: Any) -> None:
-    from ckptaudit.auditing.judge import audit
+    from ckptaudit.auditing.judge import run_audit
 
     evil = tmp_path / "evil"
     _rewrite_item(dcp_dir, evil, "step", payload(tmp_path / "never") + _item_bytes(dcp_dir, "step"))
     s3_env.put(str(evil), "ckpts/evil", recursive=True)
-    report = audit("s3://ckpts/evil")
+    report = run_audit("s3://ckpts/evil")
     assert any(f.code == "security.unsafe-pickle" and f.subject == "step" for f in report.findings), report.findings
 
 

@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from ckptaudit.findings import Report
+from ckptaudit.findings import RawReport
 from ckptaudit.launch import DistributedError, fast, launch
 from ckptaudit.resume.config import PhaseFailed, ResumeConfig, ResumeError
 from ckptaudit.resume.judge import judge_resume
@@ -62,7 +62,7 @@ def _export_crash(spec: str, failures: list[Any], timeout_s: float) -> Any:
     return UserFailure(spec, rule, error, more, detail)
 
 
-def run_resume_test(cfg: ResumeConfig, *, log: Callable[[str], None] | None = None) -> Report:
+def run_resume_test(cfg: ResumeConfig, *, log: Callable[[str], None] | None = None) -> RawReport:
     """Run the phases and judge every candidate.
 
     Phases, each a fresh set of processes: train (the recipe and the documented save only), the reference's
