@@ -107,13 +107,13 @@ def test_the_layout_rules_are_asked_in_their_order() -> None:
     record, ignored), a safetensors header's metadata is kept, DeepSpeed's part is taken whole, a component file is
     that component, and only then are a dict's keys read. A rule registered out of order, or given another's place,
     fails here."""
-    from ckptaudit.layouts.rules import PartRule, checkpoint_rules, part_rules, register
+    from ckptaudit.layouts.rules import PartRule, checkpoint_rules, part_rules, register_rule
 
     assert [r.name for r in checkpoint_rules()] == ["megatron"]
     assert [r.name for r in part_rules()] == ["named-files", "safetensors-metadata", "deepspeed", "component-files",
                                               "keyed"]
     with pytest.raises(ValueError, match="as 'keyed' has"):
-        register(PartRule("other", order=90, applies=lambda part, ctx: True, read="x:y"))
+        register_rule(PartRule("other", order=90, applies=lambda part, ctx: True, read="x:y"))
 
 
 def test_a_file_named_for_a_component_is_that_component_whatever_its_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]

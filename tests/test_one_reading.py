@@ -405,13 +405,13 @@ def test_the_readers_are_asked_in_the_consumers_order() -> None:
 def test_two_readers_cannot_share_a_place() -> None:
     """Precedence is never left to the order of discovery: a reader given another's place, or another's name, is
     refused when it registers."""
-    from ckptaudit.formats.contract import FileReader, file_readers, register
+    from ckptaudit.formats.contract import FileReader, file_readers, register_reader
 
     zip_order = next(r.order for r in file_readers() if r.name == "torch.save")
     with pytest.raises(ValueError, match=r"order 40, as 'torch.save' has"):
-        register(FileReader("other", order=zip_order, recognises=lambda probe: True, read="x:y"))
+        register_reader(FileReader("other", order=zip_order, recognises=lambda probe: True, read="x:y"))
     with pytest.raises(ValueError, match="two readers are named 'pickle'"):
-        register(FileReader("pickle", order=999, recognises=lambda probe: True, read="x:y"))
+        register_reader(FileReader("pickle", order=999, recognises=lambda probe: True, read="x:y"))
     assert "other" not in [r.name for r in file_readers()]
 
 

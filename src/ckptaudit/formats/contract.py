@@ -1,7 +1,7 @@
 """The reader contract: what a reader declares, what it must guarantee, and the registry that orders them.
 
 A reader is a :class:`FileReader` (one file of a checkpoint) or a :class:`DirectoryReader` (a directory that is one
-checkpoint, e.g. DCP or DeepSpeed), registered with :func:`register` by its container package's ``__init__.py``
+checkpoint, e.g. DCP or DeepSpeed), registered with :func:`register_reader` by its container package's ``__init__.py``
 (``formats/zip/__init__.py``, ``formats/dcp/__init__.py``, ...). :mod:`ckptaudit.formats.opening` asks the
 registered readers in ``order`` and hands the path to the first that recognises it: adding a format is one new
 sub-package of :mod:`ckptaudit.formats` registering its reader, with no edit to the dispatcher.
@@ -17,7 +17,7 @@ Every reader guarantees:
 - **one reading**: what it accepts is what the consumer (torch, DCP, safetensors) reads from the same bytes; where
   the readings could part, it refuses.
 
-``recognises`` is cheap: it looks at the name, the size and the first bytes (:class:`Probe`), imports neither torch
+``recognises`` is cheap: it looks at the name, the size and the first bytes (:class:`FileHead`), imports neither torch
 nor its reader's module; ``read`` names the reader's function as ``"module:function"``, imported only when the
 reader applies, so that auditing a small file starts fast.
 
@@ -42,19 +42,19 @@ if TYPE_CHECKING:  # the container packages import this module as they register:
 __all__ = [
     "READERS",
     "DirectoryReader",
+    "FileHead",
     "FileReader",
-    "Probe",
     "Reading",
     "Registry",
     "directory_readers",
     "file_readers",
-    "register",
-    "resolve",
+    "load_function",
+    "register_reader",
 ]
 
 
 
-class Entry(Protocol):
+class Registered(Protocol):
     """What a registry holds: a name and a place in the order."""
 
     @property
@@ -64,13 +64,13 @@ class Entry(Protocol):
     def order(self) -> int: ...
 
 
-E = TypeVar("E", bound=Entry)
+E = TypeVar("E", bound=Registered)
 
 HEAD_BYTES = 512
-"""How much of a file's start a :class:`Probe` reads once: a tar header block, the longest magic any reader needs."""
+"""How much of a file's start a :class:`FileHead` reads once: a tar header block, the longest magic any reader needs."""
 
 
-class Probe:
+class FileHead:
     """One regular file as the file readers' ``recognises`` see it: its path and name, and (read once, lazily, on
     the first question) its size and first :data:`HEAD_BYTES` bytes."""
 
@@ -128,7 +128,7 @@ class FileReader:
 
     name: str
     order: int
-    recognises: Callable[[Probe], bool]
+    recognises: Callable[[FileHead], bool]
     read: str
     claims: tuple[str, ...] = ()
 
@@ -155,10 +155,10 @@ class Registry:
 
     def __init__(self, what: str, package: str, *, packages_only: bool) -> None:
         self.what, self.package, self.packages_only = what, package, packages_only
-        self._entries: dict[type, dict[str, Entry]] = {}
+        self._entries: dict[type, dict[str, Registered]] = {}
         self._discovered = False
 
-    def register(self, entry: Entry) -> None:
+    def register(self, entry: Registered) -> None:
         """Add ``entry`` (again: a no-op)."""
         table = self._entries.setdefault(type(entry), {})
         known = table.get(entry.name)
@@ -187,7 +187,7 @@ READERS = Registry("reader", "ckptaudit.formats", packages_only=True)
 """The readers: :class:`FileReader` and :class:`DirectoryReader` entries, registered by the container packages."""
 
 
-def register(reader: FileReader | DirectoryReader) -> None:
+def register_reader(reader: FileReader | DirectoryReader) -> None:
     """Add ``reader`` to the registry (again: a no-op). Called by a container package's ``__init__.py``."""
     READERS.register(reader)
 
@@ -202,7 +202,7 @@ def directory_readers() -> list[DirectoryReader]:
     return READERS.ordered(DirectoryReader)
 
 
-def resolve(spec: str) -> Callable[..., Any]:
+def load_function(spec: str) -> Callable[..., Any]:
     """The function ``"module:function"`` names, its module imported now."""
     module, _, attr = spec.partition(":")
     fn: Callable[..., Any] = getattr(importlib.import_module(module), attr)

@@ -13,7 +13,7 @@ import stat
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import Finding
 from ckptaudit.formats.base import Checkpoint, Part
-from ckptaudit.formats.contract import Probe, Reading, directory_readers, file_readers, resolve
+from ckptaudit.formats.contract import FileHead, Reading, directory_readers, file_readers, load_function
 from ckptaudit.formats.io.safeio import LimitExceeded, NotRegularFile, describe_kind
 
 __all__ = ["open_checkpoint", "read_entry"]
@@ -43,7 +43,7 @@ def open_checkpoint(path: str) -> Checkpoint:
         for reader in directory_readers():
             if reader.recognises(path):
                 fmt = reader.name
-                resolve(reader.read)(path, "", reading)
+                load_function(reader.read)(path, "", reading)
                 break
         else:
             _read_plain_directory(path, reading)
@@ -74,7 +74,7 @@ def _read_plain_directory(path: str, reading: Reading) -> None:
         if os.path.isdir(full):
             read = nested_reader(full)
             if read is not None:
-                resolve(read)(full, name, reading)
+                load_function(read)(full, name, reading)
             elif _claimed(name):
                 findings.append(finding("integrity.corrupt", name,
                                         f"{name} is a directory, not a checkpoint file; not read"))
@@ -147,12 +147,12 @@ def read_entry(full: str, name: str, findings: list[Finding], files: dict[str, i
 
 
 def _read_file(full: str, name: str, findings: list[Finding]) -> Part | None:
-    probe = Probe(full, name)
+    probe = FileHead(full, name)
     subject = probe.subject
     try:
         for reader in file_readers():
             if reader.recognises(probe):
-                part: Part | None = resolve(reader.read)(probe, findings)
+                part: Part | None = load_function(reader.read)(probe, findings)
                 return part
         raise AssertionError(f"no reader took {subject}: the pickle reader takes every file")
     except NotRegularFile as exc:

@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
-from ckptaudit.formats.contract import resolve
+from ckptaudit.formats.contract import load_function
 from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.huggingface import file_rule, layout_name
 from ckptaudit.layouts.rules import Context, checkpoint_rules, part_rules
@@ -33,7 +33,7 @@ def interpret(ckpt: Checkpoint) -> View:
     """Map the parts of ``ckpt`` to checkpoint components (see :mod:`ckptaudit.layouts` for the layouts)."""
     for whole in checkpoint_rules():
         if whole.applies(ckpt):
-            read = resolve(whole.view)(ckpt)
+            read = load_function(whole.view)(ckpt)
             if read is not None:
                 whole_view: View = read
                 return whole_view
@@ -71,7 +71,7 @@ def interpret(ckpt: Checkpoint) -> View:
     for part in ckpt.parts:
         ctx = Context(ckpt, view, found, add_model, file_rule(part.name) if part.name else None)
         for rule in rules:
-            if rule.applies(part, ctx) and resolve(rule.read)(part, ctx):
+            if rule.applies(part, ctx) and load_function(rule.read)(part, ctx):
                 break
 
     if model_params:

@@ -15,7 +15,7 @@ from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part
 from ckptaudit.layouts.keyed import optimizer_view
 from ckptaudit.layouts.precision import scaler_record, training_args_record
-from ckptaudit.layouts.rules import Context, PartRule, register
+from ckptaudit.layouts.rules import Context, PartRule, register_rule
 from ckptaudit.layouts.view import View, as_int
 
 _FILE_RULES: tuple[tuple[str, ComponentKind | str], ...] = (
@@ -98,12 +98,12 @@ def read_component_file(part: Part, ctx: Context) -> bool:
 
 
 # By file name first: these files are what their names say, whatever their keys.
-register(PartRule("named-files", order=10, applies=lambda part, ctx: ctx.file_rule in NAMED_FILES,
+register_rule(PartRule("named-files", order=10, applies=lambda part, ctx: ctx.file_rule in NAMED_FILES,
                   read="ckptaudit.layouts.huggingface:read_named_file"))
-register(PartRule("safetensors-metadata", order=20, applies=lambda part, ctx: part.format == "safetensors",
+register_rule(PartRule("safetensors-metadata", order=20, applies=lambda part, ctx: part.format == "safetensors",
                   read="ckptaudit.layouts.huggingface:read_metadata"))
 # After DeepSpeed's part (order 30), before the keyed rule: a component file is that component, whatever its keys.
-register(PartRule("component-files", order=40,
+register_rule(PartRule("component-files", order=40,
                   applies=lambda part, ctx: isinstance(ctx.file_rule, ComponentKind)
                   and ctx.file_rule is not ComponentKind.MODEL,
                   read="ckptaudit.layouts.huggingface:read_component_file"))

@@ -14,7 +14,7 @@ from ckptaudit.findings import ComponentKind, text
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable
 from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.precision import LIGHTNING_SCALER_KEYS, scaler_record
-from ckptaudit.layouts.rules import Context, PartRule, register
+from ckptaudit.layouts.rules import Context, PartRule, register_rule
 from ckptaudit.layouts.view import (
     DATA_KEYS,
     MODEL_KEYS,
@@ -193,7 +193,7 @@ def clean_groups(raw: Any) -> list[dict[str, Any]]:
     return groups
 
 
-def read_part(part: Part, ctx: Context) -> bool:
+def read_keyed_part(part: Part, ctx: Context) -> bool:
     """The keyed rule (:mod:`ckptaudit.layouts.rules`), last: a dict part read by its keys, or, where no key is
     known, as a bare state dict when it is one."""
     tree = part.tree
@@ -206,5 +206,5 @@ def read_part(part: Part, ctx: Context) -> bool:
 
 
 # Last of the part rules: whatever dict no rule before took (plain dicts, DCP/get_state_dict, torchtitan, Lightning).
-register(PartRule("keyed", order=90, applies=lambda part, ctx: isinstance(part.tree, dict),
-                  read="ckptaudit.layouts.keyed:read_part"))
+register_rule(PartRule("keyed", order=90, applies=lambda part, ctx: isinstance(part.tree, dict),
+                  read="ckptaudit.layouts.keyed:read_keyed_part"))

@@ -8,7 +8,7 @@ Two kinds of rule:
 - a :class:`PartRule` reads one part into the view being built: ``interpret`` hands each part to the rules in
   order until one takes it.
 
-A library layout is one module of :mod:`ckptaudit.layouts` registering its rules with :func:`register` at import
+A library layout is one module of :mod:`ckptaudit.layouts` registering its rules with :func:`register_rule` at import
 (``keyed.py``, ``huggingface.py``), or, where its code should load only when a checkpoint needs it, a sub-package
 whose ``__init__.py`` registers rules naming the module that reads (``megatron/``, ``deepspeed/``). No edit to
 the driver.
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the layout modules import this one as they register
     from ckptaudit.formats.base import Checkpoint, Part
     from ckptaudit.layouts.view import View
 
-__all__ = ["RULES", "CheckpointRule", "Context", "PartRule", "checkpoint_rules", "part_rules", "register"]
+__all__ = ["RULES", "CheckpointRule", "Context", "PartRule", "checkpoint_rules", "part_rules", "register_rule"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class PartRule:
 
 RULES = Registry("layout rule", "ckptaudit.layouts", packages_only=False)
 """The layout rules: :class:`CheckpointRule` and :class:`PartRule` entries, registered by the layout modules."""
-register = RULES.register
+register_rule = RULES.register
 
 
 def checkpoint_rules() -> list[CheckpointRule]:

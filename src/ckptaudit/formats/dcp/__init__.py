@@ -3,7 +3,7 @@
 read as plain data through the DCP allowlist, the one view every check and loader shares); the DCP directory reader,
 registered here."""
 
-from ckptaudit.formats.contract import DirectoryReader, register
+from ckptaudit.formats.contract import DirectoryReader, register_reader
 
 
 def _recognises(path: str) -> bool:
@@ -13,5 +13,5 @@ def _recognises(path: str) -> bool:
 
 
 # After DeepSpeed's (a DeepSpeed folder is never read as DCP); also a DCP folder inside a plain directory of files.
-register(DirectoryReader("dcp", order=20, recognises=_recognises, read="ckptaudit.formats.dcp.reader:read_into",
+register_reader(DirectoryReader("dcp", order=20, recognises=_recognises, read="ckptaudit.formats.dcp.reader:read_dcp_into",
                          nested=True))

@@ -50,7 +50,7 @@ from ckptaudit.formats.zip.archive import TorchZipError, TorchZipFiles, read_tor
 if TYPE_CHECKING:
     from ckptaudit.formats.contract import Reading
 
-__all__ = ["DcpRead", "UnsafeCheckpointError", "check_metadata_safe", "is_dcp_dir", "read_dcp", "read_into"]
+__all__ = ["DcpRead", "UnsafeCheckpointError", "check_metadata_safe", "is_dcp_dir", "read_dcp", "read_dcp_into"]
 
 METADATA = ".metadata"
 MAX_BYTES_ITEM = 64 << 20
@@ -557,7 +557,7 @@ EXTRAS = ("manifest.json", "ckptaudit.json", "metadata.json", "common.pt")
 common.pt (its unsharded state)."""
 
 
-def read_into(path: str, name: str, reading: Reading) -> None:
+def read_dcp_into(path: str, name: str, reading: Reading) -> None:
     """The DCP directory reader (:mod:`ckptaudit.formats.contract`): ``path`` read into ``reading``; the checkpoint
     itself (``name`` empty) with the files of :data:`EXTRAS` beside it."""
     read = read_dcp(path, name) if name else read_dcp(path)

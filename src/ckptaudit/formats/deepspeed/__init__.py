@@ -3,7 +3,7 @@ it, read without executing anything) and :mod:`~ckptaudit.formats.deepspeed.zero
 every parameter's fp32 master and moments rebuilt from the ranks' flat partitions as lazy tensors); the DeepSpeed
 directory reader, registered here."""
 
-from ckptaudit.formats.contract import DirectoryReader, register
+from ckptaudit.formats.contract import DirectoryReader, register_reader
 
 
 def _recognises(path: str) -> bool:
@@ -14,5 +14,5 @@ def _recognises(path: str) -> bool:
 
 # First of the directory readers: a DeepSpeed tag folder or root is read as DeepSpeed even where it would also pass
 # for DCP; never as a sub-directory of a plain directory of files.
-register(DirectoryReader("deepspeed", order=10, recognises=_recognises,
-                         read="ckptaudit.formats.deepspeed.reader:read_into"))
+register_reader(DirectoryReader("deepspeed", order=10, recognises=_recognises,
+                         read="ckptaudit.formats.deepspeed.reader:read_deepspeed_into"))

@@ -66,7 +66,7 @@ __all__ = [
     "is_deepspeed_root",
     "is_deepspeed_step_dir",
     "read_deepspeed",
-    "read_into",
+    "read_deepspeed_into",
     "recognises",
     "resolve_tag",
     "step_of",
@@ -462,7 +462,7 @@ def recognises(path: str) -> bool:
     return is_deepspeed_step_dir(path) or is_deepspeed_root(path)
 
 
-def read_into(path: str, name: str, reading: Reading) -> None:
+def read_deepspeed_into(path: str, name: str, reading: Reading) -> None:
     """The DeepSpeed directory reader (:mod:`ckptaudit.formats.contract`): a tag folder, or the root
     ``save_checkpoint`` wrote (its ``latest`` tag resolved), read into ``reading`` as one ``deepspeed`` part."""
     step_dir, prefix = path, ""

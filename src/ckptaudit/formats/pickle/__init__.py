@@ -20,7 +20,7 @@ of a ``.distcp`` file), ``.metadata`` of ``torch.distributed.checkpoint`` direct
 DCP's ``.metadata`` is loaded through the DCP allowlist in :mod:`ckptaudit.formats.dcp.metadata`.
 """
 
-from ckptaudit.formats.contract import FileReader, Probe, register
+from ckptaudit.formats.contract import FileHead, FileReader, register_reader
 
 __all__ = ["TORCH_EXTENSIONS"]
 
@@ -28,7 +28,7 @@ TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
 """The names a directory listing reads as ``torch.save`` files or pickles (whatever their bytes turn out to be)."""
 
 
-def _reads_as_tar(probe: Probe) -> bool:
+def _reads_as_tar(probe: FileHead) -> bool:
     from ckptaudit.formats.pickle.legacy import TAR_BLOCK, reads_as_tar
 
     return reads_as_tar(probe.head(TAR_BLOCK))
@@ -36,7 +36,7 @@ def _reads_as_tar(probe: Probe) -> bool:
 
 # After the zip (torch.load tries the zip first), before the pickle: torch.load takes the legacy tar path wherever
 # tarfile reads a first header, and only then reads pickles from byte 0.
-register(FileReader("torch.save-legacy-tar", order=50, recognises=_reads_as_tar,
+register_reader(FileReader("torch.save-legacy-tar", order=50, recognises=_reads_as_tar,
                     read="ckptaudit.formats.pickle.legacy:read_legacy_tar"))
-register(FileReader("pickle", order=90, recognises=lambda probe: True, read="ckptaudit.formats.pickle.plain:read_pickle",
+register_reader(FileReader("pickle", order=90, recognises=lambda probe: True, read="ckptaudit.formats.pickle.plain:read_pickle",
                     claims=TORCH_EXTENSIONS))

@@ -19,7 +19,7 @@ from ckptaudit.formats.io.safeio import open_regular
 from ckptaudit.formats.io.safejson import loads_limited
 from ckptaudit.formats.io.tensors import DTYPES, Piece, TensorData
 
-__all__ = ["SafetensorsError", "SafetensorsFile", "read_part", "read_safetensors"]
+__all__ = ["SafetensorsError", "SafetensorsFile", "read_safetensors", "read_safetensors_part"]
 
 MAX_HEADER_BYTES = 100_000_000
 """The safetensors specification's own limit on the JSON header."""
@@ -202,7 +202,7 @@ def _entry(path: str, name: str, spec: Any, data_start: int, data_len: int) -> t
     return begin, end, name, TensorData(dtype, tuple(shape), (piece,))
 
 
-def read_part(probe: Any, findings: list[Finding]) -> Part | None:
+def read_safetensors_part(probe: Any, findings: list[Finding]) -> Part | None:
     """The safetensors reader (:mod:`ckptaudit.formats.contract`): the file as one ``safetensors`` part."""
     try:
         st = read_safetensors(probe.path)

@@ -2,9 +2,9 @@
 moments and the rest of the inventory), imported only when a checkpoint holds the part
 :mod:`ckptaudit.formats.deepspeed.reader` builds; its rule is registered here."""
 
-from ckptaudit.layouts.rules import PartRule, register
+from ckptaudit.layouts.rules import PartRule, register_rule
 
 # After the rules by file name, before the component files and the keyed rule: the DeepSpeed part is taken whole.
-register(PartRule("deepspeed", order=30,
+register_rule(PartRule("deepspeed", order=30,
                   applies=lambda part, ctx: part.format == "deepspeed" and isinstance(part.tree, dict),
-                  read="ckptaudit.layouts.deepspeed.layout:read_part"))
+                  read="ckptaudit.layouts.deepspeed.layout:read_deepspeed_part"))

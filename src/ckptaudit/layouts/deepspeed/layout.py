@@ -81,7 +81,7 @@ def deepspeed_view(part: Part, tree: dict[str, Any], view: View, found: Any, add
 
 
 
-def read_part(part: Part, ctx: Context) -> bool:
+def read_deepspeed_part(part: Part, ctx: Context) -> bool:
     """The DeepSpeed rule (:mod:`ckptaudit.layouts.rules`): the part :mod:`ckptaudit.formats.deepspeed.reader` built,
     taken whole."""
     deepspeed_view(part, part.tree, ctx.view, ctx.found, ctx.add_model, ctx.ckpt)
