@@ -191,3 +191,23 @@ def test_a_planted_import_is_caught(tmp_path: Path, checker: str, importer: str,
     with its line."""
     bad = {"upward": upward_arrows, "private": private_imports}[checker](_planted(tmp_path, importer, imported))
     assert len(bad) == 1 and f"src/ckptaudit/{importer}:" in bad[0] and says in bad[0], bad
+
+
+TOOL_EXCLUDES = {".bzr", ".direnv", ".eggs", ".git", ".hg", ".mypy_cache", ".nox", ".pants.d", ".pytype", ".ruff_cache",
+                 ".svn", ".tox", ".venv", "__pypackages__", "_build", "buck-out", "build", "dist", "node_modules",
+                 "site-packages", "venv"}
+"""The folder names ruff (and other tools: mypy, coverage, packaging) skip by default: a module in one is never
+linted (``dist/launch.py`` never was, until it became ``launch.py``)."""
+
+
+def skipped_folders(root: Path = PACKAGE) -> list[str]:
+    """Every folder under ``root`` whose name a tool skips by default."""
+    return sorted(str(p.relative_to(root.parent)) for p in root.rglob("*") if p.is_dir() and p.name in TOOL_EXCLUDES)
+
+
+def test_no_module_lies_where_tools_do_not_look(tmp_path: Path) -> None:
+    assert skipped_folders() == []
+    planted = _planted(tmp_path, "findings.py", "")
+    (planted / "ckptaudit" / "dist").mkdir()
+    (planted / "ckptaudit" / "dist" / "__init__.py").write_text("")
+    assert skipped_folders(planted / "ckptaudit") == ["ckptaudit/dist"]
