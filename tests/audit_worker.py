@@ -108,7 +108,7 @@ class AuditWorker:
         assert answer["ok"], answer
         self.baseline_mib = answer["maxrss_mib"]
 
-    def run_audit(self, path: str, *, limit: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
+    def audit(self, path: str, *, limit: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps({"path": path, "limit": limit}) + "\n")
         self.proc.stdin.flush()
