@@ -12,7 +12,7 @@ same size as ``torch.save`` files:
 - ``identical``: the same values -- the hashes decide, no element-wise pass.
 
 Then, each in a fresh child process (so that peak memory is the measurement's own): a plain sequential read of
-both checkpoints' files (1 MiB ``readinto``, what ``cat > /dev/null`` does) and ``ckptaudit.comparing.compare``.
+both checkpoints' files (1 MiB ``readinto``, what ``cat > /dev/null`` does) and ``ckptaudit.comparing.run_compare``.
 Both read from the page cache (the files were just written), so the ratio compares CPU work, not the disk.
 Prints throughput over the bytes of both checkpoints, the ratio, and the growth of peak RSS (``VmHWM``) and of
 anonymous memory (``RssAnon``, sampled every 5 ms: mapped file pages are reclaimable, anonymous ones are not)
@@ -93,7 +93,7 @@ def child_read(ref: str, cand: str) -> dict[str, Any]:
 
 
 def child_compare(ref: str, cand: str, threads: int) -> dict[str, Any]:
-    from ckptaudit.comparing import CompareOptions, compare
+    from ckptaudit.comparing import CompareOptions, run_compare
 
     # First-call imports (torch.distributed for DCP, NumPy tables) happen here, not in the timed run.
     warm = os.path.join(os.path.dirname(cand), "warm")
@@ -101,12 +101,12 @@ def child_compare(ref: str, cand: str, threads: int) -> dict[str, Any]:
     warm_ref = os.path.join(warm, "ref" if os.path.isdir(ref) else "ref.pt")
     write(warm_ref, 1 / 1024, "dcp" if os.path.isdir(ref) else "torch", rounded=False)
     write(os.path.join(warm, "cand.pt"), 1 / 1024, "torch", rounded=True)
-    compare(warm_ref, os.path.join(warm, "cand.pt"))
+    run_compare(warm_ref, os.path.join(warm, "cand.pt"))
     shutil.rmtree(warm)
     base_rss, base_anon = proc_status("VmRSS"), proc_status("RssAnon")
     with AnonPeak() as anon:
         t = time.perf_counter()
-        report = compare(ref, cand, CompareOptions(threads=threads))
+        report = run_compare(ref, cand, CompareOptions(threads=threads))
         secs = time.perf_counter() - t
     return {"seconds": secs, "bytes": size(ref) + size(cand), "rss_growth": proc_status("VmHWM") - base_rss,
             "anon_growth": anon.peak - base_anon, "summary": report.summary,

@@ -81,17 +81,17 @@ def child_load(kind: str, path: str) -> dict[str, Any]:
 
 
 def child_audit(kind: str, path: str) -> dict[str, Any]:
-    from ckptaudit.auditing.judge import audit
+    from ckptaudit.auditing.judge import run_audit
 
     warm = tempfile.mkdtemp(prefix="ckptaudit-bench-warm-")
     try:
         small = os.path.join(warm, "small.pt" if kind == "torch.save" else "small")
         write(kind, small, 30)
-        audit(small)
+        run_audit(small)
     finally:
         shutil.rmtree(warm, ignore_errors=True)
     t = time.perf_counter()
-    report = audit(path)
+    report = run_audit(path)
     secs = time.perf_counter() - t
     bad = [f.code for f in report.findings if f.code.startswith(("integrity", "security"))]
     return {"seconds": secs, "tensors": len(report.tensors), "refused": bad}

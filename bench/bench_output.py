@@ -11,7 +11,7 @@ Each checkpoint is a ``torch.save`` file of tensors of 16-64 fp32 values named l
 ``--verbose`` also lists that many findings, each message wrapped over lines). Each round, in fresh child
 processes:
 
-- in one child: ``ckptaudit.auditing.judge.audit`` of the checkpoint (after a warm-up audit of a small file), then each
+- in one child: ``ckptaudit.auditing.judge.run_audit`` of the checkpoint (after a warm-up audit of a small file), then each
   renderer (table, verbose table, JSON, HTML) writing that report to a file, each timed; the ratio is the
   renderer's time over the audit's;
 - the whole command, start-up included, stdout to a file: ``ckptaudit audit CKPT`` (the plain table), with
@@ -51,16 +51,16 @@ def write(path: str, tensors: int, rounded: bool) -> None:
 
 def child(path: str, out_dir: str) -> dict[str, Any]:
     """The audit, then each renderer on its report, timed in this process."""
-    from ckptaudit.auditing.judge import audit
+    from ckptaudit.auditing.judge import run_audit
     from ckptaudit.report import OutputFormat, render
 
     warm = os.path.join(out_dir, "warm.pt")
     write(warm, 30, rounded=True)
     for fmt in OutputFormat:
         with open(os.devnull, "w") as fh:
-            render(audit(warm), fmt, fh, verbose=True)
+            render(run_audit(warm), fmt, fh, verbose=True)
     t = time.perf_counter()
-    report = audit(path)
+    report = run_audit(path)
     result: dict[str, Any] = {"audit": time.perf_counter() - t, "tensors": len(report.tensors),
                               "findings": len(report.findings)}
     for name in RENDERS:

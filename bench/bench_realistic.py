@@ -22,7 +22,7 @@ the host's drifting CPU speed mostly cancels out of):
 
 - ``read``: every 8-byte word xor-reduced by NumPy over read-only memory maps, the bytes split between 2
   threads: what reading the bytes costs at best;
-- ``audit -j N``: :func:`ckptaudit.auditing.judge.audit` in-process (imports and first-call set-up excluded), with N
+- ``audit -j N``: :func:`ckptaudit.auditing.judge.run_audit` in-process (imports and first-call set-up excluded), with N
   threads, and its peak anonymous memory (``RssAnon`` sampled every 5 ms) over the child's baseline;
 - ``open``: :func:`ckptaudit.auditing.plan.plan_scan` (open, parse metadata, interpret; no tensor data), per DCP item;
   ``--open-only`` measures only this, as the CPU time of a fresh process, best of ``--repeat``;
@@ -234,7 +234,7 @@ def _warm_up(tmp: str) -> None:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from ckptaudit.auditing.judge import audit
+    from ckptaudit.auditing.judge import run_audit
 
     torch.save({"model": {"w": torch.ones(4)}}, os.path.join(tmp, "warm.pt"))
     save_file({"w": torch.ones(4)}, os.path.join(tmp, "warm.safetensors"))
@@ -242,18 +242,18 @@ def _warm_up(tmp: str) -> None:
         warnings.simplefilter("ignore")
         dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=os.path.join(tmp, "warm-dcp"))
     for name in ("warm.pt", "warm.safetensors", "warm-dcp"):
-        audit(os.path.join(tmp, name))
+        run_audit(os.path.join(tmp, name))
 
 
 def child_audit(path: str, jobs: int) -> dict[str, Any]:
     """The open (plan) phase alone (:func:`child_open`), then the whole audit with ``jobs`` threads."""
-    from ckptaudit.auditing.judge import AuditOptions, audit
+    from ckptaudit.auditing.judge import AuditOptions, run_audit
 
     opened = child_open(path)
     base = proc_status("RssAnon")
     with AnonPeak() as mem:
         t0 = time.perf_counter()
-        report = audit(path, AuditOptions(jobs=jobs))
+        report = run_audit(path, AuditOptions(jobs=jobs))
         secs = time.perf_counter() - t0
     return {"seconds": secs, "open_seconds": opened["wall"], "open_cpu": opened["cpu"], "items": opened["items"],
             "tensors": len(report.tensors), "findings": len(report.findings), "anon_base": base, "anon_peak": mem.peak,

@@ -65,7 +65,7 @@ def main() -> None:
 
 
 def run(local: str, url: str, items: int, rounds: int) -> None:
-    from ckptaudit.auditing.judge import audit
+    from ckptaudit.auditing.judge import run_audit
     from ckptaudit.formats import open_checkpoint
     from ckptaudit.formats.remote import dcp as remote_dcp
 
@@ -77,13 +77,13 @@ def run(local: str, url: str, items: int, rounds: int) -> None:
         return out
 
     remote_dcp.stage_dcp = counting  # type: ignore[assignment]
-    audit(url)  # warm: imports, the S3 client's session
+    run_audit(url)  # warm: imports, the S3 client's session
     for label, path in (("local", local), ("s3", url)):
         c0, w0 = time.process_time(), time.perf_counter()
         with open_checkpoint(path):
             pass
         c1, w1 = time.process_time(), time.perf_counter()
-        report = audit(path)
+        report = run_audit(path)
         c2, w2 = time.process_time(), time.perf_counter()
         print(json.dumps({"path": label, "items": items + 2, "open_cpu_s": round(c1 - c0, 3),
                           "open_wall_s": round(w1 - w0, 3), "audit_cpu_s": round(c2 - c1, 3),

@@ -5,7 +5,7 @@
 
 Writes a checkpoint of many fp32 tensors (16 MiB each) into a temporary directory, then, each in a fresh child
 process (so peak RSS is the measurement's own): a plain sequential read of the files (1 MiB ``readinto``, what
-``cat > /dev/null`` does) and ``ckptaudit.auditing.judge.audit`` of the checkpoint. Both read from the page cache (the
+``cat > /dev/null`` does) and ``ckptaudit.auditing.judge.run_audit`` of the checkpoint. Both read from the page cache (the
 file was just written), so the ratio compares CPU work, not the disk. Prints throughput, the ratio, and peak
 RSS growth over the child's start-up footprint.
 """
@@ -74,16 +74,16 @@ def child_audit(path: str) -> dict[str, float]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from ckptaudit.auditing.judge import audit
+    from ckptaudit.auditing.judge import run_audit
 
     warm = os.path.join(os.path.dirname(os.path.abspath(path)), "warm")
     torch.save({"model": {"w": torch.ones(4)}}, warm + ".pt")
     dcp.save({"model": {"w": torch.ones(4)}}, checkpoint_id=warm + "-dcp")
     for p in (warm + ".pt", warm + "-dcp"):  # first-call imports happen here, not in the timed run
-        audit(p)
+        run_audit(p)
     base = proc_status("VmRSS")
     t = time.perf_counter()
-    report = audit(path)
+    report = run_audit(path)
     secs = time.perf_counter() - t
     return {"seconds": secs, "peak_growth": proc_status("VmHWM") - base,
             "tensors": len(report.tensors), "findings": len(report.findings)}

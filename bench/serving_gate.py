@@ -31,7 +31,7 @@ import torch
 from ckptaudit.launch import RankContext
 from ckptaudit.recipes.tinygpt import GPTConfig, TinyGPTRecipe
 from ckptaudit.serving.export import ExportOptions, export_serving
-from ckptaudit.serving.gate import GateThresholds, judge
+from ckptaudit.serving.gate import GateThresholds, judge_gate
 
 tiny = TinyGPTRecipe(name="tinygpt-plain", wrap="none", param_dtype=None)
 wide = TinyGPTRecipe(name="widegpt-plain", wrap="none", param_dtype=None, lr=1e-3, total_steps=400,
@@ -113,7 +113,7 @@ def main() -> int:
                     res = export_serving(path, ExportOptions(recipe=f"{here}:{model}", out=out, thresholds=lax,
                                                              device=args.device, **kw))
                     m = res.gate.metrics
-                    verdict = judge(m, GateThresholds())
+                    verdict = judge_gate(m, GateThresholds())
                     row = (model, str(steps), f"{loss:.2f}", label, _f(m.max_abs_diff), _f(m.max_rel_diff),
                            _c(m.min_cosine), f"{m.top1_agreement:.4f}", _f(m.loss_diff),
                            "pass" if verdict.passed else "FAIL: " + ", ".join(

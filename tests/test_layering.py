@@ -134,20 +134,80 @@ def test_the_architecture_page_names_the_same_tiers() -> None:
         assert listed == set(TIERS[name]), name
 
 
-@pytest.mark.parametrize(("importer", "imported"), [
-    ("checks/manifest.py", "from ckptaudit.store import durable"),
-    ("formats/io/tensors.py", "from ckptaudit.checks.precision import check_precision"),
-    ("findings.py", "import ckptaudit.catalogue"),
-    ("report/table.py", "from ckptaudit import cli"),
-    ("checks/precision.py", "def f():\n    from ckptaudit.report import json"),
-])
-def test_an_upward_arrow_is_caught(tmp_path: Path, importer: str, imported: str) -> None:
-    """The checker itself: each upward import, planted in a copy of the package, is named with its line."""
+def _planted(tmp_path: Path, importer: str, imported: str) -> Path:
+    """A copy of the package under ``tmp_path/src`` with ``imported`` appended to its module ``importer``."""
     import shutil
 
     copy = tmp_path / "src" / "ckptaudit"
     shutil.copytree(PACKAGE, copy)
     target = copy / importer
     target.write_text(target.read_text() + "\n" + imported + "\n")
-    bad = upward_arrows(tmp_path / "src")
-    assert len(bad) == 1 and f"src/ckptaudit/{importer}:" in bad[0] and "runs upward" in bad[0], bad
+    return tmp_path / "src"
+
+
+def private_imports(root: Path = SRC) -> list[str]:
+    """Every import under ``root/ckptaudit`` of another module's underscore name (``from x import _name``, or a module
+    ``_name`` itself): a name a sibling uses is that module's API and carries no underscore."""
+    bad = []
+    for path in sorted((root / "ckptaudit").rglob("*.py")):
+        importer = _module_name(path, root)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "ckptaudit"]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module.split(".")[0] != "ckptaudit":
+                    continue
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for dotted in names:
+                private = [p for p in dotted.split(".") if p.startswith("_") and not p.startswith("__")]
+                if private and dotted.rsplit(".", 1)[0] != importer:
+                    bad.append(f"{where}: {importer} imports {dotted}; {private[0]} is used outside its module, so "
+                               "it is that module's API: name it without the underscore")
+                    break  # one line a statement
+    return bad
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    assert private_imports() == []
+
+
+@pytest.mark.parametrize(("checker", "importer", "imported", "says"), [
+    ("upward", "checks/manifest.py", "from ckptaudit.store import durable", "runs upward"),
+    ("upward", "formats/io/tensors.py", "from ckptaudit.checks.precision import check_precision", "runs upward"),
+    ("upward", "findings.py", "import ckptaudit.catalogue", "runs upward"),
+    ("upward", "report/table.py", "from ckptaudit import cli", "runs upward"),
+    ("upward", "checks/precision.py", "def f():\n    from ckptaudit.report import json", "runs upward"),
+    ("private", "formats/pickle/walk.py", "from ckptaudit.formats.pickle.ops import _Const", "without the underscore"),
+    ("private", "checks/precision.py", "def f():\n    from ckptaudit.formats.dcp.reader import _lists",
+     "without the underscore"),
+    ("private", "integrations/guard.py", "import ckptaudit.integrations._hidden", "without the underscore"),
+    ("private", "integrations/store.py", "from ckptaudit.integrations._hidden import x", "without the underscore"),
+])
+def test_a_planted_import_is_caught(tmp_path: Path, checker: str, importer: str, imported: str, says: str) -> None:
+    """The checkers themselves: each upward or private import, planted in a copy of the package, is named once,
+    with its line."""
+    bad = {"upward": upward_arrows, "private": private_imports}[checker](_planted(tmp_path, importer, imported))
+    assert len(bad) == 1 and f"src/ckptaudit/{importer}:" in bad[0] and says in bad[0], bad
+
+
+TOOL_EXCLUDES = {".bzr", ".direnv", ".eggs", ".git", ".hg", ".mypy_cache", ".nox", ".pants.d", ".pytype", ".ruff_cache",
+                 ".svn", ".tox", ".venv", "__pypackages__", "_build", "buck-out", "build", "dist", "node_modules",
+                 "site-packages", "venv"}
+"""The folder names ruff (and other tools: mypy, coverage, packaging) skip by default: a module in one is never
+linted (``dist/launch.py`` never was, until it became ``launch.py``)."""
+
+
+def skipped_folders(root: Path = PACKAGE) -> list[str]:
+    """Every folder under ``root`` whose name a tool skips by default."""
+    return sorted(str(p.relative_to(root.parent)) for p in root.rglob("*") if p.is_dir() and p.name in TOOL_EXCLUDES)
+
+
+def test_no_module_lies_where_tools_do_not_look(tmp_path: Path) -> None:
+    assert skipped_folders() == []
+    planted = _planted(tmp_path, "findings.py", "")
+    (planted / "ckptaudit" / "dist").mkdir()
+    (planted / "ckptaudit" / "dist" / "__init__.py").write_text("")
+    assert skipped_folders(planted / "ckptaudit") == ["ckptaudit/dist"]

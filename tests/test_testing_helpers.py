@@ -10,7 +10,7 @@ import pytest
 
 from ckptaudit.api import Report
 from ckptaudit.catalogue import finding
-from ckptaudit.findings import Report as RawReport
+from ckptaudit.findings import RawReport
 from ckptaudit.testing import (
     AuditFailed,
     CheckFailed,

@@ -23,8 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptaudit.findings import ComponentKind, Finding, Severity
-from ckptaudit.findings import Report as RawReport
+from ckptaudit.findings import ComponentKind, Finding, RawReport, Severity
 from ckptaudit.options import AUDIT_OPTIONS, COMPARE_OPTIONS, resolve, signature
 
 if TYPE_CHECKING:
@@ -142,7 +141,7 @@ def audit(path: str | os.PathLike[str], **options: Any) -> Report:
     not exist, ``TypeError`` / ``ValueError`` for a bad option. A checkpoint that cannot be read is a finding in
     the report, not an exception.
     """
-    from ckptaudit.auditing.judge import audit as run_audit
+    from ckptaudit.auditing.judge import run_audit
 
     opts = resolve("ckptaudit.audit", options, AUDIT_OPTIONS)
     where = _path("ckptaudit.audit", "path", path)
@@ -178,8 +177,7 @@ def compare(reference: str | os.PathLike[str], candidate: str | os.PathLike[str]
     option.
     """
     from ckptaudit.auditing.scan import default_jobs
-    from ckptaudit.comparing import CompareOptions
-    from ckptaudit.comparing import compare as run_compare
+    from ckptaudit.comparing import CompareOptions, run_compare
 
     opts = resolve("ckptaudit.compare", options, COMPARE_OPTIONS)
     if opts["jobs"] is not None and opts["threads"] is not None and opts["jobs"] != opts["threads"]:

@@ -17,7 +17,7 @@ from ckptaudit import __version__
 from ckptaudit.options import AUDIT_OPTIONS, COMPARE_OPTIONS, FAIL_ON, IGNORE, MASTER_DTYPES, Option, resolve
 
 if TYPE_CHECKING:  # imported by the commands that run: ``--help`` needs none of it
-    from ckptaudit.findings import ComponentKind, Report
+    from ckptaudit.findings import ComponentKind, RawReport
 
 __all__ = ["main"]
 
@@ -297,7 +297,7 @@ def _silence_stdout() -> None:
         pass
 
 
-def _emit(report: Report, args: argparse.Namespace, stdout: TextIO) -> int:
+def _emit(report: RawReport, args: argparse.Namespace, stdout: TextIO) -> int:
     from ckptaudit.report import OutputFormat, render
 
     fmt = OutputFormat(args.format)
@@ -336,7 +336,7 @@ def _progress(enabled: bool, stderr: TextIO):  # type: ignore[no-untyped-def]
 def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from ckptaudit.api import audit_options
     from ckptaudit.auditing.distributed import torchrun_rank
-    from ckptaudit.auditing.judge import audit
+    from ckptaudit.auditing.judge import run_audit
 
     try:
         place = torchrun_rank()
@@ -350,9 +350,9 @@ def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     prog, update = _progress(not args.no_progress, stderr)
     if prog is not None:
         with prog:
-            report = audit(args.path, options, progress=update)
+            report = run_audit(args.path, options, progress=update)
     else:
-        report = audit(args.path, options)
+        report = run_audit(args.path, options)
     return _emit(report, args, stdout)
 
 
@@ -465,7 +465,7 @@ def _cmd_export_serving(args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 
 def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from ckptaudit.auditing.scan import default_jobs
-    from ckptaudit.comparing import CompareOptions, compare
+    from ckptaudit.comparing import CompareOptions, run_compare
 
     for role, path in (("reference", args.reference), ("candidate", args.candidate)):
         if not _exists(path):
@@ -477,9 +477,9 @@ def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
     prog, update = _progress(not args.no_progress, stderr)
     if prog is not None:
         with prog:
-            report = compare(args.reference, args.candidate, options, progress=update)
+            report = run_compare(args.reference, args.candidate, options, progress=update)
     else:
-        report = compare(args.reference, args.candidate, options)
+        report = run_compare(args.reference, args.candidate, options)
     return _emit(report, args, stdout)
 
 

@@ -36,7 +36,7 @@ def run_demo(out_dir: str, *, nproc: int = 2, steps: int = 8, out: TextIO = sys.
     Exit code 0 when the story holds (the faithful checkpoint is clean and resumes bit-identically; the lossy
     one is flagged by the audit and drifts in the resume test), 1 otherwise.
     """
-    from ckptaudit.auditing.judge import audit
+    from ckptaudit.auditing.judge import run_audit
     from ckptaudit.probe.run import run_probe
     from ckptaudit.report import OutputFormat, render
     from ckptaudit.report.html import render_page
@@ -64,7 +64,7 @@ def run_demo(out_dir: str, *, nproc: int = 2, steps: int = 8, out: TextIO = sys.
     probe_report = run_probe(DEFAULT_RECIPE, "ckptaudit.exporters:compute_copy", nproc=nproc, steps=2,
                              out_dir=os.path.join(out_dir, "probe"))
     say("audit both checkpoints offline")
-    audits = {name: audit(os.path.join(out_dir, name)) for name in ("faithful", "lossy-compute-copy.pt")}
+    audits = {name: run_audit(os.path.join(out_dir, name)) for name in ("faithful", "lossy-compute-copy.pt")}
     labels = {"faithful": "documented path: get_state_dict + torch.distributed.checkpoint",
               "lossy-compute-copy.pt": "custom exporter: bf16 compute copies captured in forward, upcast to fp32"}
     # The files first: a reader of stdout that goes away (`| head`) cuts the printing short, not the reports.

@@ -179,7 +179,7 @@ class Finding:
 
 
 @dataclass(frozen=True, slots=True)
-class Report:
+class RawReport:
     """The result of one command over one checkpoint (or a pair): what every renderer renders."""
 
     command: str

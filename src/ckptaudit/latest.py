@@ -14,7 +14,7 @@ looking inside. Here every candidate, newest first, is validated until one passe
   (:attr:`ckptaudit.auditing.judge.AuditOptions.quick`): every tensor's precision judged from its first chunk, against the
   contract, and the optimizer state's attachment, so a checkpoint of bf16-rounded masters is never the one named.
   ``verify="hashes"`` is integrity only (no precision is judged), ``verify="sizes"`` also skips the manifest's
-  hashes, ``verify="full"`` runs the whole :func:`ckptaudit.auditing.judge.audit`.
+  hashes, ``verify="full"`` runs the whole :func:`ckptaudit.auditing.judge.run_audit`.
 
 A candidate is resumable when no finding is an error (findings acknowledged by ``ignore`` do not count). The root's pointer, when there is one (ours: ``latest``;
 Megatron-LM's ``latest_checkpointed_iteration.txt``), is compared with the newest resumable candidate.
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptaudit.catalogue import finding
-from ckptaudit.findings import ComponentKind, Finding, Report, Severity
+from ckptaudit.findings import ComponentKind, Finding, RawReport, Severity
 from ckptaudit.formats.io.safeio import open_regular
 from ckptaudit.ondisk import layout, quarantine
 from ckptaudit.ondisk import manifest as mf
@@ -245,7 +245,7 @@ def validate(c: Candidate, *, verify: str = DEFAULT_VERIFY, require: Collection[
 def _read_and_check(c: Candidate, verify: str, require: Collection[ComponentKind],
                     ignore: tuple[str, ...], master_dtype: str) -> list[Finding]:
     if verify in ("quick", "full"):
-        from ckptaudit.auditing.judge import AuditOptions, judge
+        from ckptaudit.auditing.judge import AuditOptions, judge_scan
         from ckptaudit.auditing.scan import default_jobs, scan_checkpoint
         from ckptaudit.checks.manifest import check_manifest
         from ckptaudit.formats.io.tensors import DEFAULT_CHUNK_BYTES
@@ -256,7 +256,7 @@ def _read_and_check(c: Candidate, verify: str, require: Collection[ComponentKind
                                chunk_bytes=QUICK_CHUNK_BYTES if quick else DEFAULT_CHUNK_BYTES)
         scanned = scan_checkpoint(c.path, jobs=options.jobs, quick=quick, chunk_bytes=options.chunk_bytes)
         try:
-            found = list(judge(scanned, options).findings)
+            found = list(judge_scan(scanned, options).findings)
             if quick:  # a quick audit reads no content: the manifest's hashes are verified as "hashes" does
                 seen = {(f.code, f.subject) for f in found}
                 found += [f for f in check_manifest(scanned.ckpt, scanned.view, hashes=True)
@@ -373,8 +373,8 @@ def _candidate_json(ch: Checked | None, c: Candidate) -> dict[str, Any]:
 
 def latest_report(root: str, *, verify: str = DEFAULT_VERIFY, require: Collection[ComponentKind] = frozenset(),
                   check_all: bool = False, progress: Callable[[str], None] | None = None,
-                  ignore: Collection[str] = (), master_dtype: str = "auto") -> Report:
-    """The :class:`~ckptaudit.findings.Report` of ``ckptaudit latest``: ``extra["latest"]`` (path or ``None``)
+                  ignore: Collection[str] = (), master_dtype: str = "auto") -> RawReport:
+    """The :class:`~ckptaudit.findings.RawReport` of ``ckptaudit latest``: ``extra["latest"]`` (path or ``None``)
     and ``extra["candidates"]``; the findings are the errors of the rejected candidates newer than the latest
     resumable one (subjects prefixed by the candidate), and a stale pointer."""
     result = find_latest(root, verify=verify, require=require, check_all=check_all, progress=progress,
@@ -409,7 +409,7 @@ def latest_report(root: str, *, verify: str = DEFAULT_VERIFY, require: Collectio
                    "resumable)" if result.checked else f"no checkpoint found under {result.root}")
     sections = [{"title": "candidates, newest first", "columns": ["candidate", "step", "layout", "resumable",
                                                                   "why not / notes"], "rows": rows}]
-    return Report(
+    return RawReport(
         command="latest",
         path=result.root,
         format="checkpoint-root",

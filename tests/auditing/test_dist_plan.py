@@ -25,10 +25,10 @@ from ckptaudit.auditing.scan import scan_datas, scan_items
 from ckptaudit.auditing.share import (
     VettedFile,
     checkpoint_root,
-    compare,
     decode_share,
     encode_share,
     share_datas,
+    vetted_file_problems,
     vetted_files,
     view_problems,
 )
@@ -209,7 +209,7 @@ def test_a_ranks_share_behind_a_url_reads_the_objects_rank_0_pinned(s3_dcp: tupl
         out: list[tuple[str, str]] = []
         for v in raw.vetted:
             seen = view[v.name]
-            out += [(v.name, seen)] if isinstance(seen, str) else compare(v, *seen)
+            out += [(v.name, seen)] if isinstance(seen, str) else vetted_file_problems(v, *seen)
         return out
 
     assert problems() == []

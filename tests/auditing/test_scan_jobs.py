@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from ckptaudit.auditing.judge import AuditOptions, audit
+from ckptaudit.auditing.judge import AuditOptions, run_audit
 from ckptaudit.cli import main
 from real_checkpoints import chunked_training_state
 
@@ -39,7 +39,7 @@ def test_jobs_1_and_4_give_the_same_report(scale_checkpoints: dict[str, Path], f
 
 def test_threaded_hash_is_the_documented_sequential_hash(scale_checkpoints: dict[str, Path]) -> None:
     sd, _ = chunked_training_state()
-    report = audit(str(scale_checkpoints["torch.save"]), AuditOptions(jobs=4, chunk_bytes=64 << 10))
+    report = run_audit(str(scale_checkpoints["torch.save"]), AuditOptions(jobs=4, chunk_bytes=64 << 10))
     by_name = {r.name: r for r in report.tensors}
     emb = sd["0.weight"]
     assert emb.numel() * 4 > 16 * (64 << 10)  # many chunks

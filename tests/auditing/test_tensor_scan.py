@@ -159,18 +159,18 @@ def test_each_record_names_its_data_file_relative_to_the_checkpoint(tmp_path: Pa
 
     import torch.distributed.checkpoint as dcp
 
-    from ckptaudit.auditing.judge import audit
+    from ckptaudit.auditing.judge import run_audit
 
     single = tmp_path / "ckpt.pt"
     torch.save({"model": {"w": torch.randn(8, 4)}}, single)
-    assert {t.file for t in audit(str(single)).tensors} == {"ckpt.pt"}
+    assert {t.file for t in run_audit(str(single)).tensors} == {"ckpt.pt"}
     run = tmp_path / "run"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no process group: a single-process save
         for step in (2, 6):
             dcp.save({"model": {"w": torch.randn(8, 4), "b": torch.randn(4)}}, checkpoint_id=str(run / f"step-{step}"))
-    tensors = audit(str(run)).tensors
+    tensors = run_audit(str(run)).tensors
     assert tensors and {t.name.split("/")[0] for t in tensors} <= {"step-2", "step-6"}, [t.name for t in tensors]
     for t in tensors:
         assert t.file == f"{t.name.split('/')[0]}/__0_0.distcp", (t.name, t.file)
-    assert {t.file for t in audit(str(run / "step-2")).tensors} == {"__0_0.distcp"}
+    assert {t.file for t in run_audit(str(run / "step-2")).tensors} == {"__0_0.distcp"}

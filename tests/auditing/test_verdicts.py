@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.auditing.judge import audit
-from ckptaudit.findings import Precision, Report, Severity
+from ckptaudit.auditing.judge import run_audit
+from ckptaudit.findings import Precision, RawReport, Severity
 from configurations import Written
 
 pytestmark = pytest.mark.libs
@@ -44,16 +44,16 @@ def truth(checkpoint: Path) -> dict[str, Any]:
     return json.loads(Path(str(checkpoint) + ".truth.json").read_text())
 
 
-def by_code(report: Report, code: str) -> dict[str, Any]:
+def by_code(report: RawReport, code: str) -> dict[str, Any]:
     return {f.subject: f for f in report.findings if f.code == code}
 
 
-def rounded_params(report: Report) -> set[str]:
+def rounded_params(report: RawReport) -> set[str]:
     return {t.name for t in report.tensors if t.component == "model" and t.precision is Precision.BF16}
 
 
 def test_before_the_first_update_bf16_masters_are_a_warning_that_says_what_it_means(dcp_jobs: Written) -> None:
-    report = audit(str(dcp_jobs / "step0"))
+    report = run_audit(str(dcp_jobs / "step0"))
     assert report.extra["step"] == 0
     assert not report.fails(Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
     early = by_code(report, "precision.before-first-update")
@@ -70,7 +70,7 @@ def test_before_the_first_update_bf16_masters_are_a_warning_that_says_what_it_me
 
 def test_after_real_steps_rounded_masters_are_still_errors_and_the_frozen_one_is_info(dcp_jobs: Written) -> None:
     path = dcp_jobs / "trained-rounded-frozen"
-    report = audit(str(path))
+    report = run_audit(str(path))
     assert report.extra["step"] == 2
     errors = by_code(report, "precision.bf16-rounded")
     trainable = {f"model/{n}" for n in truth(path)["trainable"]}
@@ -86,27 +86,27 @@ def test_after_real_steps_rounded_masters_are_still_errors_and_the_frozen_one_is
 
 
 def test_a_frozen_parameter_is_info_before_and_after_training(dcp_jobs: Written) -> None:
-    trained = audit(str(dcp_jobs / "trained-frozen"))
+    trained = run_audit(str(dcp_jobs / "trained-frozen"))
     assert [(f.code, f.subject) for f in trained.findings if f.severity >= Severity.WARNING] == [
         ("component.missing", "rng")]  # this job saves no RNG state
     assert set(by_code(trained, "precision.not-optimised")) == {"model/tok_emb.weight"}
     roles = {t.name: t.role for t in trained.tensors if t.component == "model"}
     assert roles.pop("model/tok_emb.weight") == "buffer" and set(roles.values()) == {"parameter"}
-    early = audit(str(dcp_jobs / "step0-frozen"))
+    early = run_audit(str(dcp_jobs / "step0-frozen"))
     assert not early.fails(Severity.ERROR)
     assert set(by_code(early, "precision.not-optimised")) == {"model/tok_emb.weight"}
     assert "model/tok_emb.weight" not in by_code(early, "precision.before-first-update")
 
 
 def test_a_checkpoint_saved_right_after_real_steps_is_clean(dcp_jobs: Written) -> None:
-    report = audit(str(dcp_jobs / "trained"))
+    report = run_audit(str(dcp_jobs / "trained"))
     assert [(f.code, f.subject) for f in report.findings] == [("component.missing", "rng")]
     assert not rounded_params(report)
 
 
 def test_model_only_bf16_checkpoint_has_an_unknown_contract_and_no_contradictory_precision_errors(
         dcp_jobs: Written) -> None:
-    report = audit(str(dcp_jobs / "trained-model-bf16.pt"))
+    report = run_audit(str(dcp_jobs / "trained-model-bf16.pt"))
     assert report.contract is not None and report.contract.master_dtype == "unknown"
     severities = {f.code: f.severity for f in report.findings if f.subject != "rng"}
     assert severities["contract.unknown"] is Severity.WARNING
@@ -116,7 +116,7 @@ def test_model_only_bf16_checkpoint_has_an_unknown_contract_and_no_contradictory
     assert [(f.code, f.subject) for f in report.findings if f.severity is Severity.ERROR] == [
         ("component.missing", "optimizer")]
     # Held to a contract on request, the parameters are judged.
-    strict = audit(str(dcp_jobs / "trained-model-bf16.pt"), _options("float32"))
+    strict = run_audit(str(dcp_jobs / "trained-model-bf16.pt"), _options("float32"))
     assert len(by_code(strict, "precision.low-precision-storage")) == 29
 
 
@@ -130,7 +130,7 @@ def _options(master: str) -> Any:
 # Parameters no update ever touched: a param group at lr 0 throughout
 
 
-def _lr0_rounded(report: Report, lr0: list[str]) -> set[str]:
+def _lr0_rounded(report: RawReport, lr0: list[str]) -> set[str]:
     return {f"model/{n}" for n in lr0} & rounded_params(report)
 
 
@@ -138,7 +138,7 @@ def _lr0_rounded(report: Report, lr0: list[str]) -> set[str]:
 def test_a_fine_tune_whose_lower_layers_keep_lr_0_is_clean(dcp_jobs: Path, name: str) -> None:
     path = dcp_jobs / name
     lr0 = truth(path)["lr0"]
-    report = audit(str(path))
+    report = run_audit(str(path))
     assert not report.fails(Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
     kept = by_code(report, "precision.never-updated")
     # Every lr-0 weight the scan can call bf16 is named, as info, with the record that shows it; nothing else is.
@@ -170,7 +170,7 @@ def test_lr_0_does_not_excuse_rounded_weights_that_were_trained(dcp_jobs: Path, 
     # The trained layers rounded as well: the rounded set no longer fits the lr-0 group, so nothing is excused.
     src = dcp_jobs / "finetune-lr0.pt"
     trained = _round_trained_in_torch_save(src, tmp_path / "rounded.pt")
-    report = audit(str(tmp_path / "rounded.pt"))
+    report = run_audit(str(tmp_path / "rounded.pt"))
     errors = by_code(report, "precision.bf16-rounded")
     assert {f"model/{n}" for n in trained} & rounded_params(report) <= set(errors)
     assert _lr0_rounded(report, truth(src)["lr0"]) <= set(errors)
@@ -188,7 +188,7 @@ def test_lr_0_is_believed_only_when_every_record_says_0(dcp_jobs: Path, tmp_path
     state = torch.load(src, weights_only=True)
     state["lr_scheduler"]["base_lrs"][0] = 1e-3
     torch.save(state, tmp_path / "base-lr.pt")
-    report = audit(str(tmp_path / "base-lr.pt"))
+    report = run_audit(str(tmp_path / "base-lr.pt"))
     assert set(by_code(report, "precision.bf16-rounded")) == _lr0_rounded(report, truth(src)["lr0"])
     assert not by_code(report, "precision.never-updated")
 
@@ -208,7 +208,7 @@ def test_lr_0_in_dcp_does_not_excuse_a_trained_weight_saved_rounded(dcp_jobs: Pa
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(tmp_path / "rounded-head"))
-    report = audit(str(tmp_path / "rounded-head"))
+    report = run_audit(str(tmp_path / "rounded-head"))
     assert set(by_code(report, "precision.bf16-rounded")) == {"model/head.weight"}
     assert set(by_code(report, "precision.never-updated")) == _lr0_rounded(report, truth(src)["lr0"])
 
@@ -221,7 +221,7 @@ def test_the_step_is_read_under_its_common_spellings(dcp_jobs: Path) -> None:
     from ckptaudit.findings import ComponentKind
 
     for name, where in (("finetune-lr0", "train/step"), ("finetune-lr0.pt", "trainer")):
-        report = audit(str(dcp_jobs / name))
+        report = run_audit(str(dcp_jobs / name))
         assert report.extra["step"] == 2
         (progress,) = [c for c in report.components if c.kind is ComponentKind.DATA_PROGRESS]
         assert progress.found and progress.where == (where,)
@@ -235,7 +235,7 @@ def test_compare_pairs_the_step_across_spellings(dcp_jobs: Path, tmp_path: Path)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from ckptaudit.comparing import compare
+    from ckptaudit.comparing import run_compare
 
     src = dcp_jobs / "finetune-lr0"
     dcp_to_torch_save(str(src), str(tmp_path / "flat.pt"))
@@ -244,7 +244,7 @@ def test_compare_pairs_the_step_across_spellings(dcp_jobs: Path, tmp_path: Path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(tmp_path / "train_state"))
-    report = compare(str(src), str(tmp_path / "train_state"))
+    report = run_compare(str(src), str(tmp_path / "train_state"))
     assert not [f for f in report.findings if f.code in ("compare.missing", "compare.extra")], report.findings
     steps = [p for p in report.extra["pairs"] if p["key"] == "data-progress/step"]
     assert len(steps) == 1 and steps[0]["status"] == "identical", steps

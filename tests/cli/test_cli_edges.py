@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.catalogue import CATALOGUE, finding
 from ckptaudit.cli import main
-from ckptaudit.findings import Report, Severity
+from ckptaudit.findings import RawReport, Severity
 from ckptaudit.launch import RankContext
 from ckptaudit.recipes import Job
 from ckptaudit.recipes.tinygpt import plain_recipe
@@ -51,11 +51,11 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _report(findings: list[Any]) -> Report:
-    return Report(command="audit", path="/x", format="torch.save", findings=tuple(findings), summary="s")
+def _report(findings: list[Any]) -> RawReport:
+    return RawReport(command="audit", path="/x", format="torch.save", findings=tuple(findings), summary="s")
 
 
-def _render(report: Report, verbose: bool = False) -> list[str]:
+def _render(report: RawReport, verbose: bool = False) -> list[str]:
     out = io.StringIO()
     render_table(report, out, verbose=verbose)
     return out.getvalue().splitlines()
@@ -142,7 +142,7 @@ def test_the_probe_says_what_it_saw_not_which_exporter_did_it() -> None:
 
 
 def test_compare_calls_bf16_stored_parameters_what_audit_calls_them(tmp_path: Path) -> None:
-    from ckptaudit.comparing import compare
+    from ckptaudit.comparing import run_compare
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(16, 8, generator=g)
@@ -152,14 +152,14 @@ def test_compare_calls_bf16_stored_parameters_what_audit_calls_them(tmp_path: Pa
     torch.save({"model": {"w": w.bfloat16()}, "optimizer": opt}, tmp_path / "stored.pt")
     torch.save({"model": {"w": w.bfloat16().float()}, "optimizer": opt}, tmp_path / "upcast.pt")
 
-    stored = compare(str(tmp_path / "ref.pt"), str(tmp_path / "stored.pt"))
+    stored = run_compare(str(tmp_path / "ref.pt"), str(tmp_path / "stored.pt"))
     codes = {f.code for f in stored.findings if f.subject.endswith("w")}
     assert "precision.low-precision-storage" in codes and "precision.bf16-rounded" not in codes
     msg = next(f.message for f in stored.findings if f.code == "precision.low-precision-storage")
     assert "stored as bfloat16" in msg and "wider dtype" not in msg
-    assert "precision.low-precision-storage" in {f.code for f in audit(str(tmp_path / "stored.pt")).findings}
+    assert "precision.low-precision-storage" in {f.code for f in run_audit(str(tmp_path / "stored.pt")).findings}
     # Rounded values stored in fp32 look like masters until their bits are read: that is precision.bf16-rounded.
-    upcast = compare(str(tmp_path / "ref.pt"), str(tmp_path / "upcast.pt"))
+    upcast = run_compare(str(tmp_path / "ref.pt"), str(tmp_path / "upcast.pt"))
     assert "precision.bf16-rounded" in {f.code for f in upcast.findings}
     assert "precision.low-precision-storage" not in {f.code for f in upcast.findings}
 
@@ -277,7 +277,7 @@ def test_load_checkpoint_missing_ok_on_the_first_run(store_root: Path, tmp_path:
 def test_a_text_file_or_a_folder_of_other_files_is_not_a_checkpoint_first(tmp_path: Path) -> None:
     text = tmp_path / "notes.txt"
     text.write_text("hello\nthis is text\n")
-    report = audit(str(text))
+    report = run_audit(str(text))
     assert [f.code for f in report.findings] == ["format.unrecognized"]
     assert report.findings[0].message.startswith("notes.txt: not a checkpoint in any known format")
     assert report.summary.startswith("not a checkpoint")
@@ -286,7 +286,7 @@ def test_a_text_file_or_a_folder_of_other_files_is_not_a_checkpoint_first(tmp_pa
     (folder / "a.bin").write_bytes(bytes(range(19, 256)) * 4)
     (folder / "b.dat").write_bytes(os.urandom(64))
     (folder / "c.txt").write_text("hi\n")
-    report = audit(str(folder))
+    report = run_audit(str(folder))
     codes = [(f.code, f.subject) for f in report.findings]
     assert codes[0] == ("format.unrecognized", "stuff") and "not a checkpoint in any known format" in \
         report.findings[0].message
@@ -302,7 +302,7 @@ def test_a_real_checkpoint_missing_a_component_is_still_judged_as_one(tmp_path: 
     """Only what no reader recognises is 'not a checkpoint': a model without its optimizer is a checkpoint with
     a missing component, as before."""
     torch.save({"model": {"w": torch.randn(4, 4)}}, tmp_path / "weights.pt")
-    report = audit(str(tmp_path / "weights.pt"))
+    report = run_audit(str(tmp_path / "weights.pt"))
     assert ("component.missing", "optimizer") in {(f.code, f.subject) for f in report.findings}
     assert "format.unrecognized" not in {f.code for f in report.findings}
 
@@ -311,5 +311,5 @@ def test_a_known_format_ckptaudit_does_not_read_is_not_called_unrecognised(tmp_p
     """A legacy (pre-1.6) torch.save file is a checkpoint in a known format: refused as an unvetted pickle (an
     error), never called unrecognised."""
     torch.save({"w": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
-    codes = {f.code for f in audit(str(tmp_path / "legacy.pt")).findings}
+    codes = {f.code for f in run_audit(str(tmp_path / "legacy.pt")).findings}
     assert "security.unvetted-pickle" in codes and "format.unrecognized" not in codes

@@ -87,7 +87,7 @@ def test_compare_of_torch_save_and_dcp_does_not_import_torch(scale_checkpoints: 
 # the readers and layout rules of formats the checkpoint is not in.
 
 ALWAYS_LAZY = {"numpy", "rich", "concurrent.futures", "logging", "tempfile",
-               "ckptaudit.layouts.megatron", "ckptaudit.layouts.deepspeed"}
+               "ckptaudit.layouts.megatron.layout", "ckptaudit.layouts.deepspeed.layout"}
 LAZY_FOR_FILES = {"ckptaudit.formats.dcp.reader", "ckptaudit.formats.dcp.metadata", "ckptaudit.formats.deepspeed.reader"}
 """(A directory is told from a DeepSpeed one by its file names, in ``ckptaudit.formats.deepspeed.reader``.)"""
 

@@ -12,24 +12,24 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.cli import main
-from ckptaudit.comparing import CompareOptions, compare
-from ckptaudit.findings import Report, Severity
+from ckptaudit.comparing import CompareOptions, run_compare
+from ckptaudit.findings import RawReport, Severity
 from ckptaudit.formats.torchload import safe_torch_load
 
 pytestmark = pytest.mark.dist
 
 
-def pairs(report: Report) -> dict[str, dict[str, Any]]:
+def pairs(report: RawReport) -> dict[str, dict[str, Any]]:
     return {p["key"]: p for p in report.extra["pairs"]}
 
 
-def statuses(report: Report, group: str) -> dict[str, str]:
+def statuses(report: RawReport, group: str) -> dict[str, str]:
     return {p["key"]: p["status"] for p in report.extra["pairs"] if p["group"] == group}
 
 
-def subjects(report: Report, code: str) -> set[str]:
+def subjects(report: RawReport, code: str) -> set[str]:
     return {f.subject for f in report.findings if f.code == code}
 
 
@@ -39,7 +39,7 @@ def params(run: dict[str, Any]) -> list[str]:
 
 def test_dcp_and_torch_save_copy_of_the_same_state_are_identical_throughout(fsdp_run: dict[str, Any]) -> None:
     d = fsdp_run["dir"]
-    report = compare(str(d / "faithful"), str(d / "faithful.pt"))
+    report = run_compare(str(d / "faithful"), str(d / "faithful.pt"))
     got = pairs(report)
     # Every tensor and value matched across formats and key spellings (optim vs optimizer, train_state/step
     # vs step), sharded DCP tensors against whole torch.save ones, and all bitwise identical.
@@ -52,10 +52,10 @@ def test_dcp_and_torch_save_copy_of_the_same_state_are_identical_throughout(fsdp
     assert report.findings == ()
     assert report.summary.startswith("candidate = reference: all ")
     # The digests are the audit's content hashes of the same tensors.
-    audited = {t.name: t.hash for t in audit(str(d / "faithful.pt")).tensors}
+    audited = {t.name: t.hash for t in run_audit(str(d / "faithful.pt")).tensors}
     assert all(p["candidate"]["hash"] == audited[p["candidate"]["name"]] for p in got.values() if p["kind"] == "tensor")
     # One pair at a time or several at once: the same answer.
-    serial = compare(str(d / "faithful"), str(d / "faithful.pt"), CompareOptions(threads=1))
+    serial = run_compare(str(d / "faithful"), str(d / "faithful.pt"), CompareOptions(threads=1))
     assert serial.extra["pairs"] == report.extra["pairs"]
     assert main(["compare", str(d / "faithful"), str(d / "faithful.pt"), "--no-progress"],
                 stdout=io.StringIO(), stderr=io.StringIO()) == 0
@@ -63,7 +63,7 @@ def test_dcp_and_torch_save_copy_of_the_same_state_are_identical_throughout(fsdp
 
 def test_compute_copy_is_the_reference_rounded_to_bf16_nearest_even(fsdp_run: dict[str, Any]) -> None:
     d = fsdp_run["dir"]
-    report = compare(str(d / "faithful"), str(d / "compute-copy-fp32.pt"))
+    report = run_compare(str(d / "faithful"), str(d / "compute-copy-fp32.pt"))
     got = pairs(report)
     for name in params(fsdp_run):
         assert got[name]["status"] == "bf16-rounded", name
@@ -87,7 +87,7 @@ def test_compute_copy_is_the_reference_rounded_to_bf16_nearest_even(fsdp_run: di
 
 def test_bf16_storage_is_rounded_and_would_be_silently_upcast_on_load(fsdp_run: dict[str, Any]) -> None:
     d = fsdp_run["dir"]
-    report = compare(str(d / "faithful"), str(d / "compute-copy-bf16.pt"))
+    report = run_compare(str(d / "faithful"), str(d / "compute-copy-bf16.pt"))
     got = pairs(report)
     assert {got[n]["status"] for n in params(fsdp_run)} == {"bf16-rounded"}
     assert {got[n]["candidate"]["dtype"] for n in params(fsdp_run)} == {"bfloat16"}
@@ -101,7 +101,7 @@ def test_bf16_storage_is_rounded_and_would_be_silently_upcast_on_load(fsdp_run: 
 def test_same_values_in_another_dtype_are_equal_values(fsdp_run: dict[str, Any]) -> None:
     d = fsdp_run["dir"]
     # The bf16 compute copies, and the same copies upcast to fp32: equal values, different dtypes.
-    report = compare(str(d / "compute-copy-bf16.pt"), str(d / "compute-copy-fp32.pt"))
+    report = run_compare(str(d / "compute-copy-bf16.pt"), str(d / "compute-copy-fp32.pt"))
     assert set(statuses(report, "parameters").values()) == {"equal-values"}
     assert set(statuses(report, "optimizer moments").values()) == {"identical"}
     casts = [f for f in report.findings if f.code == "load.silent-cast"]
@@ -112,7 +112,7 @@ def test_same_values_in_another_dtype_are_equal_values(fsdp_run: dict[str, Any])
 
 def test_fp16_copy_is_the_reference_rounded_to_fp16(fsdp_run: dict[str, Any]) -> None:
     d = fsdp_run["dir"]
-    report = compare(str(d / "faithful"), str(d / "fp16-copy.pt"))
+    report = run_compare(str(d / "faithful"), str(d / "fp16-copy.pt"))
     got = pairs(report)
     assert {(got[n]["status"], got[n]["rounding"]) for n in params(fsdp_run)} == {("fp16-rounded",
                                                                                    "round-to-nearest-even")}
@@ -124,7 +124,7 @@ def test_swapped_moments_between_two_same_shape_layers_are_misattached(fsdp_run:
     d = fsdp_run["dir"]
     a, b = safe_torch_load(d / "swapped.pt")["swapped"]
     assert fsdp_run["shapes"][a] == fsdp_run["shapes"][b] and a != b
-    report = compare(str(d / "faithful"), str(d / "swapped.pt"))
+    report = run_compare(str(d / "faithful"), str(d / "swapped.pt"))
     found = [f for f in report.findings if f.code == "optimizer.misattached"]
     assert len(found) == 1
     f = found[0]
@@ -146,7 +146,7 @@ def test_swapped_moments_between_two_same_shape_layers_are_misattached(fsdp_run:
 
 def test_another_run_is_different_with_measured_differences(fsdp_run: dict[str, Any],
                                                             fsdp_low_precision: Path) -> None:
-    report = compare(str(fsdp_run["dir"] / "faithful"), str(fsdp_low_precision))
+    report = run_compare(str(fsdp_run["dir"] / "faithful"), str(fsdp_low_precision))
     got = pairs(report)
     for name in params(fsdp_run):
         p = got[name]
@@ -206,7 +206,7 @@ def test_missing_extra_shape_mismatch_and_components(fsdp_run: dict[str, Any], t
         state["model"][reshaped] = w.reshape(w.shape[1], w.shape[0]).clone()
 
     cand = derived(fsdp_run, tmp_path, "edited.pt", edit)
-    report = compare(str(fsdp_run["dir"] / "faithful"), str(cand))
+    report = run_compare(str(fsdp_run["dir"] / "faithful"), str(cand))
     got = pairs(report)
     assert got[f"model/{gone}"]["status"] == "missing" and got[f"model/{gone}"]["candidate"] is None
     assert got["model/extra.buffer"]["status"] == "extra" and got["model/extra.buffer"]["reference"] is None
@@ -220,7 +220,7 @@ def test_missing_extra_shape_mismatch_and_components(fsdp_run: dict[str, Any], t
     # The scheduler is reported once, as a component, not entry by entry.
     assert ("compare.missing", "scheduler") not in codes
     # The other way round, the scheduler is a component only the candidate has.
-    back = compare(str(cand), str(fsdp_run["dir"] / "faithful"))
+    back = run_compare(str(cand), str(fsdp_run["dir"] / "faithful"))
     assert ("compare.component-extra", "scheduler") in {(f.code, f.subject) for f in back.findings}
 
 
@@ -242,7 +242,7 @@ def test_truncated_and_stochastically_rounded_exports(fsdp_run: dict[str, Any], 
     for name, fn, mode in (("trunc.pt", trunc, "round-toward-zero"), ("sr.pt", stochastic, "stochastic-or-other")):
         def edit(state: dict[str, Any], fn: Any = fn) -> None:
             state["model"] = {k: fn(v) for k, v in state["model"].items()}
-        report = compare(ref, str(derived(fsdp_run, tmp_path, name, edit)))
+        report = run_compare(ref, str(derived(fsdp_run, tmp_path, name, edit)))
         got = pairs(report)
         # Two-element-wide tensors could fit several rules by chance; the matrices cannot.
         matrices = [f"model/{n}" for n, s in fsdp_run["shapes"].items() if len(s) == 2]
@@ -260,7 +260,7 @@ def test_index_keyed_optimizer_state_is_matched_through_the_attachment(fsdp_run:
         state["optimizer"] = {"state": {i: fqn_state[n] for i, n in enumerate(names)},
                               "param_groups": [{**group, "params": list(range(len(names)))}]}
 
-    report = compare(str(fsdp_run["dir"] / "faithful"), str(derived(fsdp_run, tmp_path, "indexed.pt", edit)))
+    report = run_compare(str(fsdp_run["dir"] / "faithful"), str(derived(fsdp_run, tmp_path, "indexed.pt", edit)))
     assert set(statuses(report, "optimizer moments").values()) == {"identical"}
     assert len(statuses(report, "optimizer moments")) == 2 * len(names)
 
@@ -279,8 +279,8 @@ def test_json_report_and_verbose_table(fsdp_run: dict[str, Any], fsdp_low_precis
     assert set(first["diff"]) == {"elements", "differ", "fraction", "max_abs", "max_ulp", "rel_l2"}
     assert sum(doc["pair_counts"].values()) == len(doc["pairs"])
     # The table lists only pairs that are not identical, unless --verbose.
-    quiet = compare(str(d / "faithful"), str(d / "swapped.pt"))
-    loud = compare(str(d / "faithful"), str(d / "swapped.pt"), CompareOptions(verbose=True))
+    quiet = run_compare(str(d / "faithful"), str(d / "swapped.pt"))
+    loud = run_compare(str(d / "faithful"), str(d / "swapped.pt"), CompareOptions(verbose=True))
     rows = {s["title"]: s["rows"] for s in quiet.extra["sections"]}
     loud_rows = {s["title"]: s["rows"] for s in loud.extra["sections"]}
     assert all(r[1] != "identical" for r in rows["pairs that are not identical"])
@@ -304,7 +304,7 @@ def test_damaged_inputs_give_findings_not_tracebacks(fsdp_run: dict[str, Any], c
     broken = copy_of(d / "faithful")
     shard = broken / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    report = compare(str(broken), str(d / "faithful.pt"))
+    report = run_compare(str(broken), str(d / "faithful.pt"))
     assert ("integrity.incomplete", "reference: __0_0.distcp") in {(f.code, f.subject) for f in report.findings}
     unread = [p for p in report.extra["pairs"] if p["status"] == "unread"]
     assert unread and all(p["kind"] == "tensor" for p in unread)
@@ -314,7 +314,7 @@ def test_damaged_inputs_give_findings_not_tracebacks(fsdp_run: dict[str, Any], c
     out, err = io.StringIO(), io.StringIO()
     assert main(["compare", str(d / "faithful"), str(garbage), "--no-progress"], stdout=out, stderr=err) == 1
     assert err.getvalue() == ""
-    report = compare(str(d / "faithful"), str(garbage))
+    report = run_compare(str(d / "faithful"), str(garbage))
     codes = {(f.code, f.subject) for f in report.findings}
     assert ("format.unrecognized", "candidate: garbage.pt") in codes
     assert ("compare.component-missing", "model") in codes

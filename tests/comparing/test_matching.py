@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ckptaudit.comparing import compare
+from ckptaudit.comparing import run_compare
 
 
 def training_state(seed: int = 0) -> dict[str, Any]:
@@ -46,7 +46,7 @@ def test_the_same_state_under_other_spellings_is_identical(tmp_path: Path) -> No
         "step": 3,
     }
     torch.save(respelled, tmp_path / "cand.pt")
-    report = compare(str(tmp_path / "ref.pt"), str(tmp_path / "cand.pt"))
+    report = run_compare(str(tmp_path / "ref.pt"), str(tmp_path / "cand.pt"))
     got = statuses(report)
     assert set(got.values()) == {"identical"}, got
     assert {"model/lin.weight", "optimizer/state/lin.weight/exp_avg", "optimizer/state/lin.bias/step",
@@ -58,7 +58,7 @@ def test_one_ranks_state_is_matched_to_rank0_and_the_others_are_missing(tmp_path
     torch.save(ref, tmp_path / "ref.pt")
     cand = dict(ref, rng=ref["rng"]["rank0"])  # an exporter that saved rank 0's RNG state only
     torch.save(cand, tmp_path / "cand.pt")
-    report = compare(str(tmp_path / "ref.pt"), str(tmp_path / "cand.pt"))
+    report = run_compare(str(tmp_path / "ref.pt"), str(tmp_path / "cand.pt"))
     got = statuses(report)
     assert got["rng/rank0/torch"] == "identical" and got["rng/rank1/torch"] == "missing"
     assert any("rank0" in n for n in report.extra["notes"])
@@ -70,7 +70,7 @@ def test_a_stale_step_and_scheduler_are_different(tmp_path: Path) -> None:
     torch.save(ref, tmp_path / "ref.pt")
     stale = dict(ref, scheduler={"last_epoch": 2}, train_state={"step": 2})
     torch.save(stale, tmp_path / "stale.pt")
-    report = compare(str(tmp_path / "ref.pt"), str(tmp_path / "stale.pt"))
+    report = run_compare(str(tmp_path / "ref.pt"), str(tmp_path / "stale.pt"))
     got = {p["key"]: p for p in report.extra["pairs"]}
     assert got["scheduler/last_epoch"]["status"] == "different"
     assert got["scheduler/last_epoch"]["reference"]["value"] == "3"
@@ -98,7 +98,7 @@ def test_a_tensor_over_many_chunks_that_differs_only_in_its_last_element_is_diff
     torch.save(cand, tmp_path / "cand.pt")
     options = CompareOptions(chunk_bytes=64)
     assert big.numel() * 4 > 200 * options.chunk_bytes
-    report = compare(str(tmp_path / "ref.pt"), str(tmp_path / "cand.pt"), options)
+    report = run_compare(str(tmp_path / "ref.pt"), str(tmp_path / "cand.pt"), options)
     pair = next(p for p in report.extra["pairs"] if p["key"] == "model/big.weight")
     assert pair["status"] == "different"
     assert pair["diff"]["differ"] == 1 and pair["diff"]["elements"] == 4096

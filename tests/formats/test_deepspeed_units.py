@@ -1,6 +1,6 @@
 """The pure DeepSpeed readers on inputs shaped by hand as DeepSpeed 0.19.8 writes them (no engine, no fixture).
 
-- ``formats.deepspeed_zero._zero12``: one ZeRO-1/2 param group as DeepSpeed lays it out with
+- ``formats.deepspeed.zero.zero12``: one ZeRO-1/2 param group as DeepSpeed lays it out with
   ``zero_optimization.parameter_alignment`` (every parameter but the last padded to a multiple of 16 bytes, so the
   padding sits between parameters), partitioned over 2 ranks. The layout is computed as
   ``deepspeed/runtime/zero/stage_1_and_2.py`` does it: the per-parameter padding (``param_alignment = 16 //
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from ckptaudit.checks.lr_history import deepspeed_zero_lr_steps
-from ckptaudit.formats.deepspeed.zero import _zero12
+from ckptaudit.formats.deepspeed.zero import zero12
 from ckptaudit.formats.io.tensors import DTYPES, FileMaps, Piece, TensorData, iter_chunks
 
 SHAPES = [("body.0.weight", (13, 7)), ("body.0.bias", (13,)), ("body.1.weight", (13,)), ("body.1.bias", (13,)),
@@ -104,7 +104,7 @@ def test_zero2_padding_between_parameters_is_skipped(tmp_path: Path) -> None:
                 "param_groups": [{"params": [0], "lr": 1e-2, "weight_decay": 0.01}]},
         })
     tree: dict[str, Any] = {"fp32_masters": {}, "optimizer": None}
-    _zero12("", [SHAPES], states, tree)
+    zero12("", [SHAPES], states, tree)
     for name, want in values.items():
         assert np.array_equal(_read(tree["fp32_masters"][name]), want), name
         moments = tree["optimizer"]["state"][name]
@@ -131,7 +131,7 @@ def test_zero2_without_parameter_alignment_has_no_padding_between_parameters(tmp
     states = [{"single_partition_of_fp32_groups": [_tensor(tmp_path / f"master{r}", saved[r])],
                "param_alignment_paddings": [paddings]} for r in range(WORLD)]
     tree: dict[str, Any] = {"fp32_masters": {}, "optimizer": None}
-    _zero12("", [SHAPES], states, tree)
+    zero12("", [SHAPES], states, tree)
     assert all(np.array_equal(_read(tree["fp32_masters"][n]), v) for n, v in values.items())
 
 

@@ -163,15 +163,15 @@ def _general_paths(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_records_and_findings_are_those_of_the_general_paths(
     which: str, scale_checkpoints: dict[str, Path], fsdp_run: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckptaudit.auditing.judge import audit
+    from ckptaudit.auditing.judge import run_audit
 
     path = str(scale_checkpoints["dcp"] if which.startswith("single") else fsdp_run["dir"] / "faithful")
     assert os.path.isfile(os.path.join(path, ".metadata"))
-    fast = audit(path)
+    fast = run_audit(path)
     assert len(fast.tensors) > 10
     with monkeypatch.context() as m:
         _general_paths(m)
-        general = audit(path)
+        general = run_audit(path)
     assert fast.tensors == general.tensors
     assert fast.findings == general.findings
 
@@ -184,7 +184,7 @@ def test_a_torch_save_of_many_tensors_is_not_refused_for_its_size(tmp_path: Path
     # 100x as many reaches: within both limits, with a quarter of the build budget to spare.
     import torch
 
-    from ckptaudit.auditing.judge import audit
+    from ckptaudit.auditing.judge import run_audit
     from ckptaudit.formats.pickle import unpickler
     from ckptaudit.formats.pickle.scan import build_budget
 
@@ -201,7 +201,7 @@ def test_a_torch_save_of_many_tensors_is_not_refused_for_its_size(tmp_path: Path
             spent.append(self._build_budget - self._build_left)
 
     monkeypatch.setattr(unpickler.RestrictedUnpickler, "load", measured)
-    report = audit(str(path))
+    report = run_audit(str(path))
     assert len(report.tensors) == 3000 and not [f for f in report.findings if f.code.startswith("integrity")]
     with zipfile.ZipFile(path) as z:
         data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))

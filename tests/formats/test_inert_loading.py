@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.findings import Severity
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.pickle.unpickler import Opaque
@@ -35,7 +35,7 @@ def test_config_object_is_a_placeholder_and_the_tensors_are_audited(tmp_path: Pa
         placeholder = ckpt.parts[0].tree["hyper_parameters"]["config"]
         assert isinstance(placeholder, Opaque) and placeholder.name == "inert_objects.ModelConfig"
         assert placeholder.state == {"d_model": 32, "n_layers": 2}  # kept as data, never applied
-    report = audit(str(path))
+    report = run_audit(str(path))
     codes = {(f.code, f.severity) for f in report.findings}
     assert ("security.unsafe-pickle", Severity.ERROR) in codes
     assert "inert placeholders" in next(f.message for f in report.findings if f.code == "security.unsafe-pickle")
@@ -47,7 +47,7 @@ def test_config_object_is_a_placeholder_and_the_tensors_are_audited(tmp_path: Pa
 def test_a_payload_beside_the_tensors_never_runs(tmp_path: Path) -> None:
     sentinel = tmp_path / "ran"
     path = lightning_like(tmp_path / "payload.ckpt", Payload(str(sentinel)))
-    report = audit(str(path))
+    report = run_audit(str(path))
     assert not sentinel.exists()
     finding = next(f for f in report.findings if f.code == "security.unsafe-pickle")
     assert "posix.system" in finding.message or "os.system" in finding.message
@@ -62,7 +62,7 @@ def test_objects_the_writer_declares_safe_are_read_silently_but_misuse_is_not(tm
     import argparse
 
     path = lightning_like(tmp_path / "args.ckpt", argparse.Namespace(lr=0.1, seq_length=16))
-    report = audit(str(path))
+    report = run_audit(str(path))
     assert not [f for f in report.findings if f.code.startswith("security.")]
     with open_checkpoint(str(path)) as ckpt:
         placeholder = ckpt.parts[0].tree["hyper_parameters"]["config"]
@@ -74,6 +74,6 @@ def test_objects_the_writer_declares_safe_are_read_silently_but_misuse_is_not(tm
 
     misused = tmp_path / "misused.ckpt"
     misused = lightning_like(misused, CalledNamespace())
-    report = audit(str(misused))
+    report = run_audit(str(misused))
     finding = next(f for f in report.findings if f.code == "security.unsafe-pickle")
     assert "argparse.Namespace" in finding.message and finding.severity is Severity.ERROR

@@ -377,11 +377,53 @@ def s3_env() -> Iterator[Any]:
 
 
 def test_the_prefixed_dcp_item_is_refused_behind_s3_too(dcp_dir: Path, tmp_path: Path, s3_env: Any) -> None:
-    from ckptaudit.auditing.judge import audit
+    from ckptaudit.auditing.judge import run_audit
 
     evil = tmp_path / "evil"
     _rewrite_item(dcp_dir, evil, "step", payload(tmp_path / "never") + _item_bytes(dcp_dir, "step"))
     s3_env.put(str(evil), "ckpts/evil", recursive=True)
-    report = audit("s3://ckpts/evil")
+    report = run_audit("s3://ckpts/evil")
     assert any(f.code == "security.unsafe-pickle" and f.subject == "step" for f in report.findings), report.findings
 
+
+
+def test_the_readers_are_asked_in_the_consumers_order() -> None:
+    """The registry's precedence is the one reading: by name first (a ``.safetensors`` file is what the safetensors
+    library opens, whatever its bytes), then torch.load's own order (the zip, the legacy tar, the pickle stream);
+    a DeepSpeed folder is never read as DCP, and only DCP is read as a folder inside a plain directory. A reader
+    registered out of order fails here; the behaviour behind each place is held by the tests above and
+    test_hostile*."""
+    from ckptaudit.formats.contract import directory_readers, file_readers
+
+    assert [r.name for r in file_readers()] == ["safetensors", "json", "empty", "torch.save", "torch.save-legacy-tar",
+                                                 "pickle"]
+    assert [(r.name, r.nested) for r in directory_readers()] == [("deepspeed", False), ("dcp", True)]
+    claimed = {c for r in file_readers() for c in r.claims}
+    assert claimed == {".safetensors", ".json", ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar"}
+
+
+def test_two_readers_cannot_share_a_place() -> None:
+    """Precedence is never left to the order of discovery: a reader given another's place, or another's name, is
+    refused when it registers."""
+    from ckptaudit.formats.contract import FileReader, file_readers, register_reader
+
+    zip_order = next(r.order for r in file_readers() if r.name == "torch.save")
+    with pytest.raises(ValueError, match=r"order 40, as 'torch.save' has"):
+        register_reader(FileReader("other", order=zip_order, recognises=lambda probe: True, read="x:y"))
+    with pytest.raises(ValueError, match="two readers are named 'pickle'"):
+        register_reader(FileReader("pickle", order=999, recognises=lambda probe: True, read="x:y"))
+    assert "other" not in [r.name for r in file_readers()]
+
+
+def test_a_file_named_safetensors_holding_a_zip_is_read_as_safetensors(tmp_path: Path) -> None:
+    """The name decides before the bytes (the safetensors library would open it): a torch.save archive renamed
+    ``.safetensors`` is a corrupt safetensors file, never loaded as an archive; a safetensors file named ``.pt`` is
+    not a readable pickle (torch.load refuses it too)."""
+    from safetensors.torch import save_file
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "x.safetensors")
+    ckpt = open_checkpoint(str(tmp_path / "x.safetensors"))
+    assert ckpt.parts == [] and "not a readable safetensors file" in ckpt.findings[0].message
+    save_file({"w": torch.ones(2)}, str(tmp_path / "y.pt"))
+    ckpt = open_checkpoint(str(tmp_path / "y.pt"))
+    assert ckpt.parts == [] and "not a torch.save archive, safetensors file or readable pickle" in ckpt.findings[0].message

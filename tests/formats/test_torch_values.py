@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.pickle.allowlist import TORCH_DTYPES
 from ckptaudit.formats.pickle.torch_values import TorchDevice, TorchDtype, TorchSize
@@ -160,9 +160,9 @@ def test_compare_names_torch_values_as_torch_writes_them(tmp_path: Path) -> None
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
     torch.save({"model": {"w": torch.ones(3)}, "config": {"dtype": torch.bfloat16}}, a)
     torch.save({"model": {"w": torch.ones(3)}, "config": {"dtype": torch.float16}}, b)
-    from ckptaudit.comparing import compare
+    from ckptaudit.comparing import run_compare
 
-    report = compare(str(a), str(b))
+    report = run_compare(str(a), str(b))
     text = " ".join(f.message for f in report.findings)
     assert "torch.bfloat16 vs torch.float16" in text, [f.message for f in report.findings]
 
@@ -172,6 +172,6 @@ def test_compare_names_torch_values_as_torch_writes_them(tmp_path: Path) -> None
 def test_a_bad_torch_value_is_a_finding_not_a_traceback(payload: bytes, tmp_path: Path) -> None:
     path = tmp_path / "state.pkl"
     path.write_bytes(b"\x80\x02}X\x01\x00\x00\x00v" + payload + b"s.")
-    report = audit(str(path))
+    report = run_audit(str(path))
     assert [f.code for f in report.findings if f.code == "integrity.corrupt"], report.findings
     assert any("torch.Size" in f.message or "torch.device" in f.message for f in report.findings)

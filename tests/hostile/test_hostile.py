@@ -27,9 +27,9 @@ import pytest
 import hostile_files as hf
 import real_checkpoints as rc
 from audit_worker import AuditWorker
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.cli import main
-from ckptaudit.findings import Precision, Report, Severity
+from ckptaudit.findings import Precision, RawReport, Severity
 from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_safe
 from ckptaudit.formats.torchload import safe_dcp_load, safe_torch_load
 from ckptaudit.report import OutputFormat, render
@@ -47,7 +47,7 @@ EXPECTED_GLOBAL = {
 }
 
 
-def codes(report: Report) -> set[str]:
+def codes(report: RawReport) -> set[str]:
     return {f.code for f in report.findings}
 
 
@@ -153,7 +153,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory, bases: dict[str, Path]) -> 
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_payload_is_reported_and_never_executed(name: str, corpus: dict[str, Hostile]) -> None:
     h = corpus[name]
-    report = audit(str(h.path))
+    report = run_audit(str(h.path))
     unsafe = [f for f in report.findings if f.code == "security.unsafe-pickle"]
     assert unsafe, [(f.code, f.message) for f in report.findings]
     assert any(f.subject == h.subject and h.expected in f.message for f in unsafe), [
@@ -174,13 +174,13 @@ def test_payload_is_reported_and_never_executed(name: str, corpus: dict[str, Hos
 
 
 def test_the_rest_of_a_checkpoint_with_a_payload_is_still_audited(corpus: dict[str, Hostile]) -> None:
-    report = audit(str(corpus["accelerate-random_states"].path))
+    report = run_audit(str(corpus["accelerate-random_states"].path))
     model = [t for t in report.tensors if t.component == "model"]
     assert len(model) == 6 and all(t.hash is not None and t.precision is Precision.EXACT for t in model)
     assert any(t.component == "optimizer" and t.hash is not None for t in report.tensors)
     found = {c.kind.value for c in report.components if c.found}
     assert {"model", "optimizer", "scheduler", "rng"} <= found  # the RNG file exists, it just is not loaded
-    dcp = audit(str(corpus["dcp-non-tensor-item"].path))
+    dcp = run_audit(str(corpus["dcp-non-tensor-item"].path))
     assert {t.name for t in dcp.tensors if t.hash is not None} >= {"model/0.weight", "optim/state/0.weight/exp_avg"}
 
 
@@ -200,7 +200,7 @@ def test_real_training_args_is_not_loaded_but_only_a_warning(tmp_path: Path) -> 
     ckpt = rc.accelerate_directory(tmp_path / "checkpoint-2")
     args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[])
     torch.save(args, ckpt / "training_args.bin")  # exactly what Trainer._save does
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     mine = [f for f in report.findings if f.subject == "training_args.bin"]
     assert [f.code for f in mine] == ["security.not-loaded"]
     assert mine[0].severity is Severity.WARNING
@@ -215,7 +215,7 @@ def test_harmless_class_called_with_arguments_is_unsafe(bases: dict[str, Path], 
            + b"\x85R.")
     path = tmp_path / "training_args.bin"
     hf.replace_data_pkl(bases["pt"], path, pkl)
-    report = audit(str(path))
+    report = run_audit(str(path))
     (f,) = [f for f in report.findings if f.code == "security.unsafe-pickle"]
     assert "TrainingArguments" in f.message and "called with arguments" in f.message
 
@@ -246,7 +246,7 @@ def test_dcp_metadata_naming_files_outside_its_directory_is_rejected(
     else:
         shutil.move(ckpt / ".metadata", tmp_path / "outside.metadata")
         (ckpt / ".metadata").symlink_to(tmp_path / "outside.metadata")
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     escapes = [f for f in report.findings if f.code == "integrity.path-escape"]
     assert escapes and all(f.severity is Severity.ERROR for f in escapes)
     # Nothing outside was read: no tensor of the checkpoint has a hash.
@@ -281,7 +281,7 @@ def test_dcp_items_sharing_bytes_are_corrupt(bases: dict[str, Path], tmp_path: P
     for info in infos[1:]:  # every item points at the first item's bytes
         info.relative_path, info.offset, info.length = infos[0].relative_path, infos[0].offset, infos[0].length
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     assert any(f.code == "integrity.corrupt" and "overlapping" in f.message for f in report.findings)
     assert len([t for t in report.tensors if t.hash is not None]) <= 1
 
@@ -493,7 +493,7 @@ def test_a_deflated_data_pkl_within_its_declared_size_still_loads(tmp_path: Path
         for info in zin.infolist():
             method = zipfile.ZIP_DEFLATED if info.filename.endswith("data.pkl") else zipfile.ZIP_STORED
             zout.writestr(info.filename, zin.read(info), compress_type=method)
-    report = audit(str(tmp_path / "repacked.pt"))
+    report = run_audit(str(tmp_path / "repacked.pt"))
     (rec,) = report.tensors
     assert rec.name == "w" and rec.hash is not None
 
@@ -596,7 +596,7 @@ def test_unreadable_file_inside_is_a_finding_and_unreadable_top_level_is_exit_2(
 ) -> None:
     ckpt = _dir_with(bases, tmp_path)
     (ckpt / "optimizer.pt").chmod(0)
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     assert any(f.code == "integrity.corrupt" and f.subject == "optimizer.pt" for f in report.findings)
     ckpt.chmod(0)
     try:
@@ -632,7 +632,7 @@ def test_hostile_names_cannot_drive_the_terminal(bases: dict[str, Path], tmp_pat
         h[evil] = h.pop(name)
 
     path = _st_header(bases["st"], tmp_path / "model.safetensors", edit)
-    report = audit(str(path))
+    report = run_audit(str(path))
     assert evil in {t.name for t in report.tensors}
     table = io.StringIO()
     render(report, OutputFormat.TABLE, table, verbose=True)
@@ -653,7 +653,7 @@ def test_serving_metadata_that_is_not_what_it_claims_is_a_finding(gate: str, bas
 
     path = tmp_path / "model.safetensors"
     save_file(load_file(str(bases["st"])), str(path), metadata={"artifact": "serving", "quality_gate": gate})
-    report = audit(str(path), AuditOptions(expect="serving"))
+    report = run_audit(str(path), AuditOptions(expect="serving"))
     assert codes(report) & {"integrity.corrupt", "artifact.gate-failed"}
 
 
@@ -665,9 +665,9 @@ def test_legacy_torch_save_is_scanned_and_never_loaded(tmp_path: Path) -> None:
     sentinel = tmp_path / "legacy.sentinel"
     torch.save({"w": torch.ones(2), "x": hf.payload_object("os.system", str(sentinel))}, evil,
                _use_new_zipfile_serialization=False)
-    assert codes(audit(str(clean))) >= {"security.unvetted-pickle"}  # an error: torch would unpickle it unvetted
-    assert "security.unsafe-pickle" not in codes(audit(str(clean)))
-    report = audit(str(evil))
+    assert codes(run_audit(str(clean))) >= {"security.unvetted-pickle"}  # an error: torch would unpickle it unvetted
+    assert "security.unsafe-pickle" not in codes(run_audit(str(clean)))
+    report = run_audit(str(evil))
     assert any(f.code == "security.unsafe-pickle" and "posix.system" in f.message for f in report.findings)
     assert not sentinel.exists()
 
@@ -679,6 +679,6 @@ def test_shard_index_naming_files_outside_the_directory(tmp_path: Path, bases: d
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"0.weight": "../../etc/passwd", "0.bias": "/etc/shadow",
                         "1.weight": "model-00001-of-00001.safetensors"}}))
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     escapes = {f.evidence["shard"] for f in report.findings if f.code == "integrity.path-escape"}
     assert escapes == {"../../etc/passwd", "/etc/shadow"}

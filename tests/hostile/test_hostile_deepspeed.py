@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 import hostile_deepspeed as hd
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.auditing.scan import scan_checkpoint
 from ckptaudit.cli import main
-from ckptaudit.findings import Report, Severity
+from ckptaudit.findings import RawReport, Severity
 from ckptaudit.formats.deepspeed.zero import MAX_EMPTY_PARAMS, _cut
 from ckptaudit.formats.io.tensors import iter_chunks
 from configurations import Written
@@ -68,7 +68,7 @@ def tag(ds: Written, name: str) -> Path:
     return root / (root / "latest").read_text().strip()
 
 
-def errors(report: Report) -> list[tuple[str, str]]:
+def errors(report: RawReport) -> list[tuple[str, str]]:
     return [(f.code, f.message) for f in report.findings if f.severity is Severity.ERROR]
 
 
@@ -164,7 +164,7 @@ def test_many_ranks_and_parameters_are_rebuilt_exactly_as_zero_to_fp32_does(ds: 
 def test_zero_size_parameters_get_empty_moments_not_rank_0s_whole_partition(ds: Written, tmp_path: Path) -> None:
     step = hd.empty_params(tag(ds, "s2-bf16"), tmp_path / "run" / "global_step2", count=3)
     (tmp_path / "run" / "latest").write_text("global_step2")
-    report = audit(str(step))
+    report = run_audit(str(step))
     assert not errors(report), errors(report)
     got = tensors(step)
     intact = tensors(tag(ds, "s2-bf16"))
@@ -182,7 +182,7 @@ def test_a_flood_of_empty_parameters_is_refused_before_any_is_built(ds: Written,
     """Each empty parameter costs a few bytes of pickle (a name and a memoised shape) and would be a master and
     two moments to audit: past MAX_EMPTY_PARAMS the layout is refused as a limit, nothing per parameter built."""
     step = hd.empty_params(tag(ds, "s2-bf16"), tmp_path / "global_step2", count=MAX_EMPTY_PARAMS + 1)
-    report = audit(str(step))
+    report = run_audit(str(step))
     (lost,) = [f for f in report.findings if f.code == "deepspeed.masters-missing"]
     assert lost.evidence.get("limit") is True and f"more than {MAX_EMPTY_PARAMS} parameters" in lost.message
     assert "were not rebuilt" in lost.message and "load_checkpoint would fail" not in lost.message
@@ -205,7 +205,7 @@ def _huge(shape: list[int]) -> Any:
                                              ("s2-bf16", [10**5000]), ("s3-bf16", [-1, 3]), ("s2-bf16", [True])])
 def test_absurd_parameter_shapes_are_masters_missing(ds: Written, tmp_path: Path, name: str, shape: list[int]) -> None:
     step = mutated(ds, name, tmp_path / name, _huge(shape), "*model_states.pt")
-    report = audit(str(step))
+    report = run_audit(str(step))
     (lost,) = [f for f in report.findings if f.code == "deepspeed.masters-missing"]
     assert "parameter shape" in lost.message and "cannot be mapped back" in lost.message, lost.message
     assert not [r for r in report.tensors if r.role == "parameter"]
@@ -218,7 +218,7 @@ def test_an_absurd_frozen_parameter_shape_under_zero3_is_one_unreadable_paramete
         state["frozen_param_shapes"] = {"frozen.w": [10**400]}
 
     step = mutated(ds, "s3-bf16", tmp_path / "s3", edit, "*model_states.pt")
-    report = audit(str(step))
+    report = run_audit(str(step))
     (lost,) = [f for f in report.findings if f.code == "deepspeed.masters-missing"]
     assert "parameter shape" in lost.message
 
@@ -231,7 +231,7 @@ def test_absurd_schedule_numbers_leave_the_lr_0_reading_undecided(ds: Written, t
             "warmup_max_lr": 0.01, "warmup_num_steps": 1, "total_num_steps": 10**400}}
 
     step = mutated(ds, "s1-bf16-warmup0", tmp_path / "w0", edit, "*model_states.pt")
-    report = audit(str(step))
+    report = run_audit(str(step))
     assert "precision.bf16-rounded" in {c for c, _ in errors(report)}
 
 
@@ -266,7 +266,7 @@ def test_a_ds_config_that_is_not_a_dict_changes_no_verdict(ds: Written, tmp_path
         state["ds_config"] = config
 
     step = mutated(ds, name, tmp_path / name, edit, "*model_states.pt")
-    damaged, intact = audit(str(step)), audit(str(tag(ds, name)))
+    damaged, intact = run_audit(str(step)), run_audit(str(tag(ds, name)))
     assert not errors(damaged), errors(damaged)
     assert [(t.name, t.hash, t.role) for t in damaged.tensors] == [(t.name, t.hash, t.role) for t in intact.tensors]
     assert {f.code for f in damaged.findings} == {f.code for f in intact.findings}
@@ -281,12 +281,12 @@ def test_an_optimizer_shard_of_a_rank_the_save_did_not_have_is_an_error(ds: Writ
     shutil.copy(step / hd.optim_name(1), step / hd.optim_name(2))  # left over from a 3-rank save
     theirs = zero_to_fp32(step, tmp_path)
     assert "Expected 2 of '*_optim_states.pt'" in theirs.get("error", ""), theirs
-    report = audit(str(step))
+    report = run_audit(str(step))
     (bad,) = [f for f in report.findings if f.code == "integrity.corrupt"]
     assert bad.subject == hd.optim_name(2) and bad.severity is Severity.ERROR
     assert "beyond the 2 ranks" in bad.message and "zero_to_fp32 refuses" in bad.message
     # What load_checkpoint reads (ranks 0 and 1) is still audited: the masters are the intact ones.
-    intact = audit(str(tag(ds, "s2-bf16")))
+    intact = run_audit(str(tag(ds, "s2-bf16")))
     assert [(t.name, t.hash) for t in report.tensors if t.role == "parameter"] == [
         (t.name, t.hash) for t in intact.tensors if t.role == "parameter"]
 
@@ -304,7 +304,7 @@ def test_shard_bookkeeping_zero_to_fp32_refuses_is_masters_missing(ds: Written, 
 
     step = mutated(ds, "s2-bf16", tmp_path / "s2", edit, "*optim_states.pt")
     theirs = zero_to_fp32(step, tmp_path)
-    report = audit(str(step))
+    report = run_audit(str(step))
     (lost,) = [f for f in report.findings if f.code == "deepspeed.masters-missing"]
     assert "cannot be mapped back" in lost.message
     assert not [r for r in report.tensors if r.role == "parameter"]
@@ -341,8 +341,8 @@ def test_absurd_numbers_in_the_model_states_record_are_rendered_not_raised(ds: W
         state["lr_scheduler"] = {"last_batch_iteration": 10**5000}
 
     step = mutated(ds, "s2-bf16", tmp_path / "s2", edit, "*model_states.pt")
-    report = audit(str(step))
-    intact = audit(str(tag(ds, "s2-bf16")))
+    report = run_audit(str(step))
+    intact = run_audit(str(tag(ds, "s2-bf16")))
     assert [(t.name, t.hash) for t in report.tensors if t.role == "parameter"] == [
         (t.name, t.hash) for t in intact.tensors if t.role == "parameter"]
     for fmt in OutputFormat:
@@ -382,7 +382,7 @@ def test_every_record_value_replaced_by_a_hostile_one_is_a_report(ds: Written, t
         (step / fname).unlink()  # a hard link to the fixture's file: never written through
         torch.save(state, step / fname)
         try:
-            report = audit(str(step))
+            report = run_audit(str(step))
             for fmt in OutputFormat:
                 render(report, fmt, io.StringIO(), verbose=True)
         except Exception as exc:  # every escape collected, reported at once

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.report import OutputFormat, render
 from ckptaudit.report.text import clean
 
@@ -41,7 +41,7 @@ def test_hostile_names_are_escaped_in_the_table_and_the_page(fmt: OutputFormat, 
     names = {f"layer{i}{ch}weight": torch.randn(512).to(torch.bfloat16).float() for i, ch in enumerate(HOSTILE)}
     path = tmp_path / "model.safetensors"
     save_file(names, str(path))
-    report = audit(str(path))
+    report = run_audit(str(path))
     assert {t.name for t in report.tensors} == set(names)  # read exactly as the library wrote them
     out = io.StringIO()
     render(report, fmt, out, verbose=True)
@@ -59,13 +59,13 @@ def test_hostile_names_are_escaped_in_the_table_and_the_page(fmt: OutputFormat, 
 @pytest.mark.parametrize("fmt", [OutputFormat.TABLE, OutputFormat.HTML])
 def test_a_traceback_keeps_its_lines_and_escapes_what_is_inside_them(fmt: OutputFormat) -> None:
     from ckptaudit.catalogue import finding
-    from ckptaudit.findings import Report
+    from ckptaudit.findings import RawReport
 
     # A user's exception message quoting a hostile name: the traceback's own newlines stay line breaks (below the
     # table, in the page's <pre>), every character of HOSTILE inside a line is shown escaped.
     name = "w" + "".join(HOSTILE) + "end"
     frames = f"Traceback (most recent call last):\n  File \"x.py\", line 3, in export\n    boom()\nKeyError: {name}"
-    bad = Report(command="resume-test", path="r:recipe", format="resume-test", findings=(finding(
+    bad = RawReport(command="resume-test", path="r:recipe", format="resume-test", findings=(finding(
         "resume.candidate-failed", "x.py:export", f"export: the candidate could not be written\n{frames}",
         stage="export"),))
     out = io.StringIO()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.cli import main
 
 
@@ -22,12 +22,12 @@ def test_a_manifest_shard_shape_that_is_not_a_list_of_ints_is_a_finding(sizes: o
 
     job = plain_recipe.setup(RankContext(rank=0, world_size=1, backend="gloo", shared_dir=""))
     saved = Path(save_checkpoint(job, tmp_path / "run").path)
-    assert not [f for f in audit(str(saved)).findings if f.code == "integrity.corrupt"]
+    assert not [f for f in run_audit(str(saved)).findings if f.code == "integrity.corrupt"]
     manifest = json.loads((saved / "manifest.json").read_text())
     name = sorted(manifest["tensors"])[0]
     manifest["tensors"][name]["shards"][0]["sizes"] = sizes
     (saved / "manifest.json").write_text(json.dumps(manifest))
-    report = audit(str(saved))
+    report = run_audit(str(saved))
     (bad,) = [f for f in report.findings if f.code == "integrity.corrupt"]
     assert bad.subject == "manifest.json" and "not a list of integers" in bad.message and name in bad.message
     assert main(["audit", str(saved), "--no-progress"], stdout=io.StringIO(), stderr=io.StringIO()) == 1
@@ -71,7 +71,7 @@ def test_plain_number_step_counters_past_float_and_str_are_a_finding_not_a_trace
     state["state"][0]["step"] = step  # a Python int, as capturable=False optimizers may store
     path = tmp_path / "ckpt.pt"
     torch.save({"model": model.state_dict(), "optimizer": state}, path)
-    report = audit(str(path))
+    report = run_audit(str(path))
     (odd,) = [f for f in report.findings if f.code == "optimizer.step-mismatch"]
     assert "disagree" in odd.message
     for fmt in ("json", "table", "html"):
@@ -83,7 +83,7 @@ def test_plain_number_step_counters_past_float_and_str_are_a_finding_not_a_trace
 
 
 def test_megatron_iteration_past_the_int_to_string_limit_is_spelled_not_raised() -> None:
-    from ckptaudit.layouts.megatron import _megatron_data_detail
+    from ckptaudit.layouts.megatron.layout import _megatron_data_detail
 
     huge = 10**5000
     assert "<integer of about 5001 digits>" in _megatron_data_detail({"iteration": huge,

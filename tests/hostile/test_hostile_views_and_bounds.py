@@ -22,7 +22,7 @@ import pytest
 import hostile_files as hf
 import real_checkpoints as rc
 from audit_worker import AuditWorker
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.cli import main
 from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_safe
 from ckptaudit.formats.pickle.scan import UnsafeGlobalError
@@ -103,7 +103,7 @@ def test_torch_save_dict_with_a_shadowing_attribute_is_refused(how: str, tmp_pat
 
     path = tmp_path / "model.pt"
     torch.save({"model": Shadowed({f"w{i}": torch.ones(4) for i in range(3)}, how)}, path)
-    report = audit(str(path))
+    report = run_audit(str(path))
     assert any(f.code == "integrity.corrupt" and how in f.message and "shadow" in f.message
                for f in report.findings), [(f.code, f.message) for f in report.findings]
     assert not report.tensors
@@ -176,7 +176,7 @@ def test_dcp_shards_that_overlap_and_leave_a_hole_are_corrupt(tmp_path: Path) ->
         md.storage_data[MetadataIndex("sharded", [row, 0])] = type(info)(f"__{rank}_0.distcp", hinfo.offset,
                                                                          hinfo.length)
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     bad = [f for f in report.findings if f.code == "integrity.corrupt" and f.subject == "sharded"]
     assert bad and "overlap" in bad[0].message, [(f.code, f.subject, f.message) for f in report.findings]
 
@@ -328,7 +328,7 @@ def test_safetensors_that_the_library_refuses_are_corrupt(damage: str, tmp_path:
     bad = _rewrite_safetensors(src, tmp_path / "model.safetensors", text, data)
     with pytest.raises(Exception):  # the reference library refuses it too (with its own error type)
         load_file(str(bad))
-    report = audit(str(bad))
+    report = run_audit(str(bad))
     assert any(f.code == "integrity.corrupt" and {"gap": "gap", "trailing-bytes": "no tensor holds",
                                                   "duplicate-key": "twice"}[damage] in f.message
                for f in report.findings), [(f.code, f.message) for f in report.findings]
@@ -394,7 +394,7 @@ def test_a_file_linked_from_outside_is_read_and_reported(bases: dict[str, Path],
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "model.safetensors").symlink_to(outside)  # how the Hugging Face cache lays out a snapshot
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     (link,) = [f for f in report.findings if f.code == "integrity.link-outside"]
     assert link.subject == "model.safetensors" and link.evidence["target"] == str(outside.resolve())
     assert report.tensors and all(t.hash is not None for t in report.tensors)
@@ -480,7 +480,7 @@ def test_a_manifest_claiming_2_31_ranks_is_bounded_by_what_is_on_disk(tmp_path: 
     manifest["world_size"] = 2**31
     (saved / "manifest.json").write_text(json.dumps(manifest))
     start = time.perf_counter()
-    report = audit(str(saved))
+    report = run_audit(str(saved))
     assert time.perf_counter() - start < 30
     lost = [f for f in report.findings if f.code == "component.missing" and "2147483648 ranks" in f.message]
     assert lost and all(len(f.evidence["ranks"]) <= 64 for f in lost), [(f.code, f.message) for f in report.findings]

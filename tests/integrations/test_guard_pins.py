@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptaudit.integrations._pins import PINS_DIR
 from ckptaudit.integrations.guard import CheckpointAuditFailed, Guard, report_path
+from ckptaudit.integrations.pinning import PINS_DIR
 from real_checkpoints import trained
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptaudit.integrations._worker import io_priority_class
 from ckptaudit.integrations.guard import Guard
+from ckptaudit.integrations.guard_worker import io_priority_class
 from real_checkpoints import trained
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE and ioprio are Linux's")

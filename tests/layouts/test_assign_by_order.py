@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.layouts import attachment as optcheck
 from ckptaudit.layouts.attachment import assign_by_order
 
@@ -131,7 +131,7 @@ def test_adafactor_factored_statistics_are_not_shape_mismatches(tmp_path: Path) 
     osd = opt.state_dict()
     assert any("row_var" in s for s in osd["state"].values())
     torch.save({"model": model.state_dict(), "optimizer": osd}, tmp_path / "adafactor.pt")
-    report = audit(str(tmp_path / "adafactor.pt"))
+    report = run_audit(str(tmp_path / "adafactor.pt"))
     assert report.extra["attachment"] == "unique-order", [f.message for f in report.findings]
     assert "optimizer.shape-mismatch" not in {f.code for f in report.findings}
     names = [n for n, _ in model.named_parameters()]
@@ -150,5 +150,5 @@ def test_malformed_param_groups_give_findings_not_tracebacks(tmp_path: Path) -> 
     for groups in ([{"params": [[0], {"a": 1}, 0, True]}], "not a list", [{"params": 7}], [3, None]):
         path = tmp_path / "odd.pt"
         torch.save({"model": model, "optimizer": {"state": state, "param_groups": groups}}, path)
-        report = audit(str(path))
+        report = run_audit(str(path))
         assert "optimizer.index-keyed" in {f.code for f in report.findings}

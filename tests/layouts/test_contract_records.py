@@ -100,3 +100,34 @@ def test_a_record_decides_and_a_contradicting_state_is_an_error() -> None:
     assert (contract.source, contract.detail) == ("live", "the live run: AdamW")
     assert [f.code for f in findings] == ["contract.mismatch"]
     assert infer_contract("float32", *bf16)[1] == []  # a flag is the user's word; the per-parameter errors follow
+
+
+def test_the_layout_rules_are_asked_in_their_order() -> None:
+    """Megatron's whole-checkpoint rule first; then a file is what its name says (an index, a manifest, a precision
+    record, ignored), a safetensors header's metadata is kept, DeepSpeed's part is taken whole, a component file is
+    that component, and only then are a dict's keys read. A rule registered out of order, or given another's place,
+    fails here."""
+    from ckptaudit.layouts.rules import PartRule, checkpoint_rules, part_rules, register_rule
+
+    assert [r.name for r in checkpoint_rules()] == ["megatron"]
+    assert [r.name for r in part_rules()] == ["named-files", "safetensors-metadata", "deepspeed", "component-files",
+                                              "keyed"]
+    with pytest.raises(ValueError, match="as 'keyed' has"):
+        register_rule(PartRule("other", order=90, applies=lambda part, ctx: True, read="x:y"))
+
+
+def test_a_file_named_for_a_component_is_that_component_whatever_its_keys(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``optimizer.pt`` holding a ``model`` key is the optimizer file (the component rule before the keyed one), and
+    ``scaler.pt`` is a precision record, never a model."""
+    import torch
+
+    from ckptaudit.findings import ComponentKind
+    from ckptaudit.formats import open_checkpoint
+    from ckptaudit.layouts import interpret
+
+    torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "optimizer.pt")
+    torch.save({"model": {"v": torch.ones(2)}, "scale": torch.tensor(2.0)}, tmp_path / "scaler.pt")
+    torch.save({"model": {"u": torch.ones(3)}}, tmp_path / "ckpt.pt")
+    view = interpret(open_checkpoint(str(tmp_path)))
+    assert view.components[ComponentKind.OPTIMIZER] == ["optimizer.pt"]
+    assert view.model is not None and set(view.model.params) == {"u"}

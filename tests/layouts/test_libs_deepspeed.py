@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.auditing.scan import scan_checkpoint
-from ckptaudit.comparing import compare
-from ckptaudit.findings import ComponentKind, Report, Severity
+from ckptaudit.comparing import run_compare
+from ckptaudit.findings import ComponentKind, RawReport, Severity
 from ckptaudit.formats.deepspeed.zero import _blocks
 from ckptaudit.formats.io.tensors import iter_chunks
 from ckptaudit.latest import latest_report
@@ -48,7 +48,7 @@ def truth(ds: Written) -> dict[str, Any]:
     return json.loads(Path(str(ds) + ".truth.json").read_text())
 
 
-def codes(report: Report, severity: Severity | None = None) -> set[str]:
+def codes(report: RawReport, severity: Severity | None = None) -> set[str]:
     return {f.code for f in report.findings if severity is None or f.severity is severity}
 
 
@@ -85,7 +85,7 @@ def test_an_export_cast_to_bf16_contradicts_the_saved_ds_config(ds: Path, tmp_pa
     sd = torch.load(states, weights_only=True)
     sd["optimizer"] = lib_writers.cast_to_bf16(sd["optimizer"])
     torch.save(sd, states)
-    report = audit(str(root))
+    report = run_audit(str(root))
     (mismatch,) = [f for f in report.findings if f.code == "contract.mismatch"]
     assert mismatch.severity is Severity.ERROR
     assert mismatch.message.startswith("global_step2/mp_rank_00_model_states.pt/ds_config records bf16.enabled=true")
@@ -95,7 +95,7 @@ def test_an_export_cast_to_bf16_contradicts_the_saved_ds_config(ds: Path, tmp_pa
     # The same state without the config: nothing records the masters, so the bf16 contract is only inferred.
     del sd["ds_config"]
     torch.save(sd, states)
-    bare = audit(str(root))
+    bare = run_audit(str(root))
     assert bare.contract is not None and bare.contract.source == "optimizer-state"
     assert "contract.inferred" in codes(bare, Severity.WARNING) and "contract.mismatch" not in codes(bare)
 
@@ -107,7 +107,7 @@ def test_an_export_cast_to_bf16_contradicts_the_saved_ds_config(ds: Path, tmp_pa
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("where", ["root", "tag"])
 def test_every_stage_audits_without_error_on_the_masters(ds: Written, name: str, where: str) -> None:
-    report = audit(str(ds / name if where == "root" else tag(ds, name)))
+    report = run_audit(str(ds / name if where == "root" else tag(ds, name)))
     assert report.format == "deepspeed"
     assert not codes(report, Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
     assert report.contract is not None and report.contract.master_dtype == "float32"
@@ -155,7 +155,7 @@ def test_every_stage_audits_without_error_on_the_masters(ds: Written, name: str,
 
 
 def test_inventory_reads_scheduler_steps_and_what_is_not_saved(ds: Written) -> None:
-    report = audit(str(ds / "s2-bf16"))
+    report = run_audit(str(ds / "s2-bf16"))
     comps = {c.kind: c for c in report.components}
     assert comps[ComponentKind.SCHEDULER].where == ("global_step2/lr_scheduler",)
     assert comps[ComponentKind.OPTIMIZER].found and "flat partitions" in comps[ComponentKind.OPTIMIZER].detail
@@ -166,7 +166,7 @@ def test_inventory_reads_scheduler_steps_and_what_is_not_saved(ds: Written) -> N
     assert [(f.subject, f.severity) for f in report.findings if f.code == "component.missing"] == [
         ("rng", Severity.WARNING)]
     assert report.extra["step"] == 2
-    assert audit(str(ds / "s1-bf16")).extra["step"] == 4  # latest names global_step4
+    assert run_audit(str(ds / "s1-bf16")).extra["step"] == 4  # latest names global_step4
 
 
 @pytest.mark.parametrize("name", ZERO)
@@ -179,7 +179,7 @@ def test_rebuilt_masters_equal_deepspeeds_own_zero_to_fp32_bit_for_bit(ds: Writt
         want = tensor.float().numpy().reshape(-1)
         assert np.array_equal(got[fqn].view(np.uint32), want.view(np.uint32)), fqn
     # compare: the torch.save of the fp32 state as reference, the DeepSpeed root as candidate.
-    report = compare(str(ds / f"{name}.zero_to_fp32.pt"), str(ds / name))
+    report = run_compare(str(ds / f"{name}.zero_to_fp32.pt"), str(ds / name))
     assert not codes(report, Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
     assert "parameters and buffers identical" in report.summary
 
@@ -206,21 +206,21 @@ def test_moments_rebuilt_from_two_flat_layouts_agree(ds: Written) -> None:
 
 
 def test_compare_deepspeed_against_itself_and_across_stages(ds: Written) -> None:
-    same = compare(str(ds / "s3-bf16"), str(ds / "s3-bf16"))
+    same = run_compare(str(ds / "s3-bf16"), str(ds / "s3-bf16"))
     assert same.summary.startswith("candidate = reference"), same.summary
     # ZeRO-2 vs ZeRO-3 of the same run: the masters are paired by name (not the empty ZeRO-3 placeholders).
-    across = compare(str(ds / "s2-bf16"), str(ds / "s3-bf16"))
+    across = run_compare(str(ds / "s2-bf16"), str(ds / "s3-bf16"))
     assert "compare.shape-mismatch" not in codes(across)
     assert "compare.missing" not in codes(across)
 
 
 def test_masters_rounded_in_the_engine_are_still_caught(ds: Written) -> None:
-    report = audit(str(ds / "s2-bf16-rounded"))
+    report = run_audit(str(ds / "s2-bf16-rounded"))
     rounded = [f for f in report.findings if f.code == "precision.bf16-rounded"]
     assert len(rounded) >= 4 and all("fp32_masters/" in f.subject for f in rounded)
     assert all(f.severity is Severity.ERROR for f in rounded)
     # The reference run's masters were not rounded: compare names the rounding too.
-    cmp = compare(str(ds / "s2-bf16.zero_to_fp32.pt"), str(ds / "s2-bf16-rounded"))
+    cmp = run_compare(str(ds / "s2-bf16.zero_to_fp32.pt"), str(ds / "s2-bf16-rounded"))
     assert "precision.bf16-rounded" in codes(cmp, Severity.ERROR)
 
 
@@ -249,7 +249,7 @@ def test_steps_at_lr_0_by_deepspeeds_own_schedule_are_not_rounded_masters(
         path = tmp_path / "root"
         shutil.copytree(step, path / tag_dir)
         (path / "latest").write_text(tag_dir)
-    report = audit(str(path))
+    report = run_audit(str(path))
     assert not codes(report, Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
     early = [f for f in report.findings if f.code == "precision.before-first-update"]
     assert len(early) >= 3 and all(f.severity is Severity.WARNING and "fp32_masters/" in f.subject for f in early)
@@ -260,7 +260,7 @@ def test_steps_at_lr_0_by_deepspeeds_own_schedule_are_not_rounded_masters(
 
 def test_the_same_run_rounded_after_real_steps_still_errors(ds: Written) -> None:
     # latest names global_step4: steps 3 and 4 applied lr > 0, then the masters were rounded to bf16.
-    report = audit(str(ds / "s1-bf16-warmup0"))
+    report = run_audit(str(ds / "s1-bf16-warmup0"))
     assert report.extra["step"] == 4
     rounded = [f for f in report.findings if f.code == "precision.bf16-rounded"]
     assert len(rounded) >= 4 and all(f.severity is Severity.ERROR for f in rounded)
@@ -332,7 +332,7 @@ def test_masters_lost_is_an_error_naming_the_masters(ds: Written, tmp_path: Path
     else:
         for f in step.glob(lose):
             f.unlink()
-    report = audit(str(root))
+    report = run_audit(str(root))
     (lost,) = [f for f in report.findings if f.code == "deepspeed.masters-missing"]
     assert lost.severity is Severity.ERROR
     assert "fp32 masters are gone" in lost.message and "rebuild the masters from the bf16" in lost.message
@@ -354,7 +354,7 @@ def test_partitions_that_do_not_add_up_are_masters_missing_not_a_traceback(ds: W
         sd = torch.load(f, weights_only=True)
         sd["param_shapes"][0]["body.0.weight"] = torch.Size([13, 9])  # 26 elements more than were partitioned
         torch.save(sd, f)
-    report = audit(str(root))
+    report = run_audit(str(root))
     (lost,) = [f for f in report.findings if f.code == "deepspeed.masters-missing"]
     assert "cannot be mapped back to parameters" in lost.message and "would end at element" in lost.message
     assert not [r for r in report.tensors if r.role == "parameter"]
@@ -381,14 +381,14 @@ def test_latest_skips_a_damaged_newest_tag_the_latest_file_names(ds: Written, tm
     rows = {row[0]: row for row in report.extra["sections"][0]["rows"]}
     assert rows["global_step4"][2] == "deepspeed" and rows["global_step4"][3] == "no"
     # The audit of the root follows the tag file, as load_checkpoint does, and says the masters are gone.
-    assert "deepspeed.masters-missing" in codes(audit(str(root)), Severity.ERROR)
+    assert "deepspeed.masters-missing" in codes(run_audit(str(root)), Severity.ERROR)
 
 
 def test_root_whose_latest_file_names_no_folder_audits_the_newest(ds: Written, tmp_path: Path) -> None:
     root = tmp_path / "run"
     shutil.copytree(ds / "s1-bf16", root)
     (root / "latest").write_text("global_step9")
-    report = audit(str(root))
+    report = run_audit(str(root))
     (f,) = [f for f in report.findings if f.code == "integrity.incomplete"]
     assert "global_step9" in f.message and "global_step4" in f.message
     assert report.extra["step"] == 4
@@ -399,7 +399,7 @@ def test_root_without_its_latest_file_audits_the_newest_tag(ds: Written, tmp_pat
     shutil.copytree(ds / "s1-bf16", root)
     (root / "latest").unlink()
     (root / "zero_to_fp32.py").unlink()
-    report = audit(str(root))
+    report = run_audit(str(root))
     assert report.format == "deepspeed" and report.extra["step"] == 4
     (f,) = [f for f in report.findings if f.code == "integrity.incomplete"]
     assert "no readable latest file" in f.message
@@ -424,7 +424,7 @@ def test_damaged_files_give_findings_never_a_traceback(ds: Written, tmp_path: Pa
                 for _ in range(8):
                     data[rng.randrange(size)] ^= 0xFF
                 victim.write_bytes(bytes(data))
-            report = audit(str(root))  # must not raise
+            report = run_audit(str(root))  # must not raise
             if damage != "flip":
                 assert report.fails(Severity.ERROR), (f.name, damage)
             shutil.rmtree(root)
@@ -443,7 +443,7 @@ def test_deepspeed_class_called_with_arguments_is_unsafe(ds: Written, tmp_path: 
     pkl = b"\x80\x02cdeepspeed.runtime.fp16.loss_scaler\nLossScaler\n" + hf._op_str("/tmp/x") + b"\x85R."
     path = tmp_path / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
     hf.replace_data_pkl(src, path, pkl)
-    report = audit(str(path))
+    report = run_audit(str(path))
     (f,) = [f for f in report.findings if f.code == "security.unsafe-pickle"]
     assert "LossScaler" in f.message and "called with arguments" in f.message
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.auditing.judge import audit
-from ckptaudit.findings import ComponentKind, Report, Severity
+from ckptaudit.auditing.judge import run_audit
+from ckptaudit.findings import ComponentKind, RawReport, Severity
 from ckptaudit.formats.torchload import safe_torch_load
 from ckptaudit.formats.zip.archive import read_torch_zip
 from configurations import Written
@@ -36,17 +36,17 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> Written:
     return written
 
 
-def codes(report: Report, severity: Severity | None = None) -> set[str]:
+def codes(report: RawReport, severity: Severity | None = None) -> set[str]:
     return {f.code for f in report.findings if severity is None or f.severity is severity}
 
 
-def one(report: Report, code: str) -> Any:
+def one(report: RawReport, code: str) -> Any:
     found = [f for f in report.findings if f.code == code]
     assert len(found) == 1, [f.message for f in report.findings]
     return found[0]
 
 
-def where(report: Report) -> dict[ComponentKind, tuple[str, ...]]:
+def where(report: RawReport) -> dict[ComponentKind, tuple[str, ...]]:
     return {c.kind: c.where for c in report.components}
 
 
@@ -62,7 +62,7 @@ def truth_by_key(checkpoint: Path, optimizer_file: str) -> dict[int, str]:
             for k, n in zip(g["params"], names, strict=True)}
 
 
-def attached(report: Report) -> dict[int, str | None]:
+def attached(report: RawReport) -> dict[int, str | None]:
     """Index key -> the parameter the audit attached that entry's exp_avg to."""
     return {int(t.name.split("/")[-2]): t.param for t in report.tensors
             if t.component == "optimizer" and t.role == "exp_avg"}
@@ -74,7 +74,7 @@ def attached(report: Report) -> dict[int, str | None]:
 
 def test_trainer_checkpoint_components_contract_and_step(hf: Written) -> None:
     ckpt = hf / "trainer-safetensors" / "checkpoint-2"
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     assert report.format == "huggingface-trainer"
     assert where(report) == {
         ComponentKind.MODEL: ("model.safetensors",),
@@ -100,7 +100,7 @@ def test_rng_states_load_through_the_allowlist(hf: Written) -> None:
         assert tz.loaded and not tz.scan.unsafe
         state = safe_torch_load(path)
         assert keys <= set(state)
-        report = audit(str(path.parent))
+        report = run_audit(str(path.parent))
         assert not [f for f in report.findings if f.subject == path.name], [f.message for f in report.findings]
         assert where(report)[ComponentKind.RNG] == (path.name,)
 
@@ -121,7 +121,7 @@ def test_training_args_are_reported_not_loaded_and_never_executed(hf: Written, m
     assert "__setstate__" not in TrainingArguments.__dict__
     monkeypatch.setattr(TrainingArguments, "__setstate__", tripwire, raising=False)
     ckpt = hf / "trainer-bin" / "checkpoint-2"
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     f = one(report, "security.not-loaded")
     assert f.subject == "training_args.bin" and f.severity is Severity.WARNING
     assert "transformers.training_args.TrainingArguments" in f.evidence["globals"]
@@ -144,7 +144,7 @@ def test_trainer_decay_split_is_attached_by_the_unique_order_consistent_assignme
     wrong = sum(osd["state"][i]["exp_avg"].shape != model[params[i]].shape for i in range(len(params)))
     assert wrong > len(params) // 2
 
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     f = one(report, "optimizer.index-keyed")
     assert f.severity is Severity.WARNING
     assert f.evidence["attachment"] == "unique-order" and f.evidence["groups"] == [len(g) for g in groups]
@@ -158,7 +158,7 @@ def test_trainer_decay_split_is_attached_by_the_unique_order_consistent_assignme
 
 
 def test_trainer_safetensors_order_unknown_is_unverified_not_mismatched(hf: Written) -> None:
-    report = audit(str(hf / "trainer-safetensors" / "checkpoint-2"))
+    report = run_audit(str(hf / "trainer-safetensors" / "checkpoint-2"))
     assert one(report, "optimizer.index-keyed").evidence["attachment"] == "unknown-order"
     assert one(report, "optimizer.attachment-unverified").severity is Severity.WARNING
     assert "optimizer.shape-mismatch" not in codes(report)
@@ -179,7 +179,7 @@ def _swap_first_entries_of_different_shapes(src: Path, dst: Path) -> tuple[int, 
 
 def test_swapped_entries_of_different_shapes_are_a_shape_mismatch(hf: Written, tmp_path: Path) -> None:
     a, b = _swap_first_entries_of_different_shapes(hf / "trainer-bin" / "checkpoint-2", tmp_path / "swapped")
-    report = audit(str(tmp_path / "swapped"))
+    report = run_audit(str(tmp_path / "swapped"))
     f = one(report, "optimizer.shape-mismatch")
     assert f.severity is Severity.ERROR and f.subject == "optimizer.pt"
     assert f"entry {a}," in f.message or f"entry {b}," in f.message
@@ -187,7 +187,7 @@ def test_swapped_entries_of_different_shapes_are_a_shape_mismatch(hf: Written, t
     # Beside model.safetensors (no parameter order) the same swap keeps the multiset of shapes: it can only be
     # reported as unverified, never as verified.
     _swap_first_entries_of_different_shapes(hf / "trainer-safetensors" / "checkpoint-2", tmp_path / "swapped-st")
-    st = audit(str(tmp_path / "swapped-st"))
+    st = run_audit(str(tmp_path / "swapped-st"))
     assert "optimizer.attachment-unverified" in codes(st)
     assert st.extra["attachment"] == "unknown-order"
 
@@ -215,10 +215,10 @@ def test_unordered_model_checks_the_multiset_of_moment_shapes(hf: Written, tmp_p
         have = Counter(tuple(fh.get_slice(k).get_shape()) for k in fh.keys())
     osd = safe_torch_load(src / "optimizer.pt")
     need = Counter(tuple(v["exp_avg"].shape) for v in osd["state"].values())
-    assert audit(str(src)).extra["attachment"] == "unknown-order"
+    assert run_audit(str(src)).extra["attachment"] == "unknown-order"
 
     lacking = _reshape_entry(src, tmp_path / "lacking", (3, 5, 7))
-    report = audit(str(tmp_path / "lacking"))
+    report = run_audit(str(tmp_path / "lacking"))
     f = one(report, "optimizer.shape-mismatch")
     assert f.severity is Severity.ERROR and "moment shapes the model lacks: 1 x [3, 5, 7]" in f.message, f.message
     assert report.extra["attachment"] == "mismatch" and lacking in osd["state"]
@@ -226,7 +226,7 @@ def test_unordered_model_checks_the_multiset_of_moment_shapes(hf: Written, tmp_p
     # A shape every one of whose model tensors already has its entry: one entry more of it cannot fit.
     full = next(shape for shape, n in have.items() if need[shape] == n)
     _reshape_entry(src, tmp_path / "one-too-many", full, avoid=full)
-    report = audit(str(tmp_path / "one-too-many"))
+    report = run_audit(str(tmp_path / "one-too-many"))
     f = one(report, "optimizer.shape-mismatch")
     assert f"moment shapes the model lacks: 1 x {list(full)}" in f.message, f.message
     assert report.extra["attachment"] == "mismatch"
@@ -238,7 +238,7 @@ def test_unordered_model_checks_the_multiset_of_moment_shapes(hf: Written, tmp_p
 
 
 def test_accelerate_save_state_components(hf: Written) -> None:
-    report = audit(str(hf / "accelerate"))
+    report = run_audit(str(hf / "accelerate"))
     assert report.format == "accelerate"
     found = where(report)
     assert found[ComponentKind.MODEL] == ("model.safetensors",)
@@ -258,7 +258,7 @@ def test_frozen_parameter_of_a_repeated_shape_makes_the_attachment_ambiguous(hf:
     ckpt = hf / "accelerate-bin-frozen"
     frozen = truth(ckpt)["frozen"]
     sibling = frozen.replace("gate_proj", "up_proj")
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     assert report.extra["attachment"] == "ambiguous"
     f = one(report, "optimizer.attachment-unverified")
     expected = truth_by_key(ckpt, "optimizer.bin")
@@ -280,7 +280,7 @@ def test_sharded_safetensors_with_index(hf: Written, tmp_path: Path) -> None:
     index = json.loads((src / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2
-    report = audit(str(src))
+    report = run_audit(str(src))
     assert report.format == "huggingface-sharded"
     assert set(where(report)[ComponentKind.MODEL]) == {*shards, "model.safetensors.index.json"}
     model = sorted(t.name.split("/", 1)[1] for t in report.tensors if t.component == "model")
@@ -291,7 +291,7 @@ def test_sharded_safetensors_with_index(hf: Written, tmp_path: Path) -> None:
     shutil.copytree(src, damaged)
     lost = shards[1]
     (damaged / lost).unlink()
-    report = audit(str(damaged))
+    report = run_audit(str(damaged))
     f = one(report, "integrity.incomplete")
     assert f.subject == lost and f.severity is Severity.ERROR
     assert f.evidence["tensors"] == sorted(t for t, s in index["weight_map"].items() if s == lost)
@@ -303,7 +303,7 @@ def test_sharded_safetensors_with_index(hf: Written, tmp_path: Path) -> None:
 
 def test_peft_lora_frozen_base_embedding_is_not_optimised_so_no_master_is_due(hf: Written) -> None:
     ckpt = hf / "peft-lora" / "checkpoint-2"
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     assert report.format == "huggingface-trainer"
     assert where(report)[ComponentKind.MODEL] == ("adapter_model.safetensors",)
     assert not report.fails(Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
@@ -331,7 +331,7 @@ def test_peft_lora_adapter_saved_rounded_is_still_an_error(hf: Written, tmp_path
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
     tensors[name] = (tensors[name].view("uint32") & 0xFFFF0000).view("float32")
     save_file(tensors, str(ckpt / "adapter_model.safetensors"), metadata={"format": "pt"})
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     errors = [(f.code, f.subject) for f in report.findings if f.severity is Severity.ERROR]
     assert errors == [("precision.bf16-rounded", f"adapter_model.safetensors/{name}")]
     assert one(report, "precision.not-optimised").severity is Severity.INFO
@@ -341,7 +341,7 @@ def test_peft_lora_adapter_saved_rounded_is_still_an_error(hf: Written, tmp_path
 def test_a_bf16_frozen_parameter_the_index_keyed_state_cannot_place_is_not_judged(hf: Written, name: str) -> None:
     """From a bf16 release, gate_proj frozen: it keeps its bf16 values, and index-keyed state cannot tell it from
     up_proj (same shape): by order beside pytorch_model.bin, by shape beside model.safetensors."""
-    report = audit(str(hf / name))
+    report = run_audit(str(hf / name))
     assert not report.fails(Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
     assert report.extra["attachment"] == ("ambiguous" if "bin" in name else "unknown-order")
     note = one(report, "precision.not-judged")
@@ -359,7 +359,7 @@ def test_rounded_parameters_that_cannot_all_be_frozen_are_still_errors(hf: Writt
     up = "model.layers.0.mlp.up_proj.weight"
     tensors[up] = (tensors[up].view("uint32") & 0xFFFF0000).view("float32")
     save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     errors = {(f.code, f.subject) for f in report.findings if f.severity is Severity.ERROR}
     assert errors == {("precision.bf16-rounded", f"model.safetensors/{p}")
                       for p in (up, "model.layers.0.mlp.gate_proj.weight")}
@@ -390,7 +390,7 @@ def _export_cast_to_bf16(src: Path, dst: Path, optimizer_file: str) -> Path:
 @pytest.mark.parametrize("name", ["trainer-fp16", "accelerate-fp16"])
 def test_a_saved_grad_scaler_decides_fp32_masters(hf: Written, name: str) -> None:
     ckpt = hf / name / "checkpoint-2" if name.startswith("trainer") else hf / name
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     assert report.contract is not None
     assert (report.contract.master_dtype, report.contract.source, report.contract.where) == (
         "float32", "grad-scaler", "scaler.pt")
@@ -404,7 +404,7 @@ def test_a_saved_grad_scaler_decides_fp32_masters(hf: Written, name: str) -> Non
 def test_an_export_cast_to_bf16_contradicts_the_saved_grad_scaler(hf: Written, tmp_path: Path, name: str) -> None:
     ckpt = hf / name / "checkpoint-2" if name.startswith("trainer") else hf / name
     opt = "optimizer.pt" if name.startswith("trainer") else "optimizer.bin"
-    report = audit(str(_export_cast_to_bf16(ckpt, tmp_path / name, opt)))
+    report = run_audit(str(_export_cast_to_bf16(ckpt, tmp_path / name, opt)))
     mismatch = one(report, "contract.mismatch")
     assert mismatch.severity is Severity.ERROR
     assert mismatch.message.startswith("scaler.pt records a GradScaler state")
@@ -421,7 +421,7 @@ def test_an_export_cast_to_bf16_where_nothing_records_the_masters_is_a_warning_n
     from ckptaudit.auditing.judge import AuditOptions
 
     ckpt = _export_cast_to_bf16(hf / "trainer-safetensors" / "checkpoint-2", tmp_path / "export", "optimizer.pt")
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     assert report.contract is not None
     assert (report.contract.master_dtype, report.contract.source) == ("bfloat16", "optimizer-state")
     inferred = one(report, "contract.inferred")
@@ -429,5 +429,5 @@ def test_an_export_cast_to_bf16_where_nothing_records_the_masters_is_a_warning_n
     assert "--master-dtype float32" in inferred.message
     assert "training_args.bin: bf16=False, fp16=False" in inferred.message
     assert not codes(report, Severity.ERROR)
-    declared = audit(str(ckpt), AuditOptions(master_dtype="float32"))
+    declared = run_audit(str(ckpt), AuditOptions(master_dtype="float32"))
     assert "precision.low-precision-storage" in codes(declared, Severity.ERROR)

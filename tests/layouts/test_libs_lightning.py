@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.auditing.judge import AuditOptions, audit
-from ckptaudit.findings import ComponentKind, Report, Severity
+from ckptaudit.auditing.judge import AuditOptions, run_audit
+from ckptaudit.findings import ComponentKind, RawReport, Severity
 from ckptaudit.formats.torchload import safe_torch_load
 from configurations import Written
 
@@ -47,12 +47,12 @@ def truth(ckpt: Path) -> dict[str, Any]:
     return json.loads(Path(str(ckpt) + ".truth.json").read_text())
 
 
-def codes(report: Report, severity: Severity | None = None) -> set[str]:
+def codes(report: RawReport, severity: Severity | None = None) -> set[str]:
     return {f.code for f in report.findings if severity is None or f.severity is severity}
 
 
 def test_fp32_run_components_step_and_contract(ckpts: Ckpts) -> None:
-    report = audit(str(ckpts["fp32"]))
+    report = run_audit(str(ckpts["fp32"]))
     assert report.format == "lightning"
     comps = {c.kind: c for c in report.components}
     assert comps[ComponentKind.MODEL].where == ("state_dict",)
@@ -72,7 +72,7 @@ def test_fp32_run_components_step_and_contract(ckpts: Ckpts) -> None:
 def test_decay_groups_and_leading_buffer_are_attached_exactly(ckpts: Ckpts) -> None:
     ckpt = ckpts["fp32"]
     groups = truth(ckpt)["groups"]
-    report = audit(str(ckpt))
+    report = run_audit(str(ckpt))
     index_keyed = next(f for f in report.findings if f.code == "optimizer.index-keyed")
     assert index_keyed.evidence["attachment"] == "unique-order"
     assert index_keyed.evidence["groups"] == [len(g) for g in groups]
@@ -89,7 +89,7 @@ def test_decay_groups_and_leading_buffer_are_attached_exactly(ckpts: Ckpts) -> N
 
 
 def test_bf16_true_is_clean_under_its_low_precision_contract(ckpts: Ckpts) -> None:
-    report = audit(str(ckpts["bf16-true"]))
+    report = run_audit(str(ckpts["bf16-true"]))
     params = [t for t in report.tensors if t.component == "model" and t.role == "parameter"]
     moments = [t for t in report.tensors if t.component == "optimizer" and t.role in ("exp_avg", "exp_avg_sq")]
     assert {t.dtype for t in params} == {"bfloat16"} and {t.dtype for t in moments} == {"bfloat16"}
@@ -102,10 +102,10 @@ def test_bf16_true_is_clean_under_its_low_precision_contract(ckpts: Ckpts) -> No
     assert not codes(report, Severity.ERROR)
     assert not {c for c in codes(report) if c.startswith("precision.")}
     # Declared, it is clean of that warning.
-    declared = audit(str(ckpts["bf16-true"]), AuditOptions(master_dtype="bfloat16"))
+    declared = run_audit(str(ckpts["bf16-true"]), AuditOptions(master_dtype="bfloat16"))
     assert "contract.inferred" not in codes(declared) and not codes(declared, Severity.ERROR)
     # Held to fp32 masters, every parameter is low-precision storage.
-    strict = audit(str(ckpts["bf16-true"]), AuditOptions(master_dtype="float32"))
+    strict = run_audit(str(ckpts["bf16-true"]), AuditOptions(master_dtype="float32"))
     flagged = {f.subject for f in strict.findings if f.code == "precision.low-precision-storage"}
     assert flagged == {t.name for t in params}
 
@@ -116,7 +116,7 @@ def test_16_mixed_records_its_grad_scaler_and_an_export_cast_to_bf16_contradicts
 
     import lib_writers
 
-    report = audit(str(ckpts["16-mixed"]))
+    report = run_audit(str(ckpts["16-mixed"]))
     assert report.contract is not None
     assert (report.contract.master_dtype, report.contract.source, report.contract.where) == (
         "float32", "grad-scaler", "MixedPrecision")
@@ -126,12 +126,12 @@ def test_16_mixed_records_its_grad_scaler_and_an_export_cast_to_bf16_contradicts
     state["state_dict"] = lib_writers.cast_to_bf16(state["state_dict"])
     state["optimizer_states"] = lib_writers.cast_to_bf16(state["optimizer_states"])
     torch.save(state, tmp_path / "export.ckpt")
-    cast = audit(str(tmp_path / "export.ckpt"))
+    cast = run_audit(str(tmp_path / "export.ckpt"))
     (mismatch,) = [f for f in cast.findings if f.code == "contract.mismatch"]
     assert mismatch.severity is Severity.ERROR and mismatch.message.startswith("MixedPrecision records a GradScaler")
     assert "precision.low-precision-storage" in codes(cast, Severity.ERROR)
     # Without the record (a bf16-mixed run keeps none), the same export is a warning that names the flag.
     del state["MixedPrecision"]
     torch.save(state, tmp_path / "no-record.ckpt")
-    bare = audit(str(tmp_path / "no-record.ckpt"))
+    bare = run_audit(str(tmp_path / "no-record.ckpt"))
     assert "contract.inferred" in codes(bare, Severity.WARNING) and not codes(bare, Severity.ERROR)

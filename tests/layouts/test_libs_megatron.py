@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.findings import ComponentKind, Precision, Severity
 from ckptaudit.formats.dcp.metadata import dcp_metadata_loads, load_dcp_metadata
 from ckptaudit.formats.dcp.reader import check_metadata_safe
@@ -74,7 +74,7 @@ def test_planner_allowlist_admits_the_dataclasses_only() -> None:
 
 
 def test_full_checkpoint_reads_every_tensor_and_attaches_the_masters(megatron: dict[str, Any]) -> None:
-    report = audit(megatron["paths"]["full"])
+    report = run_audit(megatron["paths"]["full"])
     assert report.format == "megatron"
     assert report.extra["step"] == megatron["step"] == 2  # common.pt's iteration
     # No finding at all: common.pt pickles Megatron-LM's args (an argparse.Namespace) and Megatron's enums, which
@@ -105,7 +105,7 @@ def test_full_checkpoint_reads_every_tensor_and_attaches_the_masters(megatron: d
 
 
 def test_masters_rounded_to_bf16_are_found(megatron: dict[str, Any]) -> None:
-    report = audit(megatron["paths"]["rounded-masters"])
+    report = run_audit(megatron["paths"]["rounded-masters"])
     rounded = {f.subject for f in report.findings if f.code == "precision.bf16-rounded"}
     assert rounded == {f"optimizer.state.fp32_param.{p}" for p in megatron["bf16_params"]}
     assert "precision.low-precision-storage" not in _codes(report)  # the bf16 copies are not the defect
@@ -115,7 +115,7 @@ def test_masters_rounded_to_bf16_are_found(megatron: dict[str, Any]) -> None:
 def test_a_state_cast_to_bf16_contradicts_the_saved_args(megatron: dict[str, Any]) -> None:
     # Masters, moments and the fp32 weights all stored as bf16 (an exporter that cast the whole state): alone, the
     # tensors would look like a run with bf16 masters; Megatron's own args (bf16=True: fp32 main params) say not.
-    report = audit(megatron["paths"]["cast-to-bf16"])
+    report = run_audit(megatron["paths"]["cast-to-bf16"])
     assert report.contract is not None and (report.contract.source, report.contract.master_dtype) == (
         "megatron-args", "float32")
     (mismatch,) = [f for f in report.findings if f.code == "contract.mismatch"]
@@ -129,7 +129,7 @@ def test_a_state_cast_to_bf16_contradicts_the_saved_args(megatron: dict[str, Any
 
 
 def test_model_only_checkpoint_reports_the_missing_optimizer(megatron: dict[str, Any]) -> None:
-    report = audit(megatron["paths"]["model-only"])
+    report = run_audit(megatron["paths"]["model-only"])
     assert report.format == "megatron"
     assert report.extra["step"] == 2
     missing = {f.subject: f.severity for f in report.findings if f.code == "component.missing"}
@@ -177,7 +177,7 @@ def test_latest_skips_a_damaged_iteration_the_tracker_names(megatron: dict[str, 
 
 def test_distributed_optimizer_masters_by_name(megatron: dict[str, Any]) -> None:
     # fully_reshardable: every parameter's fp32 master is optimizer.state.param.<key>, the fp32 weights' included.
-    report = audit(megatron["paths"]["distributed-fully-reshardable"])
+    report = run_audit(megatron["paths"]["distributed-fully-reshardable"])
     assert report.findings == ()
     masters = {t.param: t for t in report.tensors if t.component == "optimizer" and t.role == "param"}
     assert set(masters) == set(megatron["params"])
@@ -188,7 +188,7 @@ def test_distributed_optimizer_masters_by_name(megatron: dict[str, Any]) -> None
 def test_distributed_optimizer_buckets_are_optimizer_state_not_judged_by_parameter(megatron: dict[str, Any]) -> None:
     # dp_reshardable: flat buckets per rank; never taken for model parameters, attachment said to be unverified,
     # the bf16 weights not flagged (their masters are in the buckets), the buckets' masters held to the contract.
-    report = audit(megatron["paths"]["distributed-dp-reshardable"])
+    report = run_audit(megatron["paths"]["distributed-dp-reshardable"])
     params = {t.name for t in report.tensors if t.component == "model" and t.role == "parameter"}
     assert params == set(megatron["params"])
     buckets = [t for t in report.tensors if t.name.startswith("optimizer.distributed.")]

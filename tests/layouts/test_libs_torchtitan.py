@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.findings import ComponentKind, Precision, Severity
 from ckptaudit.formats.dcp.metadata import load_dcp_metadata
 from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
@@ -38,7 +38,7 @@ def titan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_torchtitan_layout_is_read_where_it_is_and_clean(titan: dict[str, Any]) -> None:
     path = Path(titan["path"])
     assert path.name == "step-2" and path.parent.name == "checkpoint"
-    report = audit(str(path))
+    report = run_audit(str(path))
     assert report.format == "torchtitan"
     comps = {c.kind: c for c in report.components}
     assert comps[ComponentKind.MODEL].where == ("(root) (top-level keys)",)
@@ -62,7 +62,7 @@ def test_torchtitan_layout_is_read_where_it_is_and_clean(titan: dict[str, Any]) 
 
 
 def test_flattened_optimizer_state_is_attached_by_name(titan: dict[str, Any]) -> None:
-    report = audit(titan["path"])
+    report = run_audit(titan["path"])
     assert report.extra["attachment"] == "by-name"
     moments = [t for t in report.tensors if t.component == "optimizer" and t.role in ("exp_avg", "exp_avg_sq")]
     assert {t.name for t in moments} == {f"optimizer/state.{p}.{m}" for p in titan["params"]
@@ -72,7 +72,7 @@ def test_flattened_optimizer_state_is_attached_by_name(titan: dict[str, Any]) ->
 
 def test_seed_checkpoint_before_the_first_step_is_a_warning_not_an_error(titan: dict[str, Any]) -> None:
     """torchtitan's step-0 checkpoint: AdamW state filled by its own zero-lr step, masters = the bf16 initial weights."""
-    report = audit(titan["step0"])
+    report = run_audit(titan["step0"])
     assert report.extra["step"] == 0
     assert not report.fails(Severity.ERROR), [f.message for f in report.findings if f.severity is Severity.ERROR]
     early = [f for f in report.findings if f.code == "precision.before-first-update"]
@@ -90,7 +90,7 @@ def test_a_lost_rank_file_names_what_it_took(titan: dict[str, Any], tmp_path: Pa
     shutil.copytree(titan["path"], damaged)
     # DCP writes replicated items (the scheduler, world_size, step scalars) into the last rank's file.
     (damaged / "__1_0.distcp").unlink()
-    report = audit(str(damaged))
+    report = run_audit(str(damaged))
     incomplete = [f for f in report.findings if f.code == "integrity.incomplete"]
     assert [f.subject for f in incomplete] == ["__1_0.distcp"]
     assert report.fails(Severity.ERROR)

@@ -17,10 +17,10 @@ import torch
 import xxhash
 
 from ckptaudit.cli import main
-from ckptaudit.findings import Report, Severity
+from ckptaudit.findings import RawReport, Severity
 from ckptaudit.formats.torchload import safe_torch_load
 from ckptaudit.launch import launch
-from ckptaudit.probe import Probe, ProbeResult, judge
+from ckptaudit.probe import Probe, ProbeResult, judge_probe
 from ckptaudit.probe.regions import combine
 
 pytestmark = pytest.mark.dist
@@ -42,11 +42,11 @@ def fsdp2_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def verdicts(result: ProbeResult) -> dict[str, str]:
-    report = judge(result)
+    report = judge_probe(result)
     return {p["name"]: p["verdict"] for p in report.extra["probe"]["parameters"]}
 
 
-def codes(report: Report) -> dict[str, set[str]]:
+def codes(report: RawReport) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for f in report.findings:
         out.setdefault(f.code, set()).add(f.subject)
@@ -67,7 +67,7 @@ def _independent_combined(full: torch.Tensor, world: int = 2) -> str:
 
 def test_documented_path_is_faithful_at_all_three_points(fsdp2_run: dict[str, Any]) -> None:
     result: ProbeResult = fsdp2_run["documented"]
-    report = judge(result)
+    report = judge_probe(result)
     assert report.findings == (), [f.message for f in report.findings]
     assert set(verdicts(result).values()) == {"faithful"}
     assert len(result.params) == N_PARAMS and result.wrapper == "fsdp2" and result.world_size == 2
@@ -91,7 +91,7 @@ def test_documented_path_is_faithful_at_all_three_points(fsdp2_run: dict[str, An
 
 def test_compute_copy_upcast_to_fp32_is_caught(fsdp2_run: dict[str, Any]) -> None:
     result: ProbeResult = fsdp2_run["compute-copy-fp32"]
-    report = judge(result)
+    report = judge_probe(result)
     assert set(verdicts(result).values()) == {"compute-copy-upcast"}
     assert codes(report) == {"probe.saved-compute-copy": {p.fqn for p in result.params}}
     assert report.fails(Severity.ERROR)
@@ -104,7 +104,7 @@ def test_compute_copy_upcast_to_fp32_is_caught(fsdp2_run: dict[str, Any]) -> Non
 
 def test_compute_copy_stored_as_bf16_is_caught(fsdp2_run: dict[str, Any]) -> None:
     result: ProbeResult = fsdp2_run["compute-copy-bf16"]
-    report = judge(result)
+    report = judge_probe(result)
     assert set(verdicts(result).values()) == {"compute-copy"}
     assert codes(report) == {"probe.saved-compute-copy": {p.fqn for p in result.params}}
     saved = safe_torch_load(fsdp2_run["dir"] / "compute-copy-bf16.pt")["model"]
@@ -121,7 +121,7 @@ def test_a_parameter_forward_did_not_show_is_judged_by_the_rounded_master(fsdp2_
 
     full: ProbeResult = fsdp2_run["compute-copy-fp32"]
     partial = replace(full, compute={k: v for k, v in full.compute.items() if k != "head.weight"})
-    report = judge(partial)
+    report = judge_probe(partial)
     head = next(p for p in report.extra["probe"]["parameters"] if p["name"] == "head.weight")
     # The master rounded to the compute dtype the other parameters were seen in, upcast: still the compute copy.
     assert head["verdict"] == "compute-copy-upcast" and "did not show" in head["detail"]
@@ -134,7 +134,7 @@ def test_a_parameter_forward_did_not_show_is_judged_by_the_rounded_master(fsdp2_
 
 def test_fp16_rounded_masters_are_a_mismatch_not_a_compute_copy(fsdp2_run: dict[str, Any]) -> None:
     result: ProbeResult = fsdp2_run["fp16-copy"]
-    report = judge(result)
+    report = judge_probe(result)
     v = verdicts(result)
     assert set(v.values()) == {"rounded"}
     assert set(codes(report)) == {"probe.mismatch"}
@@ -146,7 +146,7 @@ def test_state_dicts_in_memory(fsdp2_run: dict[str, Any]) -> None:
     assert set(verdicts(fsdp2_run["state-dict-dtensor"]).values()) == {"faithful"}
     assert set(verdicts(fsdp2_run["state-dict-full"]).values()) == {"faithful"}
     broken = fsdp2_run["state-dict-broken"]
-    report = judge(broken)
+    report = judge_probe(broken)
     v = verdicts(broken)
     assert v["head.weight"] == "not-saved"
     assert v["blocks.0.mlp.fc.weight"] == "mismatch"
@@ -164,7 +164,7 @@ def test_a_checkpoint_one_rank_cannot_read_fails_on_every_rank(fsdp2_run: dict[s
 
 
 def test_compute_copies_recorded_before_an_update_are_flagged(fsdp2_run: dict[str, Any]) -> None:
-    report = judge(fsdp2_run["stale"])
+    report = judge_probe(fsdp2_run["stale"])
     stale = codes(report).get("probe.compute-not-master", set())
     # AdamW moves every parameter in a step, so every recorded compute copy is now out of date.
     assert stale == {p.fqn for p in fsdp2_run["stale"].params}
@@ -175,7 +175,7 @@ def test_json_report_carries_the_three_points(fsdp2_run: dict[str, Any]) -> None
     from ckptaudit.report import OutputFormat, render
 
     buf = io.StringIO()
-    render(judge(fsdp2_run["compute-copy-bf16"]), OutputFormat.JSON, buf)
+    render(judge_probe(fsdp2_run["compute-copy-bf16"]), OutputFormat.JSON, buf)
     doc = json.loads(buf.getvalue())
     assert doc["command"] == "probe"
     probe = doc["probe"]
@@ -193,7 +193,7 @@ def test_json_report_carries_the_three_points(fsdp2_run: dict[str, Any]) -> None
 
 def test_low_precision_masters_are_a_contract_not_a_defect(tmp_path: Path) -> None:
     result = launch(_jobs().low_precision, 2, (str(tmp_path), 3), timeout_s=300)[0]["documented"]
-    report = judge(result)
+    report = judge_probe(result)
     assert set(verdicts(result).values()) == {"faithful"}
     assert {f.code for f in report.findings} == {"probe.low-precision-masters"}
     assert not report.fails(Severity.WARNING)
@@ -205,7 +205,7 @@ def test_ddp_and_fsdp2_without_mixed_precision(tmp_path: Path) -> None:
     results = launch(_jobs().ddp_and_fsdp2_fp32, 2, (str(tmp_path), 3), timeout_s=300)[0]
     ddp = results["ddp-documented"]
     assert ddp.wrapper == "ddp" and set(verdicts(ddp).values()) == {"faithful"}
-    assert judge(ddp).findings == ()
+    assert judge_probe(ddp).findings == ()
     # Replicas: each rank's region is the whole tensor, and the replicas agree.
     for shards in ddp.masters.values():
         assert shards[0].hash == shards[1].hash and shards[0].region.sizes == shards[0].local_shape
@@ -213,7 +213,7 @@ def test_ddp_and_fsdp2_without_mixed_precision(tmp_path: Path) -> None:
     assert {c[0].dtype for c in ddp.compute.values()} == {"float32"}
     assert set(verdicts(results["ddp-bf16"]).values()) == {"rounded"}
     fp32 = results["fsdp2-fp32-documented"]
-    assert fp32.wrapper == "fsdp2" and judge(fp32).findings == ()
+    assert fp32.wrapper == "fsdp2" and judge_probe(fp32).findings == ()
     assert {c[0].dtype for c in fp32.compute.values()} == {"float32"}
 
 
@@ -221,7 +221,7 @@ def test_fsdp1_use_orig_params(tmp_path: Path) -> None:
     results = launch(_jobs().fsdp1, 2, (str(tmp_path), 3), timeout_s=300)[0]
     doc = results["documented"]
     assert doc.wrapper == "fsdp1"
-    assert judge(doc).findings == (), [f.message for f in judge(doc).findings]
+    assert judge_probe(doc).findings == (), [f.message for f in judge_probe(doc).findings]
     assert set(verdicts(doc).values()) == {"faithful"}
     # FSDP1 shards the flat parameter at arbitrary elements: each rank's regions are element ranges that
     # together cover every parameter exactly once.
@@ -229,7 +229,7 @@ def test_fsdp1_use_orig_params(tmp_path: Path) -> None:
         covered = sum(m.region.numel for m in doc.masters[p.fqn])
         assert covered == torch.Size(p.shape).numel(), p.fqn
     assert {c[0].dtype for c in doc.compute.values()} == {"bfloat16"}
-    assert not any(f.code == "probe.compute-not-master" for f in judge(doc).findings)
+    assert not any(f.code == "probe.compute-not-master" for f in judge_probe(doc).findings)
     assert set(verdicts(results["rounded-upcast"]).values()) == {"compute-copy-upcast"}
     assert "use_orig_params=True" in results["flat-error"] and "_flat_param" in results["flat-error"]
     assert "ShardedTensor" in results["sharded-tensor-error"] and "pass its path" in results["sharded-tensor-error"]

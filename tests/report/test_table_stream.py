@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.cli import main
 from ckptaudit.report import table as table_module
 from ckptaudit.report.table import _column, _layout, print_table, render_table
@@ -122,7 +122,7 @@ def test_a_real_reports_long_tables_look_as_rich_draws_them(many_tensors: Path, 
         monkeypatch.delenv("COLUMNS", raising=False)
     else:
         monkeypatch.setenv("COLUMNS", columns)
-    report = audit(str(many_tensors))
+    report = run_audit(str(many_tensors))
     assert sum(f.code == "precision.bf16-rounded" for f in report.findings) == 300
     drawn = {}
     for above in (table_module.STREAM_ABOVE, 1 << 30):

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from ckptaudit.cli import main
-from ckptaudit.findings import Report
+from ckptaudit.findings import RawReport
 from ckptaudit.formats.torchload import safe_torch_load
 from ckptaudit.report import OutputFormat, render
-from ckptaudit.resume import COMPONENTS, ResumeConfig, Trajectory, _judge, run_resume_test, thresholds
+from ckptaudit.resume import COMPONENTS, ResumeConfig, Trajectory, judge_resume, run_resume_test, thresholds
 from runs import SUPPORT
 
 pytestmark = pytest.mark.dist
@@ -38,41 +38,41 @@ EXPORT_TIMEOUT = 40.0
 
 
 @pytest.fixture(scope="module")
-def experiment(tmp_path_factory: pytest.TempPathFactory) -> tuple[Report, Path]:
+def experiment(tmp_path_factory: pytest.TempPathFactory) -> tuple[RawReport, Path]:
     work = tmp_path_factory.mktemp("resume")
     cfg = ResumeConfig(exporters=EXPORTERS, save_at=3, steps=3, workdir=str(work))
     return run_resume_test(cfg), work
 
 
-def _unseeded(exporters: tuple[str, ...], work: Path) -> Report:
+def _unseeded(exporters: tuple[str, ...], work: Path) -> RawReport:
     return run_resume_test(ResumeConfig(recipe=f"{USER}:unseeded", exporters=exporters, save_at=3, steps=3,
                                         export_timeout_s=EXPORT_TIMEOUT, workdir=str(work)))
 
 
 @pytest.fixture(scope="module")
-def alone(tmp_path_factory: pytest.TempPathFactory) -> tuple[Report, Path]:
+def alone(tmp_path_factory: pytest.TempPathFactory) -> tuple[RawReport, Path]:
     """The torch-RNG-only job and its complete exporter, alone."""
     work = tmp_path_factory.mktemp("alone")
     return _unseeded((HEALTHY,), work), work
 
 
 @pytest.fixture(scope="module")
-def beside_failures(tmp_path_factory: pytest.TempPathFactory) -> tuple[Report, Path]:
+def beside_failures(tmp_path_factory: pytest.TempPathFactory) -> tuple[RawReport, Path]:
     """The same, with the four failing exporters after it."""
     work = tmp_path_factory.mktemp("beside")
     return _unseeded((HEALTHY, *FAILURES), work), work
 
 
-def candidate(report: Report, attr: str) -> dict[str, Any]:
+def candidate(report: RawReport, attr: str) -> dict[str, Any]:
     return next(c for c in report.extra["resume"]["candidates"] if c["exporter"].endswith(":" + attr))
 
 
-def subjects(report: Report, code: str) -> set[str]:
+def subjects(report: RawReport, code: str) -> set[str]:
     return {f.subject for f in report.findings if f.code == code}
 
 
 def test_documented_path_resumes_bit_identically_and_the_control_proves_power(
-        experiment: tuple[Report, Path]) -> None:
+        experiment: tuple[RawReport, Path]) -> None:
     report, _ = experiment
     doc = report.extra["resume"]
     assert doc["noise_floor"] == 0.0 and doc["floor"] == [0.0] * 4
@@ -87,7 +87,7 @@ def test_documented_path_resumes_bit_identically_and_the_control_proves_power(
 
 
 def test_compute_copy_differs_at_restore_and_drifts_while_the_loss_looks_normal(
-        experiment: tuple[Report, Path]) -> None:
+        experiment: tuple[RawReport, Path]) -> None:
     report, _ = experiment
     c = candidate(report, "compute_copy")
     assert c["verdict"] == "drift" and c["drift_start"] == 0  # the rounding is there right after the restore
@@ -99,7 +99,7 @@ def test_compute_copy_differs_at_restore_and_drifts_while_the_loss_looks_normal(
     assert EXPORTERS[0] in subjects(report, "resume.drift") & subjects(report, "resume.loss-looks-normal")
 
 
-def test_swapped_moments_are_caught_at_restore_and_named(experiment: tuple[Report, Path]) -> None:
+def test_swapped_moments_are_caught_at_restore_and_named(experiment: tuple[RawReport, Path]) -> None:
     report, work = experiment
     c = candidate(report, "swapped_moments")
     swapped = safe_torch_load(work / "candidate-1-swapped_moments")["swapped"]
@@ -113,7 +113,7 @@ def test_swapped_moments_are_caught_at_restore_and_named(experiment: tuple[Repor
     assert len(misattached) == 1 and all(p in misattached[0].subject for p in swapped)
 
 
-def test_an_exporter_without_rng_and_data_is_reported_for_both(experiment: tuple[Report, Path]) -> None:
+def test_an_exporter_without_rng_and_data_is_reported_for_both(experiment: tuple[RawReport, Path]) -> None:
     report, _ = experiment
     c = candidate(report, "partial")
     spec = EXPORTERS[3]
@@ -136,7 +136,7 @@ def _weights_and_moments(path: Path) -> dict[str, str | None]:
 
 
 def test_failing_exporters_leave_the_reference_and_the_healthy_candidate_as_without_them(
-        alone: tuple[Report, Path], beside_failures: tuple[Report, Path]) -> None:
+        alone: tuple[RawReport, Path], beside_failures: tuple[RawReport, Path]) -> None:
     (lone, lone_dir), (report, work) = alone, beside_failures
     a, b = lone.extra["resume"], report.extra["resume"]
     for key in ("uninterrupted_loss", "floor", "threshold", "power", "consumed"):
@@ -157,7 +157,7 @@ def test_failing_exporters_leave_the_reference_and_the_healthy_candidate_as_with
 
 
 def test_each_failing_exporter_is_its_own_finding_naming_what_happened(
-        beside_failures: tuple[Report, Path]) -> None:
+        beside_failures: tuple[RawReport, Path]) -> None:
     report, _ = beside_failures
     failed = {f.subject: f.message for f in report.findings if f.code == "resume.candidate-failed"}
     assert set(failed) == set(FAILURES)
@@ -174,7 +174,7 @@ def test_each_failing_exporter_is_its_own_finding_naming_what_happened(
 
 
 def test_state_the_steps_never_use_is_info_and_a_torch_rng_only_job_resumes_faithfully(
-        alone: tuple[Report, Path]) -> None:
+        alone: tuple[RawReport, Path]) -> None:
     report, _ = alone
     doc = report.extra["resume"]
     assert doc["consumed"]["generators"] == {"numpy": False, "python": False, "torch": True}
@@ -298,7 +298,7 @@ def test_the_margin_scales_the_floor_step_by_step(margin: float, verdict: str) -
     state = {c: {"k": "v"} for c in COMPONENTS}
     run = {"traj": cand, "fresh": state, "restored": state, "loader": "load", "control": ""}
     cfg = ResumeConfig(margin=margin)
-    report = _judge(cfg, "/nonexistent", base, {**run, "traj": ref}, {**run, "traj": control, "control": "x"},
+    report = judge_resume(cfg, "/nonexistent", base, {**run, "traj": ref}, {**run, "traj": control, "control": "x"},
                     [(0, run, "", "")])
     assert report.extra["resume"]["threshold"] == pytest.approx(thresholds([0.0, 1e-4, 2e-4], margin, 1e-6))
     c = report.extra["resume"]["candidates"][0]
@@ -316,7 +316,7 @@ def test_a_reference_that_does_not_restore_exactly_gives_no_power() -> None:
     control = _traj([1.0 + 1e-1] * 3, [2.0, 2.0])  # 10^4 x the floor
     state = {c: {"k": "v"} for c in COMPONENTS}
     run = {"traj": cand, "fresh": state, "restored": state, "loader": "load", "control": ""}
-    report = _judge(ResumeConfig(), "/nonexistent", base, {**run, "traj": ref}, {**run, "traj": control, "control": "x"},
+    report = judge_resume(ResumeConfig(), "/nonexistent", base, {**run, "traj": ref}, {**run, "traj": control, "control": "x"},
                     [(0, run, "", "")])
     doc = report.extra["resume"]
     assert doc["floor"][0] > 0 and not doc["power"]
@@ -349,7 +349,7 @@ def test_resume_on_another_world_size(resume_nproc: int) -> None:
 # Reports
 
 
-def test_reports_render_as_table_json_and_html(experiment: tuple[Report, Path]) -> None:
+def test_reports_render_as_table_json_and_html(experiment: tuple[RawReport, Path]) -> None:
     report, _ = experiment
     for fmt in OutputFormat:
         buf = io.StringIO()
@@ -388,7 +388,7 @@ def test_a_traceback_is_printed_below_the_table_not_escaped_in_a_cell() -> None:
     from ckptaudit.catalogue import finding
 
     frames = "Traceback (your code; all frames with --debug):\n  File \"x.py\", line 3, in export\n    boom()\nOSError: full"
-    bad = Report(command="resume-test", path="r:recipe", format="resume-test", findings=(finding(
+    bad = RawReport(command="resume-test", path="r:recipe", format="resume-test", findings=(finding(
         "resume.candidate-failed", "x.py:export", f"export: the candidate could not be written: OSError: full\n{frames}",
         stage="export"),))
     out = io.StringIO()

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ckptaudit.auditing.judge import AuditOptions, audit
+from ckptaudit.auditing.judge import AuditOptions, run_audit
 from ckptaudit.auditing.scan import scan_checkpoint
 from ckptaudit.checks.artifact import HASH_PREFIX, manifest_hash
 from ckptaudit.cli import SERVING_DTYPES
@@ -34,7 +34,7 @@ from ckptaudit.serving.export import (
     plan_shards,
     write_artifact,
 )
-from ckptaudit.serving.gate import GateThresholds, compare_logits, judge, next_token_targets
+from ckptaudit.serving.gate import GateThresholds, compare_logits, judge_gate, next_token_targets
 from runs import cli
 
 RECIPE = "ckptaudit.recipes.tinygpt:recipe"
@@ -273,7 +273,7 @@ def test_plain_bf16_safetensors_records_no_quality_gate(fsdp_run: dict[str, Any]
 
 
 def test_a_training_checkpoint_is_not_a_serving_artifact(fsdp_run: dict[str, Any]) -> None:
-    report = audit(str(fsdp_run["dir"] / "faithful"), AuditOptions(expect="serving"))
+    report = run_audit(str(fsdp_run["dir"] / "faithful"), AuditOptions(expect="serving"))
     assert [f.code for f in report.findings] == ["artifact.not-serving"]
     assert "optimizer" in report.findings[0].message
 
@@ -347,15 +347,15 @@ def test_gate_metrics_on_known_logits() -> None:
     same = compare_logits(ref, ref.clone(), torch.tensor([[1, 1]]))
     assert same.max_abs_diff == 0 and same.max_rel_diff == 0 and same.top1_agreement == 1
     assert same.min_cosine == pytest.approx(1.0) and same.loss_diff == 0
-    assert judge(same, GateThresholds()).passed
+    assert judge_gate(same, GateThresholds()).passed
     shifted = ref.clone()
     shifted[0, 0, 1] = 3.0  # position 0 now prefers token 1: error 2 against a scale of 2
     m = compare_logits(ref, shifted, torch.tensor([[1, 1]]))
     assert m.max_abs_diff == 2 and m.max_rel_diff == 1 and m.top1_agreement == 0.5
     assert m.loss_diff is not None and m.loss_diff > 0
-    result = judge(m, GateThresholds())
+    result = judge_gate(m, GateThresholds())
     assert not result.passed and {c.metric for c in result.checks if not c.passed} >= {"max_abs_diff", "top1_agreement"}
-    assert judge(m, GateThresholds(max_abs_diff=2, max_rel_diff=1, min_cosine=0, min_top1=0.5,
+    assert judge_gate(m, GateThresholds(max_abs_diff=2, max_rel_diff=1, min_cosine=0, min_top1=0.5,
                                    max_loss_diff=10)).passed
 
 
@@ -375,15 +375,15 @@ def test_the_loss_difference_alone_can_fail_the_gate() -> None:
     m = compare_logits(ref, exported, targets)
     assert m.loss_diff == pytest.approx(want, rel=1e-9) and want > 0.05
     lax = dict(max_abs_diff=1e9, max_rel_diff=1e9, min_cosine=0.0, min_top1=0.0)
-    result = judge(m, GateThresholds(**lax, max_loss_diff=0.05))
+    result = judge_gate(m, GateThresholds(**lax, max_loss_diff=0.05))
     assert not result.passed
     assert [c.metric for c in result.checks if not c.passed] == ["loss_diff"]
     assert len(result.failures) == 1 and "--max-loss-diff" in result.failures[0]
-    assert judge(m, GateThresholds(**lax, max_loss_diff=want * 1.01)).passed
+    assert judge_gate(m, GateThresholds(**lax, max_loss_diff=want * 1.01)).passed
     # Without next-token targets there is no loss check at all (reported as gate.no-loss, not as a pass on it).
     untargeted = compare_logits(ref, exported)
     assert untargeted.loss_diff is None
-    assert "loss_diff" not in {c.metric for c in judge(untargeted, GateThresholds(**lax, max_loss_diff=0.0)).checks}
+    assert "loss_diff" not in {c.metric for c in judge_gate(untargeted, GateThresholds(**lax, max_loss_diff=0.0)).checks}
 
 
 def test_non_finite_exported_logits_fail_whatever_the_thresholds() -> None:
@@ -392,7 +392,7 @@ def test_non_finite_exported_logits_fail_whatever_the_thresholds() -> None:
     bad[1, 2, 3] = float("inf")
     m = compare_logits(ref, bad)
     lax = GateThresholds(max_abs_diff=1e30, max_rel_diff=1e30, min_cosine=0, min_top1=0, max_loss_diff=1e30)
-    result = judge(m, lax)
+    result = judge_gate(m, lax)
     assert m.nonfinite == 1 and not result.passed and "NaN or infinite" in result.failures[0]
     assert json.dumps(result.as_dict(), allow_nan=False)  # the metadata stays valid JSON
 

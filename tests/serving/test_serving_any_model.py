@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckptaudit.cli import main
-from ckptaudit.serving.gate import GateThresholds, compare_outputs, judge, output_kind
+from ckptaudit.serving.gate import GateThresholds, compare_outputs, judge_gate, output_kind
 
 RECIPES = '''
 import torch
@@ -164,7 +164,7 @@ def test_output_kinds_and_their_metrics() -> None:
     assert logits.top1_agreement == 0.0 and logits.min_cosine == 0.0
     embedding = compare_outputs(ref, swapped, kind="embedding")
     assert embedding.top1_agreement is None and embedding.min_cosine == 0.0
-    assert [c.metric for c in judge(embedding, GateThresholds()).checks] == ["max_abs_diff", "max_rel_diff",
+    assert [c.metric for c in judge_gate(embedding, GateThresholds()).checks] == ["max_abs_diff", "max_rel_diff",
                                                                               "min_cosine"]
     # Values are compared at one scale: a small error on a value near 0 is not a 100 % error.
     values = compare_outputs(torch.tensor([100.0, 1e-3]), torch.tensor([100.0, 2e-3]), kind="values")

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 from ckptaudit.cli import main
 from ckptaudit.findings import Severity
 from ckptaudit.latest import find_latest
@@ -112,7 +112,7 @@ def test_committed_checkpoint_audits_clean_under_its_manifest(tmp_path: Path) ->
     assert manifest["contract"]["optimizer_state_dtypes"] == {"float32": 2 * n_params}  # exp_avg, exp_avg_sq
     assert set(manifest["components"]) >= {"model", "optimizer", "scheduler", "rng", "data-progress", "step"}
     assert set(manifest["files"]) == {".metadata", "__0_0.distcp"}
-    report = audit(saved.path)
+    report = run_audit(saved.path)
     assert report.findings == (), [f.message for f in report.findings]
     assert report.format == "ckptaudit"
     assert report.contract is not None and report.contract.source == "manifest"
@@ -125,7 +125,7 @@ def test_flipped_byte_is_caught_everywhere(tmp_path: Path) -> None:
     saved = Path(save_checkpoint(trained(2), tmp_path).path)
     shard = largest_shard(saved)
     flip_byte(saved / shard["file"], shard["offset"] + shard["length"] // 2)
-    report = audit(str(saved))
+    report = run_audit(str(saved))
     corrupt = [f for f in report.findings if f.code == "integrity.corrupt"]
     assert corrupt and corrupt[0].subject == shard["file"], report.findings
     assert "changed item(s)" in corrupt[0].message
@@ -149,7 +149,7 @@ def test_truncated_or_missing_files_are_incomplete(tmp_path: Path, damage: str) 
         (good / "__0_0.distcp").unlink()
     else:
         (good / ".metadata").unlink()
-    assert "integrity.incomplete" in codes(audit(str(good)).findings, Severity.ERROR)
+    assert "integrity.incomplete" in codes(run_audit(str(good)).findings, Severity.ERROR)
     result = find_latest(str(tmp_path))
     assert result.latest is not None and result.latest.name == "step-000001"
     assert "integrity.incomplete" in codes(result.checked[0].findings)
@@ -282,7 +282,7 @@ def test_an_uncommitted_directory_is_rejected_then_removed_by_the_next_save(tmp_
     assert result.checked[0].candidate.name == partial[0]
     assert codes(result.checked[0].findings) == {"store.uncommitted"}
     assert "plain torch.distributed.checkpoint would call it complete" in result.checked[0].reason
-    assert "store.uncommitted" in codes(audit(str(tmp_path / partial[0])).findings)
+    assert "store.uncommitted" in codes(run_audit(str(tmp_path / partial[0])).findings)
     save_checkpoint(job, tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-000001", "step-000002"]
 
@@ -367,7 +367,7 @@ def test_hostile_manifest_is_not_followed(tmp_path: Path) -> None:
     manifest = json.loads((saved / "manifest.json").read_text())
     manifest["files"]["../../etc/passwd"] = {"size": 1, "xxh3_128": "0" * 32}
     (saved / "manifest.json").write_text(json.dumps(manifest))
-    report = audit(str(saved))
+    report = run_audit(str(saved))
     assert any(f.code == "integrity.corrupt" and "not a plain name" in f.message for f in report.findings)
     assert find_latest(str(tmp_path)).latest is None
     with pytest.raises(CheckpointLoadError, match="not a plain name"):
@@ -379,7 +379,7 @@ def test_a_data_file_swapped_for_a_link_outside_is_not_followed(tmp_path: Path) 
     outside = tmp_path / "elsewhere.distcp"
     shutil.move(saved / "__0_0.distcp", outside)
     (saved / "__0_0.distcp").symlink_to(outside)
-    assert "integrity.path-escape" in codes(audit(str(saved)).findings, Severity.ERROR)
+    assert "integrity.path-escape" in codes(run_audit(str(saved)).findings, Severity.ERROR)
     assert find_latest(str(tmp_path / "run")).latest is None
     with pytest.raises(CheckpointLoadError, match="outside"):
         load_checkpoint(trained(0), saved)

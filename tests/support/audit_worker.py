@@ -1,6 +1,6 @@
 """A child process that audits paths on request, under a memory limit, so tests can bound time and memory.
 
-The parent (:class:`AuditWorker`) sends one path per line; the child runs ``ckptaudit.auditing.judge.audit`` on it,
+The parent (:class:`AuditWorker`) sends one path per line; the child runs ``ckptaudit.auditing.judge.run_audit`` on it,
 renders the report as JSON and as a table (rendering must not fail either), and answers one JSON line:
 ``{"ok": true, "codes": [...], "seconds": s, "maxrss_mib": m}`` or ``{"ok": false, "error": traceback}``. The one
 accepted error is the documented one: the top-level path is missing or unreadable (``OSError``), and then the CLI
@@ -40,7 +40,7 @@ def _serve(headroom_mib: int) -> None:
     import resource
 
     import ckptaudit.formats.io.safeio  # noqa: F401 - import everything the audit needs before limiting memory
-    from ckptaudit.auditing.judge import audit
+    from ckptaudit.auditing.judge import run_audit
     from ckptaudit.cli import main
     from ckptaudit.report import OutputFormat, render
 
@@ -55,7 +55,7 @@ def _serve(headroom_mib: int) -> None:
             limited = True
         start = time.perf_counter()
         try:
-            report = audit(request["path"])
+            report = run_audit(request["path"])
             buf = io.StringIO()
             render(report, OutputFormat.JSON, buf)
             doc = json.loads(buf.getvalue())

@@ -1,4 +1,4 @@
-"""The audit engine: a checkpoint path in, a :class:`~ckptaudit.findings.Report` out.
+"""The audit engine: a checkpoint path in, a :class:`~ckptaudit.findings.RawReport` out.
 
 files -> readers (:mod:`ckptaudit.formats`) -> interpretation (:mod:`ckptaudit.layouts`) -> the scan
 (:mod:`~ckptaudit.auditing.scan`: the plan, each tensor's role, then one streaming pass per tensor on threads,

@@ -42,23 +42,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptaudit.auditing.judge import AuditOptions, judge
+from ckptaudit.auditing.judge import AuditOptions, judge_scan
 from ckptaudit.auditing.plan import ScanPlan, plan_scan
 from ckptaudit.auditing.scan import ScanOutcome, assemble, scan_datas, scan_items
 from ckptaudit.auditing.share import (
     checkpoint_root,
-    compare,
     decode_share,
     encode_error,
     encode_share,
     is_single_file,
     share_datas,
+    vetted_file_problems,
     vetted_files,
     view_problems,
 )
 from ckptaudit.auditing.tensor_scan import TensorScan
 from ckptaudit.catalogue import finding
-from ckptaudit.findings import Finding, Precision, PrecisionStats, Report
+from ckptaudit.findings import Finding, Precision, PrecisionStats, RawReport
 from ckptaudit.formats.io.tensors import FileMaps, TensorData
 from ckptaudit.formats.remote.staging import is_url, local_path
 
@@ -228,7 +228,7 @@ def _maxrss_mib() -> float:
 
 
 def audit_distributed(path: str, options: AuditOptions | None = None, *, rank: int, world_size: int,
-                      timeout_s: float = DEFAULT_TIMEOUT_S, stats: dict[str, float] | None = None) -> Report | None:
+                      timeout_s: float = DEFAULT_TIMEOUT_S, stats: dict[str, float] | None = None) -> RawReport | None:
     """(all ranks) Audit ``path`` with this rank's share of the tensors; the report on rank 0, ``None`` elsewhere.
 
     The process group is joined here through torchrun's ``env://`` rendezvous (gloo: the shares and records are
@@ -286,7 +286,7 @@ def audit_distributed(path: str, options: AuditOptions | None = None, *, rank: i
         raise
     try:
         scanned.findings += _changed_findings(gathered, shares)
-        report = judge(scanned, options)
+        report = judge_scan(scanned, options)
         clock.mark("judge")
         return report
     finally:
@@ -361,7 +361,7 @@ def _follow(path: str, options: AuditOptions, rank: int, clock: _Clock) -> dict[
                 problems = []
                 for v in share.vetted:
                     seen = view[v.name]
-                    problems += [(v.name, seen)] if isinstance(seen, str) else compare(v, *seen)
+                    problems += [(v.name, seen)] if isinstance(seen, str) else vetted_file_problems(v, *seen)
                 if not problems:
                     root, maps.remote = reader.stand_in(share.data_files)
             finally:

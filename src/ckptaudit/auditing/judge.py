@@ -21,7 +21,7 @@ from ckptaudit.checks.lr_history import deepspeed_zero_lr_steps, zero_lr_groups
 from ckptaudit.checks.manifest import check_manifest
 from ckptaudit.checks.optimizer import check_steps, may_all_be_unattached, never_updated
 from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract
-from ckptaudit.findings import ComponentKind, Contract, Finding, Precision, Report, Severity, TensorRecord
+from ckptaudit.findings import ComponentKind, Contract, Finding, Precision, RawReport, Severity, TensorRecord
 from ckptaudit.formats.base import Checkpoint, walk
 from ckptaudit.formats.io.tensors import (
     DEFAULT_CHUNK_BYTES,
@@ -34,7 +34,7 @@ from ckptaudit.formats.io.tensors import (
 from ckptaudit.layouts import SCHEDULER_KEYS, View, file_rule
 from ckptaudit.layouts.attachment import ELEMENTWISE_STATE
 
-__all__ = ["AuditOptions", "audit", "before_first_update", "judge", "scheduler_steps", "scheduler_trees"]
+__all__ = ["AuditOptions", "before_first_update", "judge_scan", "run_audit", "scheduler_steps", "scheduler_trees"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,18 +75,18 @@ class AuditOptions:
         object.__setattr__(self, "ignore", parse_ignore(self.ignore))
 
 
-def audit(path: str, options: AuditOptions | None = None, *, progress: Progress | None = None) -> Report:
+def run_audit(path: str, options: AuditOptions | None = None, *, progress: Progress | None = None) -> RawReport:
     """Audit the checkpoint at ``path``. Raises ``FileNotFoundError`` when it does not exist."""
     options = options or AuditOptions()
     scanned = scan_checkpoint(path, chunk_bytes=options.chunk_bytes, progress=progress, jobs=options.jobs,
                               quick=options.quick)
     try:
-        return judge(scanned, options)
+        return judge_scan(scanned, options)
     finally:
         scanned.close()
 
 
-def judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
+def judge_scan(s: ScannedCheckpoint, options: AuditOptions) -> RawReport:
     """Run the checks on a scanned checkpoint and build the report."""
     view = s.view
     findings = list(s.findings)
@@ -132,7 +132,7 @@ def judge(s: ScannedCheckpoint, options: AuditOptions) -> Report:
     summary = _summary(s, findings, contract.master_dtype, options)
     if _nothing_recognised(s, components):
         findings, summary, components = _not_a_checkpoint(s, findings)
-    return Report(
+    return RawReport(
         command="audit",
         path=s.ckpt.path,
         format=view.layout,

@@ -3,7 +3,7 @@
 :func:`~ckptaudit.auditing.plan.plan_scan` (each tensor's component, role and parameter; the optimizer's
 attachment) -> :func:`scan_items` (one streaming
 pass per tensor, :mod:`ckptaudit.auditing.tensor_scan`, on ``jobs`` threads of this process) -> :func:`assemble` (the
-records, in the plan's order). :func:`ckptaudit.auditing.judge.judge` runs the checks on the result;
+records, in the plan's order). :func:`ckptaudit.auditing.judge.judge_scan` runs the checks on the result;
 :mod:`ckptaudit.auditing.distributed` runs the same three steps with the scan shared between ranks; ``compare`` and the
 serving export start from :func:`scan_checkpoint`.
 """

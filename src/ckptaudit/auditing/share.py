@@ -30,8 +30,9 @@ from ckptaudit.auditing.plan import ScanPlan
 from ckptaudit.formats.io.safeio import open_regular_fd
 from ckptaudit.formats.io.tensors import DTYPES, Piece, TensorData
 
-__all__ = ["SHARE_FORMAT", "RawShare", "VettedFile", "checkpoint_root", "compare", "decode_share", "encode_error",
-           "encode_share", "file_digest", "is_single_file", "share_datas", "vetted_files", "view_problems"]
+__all__ = ["SHARE_FORMAT", "RawShare", "VettedFile", "checkpoint_root", "decode_share", "encode_error",
+           "encode_share", "file_digest", "is_single_file", "share_datas", "vetted_file_problems", "vetted_files",
+           "view_problems"]
 
 SHARE_FORMAT = 2
 """Version of the share's encoding (every rank runs the same ckptaudit; a mismatch is an error, not a guess)."""
@@ -201,11 +202,11 @@ def view_problems(root: str, vetted: Iterable[VettedFile]) -> list[tuple[str, st
         except OSError as exc:
             problems.append((v.name, f"cannot be read ({exc.strerror or exc})"))
             continue
-        problems += compare(v, size, digest)
+        problems += vetted_file_problems(v, size, digest)
     return problems
 
 
-def compare(v: VettedFile, size: int, digest: str | None, etag: str | None = None) -> list[tuple[str, str]]:
+def vetted_file_problems(v: VettedFile, size: int, digest: str | None, etag: str | None = None) -> list[tuple[str, str]]:
     """What differs between rank 0's reading ``v`` and this rank's (``size``, ``digest`` or ``None`` if not read,
     ``etag`` as this rank's store lists it, or ``None``)."""
     if v.etag is not None and etag is not None and etag != v.etag:

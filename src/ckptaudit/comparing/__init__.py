@@ -27,10 +27,10 @@ from ckptaudit.comparing.elementwise import ROUNDINGS, DiffStats, Pool
 from ckptaudit.comparing.judge import component_findings, pair_findings, pair_json, sections, summary
 from ckptaudit.comparing.matching import Entry, Side, align_ranks, entries_of, open_side
 from ckptaudit.comparing.pairs import STATUSES, Pair, classify, find_moment_sources, hash_entry
-from ckptaudit.findings import Finding, Report
+from ckptaudit.findings import Finding, RawReport
 from ckptaudit.formats.io.tensors import DEFAULT_CHUNK_BYTES
 
-__all__ = ["ROUNDINGS", "STATUSES", "CompareOptions", "DiffStats", "Pair", "compare"]
+__all__ = ["ROUNDINGS", "STATUSES", "CompareOptions", "DiffStats", "Pair", "run_compare"]
 
 Progress = Callable[[int, int], None]
 """Called with (bytes done, bytes to do) as the comparison proceeds."""
@@ -58,8 +58,8 @@ class CompareOptions:
         object.__setattr__(self, "ignore", parse_ignore(self.ignore))
 
 
-def compare(reference: str, candidate: str, options: CompareOptions | None = None, *,
-            progress: Progress | None = None) -> Report:
+def run_compare(reference: str, candidate: str, options: CompareOptions | None = None, *,
+            progress: Progress | None = None) -> RawReport:
     """Compare ``candidate`` against ``reference``. Raises ``FileNotFoundError`` when either does not exist."""
     options = options or CompareOptions()
     ref = open_side(reference)
@@ -73,7 +73,7 @@ def compare(reference: str, candidate: str, options: CompareOptions | None = Non
         ref.close()
 
 
-def _compare(ref: Side, cand: Side, options: CompareOptions, progress: Progress | None) -> Report:
+def _compare(ref: Side, cand: Side, options: CompareOptions, progress: Progress | None) -> RawReport:
     ref_entries = entries_of(ref)
     cand_entries = entries_of(cand)
     notes = align_ranks(ref_entries, cand_entries)
@@ -115,7 +115,7 @@ def _compare(ref: Side, cand: Side, options: CompareOptions, progress: Progress 
     findings.sort(key=finding_order)
     sides = [_side_info("reference", ref, ref_entries), _side_info("candidate", cand, cand_entries)]
     status_counts = {s: sum(p.status == s for p in pairs) for s in STATUSES}
-    return Report(
+    return RawReport(
         command="compare",
         path=cand.ckpt.path,
         format=cand.view.layout,

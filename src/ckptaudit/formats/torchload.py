@@ -40,7 +40,7 @@ from ckptaudit.formats.zip.central import Region
 __all__ = ["safe_dcp_load", "safe_dcp_reader", "safe_torch_load", "to_torch_metadata"]
 
 
-def _numpy_globals() -> list[Any]:
+def numpy_globals() -> list[Any]:
     import numpy as np
 
     found: list[Any] = [np.ndarray, np.dtype]
@@ -82,7 +82,7 @@ def safe_torch_load(path: str | os.PathLike[str]) -> Any:
         _vetted(path, archive.read)
         # The descriptor that was checked, reopened by torch (mmap included) through /proc: never the path again.
         same = f"/proc/self/fd/{archive.fd}"
-        with torch.serialization.safe_globals(_numpy_globals()):
+        with torch.serialization.safe_globals(numpy_globals()):
             return torch.load(same if os.path.exists(same) else path, map_location="cpu", weights_only=True,
                               mmap=True)
 
@@ -213,13 +213,13 @@ def _read_vetted(root: str, storage_data: dict[Any, Any], plan: Any, planner: An
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.futures import Future
 
-    from ckptaudit.formats.dcp.reader import _path_problem
+    from ckptaudit.formats.dcp.reader import path_problem
 
     per_file: dict[str, list[Any]] = {}
     for item in plan.items:
         per_file.setdefault(storage_data[item.storage_index].relative_path, []).append(item)
     for rel, reqs in per_file.items():
-        problem = _path_problem(root, rel)
+        problem = path_problem(root, rel)
         if problem is not None:
             raise UnsafeCheckpointError(f"{root}/.metadata {problem}")
         full = os.path.join(root, rel)

@@ -49,9 +49,9 @@ import shutil
 import threading
 from typing import Any
 
-from ckptaudit.integrations._pins import PINS_DIR
 from ckptaudit.integrations.guard import REPORT_SUFFIX, Guard, before_save_everywhere, stop_requested
 from ckptaudit.integrations.live_contract import declare_live_contract
+from ckptaudit.integrations.pinning import PINS_DIR
 from ckptaudit.ondisk.quarantine import QUARANTINE_PREFIX
 
 __all__ = ["HOME", "guard_accelerator", "stop_requested"]

@@ -10,7 +10,7 @@ training goes on. The worker starts when the guard is created (on the process th
 default group's rank 0, or ``RANK=0``, or a single process) or at the latest when the integration calls
 :meth:`Guard.start` at the beginning of training, so the first verdict waits for its audit, not for a start-up.
 
-1. **At submit** (training thread) the checkpoint's files are pinned (:mod:`._pins`: hard links in a private
+1. **At submit** (training thread) the checkpoint's files are pinned (:mod:`.pinning`: hard links in a private
    ``.ckptaudit-pins`` folder beside it, and each file's identity), so the audit judges the bytes that were
    saved even when the library replaces or deletes them before the audit's turn; a pinned file rewritten in
    place makes the verdict *not judged*, never "passed".
@@ -58,7 +58,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptaudit.integrations import _pins
+from ckptaudit.integrations import pinning
 from ckptaudit.ondisk.quarantine import REPORT_SUFFIX, is_quarantined, quarantine_name
 
 __all__ = ["BACKGROUNDS", "ON_FAILURE", "REPORT_SUFFIX", "CheckpointAuditFailed", "Guard", "Kept", "SaveWait", "Verdict",
@@ -157,7 +157,7 @@ class _Job:
     """Where the report goes (``<checkpoint>.ckptaudit.json`` unless the integration names another place)."""
     pins: str | None
     keep_pin: bool
-    pin: _pins.Pin | None = None
+    pin: pinning.Pin | None = None
     """The checkpoint's files as saved (pinned at submit; for an asynchronous save, when its future completes)."""
     ready: Future[Any] | None = None
     """An asynchronous save's future: the worker waits for it (never the training loop) before the audit."""
@@ -224,7 +224,7 @@ class Guard:
         self._failed: Verdict | None = None
         self._waits: list[SaveWait] = []
         self._wait_began: tuple[float, int] | None = None
-        self._kept: dict[str, tuple[_pins.Pin, int | None]] = {}
+        self._kept: dict[str, tuple[pinning.Pin, int | None]] = {}
         """Checkpoint path -> the pin of its newest passing content (``submit(keep_pin=True)``), and its step."""
         self._placed: dict[str, str] = {}
         """Report path -> the checkpoint it describes (to remove it when the checkpoint is deleted)."""
@@ -306,10 +306,10 @@ class Guard:
         if self._closed:
             raise RuntimeError("ckptaudit guard: submit() after close(); create a new Guard")
         self.before_save(step)
-        pin: _pins.Pin | None = None
+        pin: pinning.Pin | None = None
         if ready is None:
             try:
-                pin = _pins.pin(checkpoint, pins)
+                pin = pinning.pin(checkpoint, pins)
             except OSError:
                 pin = None  # it does not exist (the audit says so), or cannot be read
         job = _Job(checkpoint, step, step if step is not None else object(), quarantine_to, after_quarantine,
@@ -339,7 +339,7 @@ class Guard:
                                                                                         self._kept.values()]
             if not any(p.holds(st.st_dev, st.st_ino) is not None for p in pins):
                 return False
-            # The pin's identity accepts this: a ctime moved with the link count dropping (_pins.FileIdentity).
+            # The pin's identity accepts this: a ctime moved with the link count dropping (pinning.FileIdentity).
             os.unlink(path)
         return True
 
@@ -507,7 +507,7 @@ class Guard:
         if self.background == "process":
             self._spawn()
         else:
-            from ckptaudit.integrations._worker import warm
+            from ckptaudit.integrations.guard_worker import warm
 
             warm()  # the engine's imports, paid here rather than by the first audit
 
@@ -521,7 +521,7 @@ class Guard:
                 return Verdict(job.checkpoint, job.step, None, "not judged", (), None, None, 0.0,
                                time.monotonic() - job.submitted, f"the save failed: {type(exc).__name__}: {exc}")
             try:
-                pin = _pins.pin(job.checkpoint, job.pins)
+                pin = pinning.pin(job.checkpoint, job.pins)
             except OSError:
                 pin = None
             with self._cond:
@@ -558,7 +558,7 @@ class Guard:
             if pin is not None and not (job.keep_pin and self._status_of_kept(job, pin)):
                 pin.release()
 
-    def _status_of_kept(self, job: _Job, pin: _pins.Pin) -> bool:
+    def _status_of_kept(self, job: _Job, pin: pinning.Pin) -> bool:
         """(worker) Whether ``pin`` became the kept pin of its checkpoint (set by :meth:`_decide`)."""
         with self._cond:
             kept = self._kept.get(_key(job.checkpoint))
@@ -661,7 +661,7 @@ class Guard:
     def _spawn(self) -> subprocess.Popen[str]:
         """(worker thread) Start the worker process and wait for its ready line (priority lowered, engine
         imported)."""
-        child = subprocess.Popen([sys.executable, "-m", "ckptaudit.integrations._worker"], stdin=subprocess.PIPE,
+        child = subprocess.Popen([sys.executable, "-m", "ckptaudit.integrations.guard_worker"], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True, bufsize=1, env=worker_env())
         self._child = child
         assert child.stdout is not None
@@ -716,7 +716,7 @@ WORKER_ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS
 
 def worker_env() -> dict[str, str]:
     """(training process) The audit worker's environment: this one, with one thread per numerical library (the
-    worker scans with one thread and lowers its own priority first thing: :mod:`ckptaudit.integrations._worker`)."""
+    worker scans with one thread and lowers its own priority first thing: :mod:`ckptaudit.integrations.guard_worker`)."""
     return {**os.environ, **dict.fromkeys(WORKER_ONE_THREAD, "1")}
 
 

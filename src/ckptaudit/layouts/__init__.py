@@ -13,7 +13,7 @@ Readers say *what is in the files*; this module says *what it means*, for the la
 - Lightning ``.ckpt`` (``state_dict``, ``optimizer_states``, ``lr_schedulers``, ``loops``, ``global_step``);
 - Megatron-Core ``torch_dist`` (``metadata.json``, ``common.pt``, DCP keyed by each ShardedTensor's flat key;
   optimizer state under ``optimizer.state.<name>.<key>``, the distributed optimizer's under
-  ``optimizer.distributed.dp_group_idx_<g>.*``; see :func:`megatron_view`);
+  ``optimizer.distributed.dp_group_idx_<g>.*``; see :func:`~ckptaudit.layouts.megatron.layout.megatron_view`);
 - DeepSpeed ``global_stepN/`` and its root (read by :mod:`ckptaudit.formats.deepspeed.reader`): the fp32 masters
   rebuilt from the ZeRO partitions are the model's parameters, the bf16/fp16 ``module`` weights their compute
   copies, the moments keyed by parameter name, ``lr_scheduler``, ``client_state`` and ``global_steps``;
@@ -21,10 +21,13 @@ Readers say *what is in the files*; this module says *what it means*, for the la
   ``rng``/``rng_state``, ``step``/``train_state``/``data``/``dataloader``) and bare state dicts.
 
 
-The package is cut by library rule: :mod:`~ckptaudit.layouts.view` (the data and the shared helpers),
-:mod:`~ckptaudit.layouts.core` (:func:`interpret`, the driver), :mod:`~ckptaudit.layouts.huggingface`,
-:mod:`~ckptaudit.layouts.keyed` (plain dicts, DCP/``get_state_dict``, torchtitan, Lightning),
-:mod:`~ckptaudit.layouts.deepspeed`, :mod:`~ckptaudit.layouts.megatron`. A new library layout is one rule here.
+The package is cut by library rule behind one contract, :mod:`~ckptaudit.layouts.rules` (a rule for a whole
+checkpoint, or for one part, each registering itself with its place in the order): :mod:`~ckptaudit.layouts.view`
+(the data and the shared helpers), :mod:`~ckptaudit.layouts.core` (:func:`interpret`, the driver that asks the rules
+in order), :mod:`~ckptaudit.layouts.huggingface` (files by their names), :mod:`~ckptaudit.layouts.keyed` (plain
+dicts, DCP/``get_state_dict``, torchtitan, Lightning), :mod:`~ckptaudit.layouts.deepspeed` and
+:mod:`~ckptaudit.layouts.megatron` (sub-packages, so that their code loads only for a checkpoint of theirs). A new
+library layout is one module registering its rule, with no edit to the driver.
 
 Pure: no I/O beyond what the parts already describe.
 """
@@ -76,7 +79,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The Megatron and DeepSpeed rules are imported when a checkpoint needs them (core.interpret).
     if name == "MEGATRON_MASTERS":
-        from ckptaudit.layouts.megatron import MEGATRON_MASTERS
+        from ckptaudit.layouts.megatron.layout import MEGATRON_MASTERS
 
         return MEGATRON_MASTERS
     raise AttributeError(f"module 'ckptaudit.layouts' has no attribute {name!r}")

@@ -1,5 +1,6 @@
-"""The driver: :func:`interpret` walks a checkpoint's parts and hands each to the library rule that reads it
-(see :mod:`ckptaudit.layouts` for the layouts).
+"""The driver: :func:`interpret` hands the checkpoint to the first whole-checkpoint rule that reads it, else walks
+its parts and hands each to the part rules in order (:mod:`ckptaudit.layouts.rules`; the layouts:
+:mod:`ckptaudit.layouts`), then lists every tensor with the component it belongs to.
 
 Pure: no I/O.
 """
@@ -10,10 +11,10 @@ from typing import Any
 
 from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
+from ckptaudit.formats.contract import load_function
 from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.huggingface import file_rule, layout_name
-from ckptaudit.layouts.keyed import classify_keys, optimizer_view
-from ckptaudit.layouts.precision import scaler_record, training_args_record
+from ckptaudit.layouts.rules import Context, checkpoint_rules, part_rules
 from ckptaudit.layouts.view import (
     DATA_KEYS,
     MODEL_KEYS,
@@ -23,8 +24,6 @@ from ckptaudit.layouts.view import (
     ModelView,
     TensorRef,
     View,
-    as_int,
-    is_state_dict,
     leaf_file,
     part_label,
 )
@@ -32,13 +31,12 @@ from ckptaudit.layouts.view import (
 
 def interpret(ckpt: Checkpoint) -> View:
     """Map the parts of ``ckpt`` to checkpoint components (see :mod:`ckptaudit.layouts` for the layouts)."""
-    # The Megatron rule (and the DeepSpeed one below) is imported only where it may apply: a DCP directory with
-    # Megatron-Core's metadata.json or common.pt (what is_megatron looks for).
-    if ckpt.format == "dcp" and any(p.name in ("metadata.json", "common.pt") for p in ckpt.parts):
-        from ckptaudit.layouts.megatron import is_megatron, megatron_view
-
-        if is_megatron(ckpt):
-            return megatron_view(ckpt)
+    for whole in checkpoint_rules():
+        if whole.applies(ckpt):
+            read = load_function(whole.view)(ckpt)
+            if read is not None:
+                whole_view: View = read
+                return whole_view
     view = View(layout=ckpt.format, model=None, optimizer=None)
     model_params: dict[str, TensorRef] = {}
     model_aliases: dict[str, str] = {}
@@ -69,56 +67,12 @@ def interpret(ckpt: Checkpoint) -> View:
         order_known = order_known and part.order_known
         found(ComponentKind.MODEL, where)
 
+    rules = part_rules()
     for part in ckpt.parts:
-        rule = file_rule(part.name) if part.name else None
-        tree = part.tree
-        if rule == "ignore":
-            continue
-        if rule in ("training-args", "scaler"):
-            read = training_args_record if rule == "training-args" else scaler_record
-            record = read(tree, part.name)
-            if record is not None:
-                view.contract_records.append(record)
-            continue
-        if rule == "manifest":
-            if isinstance(tree, dict):
-                view.manifest = tree
-            continue
-        if rule == "index":
-            if isinstance(tree, dict):
-                view.indexes.append((part.name, tree))
-                found(ComponentKind.MODEL, part.name)
-            continue
-        if part.format == "safetensors":
-            view.metadata.update(part.metadata)
-        if part.format == "deepspeed" and isinstance(tree, dict):
-            from ckptaudit.layouts.deepspeed import deepspeed_view
-
-            deepspeed_view(part, tree, view, found, add_model, ckpt)
-            continue
-        if isinstance(rule, ComponentKind) and rule is not ComponentKind.MODEL:
-            where = part.name
-            if rule is ComponentKind.OPTIMIZER:
-                if tree is not None:
-                    opt = optimizer_view(part, tree, where, ckpt)
-                    if opt is not None and view.optimizer is None:
-                        view.optimizer = opt
-                found(rule, where)
-            elif rule is ComponentKind.DATA_PROGRESS and part.name.endswith("trainer_state.json"):
-                if isinstance(tree, dict) and "global_step" in tree:
-                    view.step = as_int(tree.get("global_step"))
-                found(rule, where, "Trainer global_step/epoch (the sampler is re-seeded and skipped forward)")
-            else:
-                found(rule, where)
-            continue
-        if tree is None:
-            continue
-        if not isinstance(tree, dict):
-            continue
-        matched = classify_keys(part, tree, view, found, add_model, ckpt)
-        if not matched and is_state_dict(tree):
-            add_model(part, {k: v for k, v in tree.items() if isinstance(v, TensorData | Unreadable)},
-                      part_label(part), ())
+        ctx = Context(ckpt, view, found, add_model, file_rule(part.name) if part.name else None)
+        for rule in rules:
+            if rule.applies(part, ctx) and load_function(rule.read)(part, ctx):
+                break
 
     if model_params:
         view.model = ModelView(model_params, model_where, order_known, model_aliases)

@@ -12,8 +12,11 @@ import fnmatch
 import os
 
 from ckptaudit.findings import ComponentKind
-from ckptaudit.formats.base import Checkpoint
-from ckptaudit.layouts.view import View
+from ckptaudit.formats.base import Checkpoint, Part
+from ckptaudit.layouts.keyed import optimizer_view
+from ckptaudit.layouts.precision import scaler_record, training_args_record
+from ckptaudit.layouts.rules import Context, PartRule, register_rule
+from ckptaudit.layouts.view import View, as_int
 
 _FILE_RULES: tuple[tuple[str, ComponentKind | str], ...] = (
     ("optimizer*.pt", ComponentKind.OPTIMIZER),
@@ -44,6 +47,66 @@ def file_rule(name: str) -> ComponentKind | str | None:
         if fnmatch.fnmatch(base, pattern):
             return kind
     return None
+
+
+NAMED_FILES = ("ignore", "training-args", "scaler", "manifest", "index")
+"""The file rules whose files are not components: read (or skipped) by their name alone."""
+
+
+def read_named_file(part: Part, ctx: Context) -> bool:
+    """A file its name says is an index, a manifest, a record of the run's precision, or to be ignored."""
+    rule, tree, view = ctx.file_rule, part.tree, ctx.view
+    if rule in ("training-args", "scaler"):
+        read = training_args_record if rule == "training-args" else scaler_record
+        record = read(tree, part.name)
+        if record is not None:
+            view.contract_records.append(record)
+    elif rule == "manifest":
+        if isinstance(tree, dict):
+            view.manifest = tree
+    elif rule == "index":
+        if isinstance(tree, dict):
+            view.indexes.append((part.name, tree))
+            ctx.found(ComponentKind.MODEL, part.name)
+    return True
+
+
+def read_metadata(part: Part, ctx: Context) -> bool:
+    """A safetensors file's header metadata (``{"format": "pt"}``), gathered; the part is read on by later rules."""
+    ctx.view.metadata.update(part.metadata)
+    return False
+
+
+def read_component_file(part: Part, ctx: Context) -> bool:
+    """A file its name says holds one component other than the model (``optimizer.pt``, ``scheduler.pt``,
+    ``rng_state.pth``, ``trainer_state.json``, ...)."""
+    rule, tree, view, where = ctx.file_rule, part.tree, ctx.view, part.name
+    assert isinstance(rule, ComponentKind)
+    if rule is ComponentKind.OPTIMIZER:
+        if tree is not None:
+            opt = optimizer_view(part, tree, where, ctx.ckpt)
+            if opt is not None and view.optimizer is None:
+                view.optimizer = opt
+        ctx.found(rule, where)
+    elif rule is ComponentKind.DATA_PROGRESS and part.name.endswith("trainer_state.json"):
+        if isinstance(tree, dict) and "global_step" in tree:
+            view.step = as_int(tree.get("global_step"))
+        ctx.found(rule, where, "Trainer global_step/epoch (the sampler is re-seeded and skipped forward)")
+    else:
+        ctx.found(rule, where)
+    return True
+
+
+# By file name first: these files are what their names say, whatever their keys.
+register_rule(PartRule("named-files", order=10, applies=lambda part, ctx: ctx.file_rule in NAMED_FILES,
+                  read="ckptaudit.layouts.huggingface:read_named_file"))
+register_rule(PartRule("safetensors-metadata", order=20, applies=lambda part, ctx: part.format == "safetensors",
+                  read="ckptaudit.layouts.huggingface:read_metadata"))
+# After DeepSpeed's part (order 30), before the keyed rule: a component file is that component, whatever its keys.
+register_rule(PartRule("component-files", order=40,
+                  applies=lambda part, ctx: isinstance(ctx.file_rule, ComponentKind)
+                  and ctx.file_rule is not ComponentKind.MODEL,
+                  read="ckptaudit.layouts.huggingface:read_component_file"))
 
 
 def layout_name(ckpt: Checkpoint, view: View) -> str:

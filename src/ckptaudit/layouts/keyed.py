@@ -14,6 +14,7 @@ from ckptaudit.findings import ComponentKind, text
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable
 from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.precision import LIGHTNING_SCALER_KEYS, scaler_record
+from ckptaudit.layouts.rules import Context, PartRule, register_rule
 from ckptaudit.layouts.view import (
     DATA_KEYS,
     MODEL_KEYS,
@@ -26,6 +27,7 @@ from ckptaudit.layouts.view import (
     View,
     find_step,
     holds_value,
+    is_state_dict,
     is_step_key,
     leaf_file,
     part_label,
@@ -190,3 +192,19 @@ def clean_groups(raw: Any) -> list[dict[str, Any]]:
         groups.append({**g, "params": ps})
     return groups
 
+
+def read_keyed_part(part: Part, ctx: Context) -> bool:
+    """The keyed rule (:mod:`ckptaudit.layouts.rules`), last: a dict part read by its keys, or, where no key is
+    known, as a bare state dict when it is one."""
+    tree = part.tree
+    assert isinstance(tree, dict)  # the rule applies to dicts only
+    matched = classify_keys(part, tree, ctx.view, ctx.found, ctx.add_model, ctx.ckpt)
+    if not matched and is_state_dict(tree):
+        ctx.add_model(part, {k: v for k, v in tree.items() if isinstance(v, TensorData | Unreadable)},
+                      part_label(part), ())
+    return True
+
+
+# Last of the part rules: whatever dict no rule before took (plain dicts, DCP/get_state_dict, torchtitan, Lightning).
+register_rule(PartRule("keyed", order=90, applies=lambda part, ctx: isinstance(part.tree, dict),
+                  read="ckptaudit.layouts.keyed:read_keyed_part"))

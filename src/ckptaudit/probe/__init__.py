@@ -5,7 +5,7 @@
 3. the state an exporter saved, cut to the same shard regions (:meth:`Probe.record_saved`).
 
 :func:`judge` puts them side by side (``faithful`` / ``probe.saved-compute-copy`` / ``probe.mismatch``) in a
-:class:`~ckptaudit.findings.Report`; :func:`ckptaudit.probe.run.run_probe` drives it on a recipe
+:class:`~ckptaudit.findings.RawReport`; :func:`ckptaudit.probe.run.run_probe` drives it on a recipe
 (``ckptaudit probe``). See :mod:`ckptaudit.probe.live` for the protocol inside a training script.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from ckptaudit.probe.live import Probe
 from ckptaudit.probe.points import ComputeShard, MasterShard, ParamInfo, ProbeResult, SavedShard
 from ckptaudit.probe.regions import Region
-from ckptaudit.probe.verdict import ParamVerdict, judge
+from ckptaudit.probe.verdict import ParamVerdict, judge_probe
 from ckptaudit.probe.wrappers import ProbeError
 
 __all__ = [
@@ -27,5 +27,5 @@ __all__ = [
     "ProbeResult",
     "Region",
     "SavedShard",
-    "judge",
+    "judge_probe",
 ]

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckptaudit.findings import Finding, Report
+from ckptaudit.findings import Finding, RawReport
 from ckptaudit.probe.points import ComputeShard, MasterShard, ParamInfo, ProbeResult, SavedShard
 from ckptaudit.probe.regions import Region, dtype_name, hash_tensor_region
 from ckptaudit.probe.saved import saved_from_path, saved_from_state_dict
@@ -254,12 +254,12 @@ class Probe:
             saved_findings=self._saved_findings, meta=dict(meta),
         )
 
-    def report(self, **meta: object) -> Report | None:
-        """(all ranks, collective) The verdict as a :class:`~ckptaudit.findings.Report` on rank 0, else ``None``."""
-        from ckptaudit.probe.verdict import judge
+    def report(self, **meta: object) -> RawReport | None:
+        """(all ranks, collective) The verdict as a :class:`~ckptaudit.findings.RawReport` on rank 0, else ``None``."""
+        from ckptaudit.probe.verdict import judge_probe
 
         result = self.result(**meta)
-        return judge(result) if result is not None else None
+        return judge_probe(result) if result is not None else None
 
 
 def _autocast_dtype(entry: ParamEntry) -> str | None:

@@ -77,7 +77,7 @@ class SavedShard:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """Everything the probe saw, gathered on rank 0: what :func:`ckptaudit.probe.verdict.judge` judges."""
+    """Everything the probe saw, gathered on rank 0: what :func:`ckptaudit.probe.verdict.judge_probe` judges."""
 
     world_size: int
     wrapper: str

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from ckptaudit.findings import Report
+from ckptaudit.findings import RawReport
 from ckptaudit.launch import RankContext, fast, launch
 from ckptaudit.probe.points import ProbeResult
 
@@ -78,14 +78,14 @@ def probe_job(ctx: RankContext, recipe_spec: str, exporter_spec: str, steps: int
 
 
 def run_probe(recipe: str = DEFAULT_RECIPE, exporter: str = DEFAULT_EXPORTER, *, nproc: int = 2, steps: int = 4,
-              out_dir: str | None = None, timeout_s: float = 300.0) -> Report:
+              out_dir: str | None = None, timeout_s: float = 300.0) -> RawReport:
     """Run :func:`probe_job` on ``nproc`` ranks and judge it. The checkpoint goes to ``out_dir/checkpoint``
     (kept), or to a temporary directory (removed).
 
     Raises ``ValueError`` for a recipe or exporter that cannot be loaded (checked here, before any process
     starts) and :class:`~ckptaudit.launch.DistributedError` when a rank fails.
     """
-    from ckptaudit.probe.verdict import judge
+    from ckptaudit.probe.verdict import judge_probe
     from ckptaudit.recipes import load_object, load_recipe
 
     load_recipe(recipe)
@@ -98,7 +98,7 @@ def run_probe(recipe: str = DEFAULT_RECIPE, exporter: str = DEFAULT_EXPORTER, *,
         path = os.path.join(os.path.abspath(base), "checkpoint")
         result = launch(probe_job, nproc, (recipe, exporter, steps, path), timeout_s=timeout_s,
                         **fast("ckptaudit.probe.run"))[0]
-        report = judge(result)
+        report = judge_probe(result)
         if own:
             # The checkpoint is gone after this call; do not point the reader at it.
             report = _relabel(report, f"{exporter} (a temporary checkpoint; --out keeps it)")
@@ -108,7 +108,7 @@ def run_probe(recipe: str = DEFAULT_RECIPE, exporter: str = DEFAULT_EXPORTER, *,
             shutil.rmtree(base, ignore_errors=True)
 
 
-def _relabel(report: Report, path: str) -> Report:
+def _relabel(report: RawReport, path: str) -> RawReport:
     from dataclasses import replace
 
     return replace(report, path=path)

@@ -1,6 +1,6 @@
 """Judge what the probe saw: per parameter, is the saved tensor the master, the compute copy, or neither?
 
-Pure (no torch, no I/O): :class:`~ckptaudit.probe.points.ProbeResult` in, :class:`~ckptaudit.findings.Report` out.
+Pure (no torch, no I/O): :class:`~ckptaudit.probe.points.ProbeResult` in, :class:`~ckptaudit.findings.RawReport` out.
 Every comparison is per rank over the same region (see :mod:`ckptaudit.probe.regions`), so "equal" means
 bitwise equal on every rank's shard.
 
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptaudit.catalogue import finding
-from ckptaudit.findings import HASH_ALGORITHM, Contract, Finding, Report, Severity
+from ckptaudit.findings import HASH_ALGORITHM, Contract, Finding, RawReport, Severity
 from ckptaudit.probe.points import ComputeShard, MasterShard, ParamInfo, ProbeResult, SavedShard
 from ckptaudit.probe.regions import combine, short_dtype
 
-__all__ = ["PROBE_SCHEMA", "ParamVerdict", "judge"]
+__all__ = ["PROBE_SCHEMA", "ParamVerdict", "judge_probe"]
 
 PROBE_SCHEMA = 1
 """Version of ``Report.extra["probe"]`` (docs/probe.md)."""
@@ -133,7 +133,7 @@ def _compute_consistent(masters: tuple[MasterShard, ...], compute: tuple[Compute
     return all(answers) if answers else None
 
 
-def judge(result: ProbeResult) -> Report:
+def judge_probe(result: ProbeResult) -> RawReport:
     """The probe's :class:`Report`: findings, a per-parameter table (``extra["sections"]``) and JSON
     (``extra["probe"]``)."""
     observed = Counter(s[0].dtype for s in result.compute.values() if s)
@@ -197,7 +197,7 @@ def judge(result: ProbeResult) -> Report:
             "parameters": params_json,
         },
     }
-    return Report(
+    return RawReport(
         command="probe",
         path=result.saved_source or "(nothing saved)",
         format=result.saved_format or "live",

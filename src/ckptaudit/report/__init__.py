@@ -1,5 +1,5 @@
 """Renderers: one report, three faces. ``table`` for people (rich), ``json`` for machines (versioned schema,
-see docs/json-schema.md), ``html`` for plots. Every command's :class:`~ckptaudit.findings.Report` goes through
+see docs/json-schema.md), ``html`` for plots. Every command's :class:`~ckptaudit.findings.RawReport` goes through
 :func:`render`; nothing else in ckptaudit prints reports.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from typing import TextIO
 
-from ckptaudit.findings import Report
+from ckptaudit.findings import RawReport
 
 __all__ = ["OutputFormat", "render"]
 
@@ -19,7 +19,7 @@ class OutputFormat(enum.StrEnum):
     HTML = "html"
 
 
-def render(report: Report, fmt: OutputFormat, out: TextIO, *, verbose: bool = False) -> None:
+def render(report: RawReport, fmt: OutputFormat, out: TextIO, *, verbose: bool = False) -> None:
     if fmt is OutputFormat.JSON:
         from ckptaudit.report.json import render_json
 

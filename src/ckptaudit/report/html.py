@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from ckptaudit import __version__
-from ckptaudit.findings import Precision, Report, Severity
+from ckptaudit.findings import Precision, RawReport, Severity
 from ckptaudit.report.text import clean
 
 __all__ = ["render_html", "render_page"]
@@ -31,11 +31,11 @@ text-align:left;vertical-align:top}th{background:#f5f5f5}.error{color:#a61b1b;fo
 """
 
 
-def render_html(report: Report, out: TextIO) -> None:
+def render_html(report: RawReport, out: TextIO) -> None:
     render_page([report], out, title=f"ckptaudit {report.command}")
 
 
-def render_page(reports: Sequence[Report], out: TextIO, *, title: str = "ckptaudit report") -> None:
+def render_page(reports: Sequence[RawReport], out: TextIO, *, title: str = "ckptaudit report") -> None:
     """Several reports on one page (the demo puts its audits and its resume test together)."""
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(title)}</title>"
              f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>"]
@@ -50,7 +50,7 @@ def _e(text: Any) -> str:
     return html.escape(clean(text))
 
 
-def _report(r: Report) -> str:
+def _report(r: RawReport) -> str:
     worst = r.worst()
     cls = "bad" if worst is Severity.ERROR else "warn" if worst is Severity.WARNING else "ok"
     resume = r.extra.get("resume")

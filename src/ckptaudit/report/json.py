@@ -9,7 +9,7 @@ import os
 from typing import Any, TextIO
 
 from ckptaudit import __version__
-from ckptaudit.findings import HASH_ALGORITHM, SCHEMA_VERSION, Report, Severity, printable, text
+from ckptaudit.findings import HASH_ALGORITHM, SCHEMA_VERSION, RawReport, Severity, printable, text
 
 __all__ = ["render_json", "to_dict"]
 
@@ -59,7 +59,7 @@ def _numpy_value(value: Any) -> Any:
     return None
 
 
-def to_dict(report: Report) -> dict[str, Any]:
+def to_dict(report: RawReport) -> dict[str, Any]:
     counts = {s.label: sum(f.severity is s and not f.ignored for f in report.findings) for s in Severity}
     ignored = sum(f.ignored for f in report.findings)
     if ignored:
@@ -93,7 +93,7 @@ _ONE_LINE = ("tensors", "findings", "pairs")
 hundreds of thousands."""
 
 
-def render_json(report: Report, out: TextIO) -> None:
+def render_json(report: RawReport, out: TextIO) -> None:
     """The report as one JSON document, written at once: the envelope indented, each tensor record and finding
     on a line of its own (a search for a tensor's name shows its whole record; a 60k-tensor report is written
     in a fraction of the time an indented one takes)."""

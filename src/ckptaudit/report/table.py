@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptaudit.catalogue import CATALOGUE
-from ckptaudit.findings import Finding, Precision, Report, Severity
+from ckptaudit.findings import Finding, Precision, RawReport, Severity
 from ckptaudit.report.text import clean
 
 __all__ = ["STREAM_ABOVE", "print_table", "render_table"]
@@ -67,7 +67,7 @@ def _column(t: Table, header: str, **kwargs: Any) -> None:
     t.add_column(header, **kwargs)
 
 
-def render_table(report: Report, out: TextIO, *, verbose: bool = False) -> None:
+def render_table(report: RawReport, out: TextIO, *, verbose: bool = False) -> None:
     con = console_for(out)
     worst = report.worst()
     style = _STYLE.get(worst, "bold green") if worst is not None and worst > Severity.INFO else "bold green"

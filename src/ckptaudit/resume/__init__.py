@@ -50,9 +50,22 @@ from ckptaudit.resume.config import (
 )
 from ckptaudit.resume.deviation import Deviation, compare_states, compare_trajectories, thresholds
 from ckptaudit.resume.driver import run_resume_test
-from ckptaudit.resume.judge import _judge
+from ckptaudit.resume.judge import judge_resume
 from ckptaudit.resume.phases import default_load, load_weights
 
-__all__ = ["COMPONENTS", "DEFAULT_EXPORTER", "DEFAULT_RECIPE", "Deviation", "ResumeConfig", "ResumeError",
-           "Trajectory", "_judge", "compare_states", "compare_trajectories", "default_load", "load_weights",
-           "run_resume_test", "thresholds"]
+__all__ = [
+    "COMPONENTS",
+    "DEFAULT_EXPORTER",
+    "DEFAULT_RECIPE",
+    "Deviation",
+    "ResumeConfig",
+    "ResumeError",
+    "Trajectory",
+    "compare_states",
+    "compare_trajectories",
+    "default_load",
+    "judge_resume",
+    "load_weights",
+    "run_resume_test",
+    "thresholds",
+]

@@ -106,7 +106,7 @@ class Trajectory:
 
 
 @dataclass(frozen=True)
-class _Failed:
+class PhaseFailed:
     """A rank's report that user code failed: ``stage`` is ``recipe``, ``export``, ``load`` or ``steps`` (or
     ``internal``: ckptaudit's own restore of the reference failed in an export phase)."""
 

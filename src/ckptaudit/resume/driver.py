@@ -1,5 +1,5 @@
 """(this process) The experiment's driver: launches each phase in fresh processes, isolates failing exporters,
-and hands the trajectories to :func:`ckptaudit.resume.judge._judge`.
+and hands the trajectories to :func:`ckptaudit.resume.judge.judge_resume`.
 """
 
 from __future__ import annotations
@@ -10,27 +10,27 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from ckptaudit.findings import Report
+from ckptaudit.findings import RawReport
 from ckptaudit.launch import DistributedError, fast, launch
-from ckptaudit.resume.config import ResumeConfig, ResumeError, _Failed
-from ckptaudit.resume.judge import _judge
-from ckptaudit.resume.phases import _export_phase, _resume_phase, _train_phase
+from ckptaudit.resume.config import PhaseFailed, ResumeConfig, ResumeError
+from ckptaudit.resume.judge import judge_resume
+from ckptaudit.resume.phases import export_phase, resume_phase, train_phase
 
 _FAST = fast()  # ranks forked from a server that imported torch once: fresh processes, fast start
 
 
 def _launch(fn: Callable[..., Any], nproc: int, args: tuple[Any, ...], timeout_s: float
-            ) -> tuple[Any, _Failed | None, list[Any]]:
+            ) -> tuple[Any, PhaseFailed | None, list[Any]]:
     """(this process) One phase; returns (rank 0's result, the first rank's reported failure, the ranks'
     crashes: :class:`~ckptaudit.launch.RankFailure` records)."""
     try:
         results = launch(fn, nproc, args, timeout_s=timeout_s, **_FAST)
     except DistributedError as exc:
-        reported = [v for _, v in sorted(exc.results.items()) if isinstance(v, _Failed)]
+        reported = [v for _, v in sorted(exc.results.items()) if isinstance(v, PhaseFailed)]
         if reported:
             return None, reported[0], []
         return None, None, list(exc.failures)
-    reported = [v for v in results if isinstance(v, _Failed)]
+    reported = [v for v in results if isinstance(v, PhaseFailed)]
     if reported:
         return None, reported[0], []
     return results[0], None, []
@@ -62,7 +62,7 @@ def _export_crash(spec: str, failures: list[Any], timeout_s: float) -> Any:
     return UserFailure(spec, rule, error, more, detail)
 
 
-def run_resume_test(cfg: ResumeConfig, *, log: Callable[[str], None] | None = None) -> Report:
+def run_resume_test(cfg: ResumeConfig, *, log: Callable[[str], None] | None = None) -> RawReport:
     """Run the phases and judge every candidate.
 
     Phases, each a fresh set of processes: train (the recipe and the documented save only), the reference's
@@ -83,14 +83,14 @@ def run_resume_test(cfg: ResumeConfig, *, log: Callable[[str], None] | None = No
     m = cfg.resume_ranks
     try:
         say(f"train {cfg.save_at} steps on {cfg.nproc} rank(s), save the reference, continue {cfg.steps} steps")
-        out, failed, crash = _launch(_train_phase, cfg.nproc, (cfg, workdir), cfg.timeout_s)
+        out, failed, crash = _launch(train_phase, cfg.nproc, (cfg, workdir), cfg.timeout_s)
         if out is None:
             if failed is not None:
                 raise RecipeError(failed.failure)
             raise ResumeError(f"the training phase failed:\n{_crash_text(crash)}")
 
-        def resumed(kind: str, which: int | None) -> tuple[Any, _Failed | None, list[Any]]:
-            return _launch(_resume_phase, m, (cfg, workdir, kind, which), cfg.timeout_s)
+        def resumed(kind: str, which: int | None) -> tuple[Any, PhaseFailed | None, list[Any]]:
+            return _launch(resume_phase, m, (cfg, workdir, kind, which), cfg.timeout_s)
 
         say(f"restore the reference on {m} rank(s) in fresh processes and repeat the steps (the floor)")
         ref, failed, crash = resumed("reference", None)
@@ -107,7 +107,7 @@ def run_resume_test(cfg: ResumeConfig, *, log: Callable[[str], None] | None = No
         candidates: list[tuple[int, Any, str, str]] = []
         for i, spec in enumerate(cfg.exporters):
             say(f"export candidate {spec} on {cfg.nproc} rank(s) in fresh processes, from the reference's state")
-            exported, failed, crash = _launch(_export_phase, cfg.nproc, (cfg, workdir, i), cfg.export_timeout)
+            exported, failed, crash = _launch(export_phase, cfg.nproc, (cfg, workdir, i), cfg.export_timeout)
             if exported is None:
                 if failed is not None and failed.stage == "recipe":
                     raise RecipeError(failed.failure)
@@ -125,7 +125,7 @@ def run_resume_test(cfg: ResumeConfig, *, log: Callable[[str], None] | None = No
                 candidates.append((i, None, failed.stage, failed.failure.message(debug=cfg.debug)))
             else:
                 candidates.append((i, None, "crash", _crash_text(crash)))
-        return _judge(cfg, workdir, out["traj"], ref, control, candidates, saved=out["saved"], after=out["after"])
+        return judge_resume(cfg, workdir, out["traj"], ref, control, candidates, saved=out["saved"], after=out["after"])
     finally:
         if own:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ckptaudit.catalogue import finding
-from ckptaudit.findings import Finding, Report
+from ckptaudit.findings import Finding, RawReport
 from ckptaudit.resume.config import COMPONENTS, ResumeConfig, Trajectory
 from ckptaudit.resume.deviation import (
     CONSUMABLE,
@@ -36,9 +36,9 @@ def _keys(keys: list[str]) -> str:
     return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
-def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any], control: dict[str, Any],
+def judge_resume(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any], control: dict[str, Any],
            candidates: list[tuple[int, Any, str, str]], *, saved: dict[str, dict[str, str]] | None = None,
-           after: dict[str, dict[str, str]] | None = None) -> Report:
+           after: dict[str, dict[str, str]] | None = None) -> RawReport:
     """The verdicts. ``saved`` and ``after`` are the training run's state right after the save and after the
     uninterrupted steps: what changed in between is what the steps consume (``None``: not recorded, everything
     counts as consumed)."""
@@ -256,20 +256,20 @@ def _judge(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any
         sections.append({"title": "offline comparison of each candidate with the reference (ckptaudit compare)",
                          "columns": ["candidate", "summary"], "rows": forensic_rows})
     path = cfg.recipe
-    return Report(command="resume-test", path=path, format="resume-test", findings=tuple(findings),
+    return RawReport(command="resume-test", path=path, format="resume-test", findings=tuple(findings),
                   summary="; ".join(summaries), extra={"resume": doc, "sections": sections})
 
 
 def _forensics(workdir: str, cfg: ResumeConfig, i: int) -> tuple[str, list[Finding]]:
     """The offline comparison of a candidate with the reference: its summary, and its misattached moments
     (the comparison names swapped parameters exactly; the trajectory only shows where drift is largest)."""
-    from ckptaudit.comparing import compare
+    from ckptaudit.comparing import run_compare
 
     path = os.path.join(workdir, cfg.candidate_name(i))
     if not os.path.exists(path):
         return "candidate not found on disk", []
     try:
-        report = compare(os.path.join(workdir, cfg.reference_name), path)
+        report = run_compare(os.path.join(workdir, cfg.reference_name), path)
     except Exception as exc:  # noqa: BLE001 - forensics are a bonus; the trajectory verdict stands alone
         return f"not compared ({exc})", []
     return report.summary, [f for f in report.findings if f.code == "optimizer.misattached"]

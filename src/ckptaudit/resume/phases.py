@@ -14,8 +14,8 @@ import os
 from typing import Any
 
 from ckptaudit.launch import RankContext
-from ckptaudit.resume.config import ResumeConfig, Trajectory, _Failed
-from ckptaudit.resume.snapshot import _param_names, _snapshot, _state_snapshot
+from ckptaudit.resume.config import PhaseFailed, ResumeConfig, Trajectory
+from ckptaudit.resume.snapshot import param_names, state_snapshot, take_snapshot
 
 
 def _run_steps(recipe: Any, job: Any, steps: int, full: bool) -> Trajectory:
@@ -26,7 +26,7 @@ def _run_steps(recipe: Any, job: Any, steps: int, full: bool) -> Trajectory:
     from ckptaudit.recipes import checked_step
 
     traj = Trajectory(full=full)
-    values, norms = _snapshot(job, full)
+    values, norms = take_snapshot(job, full)
     traj.params.append(values)
     traj.norms.append(norms)
     for _ in range(steps):
@@ -35,27 +35,27 @@ def _run_steps(recipe: Any, job: Any, steps: int, full: bool) -> Trajectory:
             dist.all_reduce(loss)
             loss /= dist.get_world_size()
         traj.losses.append(float(loss))
-        values, norms = _snapshot(job, full)
+        values, norms = take_snapshot(job, full)
         traj.params.append(values)
         traj.norms.append(norms)
     return traj
 
 
 def _full_mode(job: Any, cfg: ResumeConfig) -> bool:
-    return sum(p.numel() for _, p in _param_names(job.model)) <= cfg.full_values_limit
+    return sum(p.numel() for _, p in param_names(job.model)) <= cfg.full_values_limit
 
 
-def _failed(stage: str, failure: Any, ctx: RankContext) -> _Failed:
-    return _Failed(stage, failure, ctx.rank)
+def _failed(stage: str, failure: Any, ctx: RankContext) -> PhaseFailed:
+    return PhaseFailed(stage, failure, ctx.rank)
 
 
-def _train_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str) -> Any:
+def train_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str) -> Any:
     """(``nproc`` ranks) Train ``save_at`` steps, save the reference the documented way, continue ``steps`` steps
     uninterrupted. No exporter of the user's runs here, so nothing a candidate does can touch this trajectory.
 
     Rank 0 returns ``{"traj", "saved", "after"}``: the trajectory, and the job's state right after the save and
     after the last step (what changed in between is what the steps consume); a recipe failure is a
-    :class:`_Failed`."""
+    :class:`PhaseFailed`."""
     from ckptaudit import exporters
     from ckptaudit.recipes import RecipeError, checked_setup, checked_step, load_recipe
 
@@ -65,22 +65,22 @@ def _train_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str) -> Any:
         for _ in range(cfg.save_at):
             checked_step(recipe, job)
         exporters.documented(job, os.path.join(workdir, cfg.reference_name), ctx)
-        saved = _state_snapshot(job)
+        saved = state_snapshot(job)
         traj = _run_steps(recipe, job, cfg.steps, _full_mode(job, cfg))
-        after = _state_snapshot(job)
+        after = state_snapshot(job)
     except RecipeError as exc:
         return _failed("recipe", exc.failure, ctx)
     return {"traj": traj, "saved": saved, "after": after} if ctx.rank == 0 else None
 
 
-def _export_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str, which: int) -> Any:
+def export_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str, which: int) -> Any:
     """(``nproc`` ranks, one launch per candidate) Rebuild the job, restore the reference into it (the training
     run's state at the save, exactly: the driver checks the snapshot against the training run's), then run the
     candidate's exporter, with its ``prepare`` forward when it has one. Whatever it does (raise mid-forward,
     leave FSDP half-unsharded, kill its process, hang) ends with these processes.
 
     Rank 0 returns ``{"state"}``, the snapshot the export started from; the exporter's failure is a
-    ``_Failed("export")``, the recipe's ``_Failed("recipe")``, ckptaudit's own restore ``_Failed("internal")``."""
+    ``PhaseFailed("export")``, the recipe's ``PhaseFailed("recipe")``, ckptaudit's own restore ``PhaseFailed("internal")``."""
     from ckptaudit import exporters
     from ckptaudit.exporters import capture_and_export
     from ckptaudit.recipes import (
@@ -102,7 +102,7 @@ def _export_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str, which: int)
     except Exception as exc:  # noqa: BLE001 - reported as the experiment's failure, not the candidate's
         return _failed("internal", user_failure("ckptaudit.exporters.documented_load",
                                                 f"raised while restoring the reference on rank {ctx.rank}", exc), ctx)
-    state = _state_snapshot(job)
+    state = state_snapshot(job)
     spec = cfg.exporters[which]
     exporter: Any = spec
     try:
@@ -142,7 +142,7 @@ def _perturb_for_control(recipe: Any, job: Any) -> str:
     target = _compute_dtype(recipe, job.model)
     nudged = False
     with torch.no_grad():
-        for _, p in _param_names(job.model):
+        for _, p in param_names(job.model):
             local = p.to_local() if type(p).__name__ == "DTensor" else p.data
             if not local.is_floating_point():
                 continue
@@ -175,11 +175,11 @@ def default_load(job: Any, path: str, ctx: Any = None) -> None:
     load_weights(job, path, ctx)
 
 
-def _resume_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str, kind: str, which: int | None) -> Any:
+def resume_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str, kind: str, which: int | None) -> Any:
     """(``resume_nproc`` ranks) One resumed run: ``kind`` is ``reference``, ``control`` or ``candidate``.
 
     Rank 0 returns ``{"fresh", "restored", "traj", "loader", "control"}``; a failure of user code is returned
-    as a :class:`_Failed` (``recipe`` for the reference and the control; ``load`` or ``steps`` for a candidate).
+    as a :class:`PhaseFailed` (``recipe`` for the reference and the control; ``load`` or ``steps`` for a candidate).
     """
     from ckptaudit import exporters
     from ckptaudit.recipes import RecipeError, checked_setup, describe_function, load_object, load_recipe, user_failure
@@ -190,7 +190,7 @@ def _resume_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str, kind: str, 
     except RecipeError as exc:
         return _failed("recipe", exc.failure, ctx)
     ref_path = os.path.join(workdir, cfg.reference_name)
-    fresh = _state_snapshot(job)
+    fresh = state_snapshot(job)
     control = ""
     loader_name = "ckptaudit.exporters.documented_load"
     stage = "recipe" if kind != "candidate" else "load"
@@ -210,7 +210,7 @@ def _resume_phase(ctx: RankContext, cfg: ResumeConfig, workdir: str, kind: str, 
     except Exception as exc:  # noqa: BLE001 - the loader is user code (or ours on the user's recipe)
         where = describe_function(loader) if callable(loader) else str(loader)
         return _failed(stage, user_failure(where, f"raised while restoring on rank {ctx.rank}", exc), ctx)
-    restored = _state_snapshot(job)
+    restored = state_snapshot(job)
     try:
         traj = _run_steps(recipe, job, cfg.steps, _full_mode(job, cfg))
     except RecipeError as exc:

@@ -40,19 +40,19 @@ def _full(t: Any) -> Any:
     return torch.cat([part for _, part in sorted(parts, key=lambda p: p[0])], dim=placement.dim)
 
 
-def _param_names(model: Any) -> list[tuple[str, Any]]:
+def param_names(model: Any) -> list[tuple[str, Any]]:
     from ckptaudit.layouts import normalize_fqn
 
     return [(normalize_fqn(n), p) for n, p in model.named_parameters()]
 
 
-def _snapshot(job: Any, full: bool) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+def take_snapshot(job: Any, full: bool) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """(all ranks, collective for sharded parameters) Gather every parameter; rank 0's copy is the result."""
     import torch
 
     values: dict[str, np.ndarray] = {}
     norms: dict[str, float] = {}
-    for name, p in _param_names(job.model):
+    for name, p in param_names(job.model):
         t = p.detach()
         if type(t).__name__ == "DTensor":
             t = _full(t)
@@ -95,7 +95,7 @@ def _canonical(obj: Any) -> str:
     return repr(obj)
 
 
-def _state_snapshot(job: Any) -> dict[str, dict[str, str]]:
+def state_snapshot(job: Any) -> dict[str, dict[str, str]]:
     """(all ranks, collective) The job's state by component: key -> digest; rank 0's copy is the whole.
 
     The generators are keyed ``rank{r}/python``, ``rank{r}/numpy``, ``rank{r}/torch`` and ``rank{r}/cuda:{i}``
@@ -106,7 +106,7 @@ def _state_snapshot(job: Any) -> dict[str, dict[str, str]]:
     import torch.distributed as dist
 
     snap: dict[str, dict[str, str]] = {c: {} for c in COMPONENTS}
-    for name, p in _param_names(job.model):
+    for name, p in param_names(job.model):
         snap["parameters"][name] = _digest(p)
         entry = job.optimizer.state.get(p, {})
         for key in sorted(entry):

@@ -48,8 +48,15 @@ from torch import nn
 from ckptaudit import __version__
 from ckptaudit.catalogue import finding
 from ckptaudit.checks.artifact import HASH_PREFIX, manifest_hash
-from ckptaudit.findings import Finding, Report
-from ckptaudit.serving.gate import GateResult, GateThresholds, compare_outputs, judge, next_token_targets, output_kind
+from ckptaudit.findings import Finding, RawReport
+from ckptaudit.serving.gate import (
+    GateResult,
+    GateThresholds,
+    compare_outputs,
+    judge_gate,
+    next_token_targets,
+    output_kind,
+)
 from ckptaudit.store import durable
 
 __all__ = [
@@ -153,7 +160,7 @@ class ExportResult:
     def exit_code(self) -> int:
         return 0 if self.gate.passed else 1
 
-    def report(self) -> Report:
+    def report(self) -> RawReport:
         findings: list[Finding] = []
         for check in self.gate.checks:
             if not check.passed:
@@ -197,7 +204,7 @@ class ExportResult:
             "tensors": self.tensors, "kept_fp32": list(self.kept_fp32), "ignored": list(self.ignored),
             "metadata": self.metadata,
         }
-        return Report(command="export-serving", path=self.out, format="safetensors", findings=tuple(findings),
+        return RawReport(command="export-serving", path=self.out, format="safetensors", findings=tuple(findings),
                       summary=f"{verdict}: {where}", extra={"serving": doc, "sections": sections})
 
 
@@ -577,7 +584,7 @@ def _run_gate(recipe: Any, reference: nn.Module, exported: dict[str, torch.Tenso
         metrics = compare_outputs(ref_out, exp_out, kind=kind, targets=targets, losses=losses)
     except ValueError as exc:
         raise ExportError(str(exc)) from None
-    return judge(metrics, options.thresholds)
+    return judge_gate(metrics, options.thresholds)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ __all__ = [
     "GateThresholds",
     "compare_logits",
     "compare_outputs",
-    "judge",
+    "judge_gate",
     "next_token_targets",
     "output_kind",
 ]
@@ -257,7 +257,7 @@ def compare_outputs(reference: torch.Tensor, exported: torch.Tensor, *, kind: st
                        loss_source=source)
 
 
-def judge(metrics: GateMetrics, thresholds: GateThresholds) -> GateResult:
+def judge_gate(metrics: GateMetrics, thresholds: GateThresholds) -> GateResult:
     """Hold the metrics to the thresholds. Every comparison is phrased so that NaN fails it."""
     checks = [
         GateCheck("max_abs_diff", metrics.max_abs_diff, thresholds.max_abs_diff, "max",

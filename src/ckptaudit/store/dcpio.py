@@ -141,11 +141,11 @@ def _set_path(root: Any, path: tuple[Any, ...], value: Any) -> None:
 
 def safe_loads(blob: bytes | io.BytesIO, what: str) -> Any:
     """Unpickle a ``torch.save`` blob with ``weights_only=True`` (plus the NumPy globals RNG states need)."""
-    from ckptaudit.formats.torchload import _numpy_globals
+    from ckptaudit.formats.torchload import numpy_globals
 
     buf = io.BytesIO(blob) if isinstance(blob, bytes) else blob
     try:
-        with torch.serialization.safe_globals(_numpy_globals()):
+        with torch.serialization.safe_globals(numpy_globals()):
             return torch.load(buf, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -47,7 +47,10 @@ from ckptaudit.formats.pickle.scan import (
 )
 from ckptaudit.formats.zip.archive import TorchZipError, TorchZipFiles, read_torch_zip
 
-__all__ = ["DcpRead", "UnsafeCheckpointError", "check_metadata_safe", "is_dcp_dir", "read_dcp"]
+if TYPE_CHECKING:
+    from ckptaudit.formats.contract import Reading
+
+__all__ = ["DcpRead", "UnsafeCheckpointError", "check_metadata_safe", "is_dcp_dir", "read_dcp", "read_dcp_into"]
 
 METADATA = ".metadata"
 MAX_BYTES_ITEM = 64 << 20
@@ -87,7 +90,7 @@ class UnsafeCheckpointError(Exception):
 def _metadata_problem(root: str) -> tuple[str, str, bytes | None]:
     """Read ``root/.metadata`` safely: ``(code, message, None)`` on failure, ``("", "", data)`` on success."""
     meta_path = os.path.join(root, METADATA)
-    escape = _path_problem(root, METADATA)
+    escape = path_problem(root, METADATA)
     if escape is not None:
         return ("integrity.path-escape",
                 f"{METADATA} is a link leading outside the directory (to {os.path.realpath(meta_path)}); not read",
@@ -175,7 +178,7 @@ def check_metadata_safe(path: str) -> DcpMetadata:
         if isinstance(where, str):
             raise UnsafeCheckpointError(f"{meta_path}: item {item}: {where}")
         rel, offset, length = where
-        escape = _path_problem(path, rel)
+        escape = path_problem(path, rel)
         if escape is not None:
             raise UnsafeCheckpointError(f"{meta_path} {escape} (item {item})")
         full = os.path.join(path, rel)
@@ -218,7 +221,7 @@ def check_metadata_safe(path: str) -> DcpMetadata:
     return md
 
 
-def _path_problem(root: str, rel: Any) -> str | None:
+def path_problem(root: str, rel: Any) -> str | None:
     if not isinstance(rel, str) or not rel:
         return f"names a data file {rel!r} that is not a relative path"
     if "\x00" in rel:
@@ -305,10 +308,10 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
         rel, offset, length = where
         if type(rel) is str:
             if rel not in path_problems:
-                path_problems[rel] = _path_problem(path, rel)
+                path_problems[rel] = path_problem(path, rel)
             problem_path = path_problems[rel]
         else:
-            problem_path = _path_problem(path, rel)
+            problem_path = path_problem(path, rel)
         if problem_path:
             findings.append(
                 finding("integrity.path-escape", meta_subject, f"{METADATA} {problem_path} (item {fqn}); not read",
@@ -547,3 +550,28 @@ def _lists(node: Any) -> Any:
             return [converted[i] for i in range(len(keys))]
         return converted
     return node
+
+
+EXTRAS = ("manifest.json", "ckptaudit.json", "metadata.json", "common.pt")
+"""The files read beside a DCP checkpoint's items: our manifest; Megatron-Core's metadata.json (backends) and
+common.pt (its unsharded state)."""
+
+
+def read_dcp_into(path: str, name: str, reading: Reading) -> None:
+    """The DCP directory reader (:mod:`ckptaudit.formats.contract`): ``path`` read into ``reading``; the checkpoint
+    itself (``name`` empty) with the files of :data:`EXTRAS` beside it."""
+    read = read_dcp(path, name) if name else read_dcp(path)
+    reading.findings.extend(read.findings)
+    reading.files.update(read.files)
+    if read.digest is not None:
+        reading.digests[os.path.join(name, METADATA) if name else METADATA] = read.digest
+    if read.part is not None:
+        reading.parts.append(read.part)
+    if name:
+        return
+    for extra in EXTRAS:
+        extra_path = os.path.join(path, extra)
+        if os.path.lexists(extra_path):
+            part = reading.read_entry(extra_path, extra)
+            if part is not None:
+                reading.parts.append(part)

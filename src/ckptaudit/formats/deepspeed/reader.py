@@ -39,30 +39,35 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import Finding, text
 from ckptaudit.formats.base import Part, Unreadable
 from ckptaudit.formats.deepspeed.zero import (
-    _add_optimizer,
-    _count_empty,
-    _LayoutError,
-    _LimitError,
-    _shape,
-    _tree,
-    _zero3,
-    _zero3_frozen,
-    _zero12,
-    _zero12_frozen,
+    ZeroLayoutError,
+    ZeroLimitError,
+    add_optimizer,
+    count_empty,
+    part_tree,
+    shape_of,
+    zero3,
+    zero3_frozen,
+    zero12,
+    zero12_frozen,
 )
 from ckptaudit.formats.io.tensors import TensorData
+
+if TYPE_CHECKING:
+    from ckptaudit.formats.contract import Reading
 
 __all__ = [
     "DeepSpeedRead",
     "is_deepspeed_root",
     "is_deepspeed_step_dir",
     "read_deepspeed",
+    "read_deepspeed_into",
+    "recognises",
     "resolve_tag",
     "step_of",
 ]
@@ -218,7 +223,7 @@ def _read_mp_rank(mp: int, name_prefix: str, prefix: str, models: dict[tuple[int
                   optims: dict[tuple[int, int], tuple[str, Part | None]], tree: dict[str, Any],
                   findings: list[Finding]) -> None:
     model_parts = {dp: p for (m, dp), p in models.items() if m == mp}
-    rank0 = _tree(model_parts.get(0))
+    rank0 = part_tree(model_parts.get(0))
     facts: dict[str, Any] = tree["deepspeed"]
     if rank0 is None:
         model_name = f"{prefix}mp_rank_{mp:02d}_model_states.pt"
@@ -336,7 +341,7 @@ def _stage0(mp: int, name_prefix: str, prefix: str, rank0: dict[str, Any], modul
             ps = [name_prefix + names[i] for i in g.get("params") or () if isinstance(i, int)
                   and not isinstance(i, bool) and 0 <= i < len(names)]
             out_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
-    _add_optimizer(tree, by_fqn, out_groups)
+    add_optimizer(tree, by_fqn, out_groups)
     tree["deepspeed"]["masters_where"] = (f"{where} (module: an fp32 engine trains its weights directly)"
                                           if inner is opt else f"{where} (optimizer/fp32_groups)")
 
@@ -383,7 +388,7 @@ def _zero(mp: int, name_prefix: str, prefix: str, stage: int, rank0: dict[str, A
             files=names[:64], ranks=beyond[:64], world_size=world))
         mine = {dp: v for dp, v in mine.items() if dp < world}
     absent = [dp for dp in range(world) if dp not in mine]
-    unreadable = [mine[dp][0] for dp in sorted(mine) if _tree(mine[dp][1]) is None]
+    unreadable = [mine[dp][0] for dp in sorted(mine) if part_tree(mine[dp][1]) is None]
     if absent or unreadable or not mine:
         bits = []
         if absent:
@@ -397,7 +402,7 @@ def _zero(mp: int, name_prefix: str, prefix: str, stage: int, rank0: dict[str, A
         return
     states = []
     for dp in range(world):
-        t = _tree(mine[dp][1])
+        t = part_tree(mine[dp][1])
         osd = t.get("optimizer_state_dict") if t is not None else None
         if not isinstance(osd, dict):
             _missing(findings, mine[dp][0], f"{mine[dp][0]} has no optimizer_state_dict")
@@ -412,41 +417,63 @@ def _zero(mp: int, name_prefix: str, prefix: str, stage: int, rank0: dict[str, A
         counts = _opaque_value(states[0].get("partition_count"))
         counts = counts if isinstance(counts, list) else [counts] if counts is not None else []
         if counts and not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
-            raise _LayoutError("partition_count of the optimizer shards is not a list of ints")
+            raise ZeroLayoutError("partition_count of the optimizer shards is not a list of ints")
         if counts and max(counts) != world:  # zero_to_fp32's world size: the files must number as many
-            raise _LayoutError(f"the optimizer shards record {text(max(counts))} partitions (partition_count), the "
+            raise ZeroLayoutError(f"the optimizer shards record {text(max(counts))} partitions (partition_count), the "
                                f"folder holds {world} ranks' shards")
         if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
-            raise _LayoutError("param_shapes of the model states is not a list of name -> shape maps")
+            raise ZeroLayoutError("param_shapes of the model states is not a list of name -> shape maps")
         groups: list[list[tuple[str, tuple[int, ...]]]] = []
         empty = 0
         for g in shapes:
             group = []
             for n, s in g.items():
-                shape = _shape(s)
+                shape = shape_of(s)
                 if 0 in shape:  # counted as they come: a flood of them stops here
-                    empty = _count_empty((shape,), empty, "param_shapes")
+                    empty = count_empty((shape,), empty, "param_shapes")
                 group.append((str(n), shape))
             groups.append(group)
         if "fp32_flat_groups" in states[0]:
-            _zero3(name_prefix, groups, states, tree)
+            zero3(name_prefix, groups, states, tree)
         elif "single_partition_of_fp32_groups" in states[0]:
-            _zero12(name_prefix, groups, states, tree)
+            zero12(name_prefix, groups, states, tree)
         else:
-            raise _LayoutError("no fp32 partitions (single_partition_of_fp32_groups / fp32_flat_groups) in "
+            raise ZeroLayoutError("no fp32 partitions (single_partition_of_fp32_groups / fp32_flat_groups) in "
                                f"{mine[0][0]}")
         if stage == 3:
-            _zero3_frozen(name_prefix, rank0, model_parts, world, tree, empty)
+            zero3_frozen(name_prefix, rank0, model_parts, world, tree, empty)
         else:
-            _zero12_frozen(name_prefix, rank0, tree)
-    except _LayoutError as exc:
+            zero12_frozen(name_prefix, rank0, tree)
+    except ZeroLayoutError as exc:
         for key in [k for k in tree["fp32_masters"] if k.startswith(name_prefix)]:
             del tree["fp32_masters"][key]  # this tensor-parallel rank's, not the others'
         if isinstance(tree["optimizer"], dict):
             for key in [k for k in tree["optimizer"]["state"] if k.startswith(name_prefix)]:
                 del tree["optimizer"]["state"][key]
         _missing(findings, subject, f"the flat partitions cannot be mapped back to parameters ({exc})",
-                 limit=isinstance(exc, _LimitError))
+                 limit=isinstance(exc, ZeroLimitError))
         return
     tree["deepspeed"]["masters_where"] = (f"{prefix}*zero_pp_rank_*_mp_rank_{mp:02d}_optim_states.pt "
                                           f"({world} ranks' flat partitions)")
+
+
+def recognises(path: str) -> bool:
+    """A DeepSpeed tag folder, or the root ``save_checkpoint`` wrote."""
+    return is_deepspeed_step_dir(path) or is_deepspeed_root(path)
+
+
+def read_deepspeed_into(path: str, name: str, reading: Reading) -> None:
+    """The DeepSpeed directory reader (:mod:`ckptaudit.formats.contract`): a tag folder, or the root
+    ``save_checkpoint`` wrote (its ``latest`` tag resolved), read into ``reading`` as one ``deepspeed`` part."""
+    step_dir, prefix = path, ""
+    if not is_deepspeed_step_dir(path):
+        tag, notes = resolve_tag(path)
+        reading.findings.extend(notes)
+        for extra in (TAG_FILE, CONVERTER):
+            if os.path.isfile(os.path.join(path, extra)):  # recorded, never executed
+                reading.files[extra] = os.path.getsize(os.path.join(path, extra))
+        assert tag is not None  # is_deepspeed_root: at least one tag folder
+        step_dir, prefix = os.path.join(path, tag), tag + "/"
+    read = read_deepspeed(step_dir, prefix, reading.read_entry)
+    reading.findings.extend(read.findings)
+    reading.parts.append(read.part)

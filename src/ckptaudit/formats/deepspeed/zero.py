@@ -25,32 +25,32 @@ memoised shape in ``param_shapes`` (about 20 bytes) but becomes a master, its mo
 no partition bytes behind them: past this, the layout is refused, so the work stays bounded by the bytes read."""
 
 
-class _LayoutError(ValueError):
+class ZeroLayoutError(ValueError):
     """The files' own bookkeeping does not add up (damaged or hand-edited): the masters cannot be rebuilt."""
 
 
-class _LimitError(_LayoutError):
+class ZeroLimitError(ZeroLayoutError):
     """The layout asks for more work than its bytes pay for (a reader's safety limit, not proof of damage)."""
 
 
-def _count_empty(shapes: Iterable[tuple[int, ...]], already: int, what: str) -> int:
-    """``already`` plus the shapes with no elements; :class:`_LimitError` as soon as the count passes
+def count_empty(shapes: Iterable[tuple[int, ...]], already: int, what: str) -> int:
+    """``already`` plus the shapes with no elements; :class:`ZeroLimitError` as soon as the count passes
     :data:`MAX_EMPTY_PARAMS` (the rest is not looked at)."""
     total = already
     for s in shapes:
         total += 0 in s
         if total > MAX_EMPTY_PARAMS:
-            raise _LimitError(f"{what} declares more than {MAX_EMPTY_PARAMS} parameters that hold no elements, "
+            raise ZeroLimitError(f"{what} declares more than {MAX_EMPTY_PARAMS} parameters that hold no elements, "
                               "more than a model has (each a few bytes of pickle, and a master and moments to "
                               "audit): refused as the reader's safety limit")
     return total
 
 
-def _tree(part: Part | None) -> dict[str, Any] | None:
+def part_tree(part: Part | None) -> dict[str, Any] | None:
     return part.tree if part is not None and isinstance(part.tree, dict) else None
 
 
-def _add_optimizer(tree: dict[str, Any], state: dict[str, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+def add_optimizer(tree: dict[str, Any], state: dict[str, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
     """Merge one tensor-parallel rank's optimizer state (names already prefixed) into the tree's."""
     if not isinstance(tree["optimizer"], dict):
         tree["optimizer"] = {"state": {}, "param_groups": []}
@@ -66,26 +66,26 @@ def _show(value: Any) -> str:
     return text(value) if isinstance(value, int | float) else type(value).__name__
 
 
-def _shape(value: Any) -> tuple[int, ...]:
+def shape_of(value: Any) -> tuple[int, ...]:
     """A parameter shape from ``param_shapes``, checked in integers before any arithmetic uses it."""
     if not isinstance(value, tuple | list) or len(value) > _MAX_RANK_DIMS or not all(
             isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _MAX_NUMEL for d in value):
-        raise _LayoutError(f"parameter shape {_show(value)} is not a tuple of at most {_MAX_RANK_DIMS} "
+        raise ZeroLayoutError(f"parameter shape {_show(value)} is not a tuple of at most {_MAX_RANK_DIMS} "
                            f"non-negative ints below 2**62")
     numel = 1
     for d in value:
         numel *= d
         if numel > _MAX_NUMEL:
-            raise _LayoutError(f"parameter shape {_show(value)} has more than 2**62 elements")
+            raise ZeroLayoutError(f"parameter shape {_show(value)} has more than 2**62 elements")
     return tuple(value)
 
 
 def _flat(value: Any, what: str) -> TensorData:
     """A saved flat partition: a 1-D tensor in one contiguous piece."""
     if not isinstance(value, TensorData):
-        raise _LayoutError(f"{what} is {'unreadable' if isinstance(value, Unreadable) else 'not a tensor'}")
+        raise ZeroLayoutError(f"{what} is {'unreadable' if isinstance(value, Unreadable) else 'not a tensor'}")
     if len(value.shape) != 1 or len(value.pieces) != 1 or not value.pieces[0].is_contiguous():
-        raise _LayoutError(f"{what} is not a flat contiguous tensor (shape {list(value.shape)})")
+        raise ZeroLayoutError(f"{what} is not a flat contiguous tensor (shape {list(value.shape)})")
     return value
 
 
@@ -125,15 +125,15 @@ def _assemble(shape: tuple[int, ...], segments: list[_Segment]) -> TensorData:
     """A lazy tensor of ``shape`` made of rectangular pieces of the flat partitions (nothing is read)."""
     numel = math.prod(shape)
     if sum(s[3] for s in segments) != numel:
-        raise _LayoutError(f"partitions hold {sum(s[3] for s in segments)} elements of a parameter with {numel}")
+        raise ZeroLayoutError(f"partitions hold {sum(s[3] for s in segments)} elements of a parameter with {numel}")
     dtype = segments[0][0].dtype if segments else None
     strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     pieces: list[Piece] = []
     for src, src_start, logical_start, length in segments:
         if src.dtype != dtype:
-            raise _LayoutError("the partitions of one parameter have different dtypes")
+            raise ZeroLayoutError("the partitions of one parameter have different dtypes")
         if src_start < 0 or src_start + length > src.numel:
-            raise _LayoutError(f"a slice [{src_start}, {src_start + length}) exceeds its partition's "
+            raise ZeroLayoutError(f"a slice [{src_start}, {src_start + length}) exceeds its partition's "
                                f"{src.numel} elements")
         p0 = src.pieces[0]
         for offsets, sizes in _blocks(shape, logical_start, length):
@@ -141,7 +141,7 @@ def _assemble(shape: tuple[int, ...], segments: list[_Segment]) -> TensorData:
             pieces.append(Piece(p0.file, p0.data_offset, p0.storage_offset + src_start + (first - logical_start),
                                 sizes, strides, offsets))
     if dtype is None:
-        raise _LayoutError("a parameter with no elements has no partition to take its dtype from")
+        raise ZeroLayoutError("a parameter with no elements has no partition to take its dtype from")
     return TensorData(dtype, shape, tuple(pieces))
 
 
@@ -211,7 +211,7 @@ def _per_element(entries: list[dict[str, Any]], fits: Callable[[TensorData, Tens
                  for s, f in zip(srcs, flats, strict=True))
         try:
             out[str(sname)] = [_flat(s, str(sname)) for s in srcs] if ok else None
-        except _LayoutError:
+        except ZeroLayoutError:
             out[str(sname)] = None
     return out
 
@@ -240,23 +240,23 @@ def _paddings(raw: Any, group: int, params: int) -> list[int]:
         return [0] * params
     pads = raw[group] if isinstance(raw, list) and group < len(raw) else None
     if not isinstance(pads, list) or len(pads) != params:
-        raise _LayoutError(f"param_alignment_paddings of group {group} holds "
+        raise ZeroLayoutError(f"param_alignment_paddings of group {group} holds "
                            f"{len(pads) if isinstance(pads, list) else 'no list of'} entries for {params} "
                            "parameters")
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _MAX_NUMEL for x in pads):
-        raise _LayoutError(f"param_alignment_paddings of group {group} holds a value that is not a small "
+        raise ZeroLayoutError(f"param_alignment_paddings of group {group} holds a value that is not a small "
                            "non-negative int")
     return pads
 
 
-def _zero12(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], states: list[dict[str, Any]],
+def zero12(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], states: list[dict[str, Any]],
             tree: dict[str, Any]) -> None:
     """ZeRO-1/2: per group, the ranks' saved partitions concatenated are the group's flat buffer (padding
     dropped); parameters follow in ``param_shapes`` order, each followed by its alignment padding. Work: one
     sweep over the parameters and the ranks' boundaries per group (:func:`_cut`)."""
     parts: list[Any] = [s.get("single_partition_of_fp32_groups") for s in states]
     if not all(isinstance(p, list) and len(p) == len(groups) for p in parts):
-        raise _LayoutError(f"single_partition_of_fp32_groups does not hold {len(groups)} group(s) on every rank")
+        raise ZeroLayoutError(f"single_partition_of_fp32_groups does not hold {len(groups)} group(s) on every rank")
     raw_paddings = states[0].get("param_alignment_paddings")
     state_tree: dict[str, dict[str, Any]] = {}
     for g, params in enumerate(groups):
@@ -270,13 +270,13 @@ def _zero12(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], s
         for (name, shape), pad in zip(params, pads, strict=True):
             numel = math.prod(shape)
             if offset + numel > bounds[-1]:
-                raise _LayoutError(f"{name} would end at element {offset + numel} of group {g}, whose partitions "
+                raise ZeroLayoutError(f"{name} would end at element {offset + numel} of group {g}, whose partitions "
                                    f"hold {bounds[-1]}")
             ranges.append((offset, offset + numel))
             offset += numel + pad
         align = 2 * len(states)
         if -(-offset // align) != -(-bounds[-1] // align):
-            raise _LayoutError(f"group {g}'s parameters use {offset} elements, its partitions hold {bounds[-1]}")
+            raise ZeroLayoutError(f"group {g}'s parameters use {offset} elements, its partitions hold {bounds[-1]}")
         entries = [_base_state(s, "base_optimizer_state", g) for s in states]
         # The moments keep the partition padding the saved masters drop (last rank: longer by the pad).
         moments = _per_element(entries, lambda t, f: t.numel >= f.numel, flats)
@@ -289,11 +289,11 @@ def _zero12(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], s
             tree["fp32_masters"][fqn] = (_assemble(shape, segments(flats)) if hi > lo else
                                          TensorData(flats[0].dtype, shape, ()))
             state_tree[fqn] = _attach(shape, hi - lo, entries[0], moments, segments)
-    _add_optimizer(tree, state_tree, _param_groups(states[0], "base_optimizer_state",
+    add_optimizer(tree, state_tree, _param_groups(states[0], "base_optimizer_state",
                                                    [[name_prefix + n for n, _ in ps] for ps in groups]))
 
 
-def _zero3(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], states: list[dict[str, Any]],
+def zero3(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], states: list[dict[str, Any]],
            tree: dict[str, Any]) -> None:
     """ZeRO-3: in each group's flat partition every parameter takes ``ceil(numel / world)`` elements per rank;
     rank r's slice holds elements ``[r * part, (r + 1) * part)`` of the parameter, the last one padded. Work:
@@ -301,12 +301,12 @@ def _zero3(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], st
     world = len(states)
     flats_all: list[Any] = [s.get("fp32_flat_groups") for s in states]
     if not all(isinstance(f, list) and len(f) == len(groups) for f in flats_all):
-        raise _LayoutError(f"fp32_flat_groups does not hold {len(groups)} group(s) on every rank")
+        raise ZeroLayoutError(f"fp32_flat_groups does not hold {len(groups)} group(s) on every rank")
     state_tree: dict[str, dict[str, Any]] = {}
     for g, params in enumerate(groups):
         flats = [_flat(f[g], f"rank {r}'s flat group {g}") for r, f in enumerate(flats_all)]
         if len({f.numel for f in flats}) != 1:
-            raise _LayoutError(f"the ranks' flat partitions of group {g} differ in length "
+            raise ZeroLayoutError(f"the ranks' flat partitions of group {g} differ in length "
                                f"({', '.join(str(f.numel) for f in flats[:8])}{', ...' if world > 8 else ''})")
         entries = [_base_state(s, "optimizer_state_dict", g) for s in states]
         moments = _per_element(entries, lambda t, f: t.shape == f.shape, flats)
@@ -315,7 +315,7 @@ def _zero3(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], st
             numel = math.prod(shape)
             part = -(-numel // world)  # ceil in integers: a float overflows on a huge declared shape
             if offset + part > flats[0].numel:
-                raise _LayoutError(f"{name} would end at element {offset + part} of group {g}, whose partitions "
+                raise ZeroLayoutError(f"{name} would end at element {offset + part} of group {g}, whose partitions "
                                    f"hold {flats[0].numel} per rank")
             # Only the first ceil(numel / part) ranks hold elements of it; the rest hold its padding.
             cut = [(r, offset, r * part, min(part, numel - r * part)) for r in range(-(-numel // part) if part else 0)]
@@ -329,13 +329,13 @@ def _zero3(name_prefix: str, groups: list[list[tuple[str, tuple[int, ...]]]], st
             state_tree[fqn] = _attach(shape, numel, entries[0], moments, segments)
             offset += part
         if offset != flats[0].numel:
-            raise _LayoutError(f"group {g}'s parameters use {offset} elements per rank, its partitions hold "
+            raise ZeroLayoutError(f"group {g}'s parameters use {offset} elements per rank, its partitions hold "
                                f"{flats[0].numel}")
-    _add_optimizer(tree, state_tree, _param_groups(states[0], "optimizer_state_dict",
+    add_optimizer(tree, state_tree, _param_groups(states[0], "optimizer_state_dict",
                                                    [[name_prefix + n for n, _ in ps] for ps in groups]))
 
 
-def _zero12_frozen(name_prefix: str, rank0: dict[str, Any], tree: dict[str, Any]) -> None:
+def zero12_frozen(name_prefix: str, rank0: dict[str, Any], tree: dict[str, Any]) -> None:
     """ZeRO-1/2 frozen parameters: saved whole in ``frozen_param_fragments`` (no optimizer state, no master)."""
     frags = rank0.get("frozen_param_fragments")
     if isinstance(frags, dict):
@@ -344,7 +344,7 @@ def _zero12_frozen(name_prefix: str, rank0: dict[str, Any], tree: dict[str, Any]
                 tree["frozen"][name_prefix + name] = value
 
 
-def _zero3_frozen(name_prefix: str, rank0: dict[str, Any], model_parts: dict[int, Part | None], world: int,
+def zero3_frozen(name_prefix: str, rank0: dict[str, Any], model_parts: dict[int, Part | None], world: int,
                   tree: dict[str, Any], empty: int = 0) -> None:
     """ZeRO-3 frozen parameters: every rank's model states holds its slice in ``frozen_param_fragments`` (DeepSpeed's
     ``zero_to_fp32`` takes one from every rank: a rank without it fails the parameter). ``empty``: the trainable
@@ -354,11 +354,11 @@ def _zero3_frozen(name_prefix: str, rank0: dict[str, Any], model_parts: dict[int
         return
     maps = []
     for dp in range(world):
-        t = _tree(model_parts.get(dp))
+        t = part_tree(model_parts.get(dp))
         frags = t.get("frozen_param_fragments") if t is not None else None
         maps.append(frags if isinstance(frags, dict) else {})
-    checked = {name: _shape(raw) for name, raw in shapes.items() if isinstance(name, str)}
-    _count_empty(checked.values(), empty, "frozen_param_shapes (with param_shapes)")
+    checked = {name: shape_of(raw) for name, raw in shapes.items() if isinstance(name, str)}
+    count_empty(checked.values(), empty, "frozen_param_shapes (with param_shapes)")
     for name, shape in checked.items():
         numel = math.prod(shape)
         part = -(-numel // world)

@@ -12,24 +12,24 @@ from typing import IO, Any
 from ckptaudit.formats.pickle.allowlist import HARMLESS_GLOBALS, global_name
 from ckptaudit.formats.pickle.limits import MAX_INLINE, MAX_LINE, MAX_STACK
 from ckptaudit.formats.pickle.ops import (
-    _CONST,
-    _CONST_OPS,
-    _CONST_TYPES,
-    _EMPTY_TUPLE,
-    _FAST_GENERIC,
-    _FIXED,
-    _GENERIC,
-    _OPS,
-    _PLAIN_STEP,
-    _PREFIXED,
-    _STRING_OPS,
-    _TUPLES,
-    _U4,
-    _UNKNOWN,
-    _Global,
-    _New,
-    _Tuple,
-    _tuple_of,
+    CONST,
+    CONST_OPS,
+    CONST_TYPES,
+    EMPTY_TUPLE_REF,
+    FAST_GENERIC,
+    FIXED,
+    GENERIC,
+    OPS,
+    PLAIN_STEP,
+    PREFIXED,
+    STRING_OPS,
+    TUPLES,
+    U4,
+    UNKNOWN,
+    GlobalRef,
+    NewCall,
+    TupleRef,
+    tuple_of,
 )
 
 __all__ = ["ScanError", "Walker"]
@@ -98,13 +98,13 @@ class Walker:
             data = self.stream.read(desc.n)
             if len(data) != desc.n:
                 raise ScanError(f"{op.name}: its {desc.n}-byte argument is truncated")
-            return _FIXED[desc.name].unpack(data)[0]
+            return FIXED[desc.name].unpack(data)[0]
         if desc.n == pickletools.UP_TO_NEWLINE:
             lines = self._line()
             if desc.name == "stringnl_noescape_pair":
                 lines += self._line()
             return desc.reader(io.BytesIO(lines))
-        fmt, kind = _PREFIXED[desc.name]
+        fmt, kind = PREFIXED[desc.name]
         (n,) = struct.unpack(fmt, self._exact(struct.calcsize(fmt), op.name))
         if n < 0:
             raise ScanError(f"{op.name} declares a negative length {n}")
@@ -112,13 +112,13 @@ class Walker:
             raise ScanError(f"{op.name} declares {n} bytes, only {self._remaining()} remain (truncated or corrupt)")
         if n > MAX_INLINE:
             self.stream.seek(n, io.SEEK_CUR)  # never read: the scanner needs only short strings (names)
-            return _CONST
+            return CONST
         data = self._exact(n, op.name)
         if kind == "str":
             return data.decode("utf-8", "surrogatepass")
         if kind == "str1":
             return data.decode("latin-1")
-        return _CONST
+        return CONST
 
     # -- the walk --------------------------------------------------------------------------------------------
     def _pop(self, name: str) -> Any:
@@ -136,14 +136,14 @@ class Walker:
 
     def _call(self, callee: Any, args: Any, how: str) -> None:
         """``callee(*args)`` (REDUCE) or ``callee.__new__(callee, *args)`` (NEWOBJ): check harmless usage."""
-        if not isinstance(callee, _Global):
+        if not isinstance(callee, GlobalRef):
             return
         kind = HARMLESS_GLOBALS.get(callee.name)
         if kind is None:
             return
-        if how == "newobj" and isinstance(args, _Tuple) and args.n == 0:
+        if how == "newobj" and isinstance(args, TupleRef) and args.n == 0:
             return
-        if how == "reduce" and kind == "enum" and isinstance(args, _Tuple) and args.n == 1:
+        if how == "reduce" and kind == "enum" and isinstance(args, TupleRef) and args.n == 1:
             return
         self.misused.setdefault(callee.name, None)
 
@@ -159,7 +159,7 @@ class Walker:
             code = stream.read(1)
             if not code:
                 raise ScanError("the pickle ends before its STOP opcode (truncated)")
-            op = _OPS[code[0]]
+            op = OPS[code[0]]
             if op is None:
                 raise ScanError(f"unknown opcode {code!r}")
             count += 1
@@ -179,7 +179,7 @@ class Walker:
         an index past the end is the truncation check (``IndexError``), and the memo, dense in every pickle
         ``pickle.dump`` writes, grows by ``append``."""
         stream, stack, marks, memo = self.stream, self.stack, self.marks, self.memo
-        push, fixed, ops = stack.append, _FAST_GENERIC, _OPS
+        push, fixed, ops = stack.append, FAST_GENERIC, OPS
         end, max_opcodes = self.size, self.max_opcodes
         pos = start = stream.tell()
         counting = end - start > max_opcodes
@@ -223,7 +223,7 @@ class Walker:
                     pos += 2
                     continue
                 if c == 0x6A:  # LONG_BINGET
-                    (at,) = _U4.unpack_from(buf, pos + 1)
+                    (at,) = U4.unpack_from(buf, pos + 1)
                     if at >= len(memo) or memo[at] is None:
                         raise ScanError(f"LONG_BINGET of memo entry {at}, which was never stored")
                     push(memo[at])
@@ -234,7 +234,7 @@ class Walker:
                     pos += 1
                     continue
                 elif c == 0x29:  # EMPTY_TUPLE
-                    push(_EMPTY_TUPLE)
+                    push(EMPTY_TUPLE_REF)
                     cost += 8
                     pos += 1
                 elif c == 0x81 or c == 0x52:  # NEWOBJ, REDUCE
@@ -244,12 +244,12 @@ class Walker:
                                          + (" (it would pop a MARK)" if marks else ""))
                     args = stack.pop()
                     callee = stack.pop()
-                    if type(callee) is _Global:
+                    if type(callee) is GlobalRef:
                         if callee.name in HARMLESS_GLOBALS:
                             self._call(callee, args, "newobj" if c == 0x81 else "reduce")
                     else:
                         self.plain = False
-                    push(_New() if c == 0x81 else _UNKNOWN)
+                    push(NewCall() if c == 0x81 else UNKNOWN)
                     cost += 96
                     pos += 1
                 elif c == 0x62:  # BUILD: the instance stays on the stack
@@ -257,23 +257,23 @@ class Walker:
                         raise ScanError("stack underflow at BUILD" + (" (it would pop a MARK)" if marks else ""))
                     del stack[-1]
                     inst = stack[-1]
-                    if type(inst) is _New and not inst.built:
+                    if type(inst) is NewCall and not inst.built:
                         inst.built = True
                     else:
                         self.plain = False
-                        stack[-1] = _UNKNOWN
+                        stack[-1] = UNKNOWN
                     pos += 1
                 elif 0x85 <= c <= 0x87:  # TUPLE1..3
                     n = c - 0x84
                     if len(stack) - (marks[-1] if marks else 0) < n:
                         raise ScanError(f"stack underflow at {ops[c].name}"  # type: ignore[union-attr]
                                          + (" (it would pop a MARK)" if marks else ""))
-                    const = type(stack[-1]) in _CONST_TYPES
+                    const = type(stack[-1]) in CONST_TYPES
                     if n > 1:
-                        const = const and type(stack[-2]) in _CONST_TYPES and (
-                            n == 2 or type(stack[-3]) in _CONST_TYPES)
+                        const = const and type(stack[-2]) in CONST_TYPES and (
+                            n == 2 or type(stack[-3]) in CONST_TYPES)
                         del stack[1 - n:]
-                    stack[-1] = _TUPLES[n] if const else _UNKNOWN
+                    stack[-1] = TUPLES[n] if const else UNKNOWN
                     cost += 56 + 8 * n
                     pos += 1
                 elif c == 0x75:  # SETITEMS: the keys must be strings or records for a plain pickle
@@ -281,45 +281,45 @@ class Walker:
                         raise ScanError("SETITEMS without a MARK")
                     at = marks.pop()
                     for key in stack[at::2]:
-                        if type(key) is not str and type(key) is not _New:
+                        if type(key) is not str and type(key) is not NewCall:
                             self.plain = False
                             break
                     cost += 40 * (len(stack) - at)
                     del stack[at:]
                     if len(stack) <= (marks[-1] if marks else 0):
                         raise ScanError("stack underflow at SETITEMS" + (" (it would pop a MARK)" if marks else ""))
-                    stack[-1] = _UNKNOWN
+                    stack[-1] = UNKNOWN
                     pos += 1
                 elif c == 0x73:  # SETITEM
                     items = [self._pop("SETITEM"), self._pop("SETITEM")]
                     self._pop("SETITEM")
-                    if type(items[1]) is not str and type(items[1]) is not _New:
+                    if type(items[1]) is not str and type(items[1]) is not NewCall:
                         self.plain = False
-                    push(_UNKNOWN)
+                    push(UNKNOWN)
                     cost += 80
                     pos += 1
                 elif c == 0x74:  # TUPLE
                     items = self._pop_mark("TUPLE")
-                    push(_tuple_of(items))
+                    push(tuple_of(items))
                     cost += 56 + 8 * len(items)
                     pos += 1
                 elif c == 0x4B and pos + 2 <= end:  # BININT1
-                    push(_CONST)
+                    push(CONST)
                     cost += 8
                     pos += 2
                 elif c == 0x7D:  # EMPTY_DICT
-                    push(_UNKNOWN)
+                    push(UNKNOWN)
                     cost += 64
                     pos += 1
                 elif c == 0x4D and pos + 3 <= end:  # BININT2
-                    push(_CONST)
+                    push(CONST)
                     cost += 32
                     pos += 3
                 elif (c == 0x72 and pos + 5 <= end) or (c == 0x71 and pos + 2 <= end):  # LONG_BINPUT, BINPUT
                     if not stack or (marks and len(stack) == marks[-1]):
                         raise ScanError(f"{ops[c].name} with nothing to remember")  # type: ignore[union-attr]
                     if c == 0x72:
-                        (index,) = _U4.unpack_from(buf, pos + 1)
+                        (index,) = U4.unpack_from(buf, pos + 1)
                     else:
                         index = buf[pos + 1]
                     if index > pos - start + 1:
@@ -333,9 +333,9 @@ class Walker:
                     self.plain = False  # (see PLAIN_OPCODES)
                     pos += 5 if c == 0x72 else 2
                     continue
-                elif c == 0x58 and pos + 5 <= end and _U4.unpack_from(buf, pos + 1)[0] <= min(
+                elif c == 0x58 and pos + 5 <= end and U4.unpack_from(buf, pos + 1)[0] <= min(
                         MAX_INLINE, end - pos - 5):  # BINUNICODE, a short one
-                    (n,) = _U4.unpack_from(buf, pos + 1)
+                    (n,) = U4.unpack_from(buf, pos + 1)
                     push(buf[pos + 5:pos + 5 + n].decode("utf-8", "surrogatepass"))
                     cost += 64 + n
                     pos += 5 + n
@@ -406,10 +406,10 @@ class Walker:
         took at least one byte, so a C unpickler's memo array stays within the pickle's size)."""
         stack = self.stack
         if self.plain:
-            if code not in _PLAIN_STEP:
+            if code not in PLAIN_STEP:
                 self.plain = False
             self.cost += 64
-        generic = _GENERIC[code]
+        generic = GENERIC[code]
         if generic is not None:  # the common container and constant opcodes: no names, no calls
             has_mark, pops, pushes = generic
             if op.arg is not None:
@@ -470,10 +470,10 @@ class Walker:
             if name == "INST":
                 args = self._pop_mark(name)
                 if args:
-                    self._call(_Global(full), _UNKNOWN, "inst")
-                stack.append(_UNKNOWN)
+                    self._call(GlobalRef(full), UNKNOWN, "inst")
+                stack.append(UNKNOWN)
             else:
-                stack.append(_Global(full))
+                stack.append(GlobalRef(full))
         elif name == "STACK_GLOBAL":
             if self.proto < 3:
                 self.plain = False
@@ -485,51 +485,51 @@ class Walker:
                 full = "<unresolvable STACK_GLOBAL>"
                 self.plain = False
             self.found.setdefault(full, None)
-            stack.append(_Global(full))
+            stack.append(GlobalRef(full))
         elif name in ("EXT1", "EXT2", "EXT4"):
             self.found.setdefault(f"<copyreg extension {arg}>", None)
-            stack.append(_UNKNOWN)
+            stack.append(UNKNOWN)
         elif name == "REDUCE":
             args = self._pop(name)
             callee = self._pop(name)
             self._call(callee, args, "reduce")
-            stack.append(_UNKNOWN)
+            stack.append(UNKNOWN)
         elif name == "NEWOBJ":
             args = self._pop(name)
             callee = self._pop(name)
             self._call(callee, args, "newobj")
-            stack.append(_UNKNOWN)
+            stack.append(UNKNOWN)
         elif name == "NEWOBJ_EX":
             self._pop(name)
             args = self._pop(name)
             callee = self._pop(name)
-            self._call(callee, _UNKNOWN, "newobj_ex")
-            stack.append(_UNKNOWN)
+            self._call(callee, UNKNOWN, "newobj_ex")
+            stack.append(UNKNOWN)
         elif name == "OBJ":
             items = self._pop_mark(name)
             if not items:
                 raise ScanError("OBJ without a class")
             if len(items) > 1:
-                self._call(items[0], _UNKNOWN, "obj")
-            stack.append(_UNKNOWN)
+                self._call(items[0], UNKNOWN, "obj")
+            stack.append(UNKNOWN)
         elif name == "EMPTY_TUPLE":
-            stack.append(_EMPTY_TUPLE)
+            stack.append(EMPTY_TUPLE_REF)
         elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
             n = int(name[-1])
             items = [self._pop(name) for _ in range(n)]
-            stack.append(_tuple_of(items))
+            stack.append(tuple_of(items))
         elif name == "TUPLE":
             items = self._pop_mark(name)
-            stack.append(_tuple_of(items))
+            stack.append(tuple_of(items))
         elif name == "POP" and self.marks and len(stack) == self.marks[-1]:
             self.marks.pop()  # POP of a MARK is legal (both unpicklers allow it)
         elif name == "DUP":
             stack.append(self._pop(name))
             stack.append(stack[-1])
-        elif name in _STRING_OPS:
-            stack.append(arg if isinstance(arg, str) else _CONST)
-        elif name in _CONST_OPS:
-            stack.append(_CONST)
+        elif name in STRING_OPS:
+            stack.append(arg if isinstance(arg, str) else CONST)
+        elif name in CONST_OPS:
+            stack.append(CONST)
         else:
             # Everything else: pop what the opcode consumes (to the mark, then the fixed items before it) and
             # push an unknown for what it produces.
@@ -541,7 +541,7 @@ class Walker:
                 fixed = len(before)
             for _ in range(fixed):
                 self._pop(name)
-            stack.extend(_UNKNOWN for _ in op.stack_after)
+            stack.extend(UNKNOWN for _ in op.stack_after)
         if len(stack) > MAX_STACK:
             raise ScanError(f"stack deeper than {MAX_STACK}", limit=True)
         return False

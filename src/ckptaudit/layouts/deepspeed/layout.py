@@ -14,6 +14,7 @@ from ckptaudit.formats.base import Checkpoint, Part, Unreadable
 from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.keyed import optimizer_view
 from ckptaudit.layouts.precision import deepspeed_record
+from ckptaudit.layouts.rules import Context
 from ckptaudit.layouts.view import DATA_KEYS, RNG_KEYS, STEP_KEYS, View, as_int, is_step_key, part_label
 
 
@@ -78,3 +79,10 @@ def deepspeed_view(part: Part, tree: dict[str, Any], view: View, found: Any, add
               "save the loader's state in client_state" + (f" (client_state holds {', '.join(map(str, client))})"
                                                             if client else ""))
 
+
+
+def read_deepspeed_part(part: Part, ctx: Context) -> bool:
+    """The DeepSpeed rule (:mod:`ckptaudit.layouts.rules`): the part :mod:`ckptaudit.formats.deepspeed.reader` built,
+    taken whole."""
+    deepspeed_view(part, part.tree, ctx.view, ctx.found, ctx.add_model, ctx.ckpt)
+    return True

@@ -11,7 +11,7 @@ per line on stdout, until stdin closes.
 line comes after the audit engine, NumPy and every reader are imported (:func:`warm`), so the first audit costs what the others do: the guard starts
 this process when it is created, off the training thread, and waits for that line on its worker thread.
 
-Started as ``python -m ckptaudit.integrations._worker`` (never by re-importing the training script, as
+Started as ``python -m ckptaudit.integrations.guard_worker`` (never by re-importing the training script, as
 multiprocessing's spawn would), it imports no torch: the audit reads files with NumPy.
 
 Cheap by construction for the training process beside it: before it imports anything else, the worker lowers

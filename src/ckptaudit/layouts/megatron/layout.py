@@ -171,3 +171,9 @@ def _megatron_data_detail(common: dict[str, Any]) -> str:
                 "the consumed samples)")
     return (f"step counter only (iteration {text(it)}); no data-loader position (args.consumed_train_samples not "
             "saved)")
+
+
+def view_if_megatron(ckpt: Checkpoint) -> View | None:
+    """The Megatron rule (:mod:`ckptaudit.layouts.rules`): the checkpoint's view, or ``None`` when it is not
+    Megatron-Core's after all."""
+    return megatron_view(ckpt) if is_megatron(ckpt) else None

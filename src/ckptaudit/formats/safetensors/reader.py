@@ -12,11 +12,14 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ckptaudit.catalogue import finding
+from ckptaudit.findings import Finding
+from ckptaudit.formats.base import Part
 from ckptaudit.formats.io.safeio import open_regular
 from ckptaudit.formats.io.safejson import loads_limited
 from ckptaudit.formats.io.tensors import DTYPES, Piece, TensorData
 
-__all__ = ["SafetensorsError", "SafetensorsFile", "read_safetensors"]
+__all__ = ["SafetensorsError", "SafetensorsFile", "read_safetensors", "read_safetensors_part"]
 
 MAX_HEADER_BYTES = 100_000_000
 """The safetensors specification's own limit on the JSON header."""
@@ -197,3 +200,16 @@ def _entry(path: str, name: str, spec: Any, data_start: int, data_len: int) -> t
         offsets=(0,) * len(shape),
     )
     return begin, end, name, TensorData(dtype, tuple(shape), (piece,))
+
+
+def read_safetensors_part(probe: Any, findings: list[Finding]) -> Part | None:
+    """The safetensors reader (:mod:`ckptaudit.formats.contract`): the file as one ``safetensors`` part."""
+    try:
+        st = read_safetensors(probe.path)
+    except SafetensorsError as exc:
+        findings.append(
+            finding("integrity.corrupt", probe.subject, f"{probe.subject}: not a readable safetensors file: {exc}",
+                    offset=exc.offset)
+        )
+        return None
+    return Part(probe.name, "safetensors", dict(st.tensors), metadata=st.metadata, order_known=False)
