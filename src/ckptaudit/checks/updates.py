@@ -16,14 +16,8 @@ from ckptaudit.checks.lr_history import deepspeed_zero_lr_steps, zero_lr_groups
 from ckptaudit.checks.optimizer import may_all_be_unattached, never_updated
 from ckptaudit.findings import ComponentKind, Precision, TensorRecord
 from ckptaudit.formats.base import Checkpoint, walk
-from ckptaudit.formats.io.tensors import (
-    SMALL_TENSOR_BYTES,
-    FileMaps,
-    TensorData,
-    iter_chunks,
-    read_exact,
-    small_read_plan,
-)
+from ckptaudit.formats.io import tensors
+from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts import SCHEDULER_KEYS, View, file_rule
 from ckptaudit.layouts.attachment import ELEMENTWISE_STATE, Attachment
 from ckptaudit.layouts.view import TensorRef
@@ -88,16 +82,16 @@ def _deepspeed_zero_lr(ckpt: Checkpoint, groups: Any) -> str | None:
     return deepspeed_zero_lr_steps(facts.get("ds_config"), trees[0].get("lr_scheduler"), facts, groups)
 
 
-def all_zero(data: TensorData, maps: FileMaps) -> bool:
+def all_zero(data: TensorData, maps: tensors.FileMaps) -> bool:
     """Whether every byte of ``data`` is zero; ``False`` when it cannot be read. Small tensors are read without
     NumPy (:func:`~ckptaudit.formats.io.tensors.small_read_plan`)."""
     try:
-        plan = small_read_plan(data, SMALL_TENSOR_BYTES)
+        plan = tensors.small_read_plan(data, tensors.SMALL_TENSOR_BYTES)
         if plan is not None:  # without NumPy
-            return not any(any(read_exact(maps, p, pos, p.numel * data.dtype.itemsize)) for p, pos in plan)
+            return not any(any(tensors.read_exact(maps, p, pos, p.numel * data.dtype.itemsize)) for p, pos in plan)
         import numpy as np
 
-        return not any(np.ascontiguousarray(chunk).view(np.uint8).any() for chunk in iter_chunks(data, maps))
+        return not any(np.ascontiguousarray(chunk).view(np.uint8).any() for chunk in tensors.iter_chunks(data, maps))
     except (ValueError, OSError):
         return False
 
