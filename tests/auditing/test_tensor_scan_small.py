@@ -1,4 +1,4 @@
-"""The NumPy-free scan of small tensors (``auditing.tensor_scan.scan_small``, ``auditing.scan.scalar_value``, ``auditing.judge._all_zero``) gives
+"""The NumPy-free scan of small tensors (``auditing.tensor_scan.scan_small``, ``auditing.scan.scalar_value``, ``checks.updates.all_zero``) gives
 the same result as the NumPy path, bit for bit: hash, effective precision and the precision evidence, on random
 and crafted values of every dtype, in every layout the small path takes, and with chunks small enough that the
 evidence is gathered over many chunks (the deferred fp16 recheck included).
@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptaudit.auditing.judge import _all_zero
 from ckptaudit.auditing.scan import scalar_value
 from ckptaudit.auditing.tensor_scan import SMALL_TENSOR_BYTES, TensorScan, _Budget, scan_small, scan_tensor
+from ckptaudit.checks.updates import all_zero
 from ckptaudit.formats.io.tensors import DTYPES, FileMaps, Piece, TensorData, iter_chunks
 
 
@@ -183,7 +183,7 @@ def test_scalar_value_and_all_zero_without_numpy_equal_numpy(tmp_path: Path, dty
             got = scalar_value(data, maps)
             assert got == expected or (got is not None and expected is not None and math.isnan(got)
                                        and math.isnan(expected)), (dtype, raw, got, expected)
-            assert _all_zero(data, maps) is (not any(raw))
+            assert all_zero(data, maps) is (not any(raw))
 
 
 # -- NumPy objects in pickles: the unpickler's NumPy entries are made when a pickle first names NumPy ---------------

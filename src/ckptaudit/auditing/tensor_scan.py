@@ -31,6 +31,7 @@ from ckptaudit.findings import Precision, PrecisionStats
 from ckptaudit.formats.io.leased import MIN_MAPPED_BYTES
 from ckptaudit.formats.io.tensors import (
     DEFAULT_CHUNK_BYTES,
+    SMALL_TENSOR_BYTES,
     FileMaps,
     TensorData,
     iter_chunks,
@@ -41,7 +42,7 @@ from ckptaudit.formats.io.tensors import (
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["MIN_INFORMATIVE", "TensorScan", "classify", "scan_first_chunk", "scan_tensor"]
+__all__ = ["MIN_INFORMATIVE", "SMALL_TENSOR_BYTES", "TensorScan", "classify", "scan_first_chunk", "scan_tensor"]
 
 MIN_INFORMATIVE = 4
 """Informative values needed before a 16-bit-representable tensor is called rounded."""
@@ -391,8 +392,6 @@ def _fp16_exact_values(u: Sequence[int]) -> bool:
     return True
 
 
-SMALL_TENSOR_BYTES = 64 << 10
-"""Tensors up to this size are scanned without NumPy while NumPy is not imported yet (:func:`scan_small`)."""
 SMALL_SCAN_BUDGET = 256 << 10
 """Bytes a process scans without NumPy in all: past it, importing NumPy (~0.1 s) is cheaper than Python loops."""
 

@@ -19,7 +19,7 @@ What can be known, and from what (pure: plain data in, words out):
   fails these checks: not decided.
 - **torch** ``LRScheduler`` s (``LambdaLR``, ``LinearLR``, ...): not decided for the whole run. Their state keeps
   ``last_epoch``, ``base_lrs`` and the *last* lr only, never the lrs already applied, and ``LambdaLR`` saves no
-  lambda; a step-0 state is judged by the moments instead (:func:`ckptaudit.auditing.judge.before_first_update`).
+  lambda; a step-0 state is judged by the moments instead (:func:`ckptaudit.checks.updates.before_first_update`).
 - **One param group at lr 0 throughout** (:func:`zero_lr_groups`): a fine-tune that keeps some layers by
   learning rate 0. Every lr a torch scheduler can set is its ``base_lr`` times a factor, so a group whose every
   recorded lr is 0 (the group's ``lr``, ``initial_lr`` and ``max_lr``, the scheduler's ``base_lrs``,

@@ -14,10 +14,10 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 
 from ckptaudit.catalogue import finding
-from ckptaudit.findings import Contract, Finding, Precision, TensorRecord
-from ckptaudit.layouts.view import ContractRecord
+from ckptaudit.findings import ComponentKind, Contract, Finding, Precision, TensorRecord
+from ckptaudit.layouts.view import ContractRecord, View
 
-__all__ = ["MASTER_DTYPES", "check_precision", "infer_contract"]
+__all__ = ["MASTER_DTYPES", "check_precision", "infer_contract", "judged_params", "masters_not_saved"]
 
 MASTER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _WIDE = ("float32", "float64")
@@ -305,3 +305,31 @@ def _storage(r: TensorRecord, contract: Contract) -> Finding:
         dtype=r.dtype,
         expected=contract.master_dtype,
     )
+
+
+def judged_params(params: Sequence[TensorRecord], records: Sequence[TensorRecord], view: View) -> list[TensorRecord]:
+    """The records the precision checks judge: where the optimizer keeps a parameter's master copy (Megatron's
+    ``fp32_param``), that master is the training state, so it takes the place of the model's 16-bit copy.
+    Masters in flat buckets (Megatron's distributed optimizer) belong to no one parameter: they are judged
+    themselves, in place of every 16-bit model copy."""
+    opt = view.optimizer
+    if opt is None or not opt.masters:
+        return list(params)
+    buckets = {ref.name for ref in opt.unattached_masters}
+    usable = [r for r in records if r.component == ComponentKind.OPTIMIZER.value
+              and (r.role in opt.masters or r.name in buckets)
+              and r.precision is not Precision.NOT_FLOAT and r.precision is not Precision.UNREAD]
+    by_param = {r.param: r for r in usable if r.param is not None}
+    judged = [by_param.get(r.param, r) if r.param is not None else r for r in params]
+    bucket_masters = [r for r in usable if r.name in buckets]
+    if bucket_masters:
+        judged = [r for r in judged if r.dtype not in ("bfloat16", "float16")] + bucket_masters
+    return judged
+
+
+def masters_not_saved(view: View, contract: Contract) -> bool:
+    """The deciding record keeps the masters in the optimizer's state (DeepSpeed, Megatron) and the checkpoint
+    holds no optimizer: its 16-bit model tensors are compute copies with no master to judge
+    (``component.missing`` says the optimizer is absent)."""
+    return view.optimizer is None and any(r.in_optimizer and r.where == contract.where and r.master_dtype
+                                          for r in view.contract_records)

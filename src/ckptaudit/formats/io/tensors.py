@@ -25,8 +25,8 @@ from ckptaudit.formats.io.safeio import open_regular
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["DTYPES", "DType", "FileMaps", "Piece", "TensorData", "iter_chunks", "read_exact", "scratch_buffer",
-           "small_read_plan"]
+__all__ = ["DTYPES", "SMALL_TENSOR_BYTES", "DType", "FileMaps", "Piece", "TensorData", "iter_chunks", "read_exact",
+           "scratch_buffer", "small_read_plan"]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 """1 MiB: the chunk stays in cache between the hash and the OR-reduction that read it (measured: 4 MiB chunks
@@ -416,6 +416,11 @@ def _assembled_chunks(
             dst = [slice(lo - r0, hi - r0)] + [slice(o, o + s) for o, s in zip(p.offsets[1:], p.sizes[1:], strict=True)]
             buf[tuple(dst)] = view[lo - p.offsets[0] : hi - p.offsets[0]]
         yield buf.reshape(-1)
+
+
+SMALL_TENSOR_BYTES = 64 << 10
+"""Tensors up to this size are read without NumPy while NumPy is not imported yet (:func:`small_read_plan`;
+the engine's ``scan_small``, the checks' zero test)."""
 
 
 def small_read_plan(data: TensorData, max_bytes: int) -> list[tuple[Piece, int]] | None:
