@@ -424,3 +424,59 @@ def test_an_object_cut_short_under_the_read_ahead_is_unreadable_data_never_read(
     assert got.scan is None and got.error is not None
     assert got.error.startswith(f"ckpts/many-cut/{name} changed since it was staged (the store refused the ETag "
                                 "pinned then"), got.error
+
+
+def test_item_ends_of_neighbouring_items_are_staged_in_a_few_reads_with_the_right_bytes(
+        s3: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staging a DCP of 60 items of 64-208 KiB (the shards of a many-rank save): each item's archive ends are
+    staged byte for byte, in a few ranged reads of at most MAX_READ_BYTES (one request per item before: the
+    ends of neighbouring items are READ_THROUGH_GAP apart at most), never the tensor data between them; the
+    audit equals the local copy's."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from ckptaudit.formats import open_checkpoint
+    from ckptaudit.formats.remote import dcp as remote_dcp
+
+    d = tmp_path / "mid-dcp"
+    g = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group": a single-process save is what we want
+        dcp.save({"model": {f"l{i}.w": torch.randn(64 + 16 * (i % 10), 256, generator=g) for i in range(60)}},
+                 checkpoint_id=str(d))
+    s3["fs"].put(str(d), "ckpts/mid-dcp", recursive=True)
+    s3fs.S3FileSystem.clear_instance_cache()
+    counted: list[tuple[int, int]] = []
+    real = remote_dcp.stage_dcp
+
+    def counting(*a: Any, **k: Any) -> tuple[int, int]:
+        counted.append(real(*a, **k))
+        return counted[-1]
+
+    monkeypatch.setattr(remote_dcp, "stage_dcp", counting)
+    md = rc.read_dcp_metadata(d)
+    items = [(i.relative_path, i.offset, i.length) for i in md.storage_data.values()]
+    assert len(items) == 60 and all(64 << 10 <= n <= 256 << 10 for _, _, n in items)
+    ckpt = open_checkpoint("s3://ckpts/mid-dcp")
+    try:
+        assert ckpt.maps.remote is not None
+        root = os.path.join(ckpt.maps.remote.root, "mid-dcp")
+        for rel, off, n in items:
+            want = (d / rel).read_bytes()[off : off + n]
+            got = Path(root, rel).read_bytes()[off : off + n]
+            edge = remote_dcp.EDGE_BYTES
+            assert got[:edge] == want[:edge] and got[-edge:] == want[-edge:], (rel, off)
+            assert not any(got[edge + 1024 : n - edge - 1024]), (rel, off)  # the tensor data: never staged
+    finally:
+        ckpt.close()
+    (reads, fetched), = counted
+    data = sum((d / f).stat().st_size for f in {rel for rel, _, _ in items})
+    # .metadata, then the items' ends: a read per MAX_READ_BYTES of the data file (and one for a piece left
+    # over); 61 reads before (one per item and .metadata).
+    assert reads <= 2 + -(-data // remote_dcp.MAX_READ_BYTES), (reads, data)
+    assert fetched <= data + (d / ".metadata").stat().st_size
+    code_remote, remote, err = _audit("s3://ckpts/mid-dcp")
+    code_local, local, _ = _audit(str(d))
+    assert code_remote == code_local, err
+    assert {k: v for k, v in remote.items() if k != "path"} == {k: v for k, v in local.items() if k != "path"}

@@ -9,11 +9,15 @@ item bounds against the file size, chunks tiling each tensor, each item's archiv
 What is staged, per item that ``.metadata`` places inside a data file (offset + length): the first and last
 4 KiB (the pickle, ``byteorder`` and the tensor member's local header; the central directory and end records),
 then whatever the end records and the central directory say the reader will read beyond them (a larger central
-directory, a zip64 record, a long local header, a large ``data.pkl``). Each round is one batch of ranged reads
-per data file: neighbouring ranges are coalesced (the tail of one item and the head of the next are one read),
-no read exceeds :data:`MAX_READ_BYTES` and no batch holds more than :data:`MAX_IN_FLIGHT_BYTES`, so a data file
-is never downloaded whole and memory stays bounded. Tensor data is not staged: it streams through
-:class:`~ckptaudit.formats.remote.staging.RemoteFiles` when it is hashed.
+directory, a zip64 record, a long local header, a large ``data.pkl``). Each round is one batch of concurrent
+ranged reads per data file: neighbouring ranges are coalesced (the tail of one item and the head of the next are
+one read), and ranges of the same object at most :data:`READ_THROUGH_GAP` apart share one ranged read whose
+bytes between them are read through and dropped, never staged (a request costs a round trip, tens of ms on a
+real store, while 1 MiB more of a reply costs a few ms: the ends of neighbouring items of a few hundred KiB
+each are one request, not one each). No read exceeds :data:`MAX_READ_BYTES` and no batch holds more than
+:data:`MAX_IN_FLIGHT_BYTES`, so memory stays bounded by those, whatever the checkpoint's size; only the ranges
+asked are written to the stand-in and charged to the staging budget. Tensor data is not staged: it streams
+through :class:`~ckptaudit.formats.remote.staging.RemoteFiles` when it is hashed.
 
 The ``.metadata`` parsed here only to plan reads goes through the same scan and restricted rebuild as the reader
 (nothing is unpickled otherwise); when it is hostile or malformed, nothing more is staged and the reader reports
@@ -33,12 +37,15 @@ from ckptaudit.formats.dcp.reader import MAX_BYTES_ITEM, MAX_METADATA_BYTES, MET
 from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.pickle.scan import opcode_limit, scan
 
-__all__ = ["COALESCE_GAP", "MAX_IN_FLIGHT_BYTES", "MAX_READ_BYTES", "RangeStager", "stage_dcp"]
+__all__ = ["COALESCE_GAP", "MAX_IN_FLIGHT_BYTES", "MAX_READ_BYTES", "READ_THROUGH_GAP", "RangeStager", "stage_dcp"]
 
 EDGE_BYTES = 4096
 """Bytes read at each end of an item in the first round (a tensor item's metadata is a few hundred bytes)."""
 COALESCE_GAP = 4096
 """Ranges of one file closer than this are fetched as one read (the gap's bytes are staged too)."""
+READ_THROUGH_GAP = 1 << 20
+"""Ranges of one file at most this far apart are fetched by one ranged read (up to :data:`MAX_READ_BYTES`); the
+bytes between them are dropped as they arrive, neither staged nor charged to the budget."""
 MAX_READ_BYTES = 8 << 20
 """One ranged read fetches at most this much; a longer range is split."""
 MAX_IN_FLIGHT_BYTES = 32 << 20
@@ -64,7 +71,7 @@ class RangeStager:
         self.reads = 0
         """Ranged requests made (for tests and benchmarks)."""
         self.fetched = 0
-        """Bytes fetched."""
+        """Bytes fetched (the staged ones, and those read through between them)."""
 
     def missing(self, start: int, end: int) -> list[tuple[int, int]]:
         """The parts of ``[start, end)`` (clipped to the object) not staged yet."""
@@ -97,7 +104,7 @@ class RangeStager:
 
     def stage(self, ranges: Iterable[tuple[int, int]]) -> None:
         """Fetch every unstaged byte of ``ranges`` (``(start, end)`` pairs) into the stand-in, in coalesced,
-        bounded batches of concurrent ranged reads."""
+        bounded batches of concurrent ranged reads (see the module docstring)."""
         gaps = sorted(g for s, e in ranges if e > s for g in self.missing(s, e))
         merged: list[list[int]] = []
         for s, e in gaps:
@@ -105,29 +112,39 @@ class RangeStager:
                 merged[-1][1] = max(merged[-1][1], e)
             else:
                 merged.append([s, e])
-        reads = [(p, min(e, p + MAX_READ_BYTES)) for s, e in merged for p in range(s, e, MAX_READ_BYTES)]
-        if not reads:
+        pieces = [(p, min(e, p + MAX_READ_BYTES)) for s, e in merged for p in range(s, e, MAX_READ_BYTES)]
+        if not pieces:
             return
-        self._take(sum(e - s for s, e in reads))
-        batch: list[tuple[int, int]] = []
+        self._take(sum(e - s for s, e in pieces))
+        # One ranged read per run of pieces at most READ_THROUGH_GAP apart and MAX_READ_BYTES long in all.
+        reads: list[tuple[int, int, list[tuple[int, int]]]] = []
+        for s, e in pieces:
+            if reads and s - reads[-1][1] <= READ_THROUGH_GAP and e - reads[-1][0] <= MAX_READ_BYTES:
+                reads[-1] = (reads[-1][0], e, reads[-1][2] + [(s, e)])
+            else:
+                reads.append((s, e, [(s, e)]))
+        batch: list[tuple[int, int, list[tuple[int, int]]]] = []
         held = 0
-        for s, e in reads:
-            if batch and held + (e - s) > MAX_IN_FLIGHT_BYTES:
+        for read in reads:
+            if batch and held + (read[1] - read[0]) > MAX_IN_FLIGHT_BYTES:
                 self._fetch(batch)
                 batch, held = [], 0
-            batch.append((s, e))
-            held += e - s
+            batch.append(read)
+            held += read[1] - read[0]
         self._fetch(batch)
 
-    def _fetch(self, batch: list[tuple[int, int]]) -> None:
-        datas = self.remote.read_many(batch)  # exactly the bytes asked, or RemoteReadError
+    def _fetch(self, batch: list[tuple[int, int, list[tuple[int, int]]]]) -> None:
+        """Issue the ranged reads ``(start, end, pieces)`` of ``batch`` together; write their ``pieces`` only."""
+        datas = self.remote.read_many([(s, e) for s, e, _ in batch])  # exactly the bytes asked, or RemoteReadError
         with open(self.local, "r+b") as fh:
-            for (s, e), data in zip(batch, datas, strict=True):
-                fh.seek(s)
-                fh.write(memoryview(data)[: e - s])  # no copy of the read
-                self._mark(s, e)
+            for (s, e, pieces), data in zip(batch, datas, strict=True):
+                view = memoryview(data)  # no copy of the read
+                for ps, pe in pieces:
+                    fh.seek(ps)
+                    fh.write(view[ps - s : pe - s])
+                    self._mark(ps, pe)
+                self.fetched += e - s
         self.reads += len(batch)
-        self.fetched += sum(e - s for s, e in batch)
 
     def read(self, start: int, end: int) -> bytes:
         """Staged bytes ``[start, end)`` (clipped to the object), read back from the stand-in."""
