@@ -14,9 +14,10 @@ ranged reads per data file: neighbouring ranges are coalesced (the tail of one i
 one read), and ranges of the same object at most :data:`READ_THROUGH_GAP` apart share one ranged read whose
 bytes between them are read through and dropped, never staged (a request costs a round trip, tens of ms on a
 real store, while 1 MiB more of a reply costs a few ms: the ends of neighbouring items of a few hundred KiB
-each are one request, not one each). No read exceeds :data:`MAX_READ_BYTES` and no batch holds more than
-:data:`MAX_IN_FLIGHT_BYTES`, so memory stays bounded by those, whatever the checkpoint's size; only the ranges
-asked are written to the stand-in and charged to the staging budget. Tensor data is not staged: it streams
+each are one request, not one each; a ``torch.save`` file's staging reads nothing through: its gaps are tensor
+data the scan reads, and nothing is fetched twice there). No read exceeds :data:`MAX_READ_BYTES` and no batch
+holds more than :data:`MAX_IN_FLIGHT_BYTES`, so memory stays bounded by those, whatever the checkpoint's size;
+only the ranges asked are written to the stand-in and charged to the staging budget. Tensor data is not staged: it streams
 through :class:`~ckptaudit.formats.remote.staging.RemoteFiles` when it is hashed.
 
 The ``.metadata`` parsed here only to plan reads goes through the same scan and restricted rebuild as the reader
@@ -61,11 +62,14 @@ class RangeStager:
     """Fills byte ranges of one stand-in file from its remote object, each byte fetched at most once.
 
     ``remote`` is a :class:`~ckptaudit.formats.remote.staging._Remote` (its reads bounded and checked there);
-    ``take(n)`` charges the staged-metadata budget before anything is fetched.
+    ``take(n)`` charges the staged-metadata budget before anything is fetched. ``read_through``: ranges at most
+    this far apart share one ranged read, the bytes between them dropped (:data:`READ_THROUGH_GAP` for a DCP
+    data file's items; 0, the default, where those bytes are tensor data read again by the scan and few
+    requests are saved, as in a ``torch.save`` file: nothing is then fetched twice).
     """
 
-    def __init__(self, remote: Any, local: str, take: Any) -> None:
-        self.remote, self.local, self._take = remote, local, take
+    def __init__(self, remote: Any, local: str, take: Any, *, read_through: int = 0) -> None:
+        self.remote, self.local, self._take, self._read_through = remote, local, take, read_through
         self._starts: list[int] = []  # staged intervals, sorted and disjoint
         self._ends: list[int] = []
         self.reads = 0
@@ -116,10 +120,10 @@ class RangeStager:
         if not pieces:
             return
         self._take(sum(e - s for s, e in pieces))
-        # One ranged read per run of pieces at most READ_THROUGH_GAP apart and MAX_READ_BYTES long in all.
+        # One ranged read per run of pieces at most read_through apart and MAX_READ_BYTES long in all.
         reads: list[tuple[int, int, list[tuple[int, int]]]] = []
         for s, e in pieces:
-            if reads and s - reads[-1][1] <= READ_THROUGH_GAP and e - reads[-1][0] <= MAX_READ_BYTES:
+            if reads and s - reads[-1][1] <= self._read_through and e - reads[-1][0] <= MAX_READ_BYTES:
                 reads[-1] = (reads[-1][0], e, reads[-1][2] + [(s, e)])
             else:
                 reads.append((s, e, [(s, e)]))
@@ -317,6 +321,6 @@ def stage_dcp(files: dict[str, tuple[str, int, str]], make: Any, take: Any) -> t
         sizes = {name: size for name, (_p, size, _l) in files.items() if name != METADATA}
         for name, items in item_ranges(md, sizes).items():
             path, size, local = files[name]
-            stagers.append(RangeStager(make(path, size), local, take))
+            stagers.append(RangeStager(make(path, size), local, take, read_through=READ_THROUGH_GAP))
             stage_items(stagers[-1], items)
     return sum(s.reads for s in stagers), sum(s.fetched for s in stagers)
