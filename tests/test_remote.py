@@ -428,13 +428,14 @@ def test_an_object_cut_short_under_the_read_ahead_is_unreadable_data_never_read(
 
 def test_item_ends_of_neighbouring_items_are_staged_in_a_few_reads_with_the_right_bytes(
         s3: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Staging a DCP of 60 items of 64-208 KiB (the shards of a many-rank save): each item's archive ends are
-    staged byte for byte, in a few ranged reads of at most MAX_READ_BYTES (one request per item before: the
-    ends of neighbouring items are READ_THROUGH_GAP apart at most), never the tensor data between them; the
-    audit equals the local copy's."""
+    """Staging a DCP of 60 items of 64-208 KiB in 3 data files (the shards of a many-rank save; the files staged
+    at once): each item's archive ends are staged byte for byte, in a few ranged reads of at most MAX_READ_BYTES
+    per file (one request per item before: the ends of neighbouring items are READ_THROUGH_GAP apart at most),
+    never the tensor data between them; the audit equals the local copy's."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
 
     from ckptaudit.formats import open_checkpoint
     from ckptaudit.formats.remote import dcp as remote_dcp
@@ -444,7 +445,7 @@ def test_item_ends_of_neighbouring_items_are_staged_in_a_few_reads_with_the_righ
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group": a single-process save is what we want
         dcp.save({"model": {f"l{i}.w": torch.randn(64 + 16 * (i % 10), 256, generator=g) for i in range(60)}},
-                 checkpoint_id=str(d))
+                 storage_writer=FileSystemWriter(str(d), thread_count=3))
     s3["fs"].put(str(d), "ckpts/mid-dcp", recursive=True)
     s3fs.S3FileSystem.clear_instance_cache()
     counted: list[tuple[int, int]] = []
@@ -471,12 +472,50 @@ def test_item_ends_of_neighbouring_items_are_staged_in_a_few_reads_with_the_righ
     finally:
         ckpt.close()
     (reads, fetched), = counted
-    data = sum((d / f).stat().st_size for f in {rel for rel, _, _ in items})
-    # .metadata, then the items' ends: a read per MAX_READ_BYTES of the data file (and one for a piece left
+    sizes = [(d / f).stat().st_size for f in {rel for rel, _, _ in items}]
+    data = sum(sizes)
+    assert len(sizes) == 3, sizes
+    # .metadata, then the items' ends: a read per MAX_READ_BYTES of each data file (and one for a piece left
     # over); 61 reads before (one per item and .metadata).
-    assert reads <= 2 + -(-data // remote_dcp.MAX_READ_BYTES), (reads, data)
+    assert reads <= 1 + sum(1 + -(-n // remote_dcp.MAX_READ_BYTES) for n in sizes), (reads, sizes)
     assert fetched <= data + (d / ".metadata").stat().st_size
     code_remote, remote, err = _audit("s3://ckpts/mid-dcp")
     code_local, local, _ = _audit(str(d))
     assert code_remote == code_local, err
     assert {k: v for k, v in remote.items() if k != "path"} == {k: v for k, v in local.items() if k != "path"}
+
+
+def test_a_data_file_that_cannot_be_read_while_others_are_staged_at_once_stops_staging_with_its_error(
+        s3: dict[str, Any], tmp_path: Path) -> None:
+    """Data files are staged several at once: one whose object is gone (deleted after it was listed) makes staging
+    fail with that file's read error, as when they were staged one after another, never a stand-in with its items'
+    metadata missing."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from ckptaudit.formats.remote.dcp import FILES_IN_FLIGHT, stage_dcp
+    from ckptaudit.formats.remote.staging import RemoteReadError, _Remote
+
+    d = tmp_path / "gone-dcp"
+    g = torch.Generator().manual_seed(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group": a single-process save is what we want
+        dcp.save({"model": {f"l{i}.w": torch.randn(64, 256, generator=g) for i in range(24)}},
+                 storage_writer=FileSystemWriter(str(d), thread_count=4))
+    s3["fs"].put(str(d), "ckpts/gone-dcp", recursive=True)
+    names = sorted(p.name for p in d.iterdir())
+    assert FILES_IN_FLIGHT > 1 and len([n for n in names if n.endswith(".distcp")]) == 4, names
+    gone = [n for n in names if n.endswith(".distcp")][2]
+    s3["fs"].rm(f"ckpts/gone-dcp/{gone}")
+    files: dict[str, tuple[str, int, str]] = {}
+    for name in names:
+        local = tmp_path / "standin" / name
+        local.parent.mkdir(exist_ok=True)
+        size = (d / name).stat().st_size
+        with open(local, "wb") as fh:
+            fh.truncate(size)
+        files[name] = (f"ckpts/gone-dcp/{name}", size, str(local))
+    with pytest.raises(RemoteReadError, match=gone):
+        stage_dcp(files, lambda path, size: _Remote(s3["fs"], path, size), lambda n: None)

@@ -1,7 +1,8 @@
 """DCP directories behind URLs: stage ``.metadata`` and each item's archive metadata with batched ranged reads.
 
-Called by :func:`ckptaudit.formats.remote.staging.stage` (one process, the caller's thread) for a prefix holding
-``.metadata`` or ``.distcp`` objects. The stand-in it builds is read by the same DCP reader as a local directory
+Called by :func:`ckptaudit.formats.remote.staging.stage` (one process: the caller's thread, and up to
+:data:`FILES_IN_FLIGHT` threads staging data files at once) for a prefix holding ``.metadata`` or ``.distcp``
+objects. The stand-in it builds is read by the same DCP reader as a local directory
 (:func:`ckptaudit.formats.dcp.reader.read_dcp`: the ``.metadata`` opcode scan and torch-free rebuild, path escapes,
 item bounds against the file size, chunks tiling each tensor, each item's archive checked by
 :func:`ckptaudit.formats.zip.archive.read_torch_zip`), so a remote DCP directory is judged by the same code.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import struct
+import threading
 import zipfile
 from collections.abc import Iterable
 from typing import Any
@@ -38,7 +40,8 @@ from ckptaudit.formats.dcp.reader import MAX_BYTES_ITEM, MAX_METADATA_BYTES, MET
 from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.pickle.scan import opcode_limit, scan
 
-__all__ = ["COALESCE_GAP", "MAX_IN_FLIGHT_BYTES", "MAX_READ_BYTES", "READ_THROUGH_GAP", "RangeStager", "stage_dcp"]
+__all__ = ["COALESCE_GAP", "FILES_IN_FLIGHT", "MAX_IN_FLIGHT_BYTES", "MAX_READ_BYTES", "READ_THROUGH_GAP", "RangeStager",
+           "stage_dcp"]
 
 EDGE_BYTES = 4096
 """Bytes read at each end of an item in the first round (a tensor item's metadata is a few hundred bytes)."""
@@ -58,6 +61,31 @@ _ZIP64_RECORD = 56
 _ZIP64_LOCATOR = 20
 
 
+FILES_IN_FLIGHT = 4
+"""Data files of one DCP directory staged at once (a thread each): their rounds of reads overlap, while the bytes
+in flight for all of them together stay within :data:`MAX_IN_FLIGHT_BYTES`."""
+
+
+class _InFlight:
+    """Bytes of ranged reads in flight across the data files staged at once, at most ``limit`` (a batch larger than
+    that runs alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit, self._held = limit, 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            while self._held and self._held + n > self._limit:
+                self._cond.wait()
+            self._held += n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self._held -= n
+            self._cond.notify_all()
+
+
 class RangeStager:
     """Fills byte ranges of one stand-in file from its remote object, each byte fetched at most once.
 
@@ -68,8 +96,10 @@ class RangeStager:
     requests are saved, as in a ``torch.save`` file: nothing is then fetched twice).
     """
 
-    def __init__(self, remote: Any, local: str, take: Any, *, read_through: int = 0) -> None:
+    def __init__(self, remote: Any, local: str, take: Any, *, read_through: int = 0,
+                 in_flight: _InFlight | None = None) -> None:
         self.remote, self.local, self._take, self._read_through = remote, local, take, read_through
+        self._in_flight = in_flight
         self._starts: list[int] = []  # staged intervals, sorted and disjoint
         self._ends: list[int] = []
         self.reads = 0
@@ -139,7 +169,17 @@ class RangeStager:
 
     def _fetch(self, batch: list[tuple[int, int, list[tuple[int, int]]]]) -> None:
         """Issue the ranged reads ``(start, end, pieces)`` of ``batch`` together; write their ``pieces`` only."""
-        datas = self.remote.read_many([(s, e) for s, e, _ in batch])  # exactly the bytes asked, or RemoteReadError
+        held = sum(e - s for s, e, _ in batch)
+        if self._in_flight is not None:
+            self._in_flight.acquire(held)
+        try:
+            self._write(batch, self.remote.read_many([(s, e) for s, e, _ in batch]))  # exactly the bytes asked
+        finally:
+            if self._in_flight is not None:
+                self._in_flight.release(held)
+        self.reads += len(batch)
+
+    def _write(self, batch: list[tuple[int, int, list[tuple[int, int]]]], datas: list[bytes]) -> None:
         with open(self.local, "r+b") as fh:
             for (s, e, pieces), data in zip(batch, datas, strict=True):
                 view = memoryview(data)  # no copy of the read
@@ -148,7 +188,6 @@ class RangeStager:
                     fh.write(view[ps - s : pe - s])
                     self._mark(ps, pe)
                 self.fetched += e - s
-        self.reads += len(batch)
 
     def read(self, start: int, end: int) -> bytes:
         """Staged bytes ``[start, end)`` (clipped to the object), read back from the stand-in."""
@@ -319,8 +358,40 @@ def stage_dcp(files: dict[str, tuple[str, int, str]], make: Any, take: Any) -> t
     stagers = [stager]
     if md is not None:
         sizes = {name: size for name, (_p, size, _l) in files.items() if name != METADATA}
-        for name, items in item_ranges(md, sizes).items():
-            path, size, local = files[name]
-            stagers.append(RangeStager(make(path, size), local, take, read_through=READ_THROUGH_GAP))
-            stage_items(stagers[-1], items)
+        work = [(files[name], items) for name, items in item_ranges(md, sizes).items()]
+        lock = threading.Lock()
+
+        def locked_take(n: int) -> None:
+            with lock:
+                take(n)
+
+        pool = _InFlight(MAX_IN_FLIGHT_BYTES)
+        stagers += [RangeStager(make(path, size), local, locked_take, read_through=READ_THROUGH_GAP, in_flight=pool)
+                    for (path, size, local), _ in work]
+        _each(FILES_IN_FLIGHT, [(st, items) for st, (_, items) in zip(stagers[1:], work, strict=True)])
     return sum(s.reads for s in stagers), sum(s.fetched for s in stagers)
+
+
+def _each(workers: int, jobs: list[tuple[RangeStager, list[tuple[int, int]]]]) -> None:
+    """:func:`stage_items` of every ``(stager, items)``, ``workers`` data files at a time; the first failure in
+    the files' order is raised once every started file has stopped (later files are not started)."""
+    if workers <= 1 or len(jobs) <= 1:
+        for st, items in jobs:
+            stage_items(st, items)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptaudit-stage") as ex:
+        futures = [ex.submit(stage_items, st, items) for st, items in jobs]
+        failed: BaseException | None = None
+        for f in futures:
+            if failed is not None:
+                f.cancel()
+                continue
+            exc = f.exception()
+            if exc is not None:
+                failed = exc
+                for g in futures:
+                    g.cancel()
+    if failed is not None:
+        raise failed
