@@ -1,6 +1,6 @@
 """The metadata cost model of docs/scale.md: fitted on calibration saves, then checked on saves it was not fitted on.
 
-    .venv/bin/python bench/bench_cost_model.py                        # calibration 3 saves, check 3 (~15 min here)
+    .venv/bin/python bench/bench_cost_model.py                        # calibration 3 saves, check 3 (~10 min here)
     .venv/bin/python bench/bench_cost_model.py --check 512x4 --rounds 3
     .venv/bin/python bench/bench_cost_model.py --calibrate 256x2,256x8,128x4 --check 512x4,1024x2,1024x8
 
@@ -12,11 +12,12 @@ checked, the layout): timed ``--rounds`` times, each in a fresh child process (t
 wall seconds on a shared machine are mostly waiting for a core).
 
 The model: ``cpu = a × items + b × files``: a cost per DCP item (its ``.metadata`` entries walked and rebuilt,
-its archive matched against a learnt layout) and one per data file, i.e. per saving rank (the file opened, its
+its archive matched against a learnt layout) and one per data file, i.e. per saving rank (presumably the file opened, its
 rank's own non-tensor items, such as its RNG state, read and checked in full); fitted by least squares on the
 calibration saves only, then each check save's measured range is set against the prediction. (The distinct
 archive layouts, printed as ``layouts``, are a dozen whatever the save: items of a known layout are matched, not
-re-read, so the layouts' cost is too small to fit.) Prints one JSON line per save and one for the fit, each with the load average.
+re-read, so the layouts' cost is too small to fit.) Prints one JSON line per save and one for the fit, each
+with the load average.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ real store, while 1 MiB more of a reply costs a few ms: the ends of neighbouring
 each are one request, not one each; a ``torch.save`` file's staging reads nothing through: its gaps are tensor
 data the scan reads, and nothing is fetched twice there). No read exceeds :data:`MAX_READ_BYTES` and no batch
 holds more than :data:`MAX_IN_FLIGHT_BYTES`, so memory stays bounded by those, whatever the checkpoint's size;
-only the ranges asked are written to the stand-in and charged to the staging budget. Tensor data is not staged: it streams
-through :class:`~ckptaudit.formats.remote.staging.RemoteFiles` when it is hashed.
+only the ranges asked are written to the stand-in and charged to the staging budget. Tensor data is not staged:
+it streams through :class:`~ckptaudit.formats.remote.staging.RemoteFiles` when it is hashed.
 
 The ``.metadata`` parsed here only to plan reads goes through the same scan and restricted rebuild as the reader
 (nothing is unpickled otherwise); when it is hostile or malformed, nothing more is staged and the reader reports
@@ -40,8 +40,8 @@ from ckptaudit.formats.dcp.reader import MAX_BYTES_ITEM, MAX_METADATA_BYTES, MET
 from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.pickle.scan import opcode_limit, scan
 
-__all__ = ["COALESCE_GAP", "FILES_IN_FLIGHT", "MAX_IN_FLIGHT_BYTES", "MAX_READ_BYTES", "READ_THROUGH_GAP", "RangeStager",
-           "stage_dcp"]
+__all__ = ["COALESCE_GAP", "FILES_IN_FLIGHT", "MAX_IN_FLIGHT_BYTES", "MAX_READ_BYTES", "READ_THROUGH_GAP",
+           "RangeStager", "stage_dcp"]
 
 EDGE_BYTES = 4096
 """Bytes read at each end of an item in the first round (a tensor item's metadata is a few hundred bytes)."""
@@ -154,7 +154,8 @@ class RangeStager:
         reads: list[tuple[int, int, list[tuple[int, int]]]] = []
         for s, e in pieces:
             if reads and s - reads[-1][1] <= self._read_through and e - reads[-1][0] <= MAX_READ_BYTES:
-                reads[-1] = (reads[-1][0], e, reads[-1][2] + [(s, e)])
+                reads[-1][2].append((s, e))
+                reads[-1] = (reads[-1][0], e, reads[-1][2])
             else:
                 reads.append((s, e, [(s, e)]))
         batch: list[tuple[int, int, list[tuple[int, int]]]] = []
