@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_remote_dcp.py              # 400 small tensors + one of 64 MiB
     .venv/bin/python bench/bench_remote_dcp.py --items 2000 --rounds 5
+    .venv/bin/python bench/bench_remote_dcp.py --items 1000 --files 8 --files-in-flight 1   # files staged one by one
 
 Saves a single-process DCP (``torch.distributed.checkpoint``) into a temporary directory, starts a local
 S3-compatible server (moto's server mode, in a child process so its CPU is not counted here), uploads the
@@ -9,7 +10,9 @@ directory, and in this process: opens (stages) and audits the local copy and the
 (``time.process_time``: the client's own work, steadier than wall time on a loaded machine), wall seconds, and
 the staging's ranged reads and fetched bytes against the directory's size; then the audit of the URL against a
 plain parallel download of every object under it (``fs.cat`` of all of them: concurrent GETs), alternating,
-``--rounds`` times each: wall seconds and the ratio of the medians. The local server answers every
+``--rounds`` times each: wall seconds and the ratio of the medians. ``--files N`` saves the small tensors in ``N``
+data files (``FileSystemWriter(thread_count=N)``) instead of one, ``--files-in-flight`` sets how many of them
+staging reads at once (``formats.remote.dcp.FILES_IN_FLIGHT``). The local server answers every
 ranged read by copying the object, so the wall figures over the URL are the server's more than ours.
 """
 
@@ -36,7 +39,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=int, default=400, help="small tensors besides the 64 MiB one")
     ap.add_argument("--rounds", type=int, default=3, help="audits and plain downloads, alternating")
+    ap.add_argument("--files", type=int, default=1, help="data files the save writes (default: %(default)s)")
+    ap.add_argument("--files-in-flight", type=int, help="data files staged at once (default: ckptaudit's)")
     args = ap.parse_args()
+    from ckptaudit.formats.remote import dcp as remote_dcp
+
+    if args.files_in_flight is not None:
+        remote_dcp.FILES_IN_FLIGHT = args.files_in_flight
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -46,7 +55,7 @@ def main() -> None:
              "big": {"w": torch.randn(16 << 20, generator=g)}, "step": 3}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group": a single-process save is what we want
-        dcp.save(state, checkpoint_id=str(d / "dcp"))
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(d / "dcp"), thread_count=args.files))
     server = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
@@ -91,6 +100,7 @@ def run(local: str, url: str, items: int, rounds: int) -> None:
                           "findings": sorted({f.code for f in report.findings})}))
     size = sum(p.stat().st_size for p in Path(local).iterdir())
     print(json.dumps({"staging_reads": staged["reads"], "staged_bytes": staged["bytes"], "directory_bytes": size,
+                      "objects": len(list(Path(local).iterdir())), "files_in_flight": remote_dcp.FILES_IN_FLIGHT,
                       "load_average": [round(x, 2) for x in os.getloadavg()]}))
     against_download(url, rounds)
 

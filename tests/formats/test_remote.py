@@ -409,3 +409,98 @@ def test_an_object_cut_short_under_the_read_ahead_is_unreadable_data_never_read(
     assert got.scan is None and got.error is not None
     assert got.error.startswith(f"ckpts/many-cut/{name} changed since it was staged (the store refused the ETag "
                                 "pinned then"), got.error
+
+
+def test_item_ends_of_neighbouring_items_are_staged_in_a_few_reads_with_the_right_bytes(
+        s3: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staging a DCP of 60 items of 64-208 KiB in 3 data files (the shards of a many-rank save; the files staged
+    at once): each item's archive ends are staged byte for byte, in a few ranged reads of at most MAX_READ_BYTES
+    per file (one request per item before: the ends of neighbouring items are READ_THROUGH_GAP apart at most),
+    never the tensor data between them; the audit equals the local copy's."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from ckptaudit.formats import open_checkpoint
+    from ckptaudit.formats.remote import dcp as remote_dcp
+
+    d = tmp_path / "mid-dcp"
+    g = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group": a single-process save is what we want
+        dcp.save({"model": {f"l{i}.w": torch.randn(64 + 16 * (i % 10), 256, generator=g) for i in range(60)}},
+                 storage_writer=FileSystemWriter(str(d), thread_count=3))
+    s3["fs"].put(str(d), "ckpts/mid-dcp", recursive=True)
+    s3fs.S3FileSystem.clear_instance_cache()
+    counted: list[tuple[int, int]] = []
+    real = remote_dcp.stage_dcp
+
+    def counting(*a: Any, **k: Any) -> tuple[int, int]:
+        counted.append(real(*a, **k))
+        return counted[-1]
+
+    monkeypatch.setattr(remote_dcp, "stage_dcp", counting)
+    md = rc.read_dcp_metadata(d)
+    items = [(i.relative_path, i.offset, i.length) for i in md.storage_data.values()]
+    assert len(items) == 60 and all(64 << 10 <= n <= 256 << 10 for _, _, n in items)
+    ckpt = open_checkpoint("s3://ckpts/mid-dcp")
+    try:
+        assert ckpt.maps.remote is not None
+        root = os.path.join(ckpt.maps.remote.root, "mid-dcp")
+        for rel, off, n in items:
+            want = (d / rel).read_bytes()[off : off + n]
+            got = Path(root, rel).read_bytes()[off : off + n]
+            edge = remote_dcp.EDGE_BYTES
+            assert got[:edge] == want[:edge] and got[-edge:] == want[-edge:], (rel, off)
+            assert not any(got[edge + 1024 : n - edge - 1024]), (rel, off)  # the tensor data: never staged
+    finally:
+        ckpt.close()
+    (reads, fetched), = counted
+    sizes = [(d / f).stat().st_size for f in {rel for rel, _, _ in items}]
+    data = sum(sizes)
+    assert len(sizes) == 3, sizes
+    # .metadata, then the items' ends: a read per MAX_READ_BYTES of each data file (and one for a piece left
+    # over); 61 reads before (one per item and .metadata).
+    assert reads <= 1 + sum(1 + -(-n // remote_dcp.MAX_READ_BYTES) for n in sizes), (reads, sizes)
+    assert fetched <= data + (d / ".metadata").stat().st_size
+    code_remote, remote, err = _audit("s3://ckpts/mid-dcp")
+    code_local, local, _ = _audit(str(d))
+    assert code_remote == code_local, err
+    assert {k: v for k, v in remote.items() if k != "path"} == {k: v for k, v in local.items() if k != "path"}
+
+
+def test_a_data_file_that_cannot_be_read_while_others_are_staged_at_once_stops_staging_with_its_error(
+        s3: dict[str, Any], tmp_path: Path) -> None:
+    """Data files are staged several at once: one whose object is gone (deleted after it was listed) makes staging
+    fail with that file's read error, as when they were staged one after another, never a stand-in with its items'
+    metadata missing."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from ckptaudit.formats.remote.dcp import FILES_IN_FLIGHT, stage_dcp
+    from ckptaudit.formats.remote.staging import RemoteReadError, _Remote
+
+    d = tmp_path / "gone-dcp"
+    g = torch.Generator().manual_seed(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group": a single-process save is what we want
+        dcp.save({"model": {f"l{i}.w": torch.randn(64, 256, generator=g) for i in range(24)}},
+                 storage_writer=FileSystemWriter(str(d), thread_count=4))
+    s3["fs"].put(str(d), "ckpts/gone-dcp", recursive=True)
+    names = sorted(p.name for p in d.iterdir())
+    assert FILES_IN_FLIGHT > 1 and len([n for n in names if n.endswith(".distcp")]) == 4, names
+    gone = [n for n in names if n.endswith(".distcp")][2]
+    s3["fs"].rm(f"ckpts/gone-dcp/{gone}")
+    files: dict[str, tuple[str, int, str]] = {}
+    for name in names:
+        local = tmp_path / "standin" / name
+        local.parent.mkdir(exist_ok=True)
+        size = (d / name).stat().st_size
+        with open(local, "wb") as fh:
+            fh.truncate(size)
+        files[name] = (f"ckpts/gone-dcp/{name}", size, str(local))
+    with pytest.raises(RemoteReadError, match=gone):
+        stage_dcp(files, lambda path, size: _Remote(s3["fs"], path, size), lambda n: None)

@@ -1,7 +1,8 @@
 """DCP directories behind URLs: stage ``.metadata`` and each item's archive metadata with batched ranged reads.
 
-Called by :func:`ckptaudit.formats.remote.staging.stage` (one process, the caller's thread) for a prefix holding
-``.metadata`` or ``.distcp`` objects. The stand-in it builds is read by the same DCP reader as a local directory
+Called by :func:`ckptaudit.formats.remote.staging.stage` (one process: the caller's thread, and up to
+:data:`FILES_IN_FLIGHT` threads staging data files at once) for a prefix holding ``.metadata`` or ``.distcp``
+objects. The stand-in it builds is read by the same DCP reader as a local directory
 (:func:`ckptaudit.formats.dcp.reader.read_dcp`: the ``.metadata`` opcode scan and torch-free rebuild, path escapes,
 item bounds against the file size, chunks tiling each tensor, each item's archive checked by
 :func:`ckptaudit.formats.zip.archive.read_torch_zip`), so a remote DCP directory is judged by the same code.
@@ -9,11 +10,16 @@ item bounds against the file size, chunks tiling each tensor, each item's archiv
 What is staged, per item that ``.metadata`` places inside a data file (offset + length): the first and last
 4 KiB (the pickle, ``byteorder`` and the tensor member's local header; the central directory and end records),
 then whatever the end records and the central directory say the reader will read beyond them (a larger central
-directory, a zip64 record, a long local header, a large ``data.pkl``). Each round is one batch of ranged reads
-per data file: neighbouring ranges are coalesced (the tail of one item and the head of the next are one read),
-no read exceeds :data:`MAX_READ_BYTES` and no batch holds more than :data:`MAX_IN_FLIGHT_BYTES`, so a data file
-is never downloaded whole and memory stays bounded. Tensor data is not staged: it streams through
-:class:`~ckptaudit.formats.remote.staging.RemoteFiles` when it is hashed.
+directory, a zip64 record, a long local header, a large ``data.pkl``). Each round is one batch of concurrent
+ranged reads per data file: neighbouring ranges are coalesced (the tail of one item and the head of the next are
+one read), and ranges of the same object at most :data:`READ_THROUGH_GAP` apart share one ranged read whose
+bytes between them are read through and dropped, never staged (a request costs a round trip, tens of ms on a
+real store, while 1 MiB more of a reply costs a few ms: the ends of neighbouring items of a few hundred KiB
+each are one request, not one each; a ``torch.save`` file's staging reads nothing through: its gaps are tensor
+data the scan reads, and nothing is fetched twice there). No read exceeds :data:`MAX_READ_BYTES` and no batch
+holds more than :data:`MAX_IN_FLIGHT_BYTES`, so memory stays bounded by those, whatever the checkpoint's size;
+only the ranges asked are written to the stand-in and charged to the staging budget. Tensor data is not staged:
+it streams through :class:`~ckptaudit.formats.remote.staging.RemoteFiles` when it is hashed.
 
 The ``.metadata`` parsed here only to plan reads goes through the same scan and restricted rebuild as the reader
 (nothing is unpickled otherwise); when it is hostile or malformed, nothing more is staged and the reader reports
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import struct
+import threading
 import zipfile
 from collections.abc import Iterable
 from typing import Any
@@ -33,12 +40,16 @@ from ckptaudit.formats.dcp.reader import MAX_BYTES_ITEM, MAX_METADATA_BYTES, MET
 from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.pickle.scan import opcode_limit, scan
 
-__all__ = ["COALESCE_GAP", "MAX_IN_FLIGHT_BYTES", "MAX_READ_BYTES", "RangeStager", "stage_dcp"]
+__all__ = ["COALESCE_GAP", "FILES_IN_FLIGHT", "MAX_IN_FLIGHT_BYTES", "MAX_READ_BYTES", "READ_THROUGH_GAP",
+           "RangeStager", "stage_dcp"]
 
 EDGE_BYTES = 4096
 """Bytes read at each end of an item in the first round (a tensor item's metadata is a few hundred bytes)."""
 COALESCE_GAP = 4096
 """Ranges of one file closer than this are fetched as one read (the gap's bytes are staged too)."""
+READ_THROUGH_GAP = 1 << 20
+"""Ranges of one file at most this far apart are fetched by one ranged read (up to :data:`MAX_READ_BYTES`); the
+bytes between them are dropped as they arrive, neither staged nor charged to the budget."""
 MAX_READ_BYTES = 8 << 20
 """One ranged read fetches at most this much; a longer range is split."""
 MAX_IN_FLIGHT_BYTES = 32 << 20
@@ -50,21 +61,51 @@ _ZIP64_RECORD = 56
 _ZIP64_LOCATOR = 20
 
 
+FILES_IN_FLIGHT = 4
+"""Data files of one DCP directory staged at once (a thread each): their rounds of reads overlap, while the bytes
+in flight for all of them together stay within :data:`MAX_IN_FLIGHT_BYTES`."""
+
+
+class _InFlight:
+    """Bytes of ranged reads in flight across the data files staged at once, at most ``limit`` (a batch larger than
+    that runs alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit, self._held = limit, 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self._cond:
+            while self._held and self._held + n > self._limit:
+                self._cond.wait()
+            self._held += n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self._held -= n
+            self._cond.notify_all()
+
+
 class RangeStager:
     """Fills byte ranges of one stand-in file from its remote object, each byte fetched at most once.
 
     ``remote`` is a :class:`~ckptaudit.formats.remote.staging._Remote` (its reads bounded and checked there);
-    ``take(n)`` charges the staged-metadata budget before anything is fetched.
+    ``take(n)`` charges the staged-metadata budget before anything is fetched. ``read_through``: ranges at most
+    this far apart share one ranged read, the bytes between them dropped (:data:`READ_THROUGH_GAP` for a DCP
+    data file's items; 0, the default, where those bytes are tensor data read again by the scan and few
+    requests are saved, as in a ``torch.save`` file: nothing is then fetched twice).
     """
 
-    def __init__(self, remote: Any, local: str, take: Any) -> None:
-        self.remote, self.local, self._take = remote, local, take
+    def __init__(self, remote: Any, local: str, take: Any, *, read_through: int = 0,
+                 in_flight: _InFlight | None = None) -> None:
+        self.remote, self.local, self._take, self._read_through = remote, local, take, read_through
+        self._in_flight = in_flight
         self._starts: list[int] = []  # staged intervals, sorted and disjoint
         self._ends: list[int] = []
         self.reads = 0
         """Ranged requests made (for tests and benchmarks)."""
         self.fetched = 0
-        """Bytes fetched."""
+        """Bytes fetched (the staged ones, and those read through between them)."""
 
     def missing(self, start: int, end: int) -> list[tuple[int, int]]:
         """The parts of ``[start, end)`` (clipped to the object) not staged yet."""
@@ -97,7 +138,7 @@ class RangeStager:
 
     def stage(self, ranges: Iterable[tuple[int, int]]) -> None:
         """Fetch every unstaged byte of ``ranges`` (``(start, end)`` pairs) into the stand-in, in coalesced,
-        bounded batches of concurrent ranged reads."""
+        bounded batches of concurrent ranged reads (see the module docstring)."""
         gaps = sorted(g for s, e in ranges if e > s for g in self.missing(s, e))
         merged: list[list[int]] = []
         for s, e in gaps:
@@ -105,29 +146,49 @@ class RangeStager:
                 merged[-1][1] = max(merged[-1][1], e)
             else:
                 merged.append([s, e])
-        reads = [(p, min(e, p + MAX_READ_BYTES)) for s, e in merged for p in range(s, e, MAX_READ_BYTES)]
-        if not reads:
+        pieces = [(p, min(e, p + MAX_READ_BYTES)) for s, e in merged for p in range(s, e, MAX_READ_BYTES)]
+        if not pieces:
             return
-        self._take(sum(e - s for s, e in reads))
-        batch: list[tuple[int, int]] = []
+        self._take(sum(e - s for s, e in pieces))
+        # One ranged read per run of pieces at most read_through apart and MAX_READ_BYTES long in all.
+        reads: list[tuple[int, int, list[tuple[int, int]]]] = []
+        for s, e in pieces:
+            if reads and s - reads[-1][1] <= self._read_through and e - reads[-1][0] <= MAX_READ_BYTES:
+                reads[-1][2].append((s, e))
+                reads[-1] = (reads[-1][0], e, reads[-1][2])
+            else:
+                reads.append((s, e, [(s, e)]))
+        batch: list[tuple[int, int, list[tuple[int, int]]]] = []
         held = 0
-        for s, e in reads:
-            if batch and held + (e - s) > MAX_IN_FLIGHT_BYTES:
+        for read in reads:
+            if batch and held + (read[1] - read[0]) > MAX_IN_FLIGHT_BYTES:
                 self._fetch(batch)
                 batch, held = [], 0
-            batch.append((s, e))
-            held += e - s
+            batch.append(read)
+            held += read[1] - read[0]
         self._fetch(batch)
 
-    def _fetch(self, batch: list[tuple[int, int]]) -> None:
-        datas = self.remote.read_many(batch)  # exactly the bytes asked, or RemoteReadError
-        with open(self.local, "r+b") as fh:
-            for (s, e), data in zip(batch, datas, strict=True):
-                fh.seek(s)
-                fh.write(memoryview(data)[: e - s])  # no copy of the read
-                self._mark(s, e)
+    def _fetch(self, batch: list[tuple[int, int, list[tuple[int, int]]]]) -> None:
+        """Issue the ranged reads ``(start, end, pieces)`` of ``batch`` together; write their ``pieces`` only."""
+        held = sum(e - s for s, e, _ in batch)
+        if self._in_flight is not None:
+            self._in_flight.acquire(held)
+        try:
+            self._write(batch, self.remote.read_many([(s, e) for s, e, _ in batch]))  # exactly the bytes asked
+        finally:
+            if self._in_flight is not None:
+                self._in_flight.release(held)
         self.reads += len(batch)
-        self.fetched += sum(e - s for s, e in batch)
+
+    def _write(self, batch: list[tuple[int, int, list[tuple[int, int]]]], datas: list[bytes]) -> None:
+        with open(self.local, "r+b") as fh:
+            for (s, e, pieces), data in zip(batch, datas, strict=True):
+                view = memoryview(data)  # no copy of the read
+                for ps, pe in pieces:
+                    fh.seek(ps)
+                    fh.write(view[ps - s : pe - s])
+                    self._mark(ps, pe)
+                self.fetched += e - s
 
     def read(self, start: int, end: int) -> bytes:
         """Staged bytes ``[start, end)`` (clipped to the object), read back from the stand-in."""
@@ -298,8 +359,40 @@ def stage_dcp(files: dict[str, tuple[str, int, str]], make: Any, take: Any) -> t
     stagers = [stager]
     if md is not None:
         sizes = {name: size for name, (_p, size, _l) in files.items() if name != METADATA}
-        for name, items in item_ranges(md, sizes).items():
-            path, size, local = files[name]
-            stagers.append(RangeStager(make(path, size), local, take))
-            stage_items(stagers[-1], items)
+        work = [(files[name], items) for name, items in item_ranges(md, sizes).items()]
+        lock = threading.Lock()
+
+        def locked_take(n: int) -> None:
+            with lock:
+                take(n)
+
+        pool = _InFlight(MAX_IN_FLIGHT_BYTES)
+        stagers += [RangeStager(make(path, size), local, locked_take, read_through=READ_THROUGH_GAP, in_flight=pool)
+                    for (path, size, local), _ in work]
+        _each(FILES_IN_FLIGHT, [(st, items) for st, (_, items) in zip(stagers[1:], work, strict=True)])
     return sum(s.reads for s in stagers), sum(s.fetched for s in stagers)
+
+
+def _each(workers: int, jobs: list[tuple[RangeStager, list[tuple[int, int]]]]) -> None:
+    """:func:`stage_items` of every ``(stager, items)``, ``workers`` data files at a time; the first failure in
+    the files' order is raised once every started file has stopped (later files are not started)."""
+    if workers <= 1 or len(jobs) <= 1:
+        for st, items in jobs:
+            stage_items(st, items)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptaudit-stage") as ex:
+        futures = [ex.submit(stage_items, st, items) for st, items in jobs]
+        failed: BaseException | None = None
+        for f in futures:
+            if failed is not None:
+                f.cancel()
+                continue
+            exc = f.exception()
+            if exc is not None:
+                failed = exc
+                for g in futures:
+                    g.cancel()
+    if failed is not None:
+        raise failed
