@@ -162,3 +162,24 @@ JSON_CASES = {
     "safetensors-header-2M-empty-objects": (case_safetensors_header_of_empty_objects, "objects and arrays"),
     "manifest.json-nested-200k-deep": (case_deep_manifest, "deeper"),
 }
+
+
+# Work that grew faster than the input: what a pickle shares through its memo
+
+
+def shared_chunks_dcp(path: Path, n: int) -> Path:
+    """A DCP save whose ``.metadata`` has ``n`` tensor entries sharing one list of ``n`` chunks (pickled once, then
+    one memo reference each: a few hundred KB that build ``n * n`` chunk objects if the sharing is lost)."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    ckpt = rc.dcp_checkpoint(path, {"base": torch.arange(4.0)})
+    md = rc.read_dcp_metadata(ckpt)
+    shared = [ChunkStorageMetadata(torch.Size([i]), torch.Size([1])) for i in range(n)]
+    for j in range(n):
+        md.state_dict_metadata[f"t{j}"] = TensorStorageMetadata(md.state_dict_metadata["base"].properties,
+                                                                torch.Size([n]), shared)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
+    return ckpt

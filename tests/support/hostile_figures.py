@@ -160,7 +160,7 @@ def round3(src: str, limit: float) -> None:
                   _run(src, "audit", str(empty), limit))
         except (ImportError, RuntimeError) as exc:
             print(f"| DeepSpeed cases | - | not run: {str(exc)[:100]} | - | - |")
-        ckpt = _shared_chunks_dcp(d / "dcp", 3000)
+        ckpt = hc.shared_chunks_dcp(d / "dcp", 3000)
         _row3("DCP .metadata: 3000 entries share one 3000-chunk list (safe_dcp_reader)", _size(ckpt),
               _run(src, "dcp-reader", str(ckpt), limit))
         big = d / "ckpt.pt"
@@ -170,24 +170,6 @@ def round3(src: str, limit: float) -> None:
                 answer = _run(src, "audit", f"{srv.url}/ckpt.pt", limit)
                 extra = f"({srv.requests} requests, {srv.sent / 2**20:.1f} MiB sent by the server) "
             _row3(f"http://, server {mode}", big.stat().st_size, answer, extra)
-
-
-def _shared_chunks_dcp(path: Path, n: int) -> Path:
-    import pickle
-
-    import torch
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
-
-    import real_checkpoints as rc
-
-    ckpt = rc.dcp_checkpoint(path, {"base": torch.arange(4.0)})
-    md = rc.read_dcp_metadata(ckpt)
-    shared = [ChunkStorageMetadata(torch.Size([i]), torch.Size([1])) for i in range(n)]
-    for j in range(n):
-        md.state_dict_metadata[f"t{j}"] = TensorStorageMetadata(md.state_dict_metadata["base"].properties,
-                                                                torch.Size([n]), shared)
-    (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
-    return ckpt
 
 
 def _tensors_pt(path: Path) -> None:
