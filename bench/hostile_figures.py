@@ -94,7 +94,7 @@ _CHILD = """
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 what, path = sys.argv[2], sys.argv[3]
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 start = time.perf_counter()
 out = {}
 if what == "dcp-reader":
@@ -103,7 +103,7 @@ if what == "dcp-reader":
     out["chunk objects"] = len({id(c) for item in md.state_dict_metadata.values() for c in getattr(item, "chunks", ())})
 else:
     try:
-        report = audit(path)
+        report = run_audit(path)
         out["codes"] = sorted({f.code for f in report.findings if f.code.startswith(("integrity", "deepspeed"))})
         out["tensors"] = len(report.tensors)
     except OSError as exc:

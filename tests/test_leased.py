@@ -191,7 +191,7 @@ print(n)
 
 _AUDIT_WHILE_REWRITTEN = """
     import json, subprocess, sys, time
-    from ckptaudit.auditing.judge import AuditOptions, audit
+    from ckptaudit.auditing.judge import AuditOptions, run_audit
 
     path, seconds, rewriter = sys.argv[1:4]
     writer = subprocess.Popen([sys.executable, "-c", rewriter, path, seconds], stdout=subprocess.PIPE, text=True)
@@ -199,7 +199,7 @@ _AUDIT_WHILE_REWRITTEN = """
     codes = set()
     runs = 0
     while writer.poll() is None:
-        report = audit(path, AuditOptions(jobs=2))
+        report = run_audit(path, AuditOptions(jobs=2))
         codes |= {f.code for f in report.findings}
         runs += 1
     rewrites = int(writer.stdout.read())
@@ -288,17 +288,17 @@ def test_chunks_below_the_floor_are_not_mapped(tmp_path: Path) -> None:
 
 _PEAK = """
 import json, sys
-from ckptaudit.auditing.judge import AuditOptions, audit
+from ckptaudit.auditing.judge import AuditOptions, run_audit
 
 def status(key):
     with open("/proc/self/status") as fh:
         return next(int(line.split()[1]) for line in fh if line.startswith(key + ":"))
 
-audit(sys.argv[1], AuditOptions(jobs=2))  # the warm-up: imports, and a first mapped file
+run_audit(sys.argv[1], AuditOptions(jobs=2))  # the warm-up: imports, and a first mapped file
 with open("/proc/self/clear_refs", "w") as fh:
     fh.write("5")  # reset the peak resident set (VmHWM) to the current one
 before = status("VmRSS")
-report = audit(sys.argv[2], AuditOptions(jobs=2))
+report = run_audit(sys.argv[2], AuditOptions(jobs=2))
 print(json.dumps({"growth_mib": (status("VmHWM") - before) / 1024,
                   "hashed": sum(t.hash is not None for t in report.tensors)}))
 """

@@ -149,18 +149,18 @@ def _dcp_variants(local: Path, single: Path, fsdp: Path) -> dict[str, Path]:
 
 _PEAK_CHILD = """
 import json, sys
-from ckptaudit.auditing.judge import audit
+from ckptaudit.auditing.judge import run_audit
 
 def status(key):
     with open("/proc/self/status") as fh:
         return next(int(line.split()[1]) for line in fh if line.startswith(key + ":"))
 
-audit(sys.argv[1])
+run_audit(sys.argv[1])
 assert "numpy" in sys.modules, "the warm-up did not take the NumPy path: the peak would count NumPy's import"
 with open("/proc/self/clear_refs", "w") as fh:
     fh.write("5")  # reset the peak resident set (VmHWM) to the current one
 before = status("VmRSS")
-report = audit(sys.argv[2])
+report = run_audit(sys.argv[2])
 print(json.dumps({"before_kib": before, "peak_kib": status("VmHWM"), "codes": sorted({f.code for f in report.findings}),
                   "hashed": sum(t.hash is not None for t in report.tensors)}))
 """
