@@ -18,7 +18,7 @@ PACKAGE = SRC / "ckptaudit"
 TIERS: dict[str, dict[str, int]] = {
     # the vocabulary: findings and report types, the multi-process harness, the optional dependencies, codes, schema,
     # the job protocol, options
-    "foundation": {"findings": 0, "launch": 0, "extras": 0, "catalogue": 1, "schema": 1, "recipes": 1, "options": 2},
+    "foundation": {"version": 0, "findings": 0, "launch": 0, "extras": 0, "catalogue": 1, "schema": 1, "recipes": 1, "options": 2},
     # one reader per container
     "readers": {"formats": 3},
     # what the bytes mean (on-disk conventions, library layouts), what is wrong (checks), how it is rendered;
@@ -82,7 +82,11 @@ def upward_arrows(root: Path = SRC) -> list[str]:
                 bad.append(f"{where}: relative import; write the absolute ckptaudit.* name")
                 continue
             dst = _unit(imported)
-            if dst == "ckptaudit" or dst == src:  # the package root only carries __version__; a unit uses itself
+            if dst == src:  # a unit uses itself
+                continue
+            if dst == "ckptaudit":
+                bad.append(f"{where}: imports the package root, which resolves the public API on first use; import "
+                           "the module that defines the name (ckptaudit.version for __version__)")
                 continue
             if src == "ckptaudit":
                 bad.append(f"{where}: the package root imports {imported} eagerly; import it lazily in __getattr__")

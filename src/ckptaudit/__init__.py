@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
 __all__ = ["Report", "__version__", "audit", "compare"]
 
 
@@ -27,6 +26,8 @@ def __getattr__(name: str) -> Any:
     # Resolved when first used: the package root imports nothing of its own (tests/test_layering.py), so
     # ``import ckptaudit`` stays cheap. ``ckptaudit.audit`` *is* ``ckptaudit.api.audit``: one function, whose
     # signature (``help(ckptaudit.audit)``) is derived from the option table, ckptaudit.options.
-    if name in __all__ and name != "__version__":
+    if name == "__version__":
+        return importlib.import_module("ckptaudit.version").__version__
+    if name in __all__:
         return getattr(importlib.import_module("ckptaudit.api"), name)
     raise AttributeError(f"module 'ckptaudit' has no attribute {name!r}")

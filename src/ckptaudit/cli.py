@@ -13,8 +13,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ckptaudit import __version__
 from ckptaudit.options import AUDIT_OPTIONS, COMPARE_OPTIONS, FAIL_ON, IGNORE, MASTER_DTYPES, Option, resolve
+from ckptaudit.version import __version__
 
 if TYPE_CHECKING:  # imported by the commands that run: ``--help`` needs none of it
     from ckptaudit.findings import ComponentKind, RawReport

@@ -186,7 +186,8 @@ def test_a_ranks_share_behind_a_url_reads_the_objects_rank_0_pinned(s3_dcp: tupl
     after it is refused by the store (``IfMatch``), never read as the vetted object."""
     import s3fs
 
-    from ckptaudit.formats.remote.staging import ObjectChanged, ShareReader
+    from ckptaudit.formats.remote.errors import ObjectChanged
+    from ckptaudit.formats.remote.staging import ShareReader
 
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     fs.put(str(fsdp_dcp), "plans/pinned", recursive=True)  # its own objects: the module's others stay as saved

@@ -481,7 +481,8 @@ def test_a_data_file_that_cannot_be_read_while_others_are_staged_at_once_stops_s
     from torch.distributed.checkpoint import FileSystemWriter
 
     from ckptaudit.formats.remote.dcp import FILES_IN_FLIGHT, stage_dcp
-    from ckptaudit.formats.remote.staging import RemoteReadError, _Remote
+    from ckptaudit.formats.remote.errors import RemoteReadError
+    from ckptaudit.formats.remote.staging import _Remote
 
     d = tmp_path / "gone-dcp"
     g = torch.Generator().manual_seed(4)

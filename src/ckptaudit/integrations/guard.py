@@ -39,7 +39,7 @@ a verdict that is *not judged*: logged, nothing quarantined, training not stoppe
 
 The audit options flow unchanged from the integration's constructor (``AuditCallback(quick=True, ...)``) to
 ``Guard(**audit_options)`` (checked there, :data:`ckptaudit.options.AUDIT_OPTIONS`), to :attr:`Guard.audit_options`,
-to every worker request's ``"options"``, to :func:`audit_to_file`, to :func:`ckptaudit.audit`.
+to every worker request's ``"options"``, to :func:`~ckptaudit.integrations.guard_worker.audit_to_file`, to :func:`ckptaudit.audit`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ckptaudit.integrations import pinning
@@ -656,6 +656,8 @@ class Guard:
     def _run_audit(self, checkpoint: str, where: str, as_path: str) -> dict[str, Any]:
         if self.background == "process":
             return self._run_in_child(checkpoint, where, as_path)
+        from ckptaudit.integrations.guard_worker import audit_to_file
+
         return audit_to_file(checkpoint, where, self.audit_options, as_path)
 
     def _spawn(self) -> subprocess.Popen[str]:
@@ -718,22 +720,6 @@ def worker_env() -> dict[str, str]:
     """(training process) The audit worker's environment: this one, with one thread per numerical library (the
     worker scans with one thread and lowers its own priority first thing: :mod:`ckptaudit.integrations.guard_worker`)."""
     return {**os.environ, **dict.fromkeys(WORKER_ONE_THREAD, "1")}
-
-
-def audit_to_file(checkpoint: str, where: str, options: dict[str, Any], as_path: str | None = None) -> dict[str, Any]:
-    """(worker) Audit ``checkpoint``, write its JSON report to ``where`` atomically, return the gist. ``as_path``:
-    the path the report names (the checkpoint's own, when ``checkpoint`` is its pinned copy)."""
-    from ckptaudit.api import audit
-
-    report = audit(checkpoint, **options)
-    if as_path is not None:
-        report = replace(report, raw=replace(report.raw, path=as_path))
-    tmp = f"{where}.tmp-{os.getpid()}-{threading.get_ident()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(report.to_json())
-        fh.write("\n")
-    os.replace(tmp, where)
-    return {"ok": report.ok, "summary": report.summary, "codes": [f.code for f in report.failing]}
 
 
 def stop_requested(guard: Guard) -> bool:

@@ -26,6 +26,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+from dataclasses import replace
+from typing import Any
 
 # ioprio_set(2): which = IOPRIO_WHO_PROCESS, the class in the top bits; syscall numbers per architecture
 _IOPRIO_WHO_PROCESS = 1
@@ -33,6 +36,22 @@ _IOPRIO_CLASS_IDLE = 3
 _IOPRIO_CLASS_SHIFT = 13
 _IOPRIO_SYSCALLS = {"x86_64": (251, 252), "aarch64": (30, 31), "ppc64le": (273, 274), "s390x": (282, 283)}
 """(ioprio_set, ioprio_get) by ``platform.machine()``."""
+
+
+def audit_to_file(checkpoint: str, where: str, options: dict[str, Any], as_path: str | None = None) -> dict[str, Any]:
+    """(worker) Audit ``checkpoint``, write its JSON report to ``where`` atomically, return the gist. ``as_path``:
+    the path the report names (the checkpoint's own, when ``checkpoint`` is its pinned copy)."""
+    from ckptaudit.api import audit
+
+    report = audit(checkpoint, **options)
+    if as_path is not None:
+        report = replace(report, raw=replace(report.raw, path=as_path))
+    tmp = f"{where}.tmp-{os.getpid()}-{threading.get_ident()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(report.to_json())
+        fh.write("\n")
+    os.replace(tmp, where)
+    return {"ok": report.ok, "summary": report.summary, "codes": [f.code for f in report.failing]}
 
 
 def _ioprio_syscall(index: int, *args: int) -> int:
@@ -108,7 +127,6 @@ def warm() -> None:
 def main() -> int:
     priority = lower_priority()
     warm()  # before the ready line: the guard waits for it off the training thread
-    from ckptaudit.integrations.guard import audit_to_file
 
     sys.stdout.write(json.dumps({"ready": True, "priority": priority}) + "\n")
     sys.stdout.flush()

@@ -9,9 +9,9 @@ import math
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from ckptaudit import __version__
 from ckptaudit.findings import Precision, RawReport, Severity
 from ckptaudit.report.text import clean
+from ckptaudit.version import __version__
 
 __all__ = ["render_html", "render_page"]
 

@@ -8,8 +8,8 @@ import json
 import os
 from typing import Any, TextIO
 
-from ckptaudit import __version__
 from ckptaudit.findings import HASH_ALGORITHM, SCHEMA_VERSION, RawReport, Severity, printable, text
+from ckptaudit.version import __version__
 
 __all__ = ["render_json", "to_dict"]
 

@@ -45,7 +45,6 @@ import torch
 import xxhash
 from torch import nn
 
-from ckptaudit import __version__
 from ckptaudit.catalogue import finding
 from ckptaudit.checks.artifact import HASH_PREFIX, manifest_hash
 from ckptaudit.findings import Finding, RawReport
@@ -58,6 +57,7 @@ from ckptaudit.serving.gate import (
     output_kind,
 )
 from ckptaudit.store import durable
+from ckptaudit.version import __version__
 
 __all__ = [
     "EXPORT_DTYPES",

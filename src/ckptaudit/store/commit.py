@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from ckptaudit import __version__
 from ckptaudit.findings import HASH_ALGORITHM
 from ckptaudit.ondisk import layout
 from ckptaudit.ondisk import manifest as mf
@@ -21,6 +20,7 @@ from ckptaudit.store import durable
 from ckptaudit.store.checkpoint import COMPONENT_OF_KEY, dtype_name
 from ckptaudit.store.dcpio import item_offsets
 from ckptaudit.store.faults import FaultHook
+from ckptaudit.version import __version__
 
 __all__ = ["build_manifest", "commit_and_tidy", "file_report", "prepare", "previous_committed", "write_manifest"]
 

@@ -8,14 +8,14 @@ trickles them holds each request for five minutes. :class:`BoundedHTTPFileSystem
 configuration and batching, and changes what one ranged read may cost:
 
 - a deadline per request: connecting and each wait for bytes at most
-  :func:`~ckptaudit.formats.remote.staging.request_timeout` seconds, the whole
+  :func:`~ckptaudit.formats.remote.errors.request_timeout` seconds, the whole
   request that plus the time to receive its bytes at :data:`MIN_RATE`; ``info`` (a ``HEAD``) the same;
 - the reply capped to the range asked: at most ``end - start`` bytes are read, then the connection is dropped
   (the rest is never received); a reply that is not the range asked (``200`` from an offset, another
-  ``Content-Range``, fewer bytes than promised) is a :class:`~ckptaudit.formats.remote.staging.ProtocolError`;
+  ``Content-Range``, fewer bytes than promised) is a :class:`~ckptaudit.formats.remote.errors.ProtocolError`;
 - the object pinned as it was at staging: its ``ETag`` (else ``Last-Modified``) is sent as ``If-Match`` (
   ``If-Unmodified-Since``) and checked in every reply, so bytes of a replacement are never read as the
-  staged object's (:class:`~ckptaudit.formats.remote.staging.ObjectChanged`).
+  staged object's (:class:`~ckptaudit.formats.remote.errors.ObjectChanged`).
 
 Threads: the fsspec event loop runs the requests; callers block in ``cat_file``/``cat_ranges`` as usual.
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 from fsspec.implementations.http import HTTPFileSystem
 
-from ckptaudit.formats.remote.staging import (
+from ckptaudit.formats.remote.errors import (
     TIMEOUT_ENV,
     ObjectChanged,
     ProtocolError,

@@ -32,7 +32,6 @@ use, is a :class:`RemoteError` naming the URL: one line, exit code 2.
 
 from __future__ import annotations
 
-import math
 import os
 import struct
 import threading
@@ -41,8 +40,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MAX_STAGED_BYTES", "ObjectChanged", "ProtocolError", "RemoteError", "RemoteFiles", "RemoteReadError",
-           "RequestTimeout", "ShareReader", "is_url", "local_path", "request_timeout", "stage"]
+from ckptaudit.formats.remote.errors import (
+    ObjectChanged,
+    ProtocolError,
+    RemoteError,
+    RemoteReadError,
+    RequestTimeout,
+    request_timeout,
+)
+
+__all__ = ["MAX_STAGED_BYTES", "RemoteFiles", "ShareReader", "is_url", "local_path", "stage"]
 
 MAX_STAGED_BYTES = 1 << 30
 """Metadata bytes staged per checkpoint at most (headers, pickles, JSON): a limit against hostile listings."""
@@ -59,47 +66,6 @@ COALESCE_GAP = 64 << 10
 """Bytes between two small tensors that one ranged read fetches rather than make two requests."""
 _SAFETENSORS_HEADER_LIMIT = 100_000_000
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
-
-
-class RemoteError(OSError):
-    """A URL that cannot be read: unknown protocol, missing library, unsupported layout, too much metadata,
-    a configuration or credentials the storage library refuses."""
-
-
-class RemoteReadError(OSError):
-    """A ranged read that did not return the bytes asked (the message says why)."""
-
-
-class ProtocolError(RemoteReadError):
-    """The reply is not the range asked: ranges ignored, another range, more or fewer bytes than asked."""
-
-
-class RequestTimeout(RemoteReadError):
-    """A request that outlived its deadline."""
-
-
-class ObjectChanged(RemoteReadError):
-    """The object is no longer the one staged (another ETag, or the server refused the pinned one)."""
-
-
-TIMEOUT_ENV = "CKPTAUDIT_REMOTE_TIMEOUT"
-DEFAULT_TIMEOUT_S = 30.0
-
-
-def request_timeout() -> float:
-    """Seconds one request may wait to connect or for its next bytes: ``$CKPTAUDIT_REMOTE_TIMEOUT`` (default
-    30). A value that is not a number of seconds in (0, 3600] is a :class:`RemoteError` (a configuration
-    error: one line, exit 2)."""
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= 3600:
-        raise RemoteError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds between 0 and 3600")
-    return value
 
 
 def is_url(path: str) -> bool:
