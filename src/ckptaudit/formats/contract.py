@@ -28,6 +28,7 @@ Two readers of one kind may not share an ``order``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import pkgutil
@@ -202,8 +203,10 @@ def directory_readers() -> list[DirectoryReader]:
     return READERS.ordered(DirectoryReader)
 
 
+@functools.cache
 def load_function(spec: str) -> Callable[..., Any]:
-    """The function ``"module:function"`` names, its module imported now."""
+    """The function ``"module:function"`` names, its module imported on the first call (then remembered: the
+    dispatcher and the layout driver resolve a reader or rule for every file and part)."""
     module, _, attr = spec.partition(":")
     fn: Callable[..., Any] = getattr(importlib.import_module(module), attr)
     return fn

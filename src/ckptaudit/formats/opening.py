@@ -63,23 +63,22 @@ def _read_plain_directory(path: str, reading: Reading) -> None:
 
     findings = reading.findings
     nested = [r for r in directory_readers() if r.nested]
-
-    def nested_reader(full: str) -> str | None:
-        return next((r.read for r in nested if r.recognises(full)), None)
+    claims = _claims()
 
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)
-        if (_claimed(name) or nested_reader(full) is not None) and os.path.islink(full):
+        claimed = name.lower().endswith(claims)
+        read = next((r.read for r in nested if r.recognises(full)), None)
+        if (claimed or read is not None) and os.path.islink(full):
             _report_link(path, name, findings)
         if os.path.isdir(full):
-            read = nested_reader(full)
             if read is not None:
                 load_function(read)(full, name, reading)
-            elif _claimed(name):
+            elif claimed:
                 findings.append(finding("integrity.corrupt", name,
                                         f"{name} is a directory, not a checkpoint file; not read"))
             continue
-        if not _claimed(name):
+        if not claimed:
             continue
         part = read_entry(full, name, findings, reading.files)
         if part is not None:
@@ -120,9 +119,9 @@ def _report_link(root: str, name: str, findings: list[Finding]) -> None:
                                 target=target))
 
 
-def _claimed(name: str) -> bool:
-    """Whether a file reader claims a file of this name in a directory listing."""
-    return name.lower().endswith(tuple(c for r in file_readers() for c in r.claims))
+def _claims() -> tuple[str, ...]:
+    """The name endings (lower case) file readers claim in a directory listing."""
+    return tuple(c for r in file_readers() for c in r.claims)
 
 
 def read_entry(full: str, name: str, findings: list[Finding], files: dict[str, int]) -> Part | None:
