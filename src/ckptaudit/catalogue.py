@@ -82,10 +82,12 @@ _RULES: tuple[Rule, ...] = (
          "add up, a hash that differs from the manifest."),
     Rule("integrity.path-escape", E, "Checkpoint metadata names a file outside the checkpoint directory (absolute "
          "path, '..', or a link leaving it); the file is not read."),
-    Rule("integrity.changed", E, "A file of the checkpoint changed while it was audited: a rank of a distributed "
-         "audit found another size or other bytes than rank 0 had vetted (a save still writing or overwriting it, "
-         "or a rank that sees other files at this path), or could not read it. The tensors that rank was to scan "
-         "were not read, so nothing is judged from them; audit again once the checkpoint is complete."),
+    Rule("integrity.changed", E, "A file of the checkpoint changed while it was audited: the scan found another "
+         "version (device, inode, size or mtime) than the one whose header was read, or a rank of a distributed "
+         "audit found another size, other bytes or another version than rank 0 had vetted (a save still writing "
+         "or overwriting it, or a rank that sees other files at this path), or could not read it. The tensors in "
+         "that file (or that rank's share) were not read, so nothing is judged from them; audit again once the "
+         "checkpoint is complete."),
     Rule("integrity.link-outside", INFO, "A file or folder of the checkpoint is a symbolic link to a target outside "
          "it (the evidence names the target); it was read from there. Normal for the Hugging Face cache; elsewhere, "
          "check that the target is the file you meant."),

@@ -139,13 +139,15 @@ def test_a_rank_that_sees_other_metadata_bytes_reports_it_and_reads_nothing(fsdp
     expected = _single(str(fsdp_dcp))
     results = _audit([str(fsdp_dcp), str(copy)])
     report = results[0]["report"]
-    changed = [f for f in report["findings"] if f["code"] == "integrity.changed"]
-    assert len(changed) == 1, report["findings"]
-    assert changed[0]["subject"] == ".metadata" and changed[0]["severity"] == "error"
-    assert changed[0]["evidence"]["ranks"] == [1]
-    assert "on rank 1 it holds other bytes than rank 0 read" in changed[0]["message"]
+    changed = {f["subject"]: f for f in report["findings"] if f["code"] == "integrity.changed"}
+    # The copy's data files are other files (other inodes) than rank 0 read: each is another version.
+    assert set(changed) == {".metadata", "__0_0.distcp", "__1_0.distcp"}, report["findings"]
+    assert all(f["severity"] == "error" and f["evidence"]["ranks"] == [1] for f in changed.values())
+    assert "on rank 1 it holds other bytes than rank 0 read" in changed[".metadata"]["message"]
+    assert "on rank 1 it is another version than rank 0 read (another file: device " in \
+        changed["__0_0.distcp"]["message"]
     unread = [t for t in report["tensors"] if t["precision"] == "unread"]
-    assert len(unread) == results[1]["stats"]["share_items"] == changed[0]["evidence"]["unread"] > 0
+    assert len(unread) == results[1]["stats"]["share_items"] == changed[".metadata"]["evidence"]["unread"] > 0
     # The rest is rank 0's own reading, as one process reads it; no finding but the one says "cannot read".
     read = {t["name"]: t for t in report["tensors"] if t["precision"] != "unread"}
     assert read and all(t == read[t["name"]] for t in expected["tensors"] if t["name"] in read)

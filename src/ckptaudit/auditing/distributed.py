@@ -15,9 +15,10 @@ Order of events (every rank runs the same command on the same path, on a filesys
    pickle; point to point, so a rank receives its share only, bytes linear in the pieces it will read): its
    tensors and where their pieces lie, and the files to check, with the size and, for metadata rank 0 parsed
    (``.metadata``), the xxh3-128 of the bytes parsed;
-4. (all ranks) check their own view of those files: a rank that finds one changed (another size or other
-   bytes, or unreadable: a save still writing, or a rank that sees other files at this path) scans nothing; the
-   others scan their share on ``jobs`` threads, one chunk per thread in memory;
+4. (all ranks) check their own view of those files: a rank that finds one changed (another size, other bytes or
+   another version, or unreadable: a save still writing, or a rank that sees other files at this path) scans
+   nothing; the others scan their share on ``jobs`` threads, one chunk per thread in memory, and every file
+   their scan opens must be the version rank 0 read (a file replaced after the check leaves its tensors unread);
 5. (all ranks) gather every rank's outcomes (kilobytes: hashes and precision evidence, JSON-encoded, never
    pickled) to rank 0; a rank that failed sends its error instead, so no rank waits for one that died;
 6. (rank 0) assembles the records in the checkpoint's order and runs the checks: the report equals the
@@ -50,8 +51,10 @@ from ckptaudit.auditing.share import (
     decode_share,
     encode_error,
     encode_share,
+    host_key,
     is_single_file,
     share_datas,
+    share_ids,
     vetted_file_problems,
     vetted_files,
     view_problems,
@@ -124,24 +127,26 @@ def _step_in(step: float | str | None) -> float | None:
     return float(step) if isinstance(step, str) else step
 
 
-def _encode(outcomes: dict[int, ScanOutcome]) -> list[list[Any]]:
+def _encode(outcomes: dict[int, ScanOutcome], root: str) -> list[list[Any]]:
+    """A rank's outcomes as JSON rows; a file found changed is named relative to the checkpoint's ``root``."""
     rows: list[list[Any]] = []
     for i, o in sorted(outcomes.items()):
         if o.scan is None:
-            rows.append([i, None, None, None, o.error, _step_out(o.step)])
+            changed = os.path.relpath(o.changed, root) if o.changed else ""
+            rows.append([i, None, None, None, o.error, _step_out(o.step), changed])
             continue
         s = o.scan.stats
         stats = None if s is None else [s.bf16_representable, s.fp16_representable, s.informative_bf16,
                                         s.informative_fp16]
-        rows.append([i, o.scan.hash, o.scan.precision.value, stats, o.error, _step_out(o.step)])
+        rows.append([i, o.scan.hash, o.scan.precision.value, stats, o.error, _step_out(o.step), ""])
     return rows
 
 
 def _decode(rows: list[list[Any]]) -> dict[int, ScanOutcome]:
     out: dict[int, ScanOutcome] = {}
-    for i, digest, precision, stats, error, step in rows:
+    for i, digest, precision, stats, error, step, changed in rows:
         if digest is None:
-            out[int(i)] = ScanOutcome(None, error, _step_in(step))
+            out[int(i)] = ScanOutcome(None, error, _step_in(step), changed=str(changed))
             continue
         ps = None if stats is None else PrecisionStats(bool(stats[0]), bool(stats[1]), int(stats[2]), int(stats[3]))
         out[int(i)] = ScanOutcome(TensorScan(digest, Precision(precision), ps), error, _step_in(step))
@@ -285,7 +290,8 @@ def audit_distributed(path: str, options: AuditOptions | None = None, *, rank: i
         plan.close()
         raise
     try:
-        scanned.findings += _changed_findings(gathered, shares)
+        seen = {(f.code, f.subject) for f in scanned.findings}
+        scanned.findings += [f for f in _changed_findings(gathered, shares) if (f.code, f.subject) not in seen]
         report = judge_scan(scanned, options)
         clock.mark("judge")
         return report
@@ -316,14 +322,14 @@ def _lead(path: str, options: AuditOptions, world_size: int,
         mine = vetted_files(plan, shares[0])  # the files and the check every rank's share has, not encoded
         clock.mark("send", sent_bytes=sent, share_items=len(shares[0]),
                    share_pieces=sum(len(d.pieces) for d in _datas(plan, shares[0])))
-        problems = [] if is_url(path) else view_problems(
-            checkpoint_root(plan.ckpt.read_path, is_single_file(plan)), mine)
+        root = checkpoint_root(plan.ckpt.read_path, is_single_file(plan))
+        problems = [] if is_url(path) else view_problems(root, mine)
         clock.mark("check")
         if problems:
             return plan, shares, None, {"rank": 0, "changed": problems}
         outcomes = scan_items(plan, shares[0], jobs=options.jobs, chunk_bytes=options.chunk_bytes)
         clock.mark("scan", share_bytes=sum(plan.nbytes(i) for i in shares[0]))
-        return plan, shares, None, {"rank": 0, "outcomes": _encode(outcomes)}
+        return plan, shares, None, {"rank": 0, "outcomes": _encode(outcomes, root)}
     except BaseException:
         plan.close()
         raise
@@ -369,7 +375,9 @@ def _follow(path: str, options: AuditOptions, rank: int, clock: _Clock) -> dict[
                     reader.close()
         else:
             root = checkpoint_root(os.path.abspath(local_path(path)), share.single_file)
-            problems = view_problems(root, share.vetted)
+            # Every open of this rank's scan must find the versions rank 0 read, as the view check does.
+            maps.ids = share_ids(share, root)
+            problems = view_problems(root, share.vetted, same_host=share.host == host_key())
         clock.mark("check")
         if problems:
             return {"rank": rank, "changed": problems}
@@ -378,7 +386,7 @@ def _follow(path: str, options: AuditOptions, rank: int, clock: _Clock) -> dict[
         clock.mark("decode")
         outcomes = scan_datas(datas, maps, step_items=steps, jobs=options.jobs, chunk_bytes=options.chunk_bytes)
         clock.mark("scan", share_bytes=sum(d.nbytes for d in datas.values()))
-        return {"rank": rank, "outcomes": _encode(outcomes)}
+        return {"rank": rank, "outcomes": _encode(outcomes, root)}
     except (OSError, ValueError) as exc:
         return {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
     finally:

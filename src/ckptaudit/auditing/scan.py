@@ -25,6 +25,7 @@ from ckptaudit.auditing.tensor_scan import SMALL_TENSOR_BYTES, TensorScan, scan_
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import Finding, Precision, TensorRecord
 from ckptaudit.formats.base import Checkpoint, Unreadable
+from ckptaudit.formats.io.safeio import FileChanged
 from ckptaudit.formats.io.tensors import (
     DEFAULT_CHUNK_BYTES,
     FileMaps,
@@ -80,6 +81,10 @@ class ScanOutcome:
     reported: bool = False
     """``scan`` is ``None`` for a reason another finding already reports (a distributed audit's
     ``integrity.changed``): :func:`assemble` adds no ``integrity.corrupt`` of its own for this tensor."""
+    changed: str = ""
+    """The file found to be another version than the one the readers parsed (``scan`` is then ``None``): an
+    absolute path of this process, or a name relative to the checkpoint's root (sent by a distributed audit's
+    rank). :func:`assemble` makes one ``integrity.changed`` per such file."""
 
 
 SERIAL_BYTES = 1 << 20
@@ -139,6 +144,8 @@ def scan_datas(datas: Mapping[int, TensorData], maps: FileMaps, *, step_items: C
                     # Not for a small tensor while NumPy is not loaded: scan_tensor may judge it without NumPy.
                     buffer = local.buffer = scratch_buffer(chunk_bytes)
                 scanned = scan_tensor(data, maps, chunk_bytes, buffer)
+        except FileChanged as exc:  # the bytes are another version's than the header read: none is judged
+            return ScanOutcome(None, str(exc), changed=str(exc.filename))
         except (ValueError, OSError) as exc:
             return ScanOutcome(None, str(exc))
         step = scalar_value(data, maps) if index in step_items else None
@@ -245,6 +252,7 @@ def assemble(plan: ScanPlan, outcomes: dict[int, ScanOutcome]) -> ScannedCheckpo
     records: list[TensorRecord] = []
     refs: list[TensorRef] = []
     steps: dict[Any, float] = {}
+    changed: dict[str, list[str]] = {}
     for index, (ref, comp, role, param) in enumerate(plan.items):
         data = ref.data
         refs.append(ref)
@@ -253,7 +261,11 @@ def assemble(plan: ScanPlan, outcomes: dict[int, ScanOutcome]) -> ScannedCheckpo
             continue
         outcome = outcomes[index]
         if outcome.scan is None:
-            if not outcome.reported:
+            if outcome.changed:
+                name = (plan.ckpt.file_name(outcome.changed) if os.path.isabs(outcome.changed)
+                        else outcome.changed)
+                changed.setdefault(name, []).append(outcome.error)
+            elif not outcome.reported:
                 findings.append(finding("integrity.corrupt", ref.name,
                                         f"{ref.name}: cannot read its data ({outcome.error})", file=ref.file))
             records.append(TensorRecord(ref.name, comp, role, param, ref.file, data.dtype.name, data.shape,
@@ -264,6 +276,7 @@ def assemble(plan: ScanPlan, outcomes: dict[int, ScanOutcome]) -> ScannedCheckpo
                                     scanned.hash, scanned.precision, scanned.stats))
         if outcome.step is not None:
             steps[plan.step_keys[index]] = outcome.step
+    findings += [_changed_finding(name, whys) for name, whys in changed.items()]
     view = plan.view
     # Plain-number step counters (optimizers built with capturable=False may store Python floats).
     if view.optimizer is not None:
@@ -272,6 +285,16 @@ def assemble(plan: ScanPlan, outcomes: dict[int, ScanOutcome]) -> ScannedCheckpo
             if isinstance(v, int | float) and not isinstance(v, bool):
                 steps[key] = v  # an int stays one: 10**400 has no float (2 and 2.0 still count as equal)
     return ScannedCheckpoint(plan.ckpt, view, records, refs, findings, plan.attachment, steps)
+
+
+def _changed_finding(name: str, whys: list[str]) -> Finding:
+    """``integrity.changed`` for the data file ``name`` whose tensors (``len(whys)``) were not read: it was another
+    version when the scan opened it than when the readers parsed the checkpoint."""
+    return finding(
+        "integrity.changed", name,
+        f"{name} changed while the checkpoint was audited: {whys[0]}. Its {len(whys)} tensor(s) were not read, so "
+        "nothing is judged from bytes of two versions; audit again once the checkpoint is no longer being written",
+        file=name, unread=len(whys))
 
 
 def scan_checkpoint(path: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Progress | None = None,

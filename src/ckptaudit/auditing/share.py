@@ -8,7 +8,10 @@ rules, the DCP ``.metadata`` walked and loaded once); every other rank is sent o
   each piece (file, byte offset, storage offset, sizes, strides, offsets in the tensor): bytes linear in the
   pieces it will read;
 - the files to check (:class:`VettedFile`): every file rank 0 parsed whole as metadata (DCP ``.metadata``) with
-  the size and xxh3-128 of the bytes it parsed, and every data file of the share with its size.
+  the size and xxh3-128 of the bytes it parsed, and every data file of the share with its size; each with the
+  version rank 0 read (:class:`~ckptaudit.formats.io.safeio.FileId`: device, inode, size, ``mtime_ns``; a rank on
+  another host compares size and ``mtime_ns`` only), which the rank's view check and every open of its scan
+  must find again.
 
 Files are named relative to the checkpoint's root (its directory; for a one-file checkpoint, the directory
 holding it), so a rank resolves them against its own path (:func:`share_datas`) and checks its own view of them
@@ -18,8 +21,10 @@ that sees other files at this path) is reported, not scanned.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,14 +32,14 @@ from typing import Any
 import xxhash
 
 from ckptaudit.auditing.plan import ScanPlan
-from ckptaudit.formats.io.safeio import open_regular_fd
+from ckptaudit.formats.io.safeio import FileId, FileIds, open_regular_fd
 from ckptaudit.formats.io.tensors import DTYPES, Piece, TensorData
 
 __all__ = ["SHARE_FORMAT", "RawShare", "VettedFile", "checkpoint_root", "decode_share", "encode_error",
-           "encode_share", "file_digest", "is_single_file", "share_datas", "vetted_file_problems", "vetted_files",
-           "view_problems"]
+           "encode_share", "file_digest", "host_key", "is_single_file", "share_datas", "share_ids",
+           "vetted_file_problems", "vetted_files", "view_problems"]
 
-SHARE_FORMAT = 2
+SHARE_FORMAT = 3
 """Version of the share's encoding (every rank runs the same ckptaudit; a mismatch is an error, not a guess)."""
 _READ_BYTES = 8 << 20
 
@@ -49,6 +54,8 @@ class VettedFile:
     size: int
     digest: str | None = None
     etag: str | None = None
+    version: FileId | None = None
+    """The version rank 0 read (a local file; ``None`` behind a URL, where the ETag pins it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +67,8 @@ class RawShare:
     """The checkpoint is one file (its root is the directory holding it)."""
     error: str = ""
     """Rank 0 could not plan the audit (it raises the error itself): nothing to scan."""
+    host: str = ""
+    """Rank 0's :func:`host_key`: a rank on the same host compares every part of a file's version."""
     files: tuple[str, ...] = ()
     items: tuple[Any, ...] = ()
     """``[index, dtype, shape, step, pieces]`` rows, as sent."""
@@ -97,9 +106,10 @@ def encode_share(plan: ScanPlan, indices: Sequence[int]) -> bytes:
                 names.append(ckpt.file_name(p.file))
             pieces.append([fid, p.data_offset, p.storage_offset, p.sizes, p.stride, p.offsets])
         items.append([i, data.dtype.name, data.shape, int(i in plan.step_items), pieces])
-    vetted = [[v.name, v.size, v.digest, v.etag] for v in _vetted(plan, fids)]
-    doc = {"format": SHARE_FORMAT, "single_file": is_single_file(plan), "vetted": vetted, "files": names,
-           "items": items}
+    vetted = [[v.name, v.size, v.digest, v.etag, None if v.version is None else v.version.as_list()]
+              for v in _vetted(plan, fids)]
+    doc = {"format": SHARE_FORMAT, "single_file": is_single_file(plan), "host": host_key(), "vetted": vetted,
+           "files": names, "items": items}
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -123,13 +133,45 @@ def vetted_files(plan: ScanPlan, indices: Sequence[int]) -> tuple[VettedFile, ..
 def _vetted(plan: ScanPlan, files: Iterable[str]) -> tuple[VettedFile, ...]:
     ckpt = plan.ckpt
     remote = ckpt.maps.remote
-    vetted = [VettedFile(name, size, digest) for name, (size, digest) in ckpt.digests.items()]
+    root = checkpoint_root(ckpt.read_path, is_single_file(plan))
+    vetted = [VettedFile(name, size, digest, version=_version(plan, os.path.join(root, name)))
+              for name, (size, digest) in ckpt.digests.items()]
     for file in files:
         name = ckpt.file_name(file)
         size = ckpt.files.get(name)
         vetted.append(VettedFile(name, size if size is not None else os.path.getsize(file),
-                                 etag=None if remote is None else remote.etag(file)))
+                                 etag=None if remote is None else remote.etag(file), version=_version(plan, file)))
     return tuple(vetted)
+
+
+def _version(plan: ScanPlan, path: str) -> FileId | None:
+    """(rank 0) The version of the local file ``path`` its readers parsed, or (a data file no reader opened: DCP's)
+    the one it has now, recorded: rank 0's own scan must find it too. ``None`` behind a URL or when unreadable."""
+    ids = plan.ckpt.maps.ids
+    if ids is None:
+        return None
+    try:
+        return ids.pin(path)
+    except OSError:  # the view check says it cannot be read
+        return None
+
+
+@functools.cache
+def host_key() -> str:
+    """This machine, as ranks compare it: the host name and the kernel's boot id (Linux)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def share_ids(share: RawShare, root: str) -> FileIds:
+    """(ranks other than 0) The versions rank 0 read, by this rank's paths under ``root``: what every open of this
+    rank's scan must find (all of a version on rank 0's host; elsewhere its size and ``mtime_ns``)."""
+    known = {os.path.join(root, v.name): v.version for v in share.vetted if v.version is not None}
+    return FileIds(known, same_host=share.host == host_key())
 
 
 def encode_error(message: str) -> bytes:
@@ -147,10 +189,11 @@ def decode_share(data: bytes) -> RawShare:
                              "run the same ckptaudit")
         if "error" in doc:
             return RawShare((), False, error=str(doc["error"]))
-        vetted = tuple(VettedFile(str(n), int(s), None if d is None else str(d), None if e is None else str(e))
-                       for n, s, d, e in doc["vetted"])
-        return RawShare(vetted, bool(doc["single_file"]), files=tuple(str(n) for n in doc["files"]),
-                        items=tuple(doc["items"]))
+        vetted = tuple(VettedFile(str(n), int(s), None if d is None else str(d), None if e is None else str(e),
+                                  None if f is None else FileId(*(int(x) for x in f)))
+                       for n, s, d, e, f in doc["vetted"])
+        return RawShare(vetted, bool(doc["single_file"]), host=str(doc["host"]),
+                        files=tuple(str(n) for n in doc["files"]), items=tuple(doc["items"]))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"the share rank 0 sent is malformed ({type(exc).__name__}: {exc})") from None
 
@@ -188,31 +231,38 @@ def file_digest(path: str) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def view_problems(root: str, vetted: Iterable[VettedFile]) -> list[tuple[str, str]]:
+def view_problems(root: str, vetted: Iterable[VettedFile], *, same_host: bool = True) -> list[tuple[str, str]]:
     """``(file, what differs)`` for each vetted file this rank sees otherwise under ``root`` (a local path):
-    missing or unreadable, another size, or (for a file parsed as metadata) other bytes. Empty: the same view."""
+    missing or unreadable, another size, (for a file parsed as metadata) other bytes, or another version (on
+    another host, ``same_host`` false: size and ``mtime_ns`` only). Empty: the same view."""
     problems: list[tuple[str, str]] = []
     for v in vetted:
         full = os.path.join(root, v.name)
         try:
-            size = os.stat(full).st_size
+            st = os.stat(full)
+            size = st.st_size
             digest = None
             if v.digest is not None and size == v.size:
                 size, digest = file_digest(full)
         except OSError as exc:
             problems.append((v.name, f"cannot be read ({exc.strerror or exc})"))
             continue
-        problems += vetted_file_problems(v, size, digest)
+        problems += vetted_file_problems(v, size, digest, version=FileId.of(st), same_host=same_host)
     return problems
 
 
-def vetted_file_problems(v: VettedFile, size: int, digest: str | None, etag: str | None = None) -> list[tuple[str, str]]:
+def vetted_file_problems(v: VettedFile, size: int, digest: str | None, etag: str | None = None, *,
+                         version: FileId | None = None, same_host: bool = True) -> list[tuple[str, str]]:
     """What differs between rank 0's reading ``v`` and this rank's (``size``, ``digest`` or ``None`` if not read,
-    ``etag`` as this rank's store lists it, or ``None``)."""
+    ``etag`` as this rank's store lists it, or ``None``; ``version``, a local file's, compared as
+    :meth:`FileId.differs` does)."""
     if v.etag is not None and etag is not None and etag != v.etag:
         return [(v.name, f"is another object than rank 0 read (ETag {etag}, rank 0: {v.etag})")]
     if size != v.size:
         return [(v.name, f"has {size} bytes where rank 0 read {v.size}")]
     if v.digest is not None and digest != v.digest:
         return [(v.name, f"holds other bytes than rank 0 read (xxh3-128 {digest}, rank 0: {v.digest})")]
+    why = None if v.version is None or version is None else v.version.differs(version, same_host=same_host)
+    if why is not None:
+        return [(v.name, f"is another version than rank 0 read ({why})")]
     return []

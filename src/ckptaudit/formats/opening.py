@@ -14,7 +14,9 @@ from ckptaudit.catalogue import finding
 from ckptaudit.findings import Finding
 from ckptaudit.formats.base import Checkpoint, Part
 from ckptaudit.formats.contract import FileHead, Reading, directory_readers, file_readers, load_function
-from ckptaudit.formats.io.safeio import LimitExceeded, NotRegularFile, describe_kind
+from ckptaudit.formats.io.safeio import FileIds, LimitExceeded, NotRegularFile, describe_kind
+from ckptaudit.formats.io.safeio import reading as reading_files
+from ckptaudit.formats.io.tensors import FileMaps
 
 __all__ = ["open_checkpoint", "read_entry"]
 
@@ -33,10 +35,21 @@ def open_checkpoint(path: str) -> Checkpoint:
 
     if is_url(path):
         return _open_remote(path)
-    path = local_path(path)
+    return _open_local(local_path(path), FileIds())
+
+
+def _open_local(path: str, ids: FileIds | None) -> Checkpoint:
+    """:func:`open_checkpoint` of a local path; every file the readers open is recorded in ``ids`` (the version the
+    scan must find again: :class:`~ckptaudit.formats.io.safeio.FileIds`), or not (``None``: a remote checkpoint's
+    stand-in, whose objects are pinned by their ETags)."""
     if not os.path.exists(path):
         raise FileNotFoundError(path)
     path = os.path.abspath(path)
+    with reading_files(ids):
+        return _read_local(path, ids)
+
+
+def _read_local(path: str, ids: FileIds | None) -> Checkpoint:
     reading = Reading(read_entry=lambda full, name: read_entry(full, name, reading.findings, reading.files))
     if os.path.isdir(path):
         fmt = "directory"
@@ -53,7 +66,7 @@ def open_checkpoint(path: str) -> Checkpoint:
         if part is not None:
             reading.parts.append(part)
     return Checkpoint(path=path, format=fmt, parts=reading.parts, findings=reading.findings, files=reading.files,
-                      digests=reading.digests)
+                      digests=reading.digests, maps=FileMaps(ids))
 
 
 def _read_plain_directory(path: str, reading: Reading) -> None:
@@ -100,7 +113,7 @@ def _open_remote(url: str) -> Checkpoint:
 
     local, remote = stage(url)
     try:
-        ckpt = open_checkpoint(local)
+        ckpt = _open_local(local, None)
     except BaseException:
         remote.close()
         raise

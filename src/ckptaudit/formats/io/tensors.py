@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptaudit.formats.io.leased import LeasedFile, mapped_reads_enabled
-from ckptaudit.formats.io.safeio import open_regular
+from ckptaudit.formats.io.safeio import FileIds, open_regular
 
 if TYPE_CHECKING:
     import numpy as np
@@ -174,10 +174,14 @@ class FileMaps:
     one of each per file, closed together.
 
     Owned by one reader session (``Checkpoint``). Opening is serialised by a lock, and positional reads
-    (``os.preadv``) share a descriptor safely, so threads may scan different tensors at once.
+    (``os.preadv``) share a descriptor safely, so threads may scan different tensors at once. ``ids``: the
+    version of each file the readers parsed (:class:`~ckptaudit.formats.io.safeio.FileIds`); every open here must
+    find the same one, or raises :class:`~ckptaudit.formats.io.safeio.FileChanged` (local files: a remote file's
+    stand-in is pinned by its ETag instead).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ids: FileIds | None = None) -> None:
+        self.ids = ids
         self._maps: dict[str, mmap.mmap] = {}
         self._files: dict[str, Any] = {}
         self._leased: dict[str, LeasedFile | None] = {}
@@ -194,9 +198,12 @@ class FileMaps:
             with self._lock:
                 fh = self._files.get(path)
                 if fh is None:
-                    fh = open_regular(path)
+                    fh = open_regular(path, self._ids_of(path))
                     self._files[path] = fh
         return int(fh.fileno())
+
+    def _ids_of(self, path: str) -> FileIds | None:
+        return None if self.remote is not None and path in self.remote else self.ids
 
     def leased(self, path: str) -> LeasedFile | None:
         """The :class:`~ckptaudit.formats.io.leased.LeasedFile` of a local ``path`` (hashing its chunks in place,
@@ -225,7 +232,7 @@ class FileMaps:
             with self._lock:
                 mm = self._maps.get(path)
                 if mm is None:
-                    with open_regular(path) as fh:  # a pipe swapped in after reading must not block
+                    with open_regular(path, self._ids_of(path)) as fh:  # a pipe swapped in must not block
                         if os.fstat(fh.fileno()).st_size == 0:
                             return None
                         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
