@@ -38,3 +38,35 @@ def audit_rank(ctx: RankContext, paths: list[str], jobs: int) -> dict[str, Any]:
         render(report, OutputFormat.JSON, buf)
         out["report"] = json.loads(buf.getvalue())
     return out
+
+
+def audit_rank_replacing(ctx: RankContext, path: str, replacement: str, when: str) -> dict[str, Any]:
+    """(all ranks) ``audit_distributed`` of ``path``, which is replaced by ``replacement`` (``os.replace``) at one
+    point of the audit: ``"after-plan"`` (rank 0, once its readers parsed the header, before it sends the shares)
+    or ``"after-check"`` (rank 1, once its view check found the files as rank 0 read them, before its scan opens
+    them). Rank 0 returns the JSON report."""
+    import os
+
+    from ckptaudit.auditing import distributed
+    from ckptaudit.auditing.judge import AuditOptions
+    from ckptaudit.report import OutputFormat, render
+
+    def replacing(inner: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            out = inner(*a, **k)
+            os.replace(replacement, path)
+            return out
+        return call
+
+    if when == "after-plan" and ctx.rank == 0:
+        distributed.plan_scan = replacing(distributed.plan_scan)  # type: ignore[assignment]
+    elif when == "after-check" and ctx.rank == 1:
+        distributed.view_problems = replacing(distributed.view_problems)  # type: ignore[assignment]
+    report = distributed.audit_distributed(path, AuditOptions(jobs=1), rank=ctx.rank, world_size=ctx.world_size,
+                                           timeout_s=120)
+    out: dict[str, Any] = {}
+    if report is not None:
+        buf = io.StringIO()
+        render(report, OutputFormat.JSON, buf)
+        out["report"] = json.loads(buf.getvalue())
+    return out
