@@ -24,6 +24,12 @@ same size within the tick of the pin is seen only if it changes the first or las
 archive's last chunk holds its zip directory, with the CRC-32 of every record). A pinned file that changed is
 *not judged*: the audit may have read anything.
 
+A file of the checkpoint that is a symbolic link is pinned as the file it points to (``linkat`` with
+``AT_SYMLINK_FOLLOW``, resolved once, where the checkpoint lies): torch and safetensors read the link's target, so
+the pin holds those bytes, never the link itself (a relative link moved into the pin's folder would point
+elsewhere). A target outside the checkpoint is pinned too (the bytes torch reads at submit); where it lies on
+another filesystem the hard link is refused and the checkpoint is audited in place, as below.
+
 Where the pin cannot be made (hard links refused: another filesystem, EPERM, EMLINK; a directory symlink inside
 the checkpoint), the checkpoint is audited in place and the identity of its own files is checked instead: a file
 replaced or rewritten in the meantime makes the verdict *not judged*.
@@ -235,6 +241,21 @@ def sweep_stale(pins: str) -> None:
             log.info("ckptaudit guard: removed %s, a pin left by a guard that is gone", os.path.join(pins, name))
 
 
+def _link_target(src: str, dest: str) -> None:
+    """Hard-link ``dest`` to the file ``src`` names, following ``src`` if it is a symbolic link (``os.link`` alone
+    calls ``link(2)``, which on Linux links the symlink itself): ``linkat`` with ``AT_SYMLINK_FOLLOW``, which
+    Python uses when given a directory descriptor, resolves the link once, relative to its own folder."""
+    if os.link not in os.supports_dir_fd or os.link not in os.supports_follow_symlinks:  # no linkat (Windows)
+        os.link(os.path.realpath(src), dest)
+        return
+    folder = os.open(os.path.dirname(src) or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) |
+                     getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.link(os.path.basename(src), dest, src_dir_fd=folder, follow_symlinks=True)
+    finally:
+        os.close(folder)
+
+
 def pin(checkpoint: str, pins: str | None = None) -> Pin:
     """(training thread) Pin ``checkpoint`` (a file or a directory, complete): hard links in a private folder of
     ``pins`` (default: ``.ckptaudit-pins`` beside it, which must be on the same filesystem), and every file's
@@ -255,7 +276,7 @@ def pin(checkpoint: str, pins: str | None = None) -> Pin:
             dest = _join(target, rel)
             if rel:
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
-            os.link(_join(checkpoint, rel), dest)
+            _link_target(_join(checkpoint, rel), dest)
         made = Pin(checkpoint, folder, {})
         made.files = {rel: identity(_join(target, rel), rel) for rel in rels}  # after the links: ctime moved
         return made
