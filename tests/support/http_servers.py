@@ -11,6 +11,9 @@ metadata a stager reads, are answered honestly unless ``honest_below`` is 0):
 - ``no-ranges``: ``200`` and the whole object followed by ``flood`` more bytes, ignoring ``Range``;
 - ``ignores-if-match``: honest, but serves the current bytes whatever ``If-Match`` says (its ``ETag`` tells).
 
+``query``: every request must carry exactly this query string (a presigned URL's signature), else ``403``; the
+request targets are kept in ``targets``.
+
 The server counts requests and the body bytes it managed to send (``sent``), so a test can bound the work a
 client made it do.
 """
@@ -32,9 +35,11 @@ class ObjectServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, data: bytes, mode: str = "honest", *, honest_below: int = 64 << 10, trickle_s: float = 0.1,
-                 flood: int = 150 << 20) -> None:
+                 flood: int = 150 << 20, query: str | None = None) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.mode, self.honest_below, self.trickle_s, self.flood = mode, honest_below, trickle_s, flood
+        self.query = query
+        self.targets: list[str] = []
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.requests = 0
@@ -90,7 +95,20 @@ class _Handler(BaseHTTPRequestHandler):
             self._count(len(data[pos:pos + (16 << 10)]))
         return True
 
+    def _refused(self) -> bool:
+        """Without the query the server asks for: ``403``, as a store refuses an unsigned request."""
+        with self.server.lock:
+            self.server.targets.append(self.path)
+        if self.server.query is None or self.path.partition("?")[2] == self.server.query:
+            return False
+        self.send_response(403)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        return True
+
     def do_HEAD(self) -> None:
+        if self._refused():
+            return
         with self.server.lock:
             self.server.requests += 1
             size, etag = len(self.server.data), self.server.etag
@@ -101,6 +119,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def do_GET(self) -> None:
+        if self._refused():
+            return
         srv = self.server
         with srv.lock:
             srv.requests += 1

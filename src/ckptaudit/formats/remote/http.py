@@ -26,6 +26,7 @@ import asyncio
 import re
 from typing import Any
 
+from fsspec.asyn import sync_wrapper
 from fsspec.implementations.http import HTTPFileSystem
 
 from ckptaudit.formats.remote.errors import (
@@ -78,6 +79,11 @@ class BoundedHTTPFileSystem(HTTPFileSystem):  # type: ignore[misc]
 
     async def _ls(self, url: str, detail: bool = True, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{url}: directories are not listed over HTTP")
+
+    # fsspec binds the blocking ``ls`` to its own ``_ls`` (which GETs the folder's URL and reads links out of the
+    # reply): bound again, so that a folder is never read as a listing (another rank's view check then asks each
+    # object's own HEAD).
+    ls = sync_wrapper(_ls)
 
     async def _cat_file(self, url: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
         import aiohttp

@@ -49,7 +49,8 @@ from ckptaudit.formats.remote.errors import (
     request_timeout,
 )
 
-__all__ = ["MAX_STAGED_BYTES", "RemoteFiles", "ShareReader", "is_url", "local_path", "stage"]
+__all__ = ["MAX_STAGED_BYTES", "RemoteFiles", "ShareReader", "is_url", "local_path", "object_name", "request_url",
+           "stage"]
 
 MAX_STAGED_BYTES = 1 << 30
 """Metadata bytes staged per checkpoint at most (headers, pickles, JSON): a limit against hostile listings."""
@@ -72,6 +73,27 @@ def is_url(path: str) -> bool:
     """Whether ``path`` names a remote object (``scheme://``, other than ``file://``)."""
     scheme, sep, _ = path.partition("://")
     return bool(sep) and scheme.isidentifier() and scheme.lower() != "file" and len(scheme) > 1
+
+
+def _is_http(url: str) -> bool:
+    return url.partition("://")[0].lower() in ("http", "https")
+
+
+def request_url(url: str) -> str:
+    """What is asked of the store for ``url``: an ``http(s)://`` URL without its ``#fragment`` (a client never sends
+    one) and with its query (a presigned URL's signature, a token: the server needs it); any other URL unchanged
+    (``#`` and ``?`` are characters of an S3 or GCS object's key)."""
+    return url.partition("#")[0] if _is_http(url) else url
+
+
+def object_name(url: str) -> str:
+    """The name ``url``'s object is read as (the readers recognise files by it): the last segment of its path,
+    percent-decoded for ``http(s)://`` URLs, whose query and fragment are no part of it."""
+    if _is_http(url):
+        from urllib.parse import unquote, urlsplit
+
+        return unquote(urlsplit(url).path.rstrip("/").rpartition("/")[2])
+    return os.path.basename(url.rstrip("/"))
 
 
 def local_path(path: str) -> str:
@@ -296,7 +318,9 @@ def _fs(url: str) -> tuple[Any, str]:
         if protocol in ("http", "https"):
             from ckptaudit.formats.remote.http import BoundedHTTPFileSystem
 
-            return BoundedHTTPFileSystem(skip_instance_cache=True), url
+            # A URL with a query (a presigned URL's signature) is sent as given: re-encoding it (yarl turns %2F
+            # into /) could change the bytes the server signed.
+            return BoundedHTTPFileSystem(skip_instance_cache=True, encoded="?" in url), url
         options: dict[str, Any] = {}
         if protocol in ("s3", "s3a") and "config_kwargs" not in fsspec.config.conf.get("s3", {}):
             # botocore's own per-request bounds (connect, and each wait for bytes), few retries
@@ -411,7 +435,7 @@ def stage(url: str) -> tuple[str, RemoteFiles]:
     the storage library's configuration, credentials, the network, a server that breaks the protocol, each
     said in one line naming the URL.
     """
-    fs, root = _fs(url)
+    fs, root = _fs(request_url(url))
     try:
         info = fs.info(root)
     except FileNotFoundError:
@@ -426,7 +450,7 @@ def stage(url: str) -> tuple[str, RemoteFiles]:
     ctx = _Staging(fs, _Guard(), _Pins(fs), remote, budget)
     remote.on_close.append(ctx.pins.release)
     try:
-        base = _safe_name(os.path.basename(root.rstrip("/"))) or "checkpoint"
+        base = _safe_name(object_name(root)) or "checkpoint"
         if info.get("type") == "directory":
             local_root = os.path.join(tmp, base)
             _stage_dir(ctx, root, url, local_root, nested=True)
@@ -632,7 +656,12 @@ class ShareReader:
 
     def __init__(self, url: str, *, single_file: bool) -> None:
         self.url = url
-        self.fs, root = _fs(url)
+        self.fs, root = _fs(request_url(url))
+        self.query = ""
+        """An ``http(s)://`` URL's ``?query`` (a signature, a token), sent with every object's request."""
+        if _is_http(root) and "?" in root:
+            root, _, query = root.partition("?")
+            self.query = "?" + query
         root = root.rstrip("/")
         self.base = root.rsplit("/", 1)[0] if single_file and "/" in root else root
         self.guard = _Guard()
@@ -674,7 +703,7 @@ class ShareReader:
         known = self._handles.get(name)
         if known is not None:
             return known
-        path = f"{self.base}/{name}"
+        path = f"{self.base}/{name}{self.query}"
         entry = self._entry(path)
         if isinstance(entry, str):
             out: _Remote | str = entry
