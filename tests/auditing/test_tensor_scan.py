@@ -125,9 +125,10 @@ def test_wrapper_segments_are_stripped_as_whole_components() -> None:
 
 
 def test_a_file_cut_short_after_it_was_opened_gives_the_short_read_message(tmp_path: Path) -> None:
-    """A ``torch.save`` file truncated between the open and the scan: each tensor past the end is an error with
-    the message of :func:`~ckptaudit.formats.io.tensors.iter_chunks` (one whole contiguous tensor is read by the
-    scan's own loop, which must say the same), never bytes hashed from beyond the end."""
+    """A ``torch.save`` file truncated once the scan's descriptor is open (before, the scan's open finds another
+    version: ``integrity.changed``, tests/auditing/test_file_versions.py): each tensor past the end is an error
+    with the message of :func:`~ckptaudit.formats.io.tensors.iter_chunks` (one whole contiguous tensor is read by
+    the scan's own loop, which must say the same), never bytes hashed from beyond the end."""
     import os
 
     from ckptaudit.auditing.plan import plan_scan
@@ -138,6 +139,7 @@ def test_a_file_cut_short_after_it_was_opened_gives_the_short_read_message(tmp_p
     torch.save({"a": torch.randn(64, 1024), "b": torch.randn(64, 1024), "c": torch.randn(64, 1024)}, path)
     plan = plan_scan(str(path))
     try:
+        plan.ckpt.maps.fd(str(path))  # the scan's one descriptor of the file, opened as its first tensor does
         os.truncate(path, os.path.getsize(path) // 2)
         outcomes = scan_items(plan, plan.scannable(), jobs=1, chunk_bytes=16 << 10)
         errors = {i: o.error for i, o in outcomes.items() if o.scan is None}
