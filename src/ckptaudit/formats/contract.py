@@ -13,7 +13,8 @@ Every reader guarantees:
   ``NotRegularFile``, ``LimitExceeded`` and ``OSError`` from :mod:`ckptaudit.formats.io.safeio`, which the
   dispatcher turns into findings the same way for every reader;
 - **only regular files are opened**, through :func:`~ckptaudit.formats.io.safeio.open_regular` (never a FIFO or a
-  device; symbolic links followed);
+  device; symbolic links followed, as torch follows them; each open checked against the version of the file the
+  first open found, :class:`~ckptaudit.formats.io.safeio.FileIds`);
 - **one reading**: what it accepts is what the consumer (torch, DCP, safetensors) reads from the same bytes; where
   the readings could part, it refuses.
 
