@@ -208,6 +208,8 @@ _RULES: tuple[Rule, ...] = (
          "nothing in it is trusted."),
     Rule("passport.verdict", E, "The passport is intact but records no pass for what the checkpoint is used as "
          "(a failing or not-judged audit, or a training checkpoint used for serving and the reverse)."),
+    Rule("passport.malformed", E, "A passport that cannot be read (not JSON, over the size or nesting limits, an "
+         "unknown version, a malformed statement): nothing in it is trusted; `verify` exits 2 on it."),
     Rule("passport.unsigned", INFO, "A digest-only passport verified without a key: the bytes are the attested "
          "ones, but anyone could have written it; give the signer's public key (--key) to know who attested."),
     Rule("passport.lineage", W, "The passport says this checkpoint descends from a damaged training state (the "
