@@ -64,7 +64,7 @@ def dump_passport(signed: bool, model_signing: Mapping[str, Any], audit: Mapping
 
 def read_passport_bytes(file: str) -> bytes:
     """The bytes of a local passport file or a URL's, at most :data:`MAX_PASSPORT_BYTES`."""
-    from ckptaudit.formats.io.safeio import read_limited
+    from ckptaudit.formats.io.safeio import LimitExceeded, read_limited
     from ckptaudit.formats.remote.staging import is_url
 
     if is_url(file):
@@ -78,7 +78,7 @@ def read_passport_bytes(file: str) -> bytes:
             raise PassportError(f"{file}: cannot read it ({exc})") from None
         try:
             return read_limited(local, MAX_PASSPORT_BYTES, "passport")
-        except OSError as exc:
+        except (OSError, LimitExceeded) as exc:
             raise PassportError(f"{file}: cannot read it as a passport ({exc})") from None
         finally:
             remote.close()
@@ -86,7 +86,7 @@ def read_passport_bytes(file: str) -> bytes:
         return read_limited(file, MAX_PASSPORT_BYTES, "passport")
     except FileNotFoundError:
         raise
-    except OSError as exc:
+    except (OSError, LimitExceeded) as exc:  # not a regular file, over the limit
         raise PassportError(f"{file}: cannot read it as a passport ({exc})") from None
 
 

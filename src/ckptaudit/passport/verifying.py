@@ -231,7 +231,12 @@ def _tensors(path: str, parsed: Parsed, jobs: int) -> tuple[bool, list[str], dic
     try:
         refs = [item[0] for item in plan.items]
         got, _ = tensor_digests(refs, plan.ckpt.maps, jobs=jobs, algorithm=algorithm)
-        files = {r.name: r.file for r in refs}
+        root = plan.ckpt.path
+        files: dict[str, set[str]] = {}
+        for r in refs:  # every file holding a piece of the tensor (a sharded one spans several)
+            held = {getattr(pc, "file", "") for pc in getattr(r.data, "pieces", ())} or {r.file}
+            files[r.name] = {(os.path.relpath(f, root) if os.path.isabs(f) else f).replace(os.sep, "/")
+                             for f in held if f}
     finally:
         plan.close()
     # Matched by value, not by name: another layout names the same tensors otherwise (a DCP folder's
@@ -242,7 +247,8 @@ def _tensors(path: str, parsed: Parsed, jobs: int) -> tuple[bool, list[str], dic
     single = [f.name for f in p.files] == ["."]
     by_file: dict[str, list[str]] = {}
     for n in changed:
-        by_file.setdefault("." if single else str(files.get(n, "")).replace(os.sep, "/"), []).append(n)
+        for f in ["."] if single else sorted(files.get(n, ())):
+            by_file.setdefault(f, []).append(n)
     return same, changed, by_file
 
 
