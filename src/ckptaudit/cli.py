@@ -141,7 +141,8 @@ def _parser() -> argparse.ArgumentParser:
                     "tensor's precision from its first chunk, so a bf16-rounded checkpoint is never LATEST; full: "
                     "run the whole audit on each candidate")
     lt.add_argument("--require", default="",
-                    help="comma-separated components whose absence rejects a candidate: scheduler,rng,data-progress")
+                    help="comma-separated components whose absence rejects a candidate: scheduler,rng,data-progress; "
+                    "passport (or passport=KEY.pub): only a candidate whose passport verifies (docs/passport.md)")
     lt.add_argument("--master-dtype", default="auto", choices=MASTER_DTYPES,
                     help="the master dtype the quick and full audits hold parameters to (auto: read it from each "
                     "candidate); a mixed-precision run's is float32")
@@ -271,11 +272,14 @@ def _resolved(args: argparse.Namespace, table: Mapping[str, Option]) -> dict[str
         raise UsageError(str(exc)) from None
 
 
-def _require(text: str) -> frozenset[ComponentKind]:
+def _require(text: str, *, passport: bool = False) -> frozenset[Any]:
     from ckptaudit.findings import ComponentKind
 
-    kinds: set[ComponentKind] = set()
+    kinds: set[Any] = set()
     for item in filter(None, (t.strip() for t in text.split(","))):
+        if passport and (item == "passport" or item.startswith("passport=")):  # latest: docs/passport.md
+            kinds.add(item)
+            continue
         try:
             kinds.add(ComponentKind(item))
         except ValueError:
@@ -528,7 +532,8 @@ def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
         stderr.flush()
 
     show = not args.no_progress and stderr.isatty()
-    report = latest_report(args.root, verify=args.verify, require=_require(args.require), check_all=args.all,
+    report = latest_report(args.root, verify=args.verify, require=_require(args.require, passport=True),
+                           check_all=args.all,
                            progress=progress if show else None, ignore=_ignore(args.ignore),
                            master_dtype=args.master_dtype)
     fail_on = args.fail_on
