@@ -17,7 +17,7 @@ from ckptaudit.options import AUDIT_OPTIONS, COMPARE_OPTIONS, FAIL_ON, IGNORE, M
 from ckptaudit.version import __version__
 
 if TYPE_CHECKING:  # imported by the commands that run: ``--help`` needs none of it
-    from ckptaudit.findings import ComponentKind, RawReport
+    from ckptaudit.findings import RawReport
 
 __all__ = ["main"]
 

@@ -82,13 +82,13 @@ def test_the_loader_requires_a_passport_that_verifies(saved: Path, tmp_path: Pat
 def test_assert_passport_verifies(saved: Path, tmp_path: Path) -> None:
     result = assert_passport_verifies(saved / "step-000002")
     assert result.ok and result.signature == "unsigned"
-    with pytest.raises(PassportFailed, match="passport.missing") as err:
+    with pytest.raises(PassportFailed, match=r"passport\.missing") as err:
         assert_passport_verifies(saved / "step-000004")
     assert err.value.result is not None and not err.value.result.ok
     copy = tmp_path / "step-000002"
     shutil.copytree(saved / "step-000002", copy)
     (copy / "extra.bin").write_bytes(b"x")
-    with pytest.raises(PassportFailed, match="extra.bin: in the copy, not attested"):
+    with pytest.raises(PassportFailed, match=r"extra\.bin: in the copy, not attested"):
         assert_passport_verifies(copy)
     (copy / PASSPORT_NAME).write_text("{")
     with pytest.raises(PassportFailed, match="not valid JSON"):
