@@ -115,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="cpu", help="where both models run for the gate (default cpu)")
     e.add_argument("--convert", metavar="MODULE:ATTR",
                    help="custom conversion (name, tensor, dtype) -> tensor (default: tensor.to(dtype))")
+    e.add_argument("--passport-key", metavar="PRIVATE_KEY",
+                   help="sign the artifact's passport with this PEM EC key (default: digest-only; docs/passport.md)")
     g = e.add_argument_group("quality gate thresholds (defaults justified in docs/export-serving.md)")
     g.add_argument("--max-abs-diff", type=float, help="largest absolute output difference")
     g.add_argument("--max-rel-diff", type=float, help="largest output difference relative to the row's max |output|")
@@ -481,7 +483,7 @@ def _cmd_export_serving(args: argparse.Namespace, stdout: TextIO, stderr: TextIO
         options = ExportOptions(recipe=args.recipe, out=args.out, dtype=args.dtype, keep_fp32=tuple(args.keep_fp32),
                                 force=args.force, max_shard_bytes=parse_size(args.max_shard_size),
                                 eval_batch=args.eval_batch, device=args.device, thresholds=GateThresholds(**limits),
-                                convert=convert)
+                                convert=convert, passport_key=args.passport_key)
     except ValueError as exc:  # ExportError is a ValueError
         raise UsageError(str(exc)) from None
 

@@ -253,3 +253,19 @@ def test_a_file_changed_while_attested_is_refused(tiny: Path, monkeypatch: pytes
     monkeypatch.setattr(attesting, "digest_files", and_then_write)
     with pytest.raises(PassportError, match="changed while it was attested"):
         attest(str(tiny))
+
+
+def test_export_serving_writes_a_signed_passport_naming_its_source(signed: dict[str, Any], tmp_path: Path) -> None:
+    out = tmp_path / "serving"
+    code, _, err = _cli("export-serving", str(signed["ckpt"]), "--recipe", "ckptaudit.recipes.tinygpt:recipe",
+                        "--out", str(out), "--passport-key", signed["private"], "--no-progress", "--format", "json")
+    assert code == 0, err
+    p = read_passport(str(out / PASSPORT_NAME))
+    source = read_passport(str(signed["ckpt"] / PASSPORT_NAME))
+    assert p.signed and p.artifact == "serving" and p.verdict == "pass" and p.serving is not None
+    assert p.serving.source_passport_digest == source.digest and p.serving.gate["passed"] is True
+    code, out_text, _ = _cli("verify", str(out), "--expect", "serving", "--key", signed["public"])
+    assert code == 0, out_text
+    _model_signing_verify(out, signed["public"])
+    code, out_text, _ = _cli("verify", str(out), "--key", signed["public"])  # used as a training checkpoint
+    assert code == 1 and "attested as a serving export, used as training" in out_text
