@@ -269,3 +269,16 @@ def test_export_serving_writes_a_signed_passport_naming_its_source(signed: dict[
     _model_signing_verify(out, signed["public"])
     code, out_text, _ = _cli("verify", str(out), "--key", signed["public"])  # used as a training checkpoint
     assert code == 1 and "attested as a serving export, used as training" in out_text
+
+
+def test_the_passport_and_its_predicate_follow_the_shipped_schema(signed: dict[str, Any], tiny: Path) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    from ckptaudit.schema import SCHEMA_PATH
+
+    schema = json.loads(Path(SCHEMA_PATH).with_name("passport.schema.json").read_text())
+    for path in (signed["ckpt"] / PASSPORT_NAME, Path(attest(str(tiny)).file or "")):
+        doc = json.loads(path.read_text())
+        jsonschema.validate(doc, schema)
+        stmt = json.loads(base64.b64decode(doc["audit"]["dsseEnvelope"]["payload"]))
+        jsonschema.validate(stmt["predicate"], {"$defs": schema["$defs"], "$ref": "#/$defs/predicate"})
+        assert stmt["predicateType"] == "https://ckptaudit.dev/passport/v1"
