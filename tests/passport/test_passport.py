@@ -282,3 +282,27 @@ def test_the_passport_and_its_predicate_follow_the_shipped_schema(signed: dict[s
         stmt = json.loads(base64.b64decode(doc["audit"]["dsseEnvelope"]["payload"]))
         jsonschema.validate(stmt["predicate"], {"$defs": schema["$defs"], "$ref": "#/$defs/predicate"})
         assert stmt["predicateType"] == "https://ckptaudit.dev/passport/v1"
+
+
+def test_tensor_digests_are_of_the_values_whatever_the_layout(tmp_path: Path) -> None:
+    """A transposed view saved with its strides (read through iter_chunks) and its contiguous copy (hashed where
+    it lies) have one digest; one value changed, another."""
+    import torch
+
+    from ckptaudit.auditing.plan import plan_scan
+    from ckptaudit.passport.digests import tensor_digests
+
+    base = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
+    changed = base.t().contiguous()
+    changed[7, 11] += 1
+    digests = []
+    for name, t in (("strided", base.t()), ("contiguous", base.t().contiguous()), ("changed", changed)):
+        torch.save({"w": t}, tmp_path / f"{name}.pt")
+        plan = plan_scan(str(tmp_path / f"{name}.pt"))
+        try:
+            got, errors = tensor_digests([item[0] for item in plan.items], plan.ckpt.maps, jobs=2)
+        finally:
+            plan.close()
+        assert not errors and len(got) == 1 and got[0].shape == (200, 300)
+        digests.append(got[0].digest)
+    assert digests[0] == digests[1] != digests[2]

@@ -1,9 +1,10 @@
 """``ckptaudit attest``: audit a checkpoint and write its passport.
 
-The file digests are computed on their own threads while the audit scans the tensors, both over the same files
-(the second reader finds the bytes in the page cache: the files are read from storage once). The tensors' digests
-are a pass of their own over the scanned tensors (again from the page cache), only when attesting; the audit's
-own scan keeps its xxh3 hash and its cost. ``bench/bench_passport.py`` measures what that costs.
+Three readers of the same bytes run at once: the files' digests (each file read once, in order), the audit's scan
+(each tensor's xxh3 hash and precision) and the tensors' cryptographic digests (each tensor hashed where it lies
+in the page cache, through the scan's own lease-guarded maps), so the files are read from storage once and the
+cores stay busy. The audit's own scan keeps its xxh3 hash and its cost. ``bench/bench_passport.py`` measures what
+that costs.
 """
 
 from __future__ import annotations
@@ -55,12 +56,27 @@ def verdict_of(report: RawReport) -> str:
 
 
 def _audit(path: str, options: AuditOptions) -> tuple[RawReport, list[TensorDigest], dict[str, str]]:
+    """The audit (plan, scan, judge: :func:`~ckptaudit.auditing.scan.scan_checkpoint`'s steps) with the tensors'
+    digests computed beside the scan, on threads of their own, from the same open files."""
     from ckptaudit.auditing.judge import judge_scan
-    from ckptaudit.auditing.scan import scan_checkpoint
+    from ckptaudit.auditing.plan import plan_scan
+    from ckptaudit.auditing.scan import assemble, scan_items
 
-    scanned = scan_checkpoint(path, chunk_bytes=options.chunk_bytes, jobs=options.jobs, quick=options.quick)
+    plan = plan_scan(path)
     try:
-        tensors, errors = tensor_digests(scanned.refs, scanned.ckpt.maps, jobs=options.jobs)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptaudit-tensor-digests") as bg:
+            refs = [item[0] for item in plan.items]
+            pending = bg.submit(tensor_digests, refs, plan.ckpt.maps, jobs=options.jobs)
+            try:
+                outcomes = scan_items(plan, plan.scannable(), jobs=options.jobs, chunk_bytes=options.chunk_bytes,
+                                      quick=options.quick)
+            finally:
+                tensors, errors = pending.result()
+    except BaseException:
+        plan.close()
+        raise
+    scanned = assemble(plan, outcomes)
+    try:
         return judge_scan(scanned, options), tensors, errors
     finally:
         scanned.close()
