@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import json
 import os
 import re
@@ -117,8 +118,7 @@ class ExportOptions:
     """A custom conversion ``(name, tensor, dtype) -> tensor of that dtype`` (your own rounding or quantiser: the
     thing the gate is for); default ``tensor.to(dtype)``. Not applied to the ``keep_fp32`` tensors."""
     passport: bool = True
-    """Write the artifact's passport (``docs/passport.md``): its audit as a serving artifact, the gate's results and
-    the training checkpoint's passport digest, bound to the files' digests."""
+    """Write the artifact's passport (``docs/passport.md``): its audit, the gate's results, the source's passport."""
     passport_key: str | None = None
     """A PEM EC private key to sign the passport with (the ``[sign]`` extra); ``None``: digest-only."""
 
@@ -331,19 +331,15 @@ def _write_passport(source: str, out: str, gate_doc: dict[str, Any], options: Ex
                     say: Callable[[str], None]) -> str | None:
     """The serving artifact's passport: audited as a serving artifact, with the gate's results and the digest of
     the training checkpoint's passport when it has one (that file's bytes, as a descendant names its parent)."""
-    import hashlib
-
     from ckptaudit.ondisk.passport import find_passport
     from ckptaudit.passport import PassportError, ServingInfo, attest
     from ckptaudit.passport.document import read_passport_bytes
 
-    found = find_passport(source)
-    digest = None
-    if found is not None:
-        try:
-            digest = "sha256:" + hashlib.sha256(read_passport_bytes(found)).hexdigest()
-        except (PassportError, OSError) as exc:
-            say(f"the training checkpoint's passport {found} cannot be read ({exc}); not recorded")
+    found, digest = find_passport(source), None
+    try:
+        digest = None if found is None else "sha256:" + hashlib.sha256(read_passport_bytes(found)).hexdigest()
+    except (PassportError, OSError) as exc:
+        say(f"the training checkpoint's passport {found} cannot be read ({exc}); not recorded")
     try:
         p = attest(out, key=options.passport_key, artifact="serving",
                    serving=ServingInfo(gate_doc, os.path.abspath(source), digest))
