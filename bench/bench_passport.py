@@ -17,7 +17,8 @@ threads (default: every core this process may use):
   one streaming read per file, files on threads): the standalone digest the targets compare with;
 - ``attest``: :func:`ckptaudit.passport.attest` with a key, sha256 file digests (model-signing's default) and
   ``attest blake3``;
-- ``verify``: :func:`ckptaudit.passport.verify` with the public key (signature, every file's digest, verdict);
+- ``verify`` / ``verify blake3``: :func:`ckptaudit.passport.verify` with the public key (signature, every file's
+  digest, verdict) of the sha256 / blake3 passport;
 - ``ms sign`` / ``ms verify``: model-signing 1.1.1's ``signing.Config().use_elliptic_key_signer(...).sign`` and
   ``verifying.Config().use_elliptic_key_verifier(...).verify`` of the same folder (sha256, its default), the
   library calls its ``sign key`` / ``verify key`` commands make.
@@ -44,7 +45,8 @@ from typing import Any
 from bench_realistic import size_of, write
 
 NAMES = {"torch.save": "ckpt.pt", "dcp-1": "step-1", "dcp-8": "step-8"}
-STEPS = ("audit", "digest sha256", "digest blake3", "attest", "attest blake3", "verify", "ms sign", "ms verify")
+STEPS = ("audit", "digest sha256", "digest blake3", "attest", "attest blake3", "verify", "verify blake3", "ms sign",
+         "ms verify")
 
 
 def _keys(where: str) -> tuple[str, str]:
@@ -91,6 +93,7 @@ def child(path: str, work: str, repeat: int, jobs: int) -> dict[str, Any]:
         "attest": lambda: attest(path, key=private, jobs=jobs),
         "attest blake3": lambda: attest(path, key=private, jobs=jobs, algorithm="blake3"),
         "verify": lambda: verify(path, key=public, jobs=jobs),
+        "verify blake3": lambda: verify(path, key=public, jobs=jobs),
         "ms sign": lambda: model_signing.signing.Config().use_elliptic_key_signer(private_key=private).sign(
             pathlib.Path(path), pathlib.Path(ms_sig)),
         "ms verify": lambda: model_signing.verifying.Config().use_elliptic_key_verifier(public_key=public).verify(
@@ -102,13 +105,13 @@ def child(path: str, work: str, repeat: int, jobs: int) -> dict[str, Any]:
         for name in STEPS:
             if name in ("attest", "attest blake3", "ms sign"):
                 clean()
-            if name == "verify":
-                attest(path, key=private, jobs=jobs)  # verify the sha256 passport (untimed)
+            if name in ("verify", "verify blake3"):  # verify the passport of that digest (untimed)
+                attest(path, key=private, jobs=jobs, algorithm="blake3" if "blake3" in name else "sha256")
             t0, c0 = time.perf_counter(), time.process_time()
             out = steps[name]()
             r[name] = time.perf_counter() - t0
             r[name + " cpu"] = time.process_time() - c0  # every thread of this process
-            if name == "verify":
+            if name.startswith("verify"):
                 assert out.ok, out.summary
             if name == "ms sign":
                 clean()  # model-signing hashes every file in the folder: sign and verify it as it was written

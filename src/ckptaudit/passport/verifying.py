@@ -100,7 +100,7 @@ def _digest_remote(files: Sequence[tuple[str, str, int]], remote: Any, algorithm
         name, local, size = item
         if local not in remote:
             return digest_files([item], algorithm)[0]
-        h = file_hasher(algorithm)
+        h = file_hasher(algorithm, max(1, jobs // max(1, len(files))))
         n = 0
         for data in remote.read_ahead(local, 0, size, READ_BYTES):
             h.update(data)
