@@ -306,3 +306,45 @@ def test_tensor_digests_are_of_the_values_whatever_the_layout(tmp_path: Path) ->
         assert not errors and len(got) == 1 and got[0].shape == (200, 300)
         digests.append(got[0].digest)
     assert digests[0] == digests[1] != digests[2]
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    yield prefix
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(value, list) and value:
+        yield from _paths(value[0], (*prefix, 0))
+
+
+def _set(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
+    if not path:
+        return value
+    doc[path[0]] = _set(doc[path[0]], path[1:], value)
+    return doc
+
+
+def test_a_mangled_passport_is_a_finding_or_one_error_never_a_crash(tiny: Path) -> None:
+    """Every field of both statements (and of the file) replaced by a value of every other JSON type: verify
+    returns a result or raises PassportError (the command line's exit 2), nothing else."""
+    attest(str(tiny))
+    file = tiny / PASSPORT_NAME
+    original = json.loads(file.read_text())
+    tried = 0
+    for part in ("model_signing", "audit", None):
+        stmt = json.loads(base64.b64decode(original[part]["dsseEnvelope"]["payload"])) if part else original
+        for path in list(_paths(stmt))[1:]:
+            for value in (None, 1, -1, "x", [], {}, True, 1.5):
+                doc = json.loads(json.dumps(original))
+                if part:
+                    changed = _set(json.loads(json.dumps(stmt)), path, value)
+                    doc[part]["dsseEnvelope"]["payload"] = base64.b64encode(json.dumps(changed).encode()).decode()
+                else:
+                    doc = _set(doc, path, value)
+                file.write_text(json.dumps(doc))
+                try:
+                    verify(str(tiny))
+                except PassportError:
+                    pass
+                tried += 1
+    assert tried > 300

@@ -53,6 +53,8 @@ class Parsed:
     audit_statement: Mapping[str, Any]
     signatures: int
     """Signatures on each envelope (the fewer of the two)."""
+    audit_files: frozenset[tuple[str, str]] = frozenset()
+    """``(name, digest)`` of the files ckptaudit's statement lists (model-signing's must be the same)."""
 
 
 def dump_passport(signed: bool, model_signing: Mapping[str, Any], audit: Mapping[str, Any]) -> bytes:
@@ -204,9 +206,13 @@ def _parse(doc: dict[str, Any], raw: bytes, file: str) -> Parsed:
                             f"{PASSPORT_VERSION}")
     files_part = _get(p, "files", dict, what)
     sizes: dict[str, int] = {}
+    listed: set[tuple[str, str]] = set()
     for f in _get(files_part, "items", list, what):
         size = _get(f, "size", int, what)
         sizes[_get(f, "name", str, what)] = size
+        listed.add((f["name"], _get(f, "digest", str, what)))
+    if not isinstance(files_part.get("root_digest"), str):
+        raise PassportError(f"{what}: files has no root_digest")
     tensors = []
     tpart = _get(p, "tensors", dict, what)
     for t in _get(tpart, "items", list, what):
@@ -245,4 +251,4 @@ def _parse(doc: dict[str, Any], raw: bytes, file: str) -> Parsed:
         contract=p.get("contract") if isinstance(p.get("contract"), dict) else {},
         options=p.get("options") if isinstance(p.get("options"), dict) else {},
         summary=str(p.get("summary", ""))[:4096], predicate=p)
-    return Parsed(passport, ms, au, ms_stmt, au_stmt, min(len(ms_sigs), len(au_sigs)))
+    return Parsed(passport, ms, au, ms_stmt, au_stmt, min(len(ms_sigs), len(au_sigs)), frozenset(listed))

@@ -173,8 +173,9 @@ def verify_bundle(bundle: Any, key: Key, what: str) -> bytes:
 
     if not isinstance(bundle, dict) or bundle.get("mediaType") != BUNDLE_MEDIA_TYPE:
         raise PassportError(f"{what}: not a signed sigstore bundle (digest-only, or not {BUNDLE_MEDIA_TYPE})")
-    hint = (bundle.get("verificationMaterial") or {}).get("publicKey", {}).get("hint") if isinstance(
-        bundle.get("verificationMaterial"), dict) else None
+    material = bundle.get("verificationMaterial")
+    public = material.get("publicKey") if isinstance(material, dict) else None
+    hint = public.get("hint") if isinstance(public, dict) else None
     if hint and hint != key_fingerprint(key).removeprefix("sha256:"):
         raise PassportError(f"{what}: signed by another key (hint sha256:{str(hint)[:16]}..., the key given is "
                             f"{key_fingerprint(key)[:23]}...)")

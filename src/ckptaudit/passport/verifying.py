@@ -87,9 +87,8 @@ def _consistency(parsed: Parsed, file: str) -> list[Finding]:
         problems.append("its two statements name different root digests")
     if root_digest(p.files) != p.root_digest:
         problems.append("its root digest is not the one its file digests give")
-    files = p.predicate.get("files", {})
-    ours = {(f.get("name"), f.get("digest")) for f in files.get("items", []) if isinstance(f, dict)}
-    if ours != {(f.name, f.digest) for f in p.files} or files.get("root_digest") != p.root_digest:
+    if parsed.audit_files != {(f.name, f.digest) for f in p.files} or \
+            p.predicate["files"]["root_digest"] != p.root_digest:
         problems.append("the audit statement's files are not model-signing's")
     return [finding("passport.signature", PASSPORT_NAME, f"{file}: not one passport: {'; '.join(problems)} "
                     "(edited by hand, or pieced together from two)")] if problems else []
