@@ -16,7 +16,7 @@ threads (default: every core this process may use):
 - ``digest sha256`` / ``digest blake3``: the files' digests alone (:func:`ckptaudit.passport.digests.digest_files`:
   one streaming read per file, files on threads): the standalone digest the targets compare with;
 - ``attest``: :func:`ckptaudit.passport.attest` with a key, sha256 file digests (model-signing's default) and
-  ``attest blake3``;
+  ``attest blake3`` (ckptaudit's default where blake3 is installed);
 - ``verify`` / ``verify blake3``: :func:`ckptaudit.passport.verify` with the public key (signature, every file's
   digest, verdict) of the sha256 / blake3 passport;
 - ``ms sign`` / ``ms verify``: model-signing 1.1.1's ``signing.Config().use_elliptic_key_signer(...).sign`` and
@@ -90,7 +90,7 @@ def child(path: str, work: str, repeat: int, jobs: int) -> dict[str, Any]:
         "audit": lambda: run_audit(path, options),
         "digest sha256": lambda: digest_files(files, "sha256", jobs=jobs),
         "digest blake3": lambda: digest_files(files, "blake3", jobs=jobs),
-        "attest": lambda: attest(path, key=private, jobs=jobs),
+        "attest": lambda: attest(path, key=private, jobs=jobs, algorithm="sha256"),
         "attest blake3": lambda: attest(path, key=private, jobs=jobs, algorithm="blake3"),
         "verify": lambda: verify(path, key=public, jobs=jobs),
         "verify blake3": lambda: verify(path, key=public, jobs=jobs),

@@ -165,8 +165,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="PEM EC private key to sign with (the [sign] extra); without it the passport is digest-only")
     at.add_argument("--expect", default="training", choices=["training", "serving"],
                     help="what the checkpoint is: a resumable training checkpoint (default) or a serving export")
-    at.add_argument("--digest", default="sha256", choices=["sha256", "blake3"],
-                    help="the file digests' algorithm, one model-signing verifies (default sha256)")
+    at.add_argument("--digest", default=None, choices=["sha256", "blake3"],
+                    help="the file digests' algorithm, one model-signing verifies (default blake3 where installed, "
+                    "else sha256)")
     at.add_argument("--master-dtype", default="auto", choices=MASTER_DTYPES,
                     help="the master dtype the audit holds parameters to (auto: read it from the checkpoint)")
     at.add_argument("--jobs", "-j", type=_jobs, default=None, metavar="N", help="threads (default: every core)")

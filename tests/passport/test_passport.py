@@ -348,3 +348,20 @@ def test_a_mangled_passport_is_a_finding_or_one_error_never_a_crash(tiny: Path) 
                     pass
                 tried += 1
     assert tried > 300
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "blake3"])
+def test_model_signing_verifies_a_signed_passport_of_either_digest(tiny: Path, algorithm: str) -> None:
+    private, public = _keys(tiny.parent)
+    p = attest(str(tiny), key=private, algorithm=algorithm)
+    assert p.algorithm == algorithm and p.signed
+    _model_signing_verify(tiny, public)
+    one = attest(str(tiny / "model.pt"), key=private, algorithm=algorithm)  # a single file: its passport beside it
+    assert [f.name for f in one.files] == ["."]
+    _model_signing_verify(tiny / "model.pt", public)
+    intact = verify(str(tiny / "model.pt"), key=public)  # the tiny checkpoint has no optimizer: verdict fail
+    assert intact.signature == "verified" and not intact.changed and intact.findings[-1].code == "passport.verdict"
+    _flip(tiny / "model.pt", 200)
+    with pytest.raises(ValueError, match="Signature mismatch"):
+        _model_signing_verify(tiny / "model.pt", public)
+    assert verify(str(tiny / "model.pt"), key=public).changed == (".",)

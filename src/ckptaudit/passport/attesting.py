@@ -22,6 +22,7 @@ from ckptaudit.passport.digests import (
     ignore_paths,
     list_files,
     root_digest,
+    tensor_algorithm,
     tensor_digests,
 )
 from ckptaudit.passport.document import dump_passport, parse_passport
@@ -121,7 +122,7 @@ def _predicate(name: str, report: RawReport, options: dict[str, Any], artifact: 
 def attest(path: str, *, key: str | None = None, key_password: str | None = None, output: str | None = None,
            lineage: Lineage | None = None, report: RawReport | None = None, artifact: Artifact = "training",
            serving: ServingInfo | None = None, options: AuditOptions | None = None, jobs: int | None = None,
-           algorithm: str = "sha256") -> Passport:
+           algorithm: str | None = None) -> Passport:
     """Audit the checkpoint at ``path`` (unless ``report`` is the audit of these bytes, from the same pass) and
     write its passport to ``output`` (default: :func:`~ckptaudit.ondisk.passport.passport_path`; a signed one also
     writes model-signing's bundle at :func:`~ckptaudit.ondisk.passport.signature_path`).
@@ -131,7 +132,8 @@ def attest(path: str, *, key: str | None = None, key_password: str | None = None
     descends from (the guards fill it). ``artifact``: ``training`` (a resumable checkpoint) or ``serving`` (an
     inference export; ``serving`` then holds its gate results and the training checkpoint's passport digest).
     ``options``: the audit's :class:`~ckptaudit.auditing.judge.AuditOptions` (its ``expect`` is set from
-    ``artifact``). ``algorithm``: the file digests' (``sha256``, model-signing's default, or ``blake3``). A
+    ``artifact``). ``algorithm``: the file digests' (``sha256``, model-signing's default, or ``blake3``; ``None``:
+    ``blake3`` where it is installed, else ``sha256``). A
     ``report`` given carries no tensor digests: the passport then records none. Raises :class:`PassportError` (a key
     that does not load, the extra missing, a file that changed while attested) and ``FileNotFoundError``.
     """
@@ -143,6 +145,7 @@ def attest(path: str, *, key: str | None = None, key_password: str | None = None
     if is_url(path):
         raise PassportError(f"{path}: attest reads a local checkpoint (a passport is written beside the bytes it "
                             "audits); attest before copying, and `ckptaudit verify` the copy")
+    algorithm = algorithm or tensor_algorithm()
     if algorithm not in FILE_ALGORITHMS:
         raise PassportError(f"--digest {algorithm!r}: model-signing verifies {', '.join(FILE_ALGORITHMS)}")
     if artifact not in ("training", "serving"):
