@@ -192,6 +192,9 @@ def attest(path: str, *, key: str | None = None, key_password: str | None = None
     else:
         ms_part = {"dsseEnvelope": envelope(canonical(ms_stmt))}
         au_part = {"dsseEnvelope": envelope(canonical(au_stmt))}
+        stale = signature_path(path, is_dir=is_dir) if output is None else out.removesuffix(".json") + ".sig"
+        if os.path.isfile(stale) and not os.path.islink(stale):
+            os.remove(stale)  # an earlier signed passport's bundle: it signs another statement than this one
     raw = dump_passport(private is not None, ms_part, au_part)
     _write(out, raw)
     return parse_passport(raw, out).passport
