@@ -365,3 +365,13 @@ def test_model_signing_verifies_a_signed_passport_of_either_digest(tiny: Path, a
     with pytest.raises(ValueError, match="Signature mismatch"):
         _model_signing_verify(tiny / "model.pt", public)
     assert verify(str(tiny / "model.pt"), key=public).changed == (".",)
+
+
+def test_attest_and_verify_do_not_import_torch(tiny: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom ckptaudit.passport import attest, verify\n"
+            f"attest({str(tiny)!r}); verify({str(tiny)!r})\nprint('torch' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr[-2000:]
