@@ -198,6 +198,9 @@ def validate(c: Candidate, *, verify: str = DEFAULT_VERIFY, require: Collection[
 
     if verify not in VERIFY_LEVELS:
         raise ValueError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, not {verify!r}")
+    from ckptaudit.passport.requirement import split_require  # `--require passport` (docs/passport.md)
+
+    require, passport = split_require(require)
     findings: list[Finding] = []
     if c.layout == "ckptaudit-temporary":
         temp = uncommitted(c.path)
@@ -237,6 +240,7 @@ def validate(c: Candidate, *, verify: str = DEFAULT_VERIFY, require: Collection[
         findings.append(finding("store.unverified", c.name,
                                 f"{c.name}: no ckptaudit manifest; completeness judged from {marker} and the "
                                 "recorded sizes, content not verified"))
+    findings += passport.findings(c.path, c.name) if passport is not None else ()
     findings = mark_ignored(findings, ignore)
     resumable = not any(f.severity is Severity.ERROR and not f.ignored for f in findings)
     return Checked(c, resumable, tuple(findings))
