@@ -335,15 +335,17 @@ def _progress(enabled: bool, stderr: TextIO):  # type: ignore[no-untyped-def]
 
 def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from ckptaudit.api import audit_options
-    from ckptaudit.auditing.distributed import torchrun_rank
     from ckptaudit.auditing.judge import run_audit
 
-    try:
-        place = torchrun_rank()
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if place is not None and place.world_size > 1:
-        return _audit_distributed(args, place.rank, place.world_size, stdout)
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):  # torchrun_rank's test, first: the
+        from ckptaudit.auditing.distributed import torchrun_rank  # distributed audit is imported only under torchrun
+
+        try:
+            place = torchrun_rank()
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if place is not None and place.world_size > 1:
+            return _audit_distributed(args, place.rank, place.world_size, stdout)
     if not _exists(args.path):
         raise UsageError(f"{args.path}: no such file or directory; give the path of a checkpoint file or directory")
     options = audit_options(_resolved(args, AUDIT_OPTIONS))
@@ -386,7 +388,7 @@ def _audit_distributed(args: argparse.Namespace, rank: int, world_size: int, std
 
 def _exists(path: str) -> bool:
     """Local paths (and ``file://`` URLs) are checked here; other URLs when they are opened."""
-    from ckptaudit.formats.remote.staging import is_url, local_path
+    from ckptaudit.formats.remote import is_url, local_path
 
     return is_url(path) or os.path.exists(local_path(path))
 
@@ -484,7 +486,7 @@ def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
 
 
 def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from ckptaudit.formats.remote.staging import is_url, local_path
+    from ckptaudit.formats.remote import is_url, local_path
     from ckptaudit.latest import latest_report
 
     if is_url(args.root):

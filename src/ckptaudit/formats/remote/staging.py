@@ -26,6 +26,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ckptaudit.formats.remote import is_url, local_path
 from ckptaudit.formats.remote.errors import RemoteError, RemoteReadError
 from ckptaudit.formats.remote.objects import (
     FILL_PIECE,
@@ -46,17 +47,6 @@ MAX_MEMBER_BYTES = 64 << 20
 MAX_FILES = 100_000
 _SAFETENSORS_HEADER_LIMIT = 100_000_000
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
-
-
-def is_url(path: str) -> bool:
-    """Whether ``path`` names a remote object (``scheme://``, other than ``file://``)."""
-    scheme, sep, _ = path.partition("://")
-    return bool(sep) and scheme.isidentifier() and scheme.lower() != "file" and len(scheme) > 1
-
-
-def local_path(path: str) -> str:
-    """``file:///x`` -> ``/x``; anything else unchanged."""
-    return path[len("file://"):] if path.lower().startswith("file://") else path
 
 
 class _Budget:
@@ -85,7 +75,7 @@ def stage(url: str) -> tuple[str, RemoteFiles]:
         raise FileNotFoundError(2, "no such object or prefix", url) from None
     except Exception as exc:  # noqa: BLE001 - credentials, endpoint, network: the storage library's own words
         raise RemoteError(f"{url}: cannot reach it ({type(exc).__name__}: {exc})") from None
-    import tempfile  # here: is_url and local_path are on every command's start-up path
+    import tempfile  # here: only an audit of a URL needs it
 
     tmp = tempfile.mkdtemp(prefix="ckptaudit-remote-")
     remote = RemoteFiles(tmp)
