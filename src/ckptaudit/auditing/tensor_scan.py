@@ -42,7 +42,8 @@ from ckptaudit.formats.io.tensors import (
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["MIN_INFORMATIVE", "SMALL_TENSOR_BYTES", "TensorScan", "classify", "scan_first_chunk", "scan_tensor"]
+__all__ = ["MIN_INFORMATIVE", "SMALL_TENSOR_BYTES", "TensorScan", "classify", "hash_tensor", "scan_first_chunk",
+           "scan_tensor"]
 
 MIN_INFORMATIVE = 4
 """Informative values needed before a 16-bit-representable tensor is called rounded."""
@@ -248,6 +249,23 @@ def scan_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHU
     if dtype.itemsize <= 2:
         return TensorScan(h.hexdigest(), Precision.NATIVE_16, None)
     return TensorScan(h.hexdigest(), Precision.EXACT, None)
+
+
+def hash_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
+    """:func:`scan_tensor`'s content hash alone (xxh3-128 of the tensor's bytes in row-major order, hex), read the
+    same way: the runs of bytes through the leased map where they can be, else :func:`iter_chunks`. Raises
+    ``ValueError`` / ``OSError`` as :func:`scan_tensor` does."""
+    import numpy as np
+
+    h = xxhash.xxh3_128()
+    spans = _spans(data)
+    if spans is not None:
+        for span in spans:
+            _scan_span(span, data.dtype.itemsize, maps, chunk_bytes, None, h, None)
+    else:
+        for chunk in iter_chunks(data, maps, chunk_bytes):
+            h.update((chunk if chunk.flags.c_contiguous else np.ascontiguousarray(chunk)).data)
+    return h.hexdigest()
 
 
 REMOTE_PIECE_BYTES = 4 << 20
