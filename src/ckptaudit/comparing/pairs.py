@@ -85,6 +85,29 @@ def hash_entry(e: Entry, maps: FileMaps, chunk_bytes: int) -> None:
     e.hashed = True
 
 
+def _first_pair(r: TensorData, c: TensorData, rmaps: FileMaps, cmaps: FileMaps, chunk_bytes: int,
+                pool: Pool) -> tuple[np.ndarray, np.ndarray] | None:
+    """The first pair :func:`_stream` yields, read into two of ``pool``'s arrays (a fresh chunk buffer per tensor
+    and side costs a page fault per 4 KiB), where both tensors are one contiguous piece (then that pair is the
+    first ``chunk_bytes // itemsize`` elements of each); ``None`` otherwise. Raises ``ValueError`` / ``OSError``
+    as :func:`iter_chunks` does."""
+    pieces = r.whole_piece(), c.whole_piece()
+    if any(p is None or not p.is_contiguous() for p in pieces) or not r.numel or r.numel != c.numel:
+        return None
+    n = min(max(1, chunk_bytes // max(r.dtype.itemsize, c.dtype.itemsize)), r.numel)
+    out = []
+    for side, (data, piece, maps) in enumerate(((r, pieces[0], rmaps), (c, pieces[1], cmaps))):
+        assert piece is not None
+        arr = pool.get(f"first-{side}", np.dtype(data.dtype.numpy), n)
+        pos = piece.data_offset + piece.storage_offset * data.dtype.itemsize
+        got = maps.read_into(piece.file, arr.data.cast("B"), pos)
+        if got != arr.nbytes:  # iter_chunks' message
+            raise ValueError(f"{piece.file}: {got} of {arr.nbytes} bytes at offset {pos}: the file ends early "
+                             "(truncated, or changed while being read)")
+        out.append(arr)
+    return out[0], out[1]
+
+
 def _fused(r: TensorData, c: TensorData, rmaps: FileMaps, cmaps: FileMaps, chunk_bytes: int,
            pool: Pool) -> tuple[str, str | None, DiffStats | None, str | None, str | None]:
     """One pass over both tensors. Returns (status, rounding, stats, ref hash, cand hash).
@@ -95,7 +118,16 @@ def _fused(r: TensorData, c: TensorData, rmaps: FileMaps, cmaps: FileMaps, chunk
     rest is classified without hashing (the digests would not change the verdict; they are ``None``), and a
     pair that turns out *different* is measured from that chunk on in the same pass.
     """
-    cl = Classifier(r.dtype, c.dtype, pool=pool)
+    first = _first_pair(r, c, rmaps, cmaps, chunk_bytes, pool)
+    if first is not None:
+        probe = Classifier(r.dtype, c.dtype, pool=pool)
+        if probe.update(*first) and probe.bitwise:  # the route the loop's first chunk would take: hash only
+            ref_hash, cand_hash = hash_tensor(r, rmaps, chunk_bytes), hash_tensor(c, cmaps, chunk_bytes)
+            if ref_hash == cand_hash:
+                return "identical", None, None, ref_hash, cand_hash
+            status, rounding, stats = classify_tensors(r, c, rmaps, cmaps, chunk_bytes, pool=pool)
+            return status, rounding, stats, ref_hash, cand_hash
+    cl = Classifier(r.dtype, c.dtype, pool=pool)  # from the start (again, after a probe that was not equal)
     acc: DiffAccumulator | None = None
     mode = "classify"  # -> "hash-only" (first chunk bitwise equal), "measure" (different), "again" (restart)
     first_measured = 0
