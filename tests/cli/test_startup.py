@@ -143,3 +143,11 @@ def test_small_audit_imports_only_what_the_checkpoint_needs(small_training_state
 def test_help_imports_no_engine() -> None:
     modules, _ = _run_cli("--help")
     assert modules & {"ckptaudit.auditing", "ckptaudit.formats", "ckptaudit.findings", "numpy", "rich", "xxhash"} == set()
+
+
+def test_a_small_audit_printed_as_a_table_into_a_pipe_imports_no_rich(small_training_state: dict[str, Path]) -> None:
+    """The table is drawn without rich where the output is no terminal (``ckptaudit.report.plain``; rich's import
+    was about a third of the start-up), with rich's characters (``tests/report/test_table_plain.py``)."""
+    modules, stdout = _run_cli("audit", str(small_training_state["torch.save"]))
+    assert not {m for m in modules if m == "rich" or m.startswith("rich.")}
+    assert "findings" in stdout and "━" in stdout

@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["layout", "longest_line", "plain", "simple", "wrap"]
+__all__ = ["layout", "longest_line", "plain", "simple", "wrap", "wrap_line"]
 
 _WORD = re.compile(r"\s*\S+\s*")
 """A word and the whitespace around it, as rich's word wrap cuts text."""
@@ -179,3 +179,19 @@ def _fit(lines: list[str], width: int) -> list[str]:
             line = line[: len(line) - min(spaces, len(line) - width)]
         out.append(line[:width] + " " * (width - len(line)))
     return out
+
+
+def wrap_line(text: str, width: int) -> list[str] | None:
+    """The lines rich prints printable ASCII ``text`` as, wider than ``width`` (``Console.print`` of a plain
+    ``Text``: cut as :func:`wrap` cuts it, whitespace past the width dropped, no padding), or ``None`` where the
+    text starts with a space or holds a word longer than the width (rich folds those: :func:`wrap` does)."""
+    if not text or text[0] == " " or max(map(len, text.split())) > width:
+        return None
+    out = []
+    for line in _wrap_words(text, width):
+        if len(line) > width:
+            spaces = len(line) - len(line.rstrip())
+            line = line[: len(line) - min(spaces, len(line) - width)]
+        out.append(line)
+    return out
+

@@ -6,16 +6,18 @@ import errno
 import os
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any, TextIO
-
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ckptaudit.catalogue import CATALOGUE
 from ckptaudit.findings import Finding, Precision, RawReport, Severity
 from ckptaudit.report.layout import layout, plain, simple, wrap
+from ckptaudit.report.plain import Cell, Grid, Line, draw, plain_output
 from ckptaudit.report.text import clean
+
+if TYPE_CHECKING:  # rich is imported where a report is drawn by it (not for plain output: report.plain)
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
 
 __all__ = ["STREAM_ABOVE", "print_table", "render_table"]
 
@@ -27,10 +29,6 @@ MAX_DETAIL_LINES = 16
 
 # Names and messages come from untrusted files: shown through report.text.clean (controls, format characters,
 # line separators and lone surrogates escaped), and no string is parsed as markup.
-
-
-def _t(value: Any, style: str = "") -> Text:
-    return Text(clean(value), style=style)
 
 
 PIPE_WIDTH = 140
@@ -48,16 +46,24 @@ def width_for(out: TextIO) -> int | None:
     return PIPE_WIDTH
 
 
-class _Console(Console):
-    def on_broken_pipe(self) -> None:
-        """A closed pipe is the caller's to handle (the CLI stops rendering and returns the verdict's exit code);
-        rich's default would point the process's fd 1 at /dev/null and exit."""
-        raise BrokenPipeError(errno.EPIPE, "the reader of the output has gone")
+_CONSOLE: Any = None
 
 
 def console_for(out: TextIO) -> Console:
+    global _CONSOLE
+    if _CONSOLE is None:
+        from rich.console import Console
+
+        class _Console(Console):
+            def on_broken_pipe(self) -> None:
+                """A closed pipe is the caller's to handle (the CLI stops rendering and returns the verdict's exit
+                code); rich's default would point the process's fd 1 at /dev/null and exit."""
+                raise BrokenPipeError(errno.EPIPE, "the reader of the output has gone")
+
+        _CONSOLE = _Console
     # Markup and emoji off: names and messages come from untrusted checkpoints ("[/]" would be a markup error).
-    return _Console(file=out, width=width_for(out), highlight=False, soft_wrap=False, markup=False, emoji=False)
+    return _CONSOLE(file=out, width=width_for(out), highlight=False, soft_wrap=False, markup=False,  # type: ignore[no-any-return]
+                    emoji=False)
 
 
 def _column(t: Table, header: str, **kwargs: Any) -> None:
@@ -67,38 +73,67 @@ def _column(t: Table, header: str, **kwargs: Any) -> None:
 
 
 def render_table(report: RawReport, out: TextIO, *, verbose: bool = False) -> None:
+    blocks = _blocks(report, verbose)
+    if plain_output(out):
+        text = draw(blocks, width_for(out) or PIPE_WIDTH)
+        if text is not None:  # what rich would draw, without importing it
+            out.write(text)
+            return
     con = console_for(out)
+    for block in blocks:
+        if isinstance(block, Line):
+            con.print(_text(block.text, block.style), end=block.end, soft_wrap=True if block.soft_wrap else None)
+            continue
+        from rich.table import Table
+
+        if block.section:
+            t = Table(title=_text(block.title), title_justify="left", show_edge=False)
+            for header, options in block.columns:
+                t.add_column(_text(header), **options)
+        else:
+            t = Table(title=block.title, title_justify="left", show_edge=False)
+            for header, options in block.columns:
+                _column(t, header, **options)
+        print_table(con, t, [tuple(_text(c.plain, c.style) if isinstance(c, Cell) else c for c in row)
+                             for row in block.rows])
+
+
+def _text(text: str, style: str = "") -> Text:
+    from rich.text import Text
+
+    return Text(text, style=style)
+
+
+def _blocks(report: RawReport, verbose: bool) -> list[Line | Grid]:
+    """The report as lines and tables (names and messages through :func:`~ckptaudit.report.text.clean`)."""
+    out: list[Line | Grid] = []
     worst = report.worst()
     style = _STYLE.get(worst, "bold green") if worst is not None and worst > Severity.INFO else "bold green"
-    con.print(_t(f"ckptaudit {report.command}: {report.path}", "bold"))
-    con.print(_t(f"format: {report.format}"), end="")
+    out.append(Line(clean(f"ckptaudit {report.command}: {report.path}"), "bold"))
+    out.append(Line(clean(f"format: {report.format}"), end=""))
     if report.contract is not None:
         c = report.contract
-        con.print(_t(f"   master dtype: {c.master_dtype} ({c.source}: {c.detail})"), end="")
-    con.print()
+        out.append(Line(clean(f"   master dtype: {c.master_dtype} ({c.source}: {c.detail})"), end=""))
+    out.append(Line())
     if report.summary:
-        con.print(_t(report.summary, style))
+        out.append(Line(clean(report.summary), style))
     for section in report.extra.get("sections", []):
-        _section(con, section, verbose)
+        out.append(_section(section, verbose))
     if report.components:
         missing = [c for c in report.components if not c.found]
         if verbose or missing:
-            t = Table(title="components", title_justify="left", show_edge=False)
-            _column(t, "component", no_wrap=True)
-            _column(t, "found", no_wrap=True)
-            _column(t, "where", overflow="fold")
-            print_table(con, t, [(comp.kind.value, "yes" if comp.found else Text("MISSING", style="red"),
-                                  _t(", ".join(comp.where) + (f"  ({comp.detail})" if comp.detail else "")))
-                                 for comp in report.components])
+            out.append(Grid("components", [("component", {"no_wrap": True}), ("found", {"no_wrap": True}),
+                                           ("where", {"overflow": "fold"})],
+                            [(comp.kind.value, "yes" if comp.found else Cell("MISSING", "red"),
+                              clean(", ".join(comp.where) + (f"  ({comp.detail})" if comp.detail else "")))
+                             for comp in report.components]))
         else:
-            con.print(_t("components: " + ", ".join(f"{c.kind.value} ({', '.join(c.where)})"
-                                                    for c in report.components)))
+            out.append(Line(clean("components: " + ", ".join(f"{c.kind.value} ({', '.join(c.where)})"
+                                                             for c in report.components))))
     if report.findings:
-        t = Table(title="findings", title_justify="left", show_edge=False)
-        _column(t, "severity", no_wrap=True)
-        _column(t, "code", no_wrap=True, min_width=min(32, max(len(f.code) for f in report.findings)))
-        _column(t, "subject", overflow="fold", ratio=1)
-        _column(t, "message", overflow="fold", ratio=3)
+        columns: list[tuple[str, dict[str, Any]]] = [("severity", {"no_wrap": True}),
+                   ("code", {"no_wrap": True, "min_width": min(32, max(len(f.code) for f in report.findings))}),
+                   ("subject", {"overflow": "fold", "ratio": 1}), ("message", {"overflow": "fold", "ratio": 3})]
         # Rows group by (severity, code): one code can be an error for some subjects and a warning for others
         # (component.missing: model vs rng), and an error row must not list warning subjects.
         by_key: dict[tuple[Severity, str, bool], list[int]] = defaultdict(list)
@@ -126,52 +161,51 @@ def render_table(report: RawReport, out: TextIO, *, verbose: bool = False) -> No
             rule = CATALOGUE.get(f.code)
             rows.append((_severity(f), clean(f.code), f"{len(same)} subjects",
                          clean(f"{listed}. {rule.summary if rule else f.message} (--verbose lists each)")))
-        print_table(con, t, rows)
+        out.append(Grid("findings", columns, rows))
         for f, lines in details:
             cut = not verbose and len(lines) > MAX_DETAIL_LINES
-            con.print(_t(f"{f.code} {f.subject}:" + (f" (last {MAX_DETAIL_LINES} of {len(lines)} lines; "
-                                                     "--verbose shows all)" if cut else ""), "bold"))
+            out.append(Line(clean(f"{f.code} {f.subject}:" + (f" (last {MAX_DETAIL_LINES} of {len(lines)} lines; "
+                                                              "--verbose shows all)" if cut else "")), "bold"))
             for line in lines[-MAX_DETAIL_LINES:] if cut else lines:
-                con.print(_t("  " + line), soft_wrap=True)
+                out.append(Line(clean("  " + line), soft_wrap=True))
     else:
-        con.print(Text("no findings", style="green"))
+        out.append(Line("no findings", "green"))
     # Every tensor in verbose mode; otherwise only unreadable ones (rounded ones are already findings).
     odd = [r for r in report.tensors if verbose or r.precision is Precision.UNREAD]
     if odd:
-        t = Table(title="tensors" if verbose else "tensors below their dtype's precision", title_justify="left",
-                  show_edge=False)
-        for col in ("name", "role", "dtype", "shape", "effective", "hash"):
-            _column(t, col, overflow="fold")
         rows = [(clean(r.name), clean(r.role), clean(r.dtype), str(list(r.shape)), r.precision.value,
                  (r.hash or "-")[:16]) for r in odd[: None if verbose else 20]]
         if not verbose and len(odd) > 20:
             rows.append((f"... {len(odd) - 20} more", "", "", "", "", ""))
-        print_table(con, t, rows)
+        out.append(Grid("tensors" if verbose else "tensors below their dtype's precision",
+                        [(col, {"overflow": "fold"}) for col in ("name", "role", "dtype", "shape", "effective",
+                                                                  "hash")], rows))
+    return out
 
 
-def _severity(f: Finding) -> Text:
+def _severity(f: Finding) -> Cell:
     """The severity cell: an acknowledged finding (``--ignore``) says so, dimmed."""
     if f.ignored:
-        return Text(f"{f.severity.label} (ignored)", style="dim")
-    return Text(f.severity.label, style=_STYLE[f.severity])
+        return Cell(f"{f.severity.label} (ignored)", "dim")
+    return Cell(f.severity.label, _STYLE[f.severity])
 
 
 MAX_SECTION_ROWS = 12
 
 
-def _section(con: Console, section: dict, verbose: bool) -> None:
+def _section(section: dict, verbose: bool) -> Grid:
     """A command-specific table: ``{"title", "columns", "rows"}``; long ones cut short unless ``verbose``."""
-    t = Table(title=_t(section.get("title") or ""), title_justify="left", show_edge=False)
+    columns = []
     for col in section.get("columns", []):
         header = clean(col)
-        t.add_column(Text(header), overflow="fold", min_width=max((len(w) for w in header.split()), default=1))
+        columns.append((header, {"overflow": "fold", "min_width": max((len(w) for w in header.split()), default=1)}))
     rows = section.get("rows", [])
     shown = rows if verbose or len(rows) <= MAX_SECTION_ROWS else rows[: MAX_SECTION_ROWS - 2]
     cells: list[tuple[Any, ...]] = [tuple(clean(c) for c in row) for row in shown]
     if len(shown) < len(rows):
         cells.append((clean(f"... {len(rows) - len(shown)} more rows (--verbose, or --format json, lists all)"),
                       *[""] * (len(section.get("columns", [])) - 1)))
-    print_table(con, t, cells)
+    return Grid(clean(section.get("title") or ""), columns, cells, section=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -205,6 +239,8 @@ def print_table(con: Console, table: Table, rows: Sequence[Sequence[Any]], *,
 def _cell_lines(con: Console, cell: Any, width: int, column: Any) -> list[Any]:
     """One cell as lines of exactly ``width`` cells: ``str`` for plain text, :class:`Text` where rich must do it (a
     styled text, wide characters, a no-wrap cell that does not fit)."""
+    from rich.text import Text
+
     text = plain(cell)
     styled = isinstance(cell, Text) and (cell.spans or cell.justify or cell.overflow or cell.no_wrap is not None)
     if not styled and simple(text):
@@ -247,6 +283,8 @@ def _styled_line(cells: list[list[Any]], k: int, widths: list[int], row: Sequenc
                  right: str) -> Text:
     """Line ``k`` of a row for a terminal that shows styles: each cell's text in its style, the blank lines below
     a shorter cell unstyled (as rich draws them)."""
+    from rich.text import Text
+
     line = Text(left + " ")
     for i, (lines, width, cell) in enumerate(zip(cells, widths, row, strict=True)):
         if i:
@@ -262,6 +300,8 @@ def _styled_line(cells: list[list[Any]], k: int, widths: list[int], row: Sequenc
 
 
 def _flush(con: Console, batch: list[Any], color: bool) -> None:
+    from rich.text import Text
+
     if not batch:
         return
     if color:
