@@ -37,6 +37,12 @@ class _ArgumentError(Exception):
 class _HelpFormatter(argparse.HelpFormatter):
     """Every option's help ends with its default, unless the default is empty or the help already states it."""
 
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
+                 width: int | None = None) -> None:
+        # argparse makes a formatter for every add_argument, and its default width imports shutil (and bz2, lzma,
+        # fnmatch: a few ms of every command's start-up) for shutil.get_terminal_size, whose rule this restates.
+        super().__init__(prog, indent_increment, max_help_position, _terminal_columns() - 2 if width is None else width)
+
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
@@ -44,6 +50,20 @@ class _HelpFormatter(argparse.HelpFormatter):
                 or default is argparse.SUPPRESS):
             return text
         return f"{text} (default: %(default)s)"
+
+
+def _terminal_columns() -> int:
+    """``shutil.get_terminal_size().columns``: ``COLUMNS`` when a positive number, else the terminal's width, else 80."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
 
 
 class _Parser(argparse.ArgumentParser):

@@ -87,7 +87,7 @@ def test_compare_of_torch_save_and_dcp_does_not_import_torch(scale_checkpoints: 
 # the distributed audit and the remote machinery (docs/performance.md, "Start-up"), and the readers and layout rules of
 # formats the checkpoint is not in.
 
-ALWAYS_LAZY = {"numpy", "rich", "concurrent.futures", "logging", "tempfile",
+ALWAYS_LAZY = {"numpy", "rich", "concurrent.futures", "logging", "tempfile", "shutil", "difflib",
                "ckptaudit.layouts.megatron.layout", "ckptaudit.layouts.deepspeed.layout",
                # the distributed audit (only under torchrun) and the remote machinery (only for a URL)
                "ckptaudit.auditing.distributed", "ckptaudit.auditing.share", "ckptaudit.formats.remote.staging",
