@@ -389,8 +389,10 @@ def render(rows: list[dict[str, Any]], jobs: list[int], startup: dict[str, dict[
              f"load average {meta['load']} at the start: shared with other jobs), `--scale {meta['scale']}` "
              f"({meta['tensors']} tensors), {meta['repeat']} rounds per format (a 2-thread read, then the audits; "
              "throughput: the best round; audit / read: the median of the rounds' own ratios, their range in "
-             "brackets), each format measured right after it was written (page cache as the machine's memory "
-             "left it)" + (f"; {meta['note']}" if meta.get("note") else "") + ":", "",
+             "brackets), " + ("the checkpoints written once and kept (`--keep`), each read once before its rounds"
+                               if meta.get("kept") else "each format measured right after it was written (page cache "
+                               "as the machine's memory left it)") + (f"; {meta['note']}" if meta.get("note") else "")
+             + ":", "",
              "    .venv/bin/python bench/bench_realistic.py --scale " + str(meta["scale"]) +
              " --write-docs docs/performance.md", ""]
     head = "| format | size | 2-thread read | " + " | ".join(f"audit -j {j}" for j in jobs) + \
@@ -561,7 +563,7 @@ def main() -> None:
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": len(os.sched_getaffinity(0)),
             "load": f"{os.getloadavg()[0]:.1f}", "scale": args.scale, "repeat": args.repeat,
             "tensors": 4 * len(shapes(args.scale)) + 1,
-            "title": "" if args.scale == 1 else f" at --scale {args.scale}", "note": args.note}
+            "title": "" if args.scale == 1 else f" at --scale {args.scale}", "note": args.note, "kept": args.keep}
     rows, dist = [], []
     try:
         for fmt in args.formats.split(","):
