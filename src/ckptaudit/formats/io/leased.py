@@ -82,14 +82,15 @@ def _libc_madvise() -> Any:
 def madvise(mapped: mmap.mmap, address: int | None, start: int, length: int, advice: int) -> None:
     """``mapped.madvise(advice, start, length)``, without the GIL where ``address`` (of the map's first byte) is
     known: the call through ``ctypes`` releases it, ``mmap.madvise`` holds it for the whole page-table walk.
-    Raises ``OSError`` as ``mmap.madvise`` does (``ValueError`` for a range outside the map)."""
+    Raises ``OSError`` as ``mmap.madvise`` does, ``ValueError`` for a start outside the map; a range past its end
+    is cut at the end, as ``mmap.madvise`` cuts it."""
     fn = _libc_madvise()
     if address is None or not fn:
         mapped.madvise(advice, start, length)
         return
-    if start < 0 or length < 0 or start + length > len(mapped):
+    if start < 0 or start >= len(mapped) or length < 0:  # mmap.madvise's checks, and its clipping below
         raise ValueError(f"madvise range {start}+{length} outside the map of {len(mapped)} bytes")
-    if fn(address + start, length, advice) != 0:
+    if fn(address + start, min(length, len(mapped) - start), advice) != 0:
         import ctypes
 
         code = ctypes.get_errno()
