@@ -70,10 +70,14 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     g = torch.Generator().manual_seed(3)
     path = tmp_path_factory.mktemp("leased") / "ckpt.pt"
+    x = torch.randn(3 << 18, generator=g)
     torch.save({"exact": torch.randn(3 << 18, generator=g),
                 "rounded": torch.randn(3 << 18, generator=g).bfloat16().float(),
                 "bf16": torch.randn(1 << 20, generator=g).bfloat16(),
-                "ids": torch.arange(1 << 18)}, path)
+                "ids": torch.arange(1 << 18),
+                # Decided inside a window of the map: the first chunk rounded (to bf16, to fp16), the rest exact.
+                "mixed_bf16": torch.cat([x[: 1 << 18].bfloat16().float(), x[1 << 18 :]]),
+                "mixed_fp16": torch.cat([x[: 1 << 18].half().float(), x[1 << 18 :]])}, path)
     return path
 
 
