@@ -5,6 +5,7 @@ memory-mapped read of the same bytes measured in the same run.
     .venv/bin/python bench/bench_realistic.py                        # full size: 355 M params + AdamW, ~4.26 GB
     .venv/bin/python bench/bench_realistic.py --write-docs docs/performance.md
     .venv/bin/python bench/bench_realistic.py --scale 0.1 --open-only --dir /tmp --keep --formats dcp-1,dcp-8
+    .venv/bin/python bench/bench_realistic.py --dir /tmp --keep --formats torch.save,dcp-1 --ranks ''   # reuse files
 
 The checkpoint: 24 layers, d=1024, vocab 50304 (GPT-2 medium's tensors, HF names, lm_head tied and not saved):
 355 M fp32 parameters and the state of one real ``torch.optim.AdamW`` step (``step``, ``exp_avg``,
@@ -388,8 +389,10 @@ def render(rows: list[dict[str, Any]], jobs: list[int], startup: dict[str, dict[
              f"load average {meta['load']} at the start: shared with other jobs), `--scale {meta['scale']}` "
              f"({meta['tensors']} tensors), {meta['repeat']} rounds per format (a 2-thread read, then the audits; "
              "throughput: the best round; audit / read: the median of the rounds' own ratios, their range in "
-             "brackets), each format measured right after it was written (page cache as the machine's memory "
-             "left it):", "",
+             "brackets), " + ("the checkpoints written once and kept (`--keep`), each read once before its rounds"
+                               if meta.get("kept") else "each format measured right after it was written (page cache "
+                               "as the machine's memory left it)") + (f"; {meta['note']}" if meta.get("note") else "")
+             + ":", "",
              "    .venv/bin/python bench/bench_realistic.py --scale " + str(meta["scale"]) +
              " --write-docs docs/performance.md", ""]
     head = "| format | size | 2-thread read | " + " | ".join(f"audit -j {j}" for j in jobs) + \
@@ -524,9 +527,11 @@ def main() -> None:
                     help="replace the summary between the bench_realistic markers in this file (README.md)")
     ap.add_argument("--dir", help="scratch directory (default: a new temporary one)")
     ap.add_argument("--keep", action="store_true",
-                    help="keep the checkpoints in --dir/scale-S/ and reuse them in later runs (needs --dir)")
+                    help="keep the checkpoints in --dir/scale-S/ and reuse them in later runs (needs --dir; a kept "
+                    "file's pages may have left the page cache: the read column says)")
     ap.add_argument("--open-only", action="store_true",
                     help="measure only the open (plan) phase: CPU time per item, best of --repeat fresh processes")
+    ap.add_argument("--note", default="", help="a sentence on how the run was made, written after the header's")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -551,18 +556,24 @@ def main() -> None:
     ranks = [int(r) for r in args.ranks.split(",") if r]
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
+    kept = os.path.join(args.dir, f"scale-{args.scale}") if args.keep else None
+    if kept:
+        os.makedirs(kept, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="ckptaudit-realistic-", dir=args.dir)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": len(os.sched_getaffinity(0)),
             "load": f"{os.getloadavg()[0]:.1f}", "scale": args.scale, "repeat": args.repeat,
             "tensors": 4 * len(shapes(args.scale)) + 1,
-            "title": "" if args.scale == 1 else f" at --scale {args.scale}"}
+            "title": "" if args.scale == 1 else f" at --scale {args.scale}", "note": args.note, "kept": args.keep}
     rows, dist = [], []
     try:
         for fmt in args.formats.split(","):
-            path = os.path.join(tmp, FILE_NAMES.get(fmt, fmt))
-            t0 = time.perf_counter()
-            write(fmt, path, args.scale)
-            print(f"{fmt}: wrote {size_of(path) / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            path = os.path.join(kept or tmp, FILE_NAMES.get(fmt, fmt))
+            if not (kept and os.path.exists(path + ".written")):
+                t0 = time.perf_counter()
+                write(fmt, path, args.scale)
+                print(f"{fmt}: wrote {size_of(path) / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+                if kept:
+                    open(path + ".written", "w").close()
             row = measure(fmt, path, args.repeat, jobs)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
@@ -572,7 +583,8 @@ def main() -> None:
                                key=lambda d: d["seconds"])
                     dist.append({"ranks": r, "bytes": row["bytes"], **best})
                     print(json.dumps(dist[-1]), file=sys.stderr)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            if not kept:
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         startup = cli_startup(tmp, args.repeat)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -9,7 +9,6 @@ every code the source emits is listed here.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -289,6 +288,8 @@ def parse_ignore(entries: str | Iterable[str]) -> tuple[str, ...]:
             continue
         families = {code.split(".", 1)[0] for code in CATALOGUE}
         if entry not in CATALOGUE and entry not in families:
+            import difflib  # here: only a misspelt name needs it, not every start-up
+
             close = difflib.get_close_matches(entry, [*CATALOGUE, *families], n=1)
             raise ValueError(f"ignore: {entry!r} is neither a finding code nor a family of codes"
                              + (f"; did you mean {close[0]!r}?" if close else "")

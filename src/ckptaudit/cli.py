@@ -37,6 +37,12 @@ class _ArgumentError(Exception):
 class _HelpFormatter(argparse.HelpFormatter):
     """Every option's help ends with its default, unless the default is empty or the help already states it."""
 
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
+                 width: int | None = None) -> None:
+        # argparse makes a formatter for every add_argument, and its default width imports shutil (and bz2, lzma,
+        # fnmatch: a few ms of every command's start-up) for shutil.get_terminal_size, whose rule this restates.
+        super().__init__(prog, indent_increment, max_help_position, _terminal_columns() - 2 if width is None else width)
+
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
@@ -44,6 +50,20 @@ class _HelpFormatter(argparse.HelpFormatter):
                 or default is argparse.SUPPRESS):
             return text
         return f"{text} (default: %(default)s)"
+
+
+def _terminal_columns() -> int:
+    """``shutil.get_terminal_size().columns``: ``COLUMNS`` when a positive number, else the terminal's width, else 80."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
 
 
 class _Parser(argparse.ArgumentParser):
@@ -371,15 +391,17 @@ def _progress(enabled: bool, stderr: TextIO):  # type: ignore[no-untyped-def]
 
 def _cmd_audit(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from ckptaudit.api import audit_options
-    from ckptaudit.auditing.distributed import torchrun_rank
     from ckptaudit.auditing.judge import run_audit
 
-    try:
-        place = torchrun_rank()
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if place is not None and place.world_size > 1:
-        return _audit_distributed(args, place.rank, place.world_size, stdout)
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):  # torchrun_rank's test, first: the
+        from ckptaudit.auditing.distributed import torchrun_rank  # distributed audit is imported only under torchrun
+
+        try:
+            place = torchrun_rank()
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if place is not None and place.world_size > 1:
+            return _audit_distributed(args, place.rank, place.world_size, stdout)
     if not _exists(args.path):
         raise UsageError(f"{args.path}: no such file or directory; give the path of a checkpoint file or directory")
     options = audit_options(_resolved(args, AUDIT_OPTIONS))
@@ -422,7 +444,7 @@ def _audit_distributed(args: argparse.Namespace, rank: int, world_size: int, std
 
 def _exists(path: str) -> bool:
     """Local paths (and ``file://`` URLs) are checked here; other URLs when they are opened."""
-    from ckptaudit.formats.remote.staging import is_url, local_path
+    from ckptaudit.formats.remote import is_url, local_path
 
     return is_url(path) or os.path.exists(local_path(path))
 
@@ -520,7 +542,7 @@ def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> in
 
 
 def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from ckptaudit.formats.remote.staging import is_url, local_path
+    from ckptaudit.formats.remote import is_url, local_path
     from ckptaudit.latest import latest_report
 
     if is_url(args.root):

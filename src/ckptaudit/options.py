@@ -13,7 +13,6 @@ it).
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -155,6 +154,8 @@ def resolve(func: str, given: Mapping[str, Any], table: Mapping[str, Option]) ->
     for name, value in given.items():
         opt = table.get(name)
         if opt is None:
+            import difflib  # here: only a misspelt name needs it, not every start-up
+
             close = difflib.get_close_matches(name, list(table), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise TypeError(f"{func}: unknown option {name!r}; {hint}the options are: {', '.join(table)}")

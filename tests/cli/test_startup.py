@@ -83,11 +83,15 @@ def test_compare_of_torch_save_and_dcp_does_not_import_torch(scale_checkpoints: 
 
 # -- imported only when needed ------------------------------------------------------------------------------------
 # What a small offline audit must not import: NumPy (small tensors are scanned without it, see
-# tests/auditing/test_tensor_scan_small.py), rich (only the table renderer), a thread pool (a small scan runs on one thread), and
-# the readers and layout rules of formats the checkpoint is not in.
+# tests/auditing/test_tensor_scan_small.py), rich (only the table renderer), a thread pool (a small scan runs on one thread),
+# the distributed audit and the remote machinery (docs/performance.md, "Start-up"), and the readers and layout rules of
+# formats the checkpoint is not in.
 
-ALWAYS_LAZY = {"numpy", "rich", "concurrent.futures", "logging", "tempfile",
-               "ckptaudit.layouts.megatron.layout", "ckptaudit.layouts.deepspeed.layout"}
+ALWAYS_LAZY = {"numpy", "rich", "concurrent.futures", "logging", "tempfile", "shutil", "difflib",
+               "ckptaudit.layouts.megatron.layout", "ckptaudit.layouts.deepspeed.layout",
+               # the distributed audit (only under torchrun) and the remote machinery (only for a URL)
+               "ckptaudit.auditing.distributed", "ckptaudit.auditing.share", "ckptaudit.formats.remote.staging",
+               "ckptaudit.formats.remote.objects"}
 LAZY_FOR_FILES = {"ckptaudit.formats.dcp.reader", "ckptaudit.formats.dcp.metadata", "ckptaudit.formats.deepspeed.reader"}
 """(A directory is told from a DeepSpeed one by its file names, in ``ckptaudit.formats.deepspeed.reader``.)"""
 
@@ -139,3 +143,11 @@ def test_small_audit_imports_only_what_the_checkpoint_needs(small_training_state
 def test_help_imports_no_engine() -> None:
     modules, _ = _run_cli("--help")
     assert modules & {"ckptaudit.auditing", "ckptaudit.formats", "ckptaudit.findings", "numpy", "rich", "xxhash"} == set()
+
+
+def test_a_small_audit_printed_as_a_table_into_a_pipe_imports_no_rich(small_training_state: dict[str, Path]) -> None:
+    """The table is drawn without rich where the output is no terminal (``ckptaudit.report.plain``; rich's import
+    was about a third of the start-up), with rich's characters (``tests/report/test_table_plain.py``)."""
+    modules, stdout = _run_cli("audit", str(small_training_state["torch.save"]))
+    assert not {m for m in modules if m == "rich" or m.startswith("rich.")}
+    assert "findings" in stdout and "━" in stdout

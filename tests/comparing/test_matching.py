@@ -105,3 +105,27 @@ def test_a_tensor_over_many_chunks_that_differs_only_in_its_last_element_is_diff
     assert abs(pair["diff"]["max_abs"] - 1.0) < 1e-5
     assert statuses(report)["model/lin.weight"] == "identical"
     assert any(f.code == "compare.different" and "big.weight" in f.message for f in report.findings)
+
+
+def test_the_hashes_of_an_identical_pair_are_the_audits(tmp_path: Path) -> None:
+    """An identical pair is decided by each side's hash, taken as the audit takes it (large tensors through the
+    leased map, in windows; small ones by positional reads): the digests in the report are the audit's records',
+    for a tensor on both sides and for one only the candidate has."""
+    from ckptaudit.api import audit
+
+    g = torch.Generator().manual_seed(11)
+    ref = training_state()
+    ref["model"]["big.weight"] = torch.randn(1536, 1024, generator=g)  # 6 MiB: windows of the map
+    cand = training_state()
+    cand["model"]["big.weight"] = ref["model"]["big.weight"].clone()
+    cand["model"]["extra.weight"] = torch.randn(640, 512, generator=g)  # 1.25 MiB, only in the candidate
+    torch.save(ref, tmp_path / "ref.pt")
+    torch.save(cand, tmp_path / "cand.pt")
+    report = run_compare(str(tmp_path / "ref.pt"), str(tmp_path / "cand.pt"))
+    pairs = {p["key"]: p for p in report.extra["pairs"]}
+    assert pairs["model/big.weight"]["status"] == "identical"
+    audited = {t.name: t.hash for t in audit(str(tmp_path / "cand.pt")).raw.tensors}
+    assert pairs["model/big.weight"]["candidate"]["hash"] == audited["model/big.weight"]
+    assert pairs["model/big.weight"]["reference"]["hash"] == audited["model/big.weight"]
+    assert pairs["model/extra.weight"]["candidate"]["hash"] == audited["model/extra.weight"]
+    assert pairs["model/lin.weight"]["candidate"]["hash"] == audited["model/lin.weight"]

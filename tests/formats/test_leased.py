@@ -70,10 +70,14 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     g = torch.Generator().manual_seed(3)
     path = tmp_path_factory.mktemp("leased") / "ckpt.pt"
+    x = torch.randn(3 << 18, generator=g)
     torch.save({"exact": torch.randn(3 << 18, generator=g),
                 "rounded": torch.randn(3 << 18, generator=g).bfloat16().float(),
                 "bf16": torch.randn(1 << 20, generator=g).bfloat16(),
-                "ids": torch.arange(1 << 18)}, path)
+                "ids": torch.arange(1 << 18),
+                # Decided inside a window of the map: the first chunk rounded (to bf16, to fp16), the rest exact.
+                "mixed_bf16": torch.cat([x[: 1 << 18].bfloat16().float(), x[1 << 18 :]]),
+                "mixed_fp16": torch.cat([x[: 1 << 18].half().float(), x[1 << 18 :]])}, path)
     return path
 
 
@@ -315,3 +319,47 @@ def test_mapped_pages_leave_the_resident_set_chunk_by_chunk(saved: Path, tmp_pat
     out = _child(_PEAK, str(saved), str(big))
     assert out["hashed"] == 4, out
     assert out["growth_mib"] < 3 * records.MAPPED_CHUNK_BYTES / 2**20 + 8, out  # 2 threads' chunks, and slack
+
+
+def test_the_page_table_work_goes_through_libc_not_mmap_madvise(tmp_path: Path) -> None:
+    """``mmap.madvise`` holds the GIL for its whole page-table walk (``MADV_POPULATE_READ`` / ``MADV_DONTNEED`` of a
+    window cost about as much as hashing it), so two scanning threads took turns at it; where the map's address is
+    known, ``leased.madvise`` calls libc's through ``ctypes``, which releases the GIL, with ``mmap.madvise``'s
+    errors and clipping."""
+    import errno
+    import mmap
+
+    from ckptaudit.formats.io.leased import madvise, map_address
+
+    class Spy:
+        """A map stand-in that counts the calls that reach ``mmap.madvise``."""
+
+        def __init__(self, n: int) -> None:
+            self.n, self.calls = n, 0
+
+        def __len__(self) -> int:
+            return self.n
+
+        def madvise(self, *args: int) -> None:
+            self.calls += 1
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"x" * (4 * MIN_MAPPED_BYTES))
+    with open(path, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        found = map_address(mm)  # NumPy is loaded here, as in every scan of a large tensor
+        assert found is not None
+        address, held = found
+        spy = Spy(len(mm))
+        madvise(spy, address, 0, len(mm) + 4096, 22)  # MADV_POPULATE_READ, past the end: cut at the end
+        madvise(spy, address, 0, len(mm), mmap.MADV_DONTNEED)
+        assert spy.calls == 0
+        madvise(spy, None, 0, len(mm), mmap.MADV_DONTNEED)  # no address: mmap.madvise
+        assert spy.calls == 1
+        with pytest.raises(OSError) as bad:
+            madvise(mm, address, 0, 4096, 12345)  # no such advice
+        assert bad.value.errno == errno.EINVAL
+        with pytest.raises(ValueError):
+            madvise(mm, address, len(mm), 1, mmap.MADV_DONTNEED)
+        del held, found  # the export of the map: it must go before the map closes
+        mm.close()

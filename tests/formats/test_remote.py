@@ -203,7 +203,7 @@ def test_a_remote_dcp_is_audited_in_bounded_memory_with_its_data_never_staged(s3
     # Measured ~26 MiB: READ_AHEAD (2) ranged reads of 4 MiB fetched together, the S3 client's buffers for them
     # (about three copies) and the chunk buffer; 32 MiB is half the tensor (holding it is 64 MiB).
     from ckptaudit.auditing.tensor_scan import REMOTE_PIECE_BYTES
-    from ckptaudit.formats.remote.staging import READ_AHEAD
+    from ckptaudit.formats.remote.objects import READ_AHEAD
 
     bound = (3 * READ_AHEAD * REMOTE_PIECE_BYTES + (8 << 20)) / 2**20
     assert bound <= 32 and growth < bound, f"peak RSS grew {growth:.1f} MiB auditing a 64 MiB tensor"
@@ -223,7 +223,7 @@ def test_a_remote_dcp_is_audited_in_bounded_memory_with_its_data_never_staged(s3
 
 def test_ranged_reads_are_coalesced_bounded_and_never_repeated(s3: dict[str, Any], tmp_path: Path) -> None:
     from ckptaudit.formats.remote.dcp import COALESCE_GAP, MAX_READ_BYTES, RangeStager
-    from ckptaudit.formats.remote.staging import _Remote
+    from ckptaudit.formats.remote.objects import RemoteObject
 
     src = s3["files"]["big-dcp"] / "__0_0.distcp"
     size = src.stat().st_size
@@ -231,7 +231,7 @@ def test_ranged_reads_are_coalesced_bounded_and_never_repeated(s3: dict[str, Any
     with open(local, "wb") as fh:
         fh.truncate(size)
     taken: list[int] = []
-    stager = RangeStager(_Remote(s3["fs"], "ckpts/big-dcp/__0_0.distcp", size), str(local), taken.append)
+    stager = RangeStager(RemoteObject(s3["fs"], "ckpts/big-dcp/__0_0.distcp", size), str(local), taken.append)
     assert COALESCE_GAP >= 1000
     stager.stage([(0, 100), (1100, 1200)])  # neighbours (1000 bytes apart): one read, the gap staged too
     assert stager.reads == 1 and stager.fetched == 1200
@@ -353,7 +353,7 @@ def many_small(s3: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> 
 def _outcomes(path: str, jobs: int, counting: bool) -> tuple[dict[str, Any], _CountingFs | None]:
     from ckptaudit.auditing.plan import plan_scan
     from ckptaudit.auditing.scan import scan_items
-    from ckptaudit.formats.remote.staging import _Remote
+    from ckptaudit.formats.remote.objects import RemoteObject
 
     plan = plan_scan(path)
     counter = None
@@ -363,7 +363,7 @@ def _outcomes(path: str, jobs: int, counting: bool) -> tuple[dict[str, Any], _Co
             assert remote is not None
             first = next(iter(remote._files.values()))
             counter = _CountingFs(first.fs)
-            remote._files = {k: _Remote(counter, r.path, r.size) for k, r in remote._files.items()}
+            remote._files = {k: RemoteObject(counter, r.path, r.size) for k, r in remote._files.items()}
         got = scan_items(plan, plan.scannable(), jobs=jobs)
         return {plan.items[i][0].name: (o.scan, o.error) for i, o in got.items()}, counter
     finally:
@@ -373,7 +373,7 @@ def _outcomes(path: str, jobs: int, counting: bool) -> tuple[dict[str, Any], _Co
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_small_tensors_are_fetched_in_a_few_coalesced_reads_and_a_large_one_with_reads_in_flight(
         s3: dict[str, Any], many_small: Path, jobs: int) -> None:
-    from ckptaudit.formats.remote.staging import READ_AHEAD
+    from ckptaudit.formats.remote.objects import READ_AHEAD
 
     local, _ = _outcomes(str(many_small), jobs, counting=False)
     remote, counter = _outcomes("s3://ckpts/many-small", jobs, counting=True)
@@ -482,7 +482,7 @@ def test_a_data_file_that_cannot_be_read_while_others_are_staged_at_once_stops_s
 
     from ckptaudit.formats.remote.dcp import FILES_IN_FLIGHT, stage_dcp
     from ckptaudit.formats.remote.errors import RemoteReadError
-    from ckptaudit.formats.remote.staging import _Remote
+    from ckptaudit.formats.remote.objects import RemoteObject
 
     d = tmp_path / "gone-dcp"
     g = torch.Generator().manual_seed(4)
@@ -504,4 +504,4 @@ def test_a_data_file_that_cannot_be_read_while_others_are_staged_at_once_stops_s
             fh.truncate(size)
         files[name] = (f"ckpts/gone-dcp/{name}", size, str(local))
     with pytest.raises(RemoteReadError, match=gone):
-        stage_dcp(files, lambda path, size: _Remote(s3["fs"], path, size), lambda n: None)
+        stage_dcp(files, lambda path, size: RemoteObject(s3["fs"], path, size), lambda n: None)

@@ -25,8 +25,10 @@ from rich.text import Text
 
 from ckptaudit.auditing.judge import run_audit
 from ckptaudit.cli import main
+from ckptaudit.report import layout as layout_module
 from ckptaudit.report import table as table_module
-from ckptaudit.report.table import _column, _layout, print_table, render_table
+from ckptaudit.report.layout import layout as _layout
+from ckptaudit.report.table import _column, print_table, render_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -199,4 +201,4 @@ def test_plain_text_wraps_as_rich_wraps_it(text: str, width: int, fold: bool) ->
     overflow = "fold" if fold else "crop"
     expected = [line.plain for line in Text(text).wrap(con, width, justify="left", overflow=overflow)]
     expected = [line + " " * (width - len(line)) for line in expected]
-    assert table_module._wrap(text, width, fold) == expected
+    assert layout_module.wrap(text, width, fold) == expected

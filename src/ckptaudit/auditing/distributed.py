@@ -63,7 +63,7 @@ from ckptaudit.auditing.tensor_scan import TensorScan
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import Finding, Precision, PrecisionStats, RawReport
 from ckptaudit.formats.io.tensors import FileMaps, TensorData
-from ckptaudit.formats.remote.staging import is_url, local_path
+from ckptaudit.formats.remote import is_url, local_path
 
 __all__ = ["DistributedAuditError", "audit_distributed", "partition", "torchrun_rank"]
 

@@ -42,7 +42,8 @@ from ckptaudit.formats.io.tensors import (
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["MIN_INFORMATIVE", "SMALL_TENSOR_BYTES", "TensorScan", "classify", "scan_first_chunk", "scan_tensor"]
+__all__ = ["MIN_INFORMATIVE", "SMALL_TENSOR_BYTES", "TensorScan", "classify", "hash_tensor", "scan_first_chunk",
+           "scan_tensor"]
 
 MIN_INFORMATIVE = 4
 """Informative values needed before a 16-bit-representable tensor is called rounded."""
@@ -250,14 +251,30 @@ def scan_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHU
     return TensorScan(h.hexdigest(), Precision.EXACT, None)
 
 
+def hash_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
+    """:func:`scan_tensor`'s content hash alone (xxh3-128 of the tensor's bytes in row-major order, hex), read the
+    same way: the runs of bytes through the leased map where they can be, else :func:`iter_chunks`. Raises
+    ``ValueError`` / ``OSError`` as :func:`scan_tensor` does."""
+    import numpy as np
+
+    h = xxhash.xxh3_128()
+    spans = _spans(data)
+    if spans is not None:
+        for span in spans:
+            _scan_span(span, data.dtype.itemsize, maps, chunk_bytes, None, h, None)
+    else:
+        for chunk in iter_chunks(data, maps, chunk_bytes):
+            h.update((chunk if chunk.flags.c_contiguous else np.ascontiguousarray(chunk)).data)
+    return h.hexdigest()
+
+
 REMOTE_PIECE_BYTES = 4 << 20
 """A ranged read of a large tensor behind a URL (:data:`ckptaudit.formats.remote.READ_AHEAD` of them in flight):
 object stores answer a request after a round trip, so 1 MiB reads spend more time waiting than reading."""
 MAPPED_CHUNK_BYTES = 8 << 20
-"""Once a tensor's precision is decided, a chunk read through a leased map (:mod:`ckptaudit.formats.io.leased`) is
-this long: nothing reads it after the hash, so it need not stay in cache, and fewer chunks mean fewer lease and
-``madvise`` calls (two threads, five interleaved rounds: 1 MiB 11.4, 8 MiB 12.1, 32 MiB 12.7 GB/s, medians).
-Resident memory: this much mapped per thread, at most."""
+"""A window of a tensor's bytes read through a leased map (:mod:`ckptaudit.formats.io.leased`) at a time: one lease
+and two ``madvise`` calls per window, the precision's chunks (``chunk_bytes``) visited inside it while each is in
+cache. Resident memory: this much mapped per thread, at most (docs/performance.md, "The per-byte path")."""
 
 
 def _spans(data: TensorData) -> list[tuple[str, int, int]] | None:
@@ -282,16 +299,34 @@ def _spans(data: TensorData) -> list[tuple[str, int, int]] | None:
     return [(p.file, p.data_offset + p.storage_offset * size, p.numel * size) for p in slabs if p.numel]
 
 
+def _visit(data: memoryview, step: int, h: xxhash.xxh3_128, state: _Fp32State | None) -> None:
+    """The one place each of a tensor's bytes is visited on the fast path: ``data`` (a run of its bytes starting at a
+    chunk boundary, its length a multiple of the element size) hashed and, while the precision is undecided, given
+    to ``state`` chunk by chunk (``step`` bytes, :func:`~ckptaudit.formats.io.tensors.iter_chunks`' chunks), each
+    right after it was hashed, while it is in cache; once decided, the rest is hashed in one call."""
+    import numpy as np
+
+    at, n = 0, len(data)
+    while at < n:
+        if state is None or not state.undecided:
+            h.update(data[at:] if at else data)
+            return
+        chunk = data[at : at + step]
+        h.update(chunk)
+        state.update(np.frombuffer(chunk, dtype=np.uint32))  # keeps no reference to it
+        at += step
+
+
 def _scan_span(span: tuple[str, int, int], itemsize: int, maps: FileMaps, chunk_bytes: int,
                buffer: np.ndarray | None, h: xxhash.xxh3_128, state: _Fp32State | None) -> None:
     """:func:`scan_tensor`'s pass over one run of a tensor's bytes (:func:`_spans`): the chunks
-    :func:`~ckptaudit.formats.io.tensors.iter_chunks` yields (``chunk_bytes // itemsize`` elements each, read with
-    one positional read each into ``buffer``, the same short-read error), without its per-tensor and per-chunk
-    set-up: a checkpoint of a thousand small tensors spends more on that than on their bytes.
+    :func:`~ckptaudit.formats.io.tensors.iter_chunks` yields (``chunk_bytes // itemsize`` elements each), without its
+    per-tensor and per-chunk set-up: a checkpoint of a thousand small tensors spends more on that than on their bytes.
 
-    Where the file can be read through a leased map (:meth:`FileMaps.leased`), a chunk is hashed where it lies in
-    the page cache, and once the precision is decided the chunks grow to :data:`MAPPED_CHUNK_BYTES`; the hash is
-    the same (it is of the bytes, whatever the chunks), and the precision's chunks stay ``iter_chunks``'.
+    Where the file can be read through a leased map (:meth:`FileMaps.leased`), the bytes are visited where they lie
+    in the page cache, :data:`MAPPED_CHUNK_BYTES` at a time (a whole number of chunks); elsewhere each chunk is read
+    with one positional read into ``buffer`` (the same short-read error as ``iter_chunks``). Either way
+    :func:`_visit` gives the hash every byte in order and the precision ``iter_chunks``' chunks.
     """
     import numpy as np
 
@@ -300,53 +335,48 @@ def _scan_span(span: tuple[str, int, int], itemsize: int, maps: FileMaps, chunk_
     if remaining and buffer is not None and buffer.nbytes < step:  # iter_chunks' condition and message
         raise ValueError(f"scratch buffer of {buffer.nbytes} bytes is smaller than a chunk ({step} bytes): "
                          "make it with scratch_buffer(chunk_bytes)")
-    buf = np.empty(min(step, remaining), dtype=np.uint8) if buffer is None else buffer
-    raw = buf.data.cast("B")
     if remaining > step and maps.remote is not None and path in maps.remote:
         # Behind a URL: ranged reads of REMOTE_PIECE_BYTES, several in flight (a request costs a round trip: few
         # large ones reach the store's throughput), hashed in order; the precision still sees iter_chunks' chunks.
         piece = max(step, REMOTE_PIECE_BYTES // step * step)
         for data in maps.remote.read_ahead(path, pos, remaining, piece):
             want = min(piece, remaining)
-            for at in range(0, want, step):
+            if len(data) < want:  # iter_chunks' message, at the first chunk that ends early
+                at = len(data) // step * step
                 n = min(step, want - at)
-                if len(data) - at < n:  # iter_chunks' message
-                    raise ValueError(f"{path}: {max(0, len(data) - at)} of {n} bytes at offset {pos}: the file "
-                                     "ends early (truncated, or changed while being read)")
-                chunk = memoryview(data)[at : at + n]
-                h.update(chunk)
-                if state is not None and state.undecided:
-                    state.update(np.frombuffer(chunk, dtype=np.uint32))  # keeps no reference to it
-                pos += n
-                remaining -= n
+                raise ValueError(f"{path}: {len(data) - at} of {n} bytes at offset {pos + at}: the file ends "
+                                 "early (truncated, or changed while being read)")
+            _visit(memoryview(data)[:want], step, h, state)
+            pos += want
+            remaining -= want
         if remaining:  # the object is shorter than the stand-in: the reads ended early
             raise ValueError(f"{path}: 0 of {min(step, remaining)} bytes at offset {pos}: the file ends early "
                              "(truncated, or changed while being read)")
         return
     leased = maps.leased(path) if remaining >= MIN_MAPPED_BYTES else None
-    big = max(step, MAPPED_CHUNK_BYTES // itemsize * itemsize)
+    window = max(1, MAPPED_CHUNK_BYTES // step) * step
+    buf = None
     while remaining:
         if leased is not None:
-            n = min(step if state is not None and state.undecided else big, remaining)
+            n = min(window, remaining)
             view = leased.view(pos, n)
             if view is not None:
                 try:
-                    h.update(view)
-                    if state is not None and state.undecided:
-                        state.update(np.frombuffer(view, dtype=np.uint32))  # keeps no reference to it
+                    _visit(view, step, h, state)
                 finally:
                     leased.done(view, pos)
                 pos += n
                 remaining -= n
                 continue
+        if buf is None:
+            buf = np.empty(min(step, remaining), dtype=np.uint8) if buffer is None else buffer
+        raw = buf.data.cast("B")
         n = min(step, remaining)
         got = maps.read_into(path, raw[:n], pos)
         if got != n:  # iter_chunks' message
             raise ValueError(f"{path}: {got} of {n} bytes at offset {pos}: the file ends early "
                              "(truncated, or changed while being read)")
-        h.update(raw[:n])
-        if state is not None and state.undecided:
-            state.update(buf[:n].view(np.uint32))
+        _visit(raw[:n], step, h, state)
         pos += n
         remaining -= n
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from ckptaudit.auditing.scan import scalar_value
+from ckptaudit.auditing.tensor_scan import hash_tensor
 from ckptaudit.comparing.elementwise import Classifier, DiffAccumulator, DiffStats, Pool, compare_streams, paired_chunks
 from ckptaudit.comparing.matching import Entry
 from ckptaudit.formats.base import Unreadable
@@ -77,46 +77,68 @@ def classify_tensors(r: TensorData, c: TensorData, rmaps: FileMaps, cmaps: FileM
                            pool=pool)
 
 
-def _bytes(chunk: np.ndarray) -> memoryview:
-    return np.ascontiguousarray(chunk).data.cast("B")
-
-
 def hash_entry(e: Entry, maps: FileMaps, chunk_bytes: int) -> None:
     """Set ``e.hash`` (a tensor no other checkpoint's tensor is paired with). Raises ``ValueError``/``OSError``."""
     if e.data is None:
         return
-    h = xxhash.xxh3_128()
-    for chunk in iter_chunks(e.data, maps, chunk_bytes):
-        h.update(_bytes(chunk))
-    e.hash = h.hexdigest()
+    e.hash = hash_tensor(e.data, maps, chunk_bytes)
     e.hashed = True
+
+
+def _first_pair(r: TensorData, c: TensorData, rmaps: FileMaps, cmaps: FileMaps, chunk_bytes: int,
+                pool: Pool) -> tuple[np.ndarray, np.ndarray] | None:
+    """The first pair :func:`_stream` yields, read into two of ``pool``'s arrays (a fresh chunk buffer per tensor
+    and side costs a page fault per 4 KiB), where both tensors are one contiguous piece (then that pair is the
+    first ``chunk_bytes // itemsize`` elements of each); ``None`` otherwise. Raises ``ValueError`` / ``OSError``
+    as :func:`iter_chunks` does."""
+    pieces = r.whole_piece(), c.whole_piece()
+    if any(p is None or not p.is_contiguous() for p in pieces) or not r.numel or r.numel != c.numel:
+        return None
+    n = min(max(1, chunk_bytes // max(r.dtype.itemsize, c.dtype.itemsize)), r.numel)
+    out = []
+    for side, (data, piece, maps) in enumerate(((r, pieces[0], rmaps), (c, pieces[1], cmaps))):
+        assert piece is not None
+        arr = pool.get(f"first-{side}", np.dtype(data.dtype.numpy), n)
+        pos = piece.data_offset + piece.storage_offset * data.dtype.itemsize
+        got = maps.read_into(piece.file, arr.data.cast("B"), pos)
+        if got != arr.nbytes:  # iter_chunks' message
+            raise ValueError(f"{piece.file}: {got} of {arr.nbytes} bytes at offset {pos}: the file ends early "
+                             "(truncated, or changed while being read)")
+        out.append(arr)
+    return out[0], out[1]
 
 
 def _fused(r: TensorData, c: TensorData, rmaps: FileMaps, cmaps: FileMaps, chunk_bytes: int,
            pool: Pool) -> tuple[str, str | None, DiffStats | None, str | None, str | None]:
     """One pass over both tensors. Returns (status, rounding, stats, ref hash, cand hash).
 
-    The first chunk decides the route. Bitwise equal: the rest is only hashed (both sides) and equal digests
-    mean ``identical`` -- the common case of a faithful copy costs two hash updates per chunk. Otherwise the
+    The first chunk decides the route. Bitwise equal: each side is then hashed whole, as the audit hashes it
+    (:func:`~ckptaudit.auditing.tensor_scan.hash_tensor`: its bytes where they lie in the page cache), and equal
+    digests mean ``identical`` -- the common case of a faithful copy costs one hash pass per side. Otherwise the
     rest is classified without hashing (the digests would not change the verdict; they are ``None``), and a
     pair that turns out *different* is measured from that chunk on in the same pass.
     """
-    hr: Any = xxhash.xxh3_128()
-    hc: Any = xxhash.xxh3_128()
-    cl = Classifier(r.dtype, c.dtype, pool=pool)
+    first = _first_pair(r, c, rmaps, cmaps, chunk_bytes, pool)
+    if first is not None:
+        probe = Classifier(r.dtype, c.dtype, pool=pool)
+        if probe.update(*first) and probe.bitwise:  # the route the loop's first chunk would take: hash only
+            ref_hash, cand_hash = hash_tensor(r, rmaps, chunk_bytes), hash_tensor(c, cmaps, chunk_bytes)
+            if ref_hash == cand_hash:
+                return "identical", None, None, ref_hash, cand_hash
+            status, rounding, stats = classify_tensors(r, c, rmaps, cmaps, chunk_bytes, pool=pool)
+            return status, rounding, stats, ref_hash, cand_hash
+    cl = Classifier(r.dtype, c.dtype, pool=pool)  # from the start (again, after a probe that was not equal)
     acc: DiffAccumulator | None = None
     mode = "classify"  # -> "hash-only" (first chunk bitwise equal), "measure" (different), "again" (restart)
     first_measured = 0
     for i, (a, b) in enumerate(_stream(r, c, rmaps, cmaps, chunk_bytes)):
-        if mode == "hash-only":
-            hr.update(_bytes(a))
-            hc.update(_bytes(b))
-        elif mode == "classify":
+        if mode == "classify":
             alive = cl.update(a, b)
             if i == 0 and cl.bitwise and alive:
+                # Each side hashed whole, as the audit hashes it (its bytes where they lie in the page cache):
+                # no pairing of chunks, no copy; the first chunk is read once more.
                 mode = "hash-only"
-                hr.update(_bytes(a))
-                hc.update(_bytes(b))
+                break
             elif cl.restart:
                 mode = "again"
             elif not alive:
@@ -128,7 +150,7 @@ def _fused(r: TensorData, c: TensorData, rmaps: FileMaps, cmaps: FileMaps, chunk
         else:  # "again": a preferred hypothesis failed after the first chunk; read again below
             break
     if mode == "hash-only":
-        ref_hash, cand_hash = hr.hexdigest(), hc.hexdigest()
+        ref_hash, cand_hash = hash_tensor(r, rmaps, chunk_bytes), hash_tensor(c, cmaps, chunk_bytes)
         if ref_hash == cand_hash:
             return "identical", None, None, ref_hash, cand_hash
         # Equal first chunk, different digests: classify from the start (rare).

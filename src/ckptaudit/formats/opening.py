@@ -31,7 +31,7 @@ def open_checkpoint(path: str) -> Checkpoint:
     ``path`` may be an fsspec URL (``s3://bucket/ckpt.pt``): the readers then parse a local stand-in holding the
     metadata bytes, and tensor data is streamed with ranged reads (:mod:`ckptaudit.formats.remote.staging`).
     """
-    from ckptaudit.formats.remote.staging import is_url, local_path
+    from ckptaudit.formats.remote import is_url, local_path
 
     if is_url(path):
         return _open_remote(path)

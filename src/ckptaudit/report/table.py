@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any, TextIO
-
-from rich.cells import cell_len
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ckptaudit.catalogue import CATALOGUE
 from ckptaudit.findings import Finding, Precision, RawReport, Severity
+from ckptaudit.report.layout import layout, plain, simple, wrap
+from ckptaudit.report.plain import Cell, Grid, Line, draw, plain_output
 from ckptaudit.report.text import clean
+
+if TYPE_CHECKING:  # rich is imported where a report is drawn by it (not for plain output: report.plain)
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
 
 __all__ = ["STREAM_ABOVE", "print_table", "render_table"]
 
@@ -28,10 +29,6 @@ MAX_DETAIL_LINES = 16
 
 # Names and messages come from untrusted files: shown through report.text.clean (controls, format characters,
 # line separators and lone surrogates escaped), and no string is parsed as markup.
-
-
-def _t(value: Any, style: str = "") -> Text:
-    return Text(clean(value), style=style)
 
 
 PIPE_WIDTH = 140
@@ -49,16 +46,24 @@ def width_for(out: TextIO) -> int | None:
     return PIPE_WIDTH
 
 
-class _Console(Console):
-    def on_broken_pipe(self) -> None:
-        """A closed pipe is the caller's to handle (the CLI stops rendering and returns the verdict's exit code);
-        rich's default would point the process's fd 1 at /dev/null and exit."""
-        raise BrokenPipeError(errno.EPIPE, "the reader of the output has gone")
+_CONSOLE: Any = None
 
 
 def console_for(out: TextIO) -> Console:
+    global _CONSOLE
+    if _CONSOLE is None:
+        from rich.console import Console
+
+        class _Console(Console):
+            def on_broken_pipe(self) -> None:
+                """A closed pipe is the caller's to handle (the CLI stops rendering and returns the verdict's exit
+                code); rich's default would point the process's fd 1 at /dev/null and exit."""
+                raise BrokenPipeError(errno.EPIPE, "the reader of the output has gone")
+
+        _CONSOLE = _Console
     # Markup and emoji off: names and messages come from untrusted checkpoints ("[/]" would be a markup error).
-    return _Console(file=out, width=width_for(out), highlight=False, soft_wrap=False, markup=False, emoji=False)
+    return _CONSOLE(file=out, width=width_for(out), highlight=False, soft_wrap=False, markup=False,  # type: ignore[no-any-return]
+                    emoji=False)
 
 
 def _column(t: Table, header: str, **kwargs: Any) -> None:
@@ -68,38 +73,67 @@ def _column(t: Table, header: str, **kwargs: Any) -> None:
 
 
 def render_table(report: RawReport, out: TextIO, *, verbose: bool = False) -> None:
+    blocks = _blocks(report, verbose)
+    if plain_output(out):
+        text = draw(blocks, width_for(out) or PIPE_WIDTH)
+        if text is not None:  # what rich would draw, without importing it
+            out.write(text)
+            return
     con = console_for(out)
+    for block in blocks:
+        if isinstance(block, Line):
+            con.print(_text(block.text, block.style), end=block.end, soft_wrap=True if block.soft_wrap else None)
+            continue
+        from rich.table import Table
+
+        if block.section:
+            t = Table(title=_text(block.title), title_justify="left", show_edge=False)
+            for header, options in block.columns:
+                t.add_column(_text(header), **options)
+        else:
+            t = Table(title=block.title, title_justify="left", show_edge=False)
+            for header, options in block.columns:
+                _column(t, header, **options)
+        print_table(con, t, [tuple(_text(c.plain, c.style) if isinstance(c, Cell) else c for c in row)
+                             for row in block.rows])
+
+
+def _text(text: str, style: str = "") -> Text:
+    from rich.text import Text
+
+    return Text(text, style=style)
+
+
+def _blocks(report: RawReport, verbose: bool) -> list[Line | Grid]:
+    """The report as lines and tables (names and messages through :func:`~ckptaudit.report.text.clean`)."""
+    out: list[Line | Grid] = []
     worst = report.worst()
     style = _STYLE.get(worst, "bold green") if worst is not None and worst > Severity.INFO else "bold green"
-    con.print(_t(f"ckptaudit {report.command}: {report.path}", "bold"))
-    con.print(_t(f"format: {report.format}"), end="")
+    out.append(Line(clean(f"ckptaudit {report.command}: {report.path}"), "bold"))
+    out.append(Line(clean(f"format: {report.format}"), end=""))
     if report.contract is not None:
         c = report.contract
-        con.print(_t(f"   master dtype: {c.master_dtype} ({c.source}: {c.detail})"), end="")
-    con.print()
+        out.append(Line(clean(f"   master dtype: {c.master_dtype} ({c.source}: {c.detail})"), end=""))
+    out.append(Line())
     if report.summary:
-        con.print(_t(report.summary, style))
+        out.append(Line(clean(report.summary), style))
     for section in report.extra.get("sections", []):
-        _section(con, section, verbose)
+        out.append(_section(section, verbose))
     if report.components:
         missing = [c for c in report.components if not c.found]
         if verbose or missing:
-            t = Table(title="components", title_justify="left", show_edge=False)
-            _column(t, "component", no_wrap=True)
-            _column(t, "found", no_wrap=True)
-            _column(t, "where", overflow="fold")
-            print_table(con, t, [(comp.kind.value, "yes" if comp.found else Text("MISSING", style="red"),
-                                  _t(", ".join(comp.where) + (f"  ({comp.detail})" if comp.detail else "")))
-                                 for comp in report.components])
+            out.append(Grid("components", [("component", {"no_wrap": True}), ("found", {"no_wrap": True}),
+                                           ("where", {"overflow": "fold"})],
+                            [(comp.kind.value, "yes" if comp.found else Cell("MISSING", "red"),
+                              clean(", ".join(comp.where) + (f"  ({comp.detail})" if comp.detail else "")))
+                             for comp in report.components]))
         else:
-            con.print(_t("components: " + ", ".join(f"{c.kind.value} ({', '.join(c.where)})"
-                                                    for c in report.components)))
+            out.append(Line(clean("components: " + ", ".join(f"{c.kind.value} ({', '.join(c.where)})"
+                                                             for c in report.components))))
     if report.findings:
-        t = Table(title="findings", title_justify="left", show_edge=False)
-        _column(t, "severity", no_wrap=True)
-        _column(t, "code", no_wrap=True, min_width=min(32, max(len(f.code) for f in report.findings)))
-        _column(t, "subject", overflow="fold", ratio=1)
-        _column(t, "message", overflow="fold", ratio=3)
+        columns: list[tuple[str, dict[str, Any]]] = [("severity", {"no_wrap": True}),
+                   ("code", {"no_wrap": True, "min_width": min(32, max(len(f.code) for f in report.findings))}),
+                   ("subject", {"overflow": "fold", "ratio": 1}), ("message", {"overflow": "fold", "ratio": 3})]
         # Rows group by (severity, code): one code can be an error for some subjects and a warning for others
         # (component.missing: model vs rng), and an error row must not list warning subjects.
         by_key: dict[tuple[Severity, str, bool], list[int]] = defaultdict(list)
@@ -127,52 +161,51 @@ def render_table(report: RawReport, out: TextIO, *, verbose: bool = False) -> No
             rule = CATALOGUE.get(f.code)
             rows.append((_severity(f), clean(f.code), f"{len(same)} subjects",
                          clean(f"{listed}. {rule.summary if rule else f.message} (--verbose lists each)")))
-        print_table(con, t, rows)
+        out.append(Grid("findings", columns, rows))
         for f, lines in details:
             cut = not verbose and len(lines) > MAX_DETAIL_LINES
-            con.print(_t(f"{f.code} {f.subject}:" + (f" (last {MAX_DETAIL_LINES} of {len(lines)} lines; "
-                                                     "--verbose shows all)" if cut else ""), "bold"))
+            out.append(Line(clean(f"{f.code} {f.subject}:" + (f" (last {MAX_DETAIL_LINES} of {len(lines)} lines; "
+                                                              "--verbose shows all)" if cut else "")), "bold"))
             for line in lines[-MAX_DETAIL_LINES:] if cut else lines:
-                con.print(_t("  " + line), soft_wrap=True)
+                out.append(Line(clean("  " + line), soft_wrap=True))
     else:
-        con.print(Text("no findings", style="green"))
+        out.append(Line("no findings", "green"))
     # Every tensor in verbose mode; otherwise only unreadable ones (rounded ones are already findings).
     odd = [r for r in report.tensors if verbose or r.precision is Precision.UNREAD]
     if odd:
-        t = Table(title="tensors" if verbose else "tensors below their dtype's precision", title_justify="left",
-                  show_edge=False)
-        for col in ("name", "role", "dtype", "shape", "effective", "hash"):
-            _column(t, col, overflow="fold")
         rows = [(clean(r.name), clean(r.role), clean(r.dtype), str(list(r.shape)), r.precision.value,
                  (r.hash or "-")[:16]) for r in odd[: None if verbose else 20]]
         if not verbose and len(odd) > 20:
             rows.append((f"... {len(odd) - 20} more", "", "", "", "", ""))
-        print_table(con, t, rows)
+        out.append(Grid("tensors" if verbose else "tensors below their dtype's precision",
+                        [(col, {"overflow": "fold"}) for col in ("name", "role", "dtype", "shape", "effective",
+                                                                  "hash")], rows))
+    return out
 
 
-def _severity(f: Finding) -> Text:
+def _severity(f: Finding) -> Cell:
     """The severity cell: an acknowledged finding (``--ignore``) says so, dimmed."""
     if f.ignored:
-        return Text(f"{f.severity.label} (ignored)", style="dim")
-    return Text(f.severity.label, style=_STYLE[f.severity])
+        return Cell(f"{f.severity.label} (ignored)", "dim")
+    return Cell(f.severity.label, _STYLE[f.severity])
 
 
 MAX_SECTION_ROWS = 12
 
 
-def _section(con: Console, section: dict, verbose: bool) -> None:
+def _section(section: dict, verbose: bool) -> Grid:
     """A command-specific table: ``{"title", "columns", "rows"}``; long ones cut short unless ``verbose``."""
-    t = Table(title=_t(section.get("title") or ""), title_justify="left", show_edge=False)
+    columns = []
     for col in section.get("columns", []):
         header = clean(col)
-        t.add_column(Text(header), overflow="fold", min_width=max((len(w) for w in header.split()), default=1))
+        columns.append((header, {"overflow": "fold", "min_width": max((len(w) for w in header.split()), default=1)}))
     rows = section.get("rows", [])
     shown = rows if verbose or len(rows) <= MAX_SECTION_ROWS else rows[: MAX_SECTION_ROWS - 2]
     cells: list[tuple[Any, ...]] = [tuple(clean(c) for c in row) for row in shown]
     if len(shown) < len(rows):
         cells.append((clean(f"... {len(rows) - len(shown)} more rows (--verbose, or --format json, lists all)"),
                       *[""] * (len(section.get("columns", [])) - 1)))
-    print_table(con, t, cells)
+    return Grid(clean(section.get("title") or ""), columns, cells, section=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -187,8 +220,6 @@ STREAM_ABOVE = 100
 """Tables of more rows than this are streamed; shorter ones are drawn by rich itself."""
 _BATCH = 512
 """Rows formatted before each write."""
-_WORD = re.compile(r"\s*\S+\s*")
-"""A word and the whitespace around it, as rich's word wrap cuts text."""
 
 
 def print_table(con: Console, table: Table, rows: Sequence[Sequence[Any]], *,
@@ -196,7 +227,7 @@ def print_table(con: Console, table: Table, rows: Sequence[Sequence[Any]], *,
     """Print ``table`` with ``rows`` (cells are ``str`` or :class:`~rich.text.Text`) on ``con``: drawn by rich when
     it has at most ``stream_above`` rows (default :data:`STREAM_ABOVE`), else streamed in the same layout."""
     if len(rows) > (STREAM_ABOVE if stream_above is None else stream_above):
-        widths = _layout(con, table, rows)
+        widths = layout(con, table, rows)
         if widths is not None:
             _stream(con, table, rows, widths)
             return
@@ -205,179 +236,18 @@ def print_table(con: Console, table: Table, rows: Sequence[Sequence[Any]], *,
     con.print(table)
 
 
-def _plain(cell: Any) -> str:
-    return cell.plain if isinstance(cell, Text) else str(cell)
-
-
-def _simple(text: str) -> bool:
-    """Printable ASCII: one cell per character, no line breaks, nothing rich would treat specially."""
-    return text.isascii() and text.isprintable()
-
-
-def _longest_line(text: str) -> int:
-    """rich's measure of a text's widest line, in terminal cells."""
-    if _simple(text):
-        return len(text)
-    return max((cell_len(line) for line in text.splitlines()), default=0)
-
-
-def _layout(con: Console, table: Table, rows: Sequence[Sequence[Any]]) -> list[int] | None:
-    """The column widths (padding included) rich would give ``table`` holding ``rows``, or ``None`` for a table this
-    module does not lay out (options our tables do not use, a table wider than the console)."""
-    columns = table.columns
-    if (table.expand or table.width is not None or table.min_width is not None or table.box is None
-            or tuple(table.padding) != (0, 1, 0, 1) or not table.pad_edge or table.collapse_padding
-            or table.show_lines or table.leading or table.show_footer or not table.show_header or table.row_styles
-            or any(c.justify != "left" or c.max_width is not None or c.style or c.vertical != "top"
-                   for c in columns)
-            or any(len(row) != len(columns) for row in rows)):
-        return None
-    extra = len(columns) - 1 + (2 if table.show_edge else 0)
-    available = con.width - extra
-    longest = [_longest_line(_plain(c.header)) for c in columns]
-    for row in rows:
-        for i, cell in enumerate(row):
-            if isinstance(cell, str) and len(cell) <= longest[i] and cell.isascii():
-                continue
-            n = _longest_line(_plain(cell))
-            if n > longest[i]:
-                longest[i] = n
-
-    def measure(limit: int) -> list[int]:
-        # rich's Table._measure_column over Padding(Text): the widest line plus the padding, capped at the limit,
-        # raised to the column's min_width; a fixed-width column is its width plus the padding.
-        out = []
-        for c, n in zip(columns, longest, strict=True):
-            if limit < 1:
-                out.append(0)
-            elif c.width is not None:
-                out.append(min(c.width + 2, limit))
-            else:
-                w = limit if limit <= 2 else min(n + 2, limit)
-                out.append(w if c.min_width is None else max(w, c.min_width + 2))
-        return out
-
-    widths = [w or 1 for w in measure(available)]
-    if sum(widths) > available:
-        widths = _collapse(widths, [c.width is None and not c.no_wrap for c in columns], available)
-        if sum(widths) > available:
-            widths = _reduce(sum(widths) - available, [1] * len(widths), widths, widths)
-        widths = [w or 0 for w in (measure(w)[i] for i, w in enumerate(widths))]
-    if sum(widths) > available or min(widths) < 3:
-        return None
-    return widths
-
-
-def _reduce(total: int, ratios: list[int], maximums: list[int], values: list[int]) -> list[int]:
-    """Take ``total`` off ``values`` in proportion to ``ratios``, at most ``maximums`` each (rich's rounding)."""
-    ratios = [r if m else 0 for r, m in zip(ratios, maximums, strict=True)]
-    left_ratio = sum(ratios)
-    if not left_ratio:
-        return values[:]
-    remaining = total
-    out = []
-    for r, m, v in zip(ratios, maximums, values, strict=True):
-        if r and left_ratio > 0:
-            cut = min(m, round(r * remaining / left_ratio))
-            out.append(v - cut)
-            remaining -= cut
-            left_ratio -= r
-        else:
-            out.append(v)
-    return out
-
-
-def _collapse(widths: list[int], wrapable: list[bool], available: int) -> list[int]:
-    """Narrow the widest wrapping columns toward the next widest until the table fits (rich's rule)."""
-    excess = sum(widths) - available
-    if not any(wrapable):
-        return widths
-    while sum(widths) and excess > 0:
-        widest = max(w for w, ok in zip(widths, wrapable, strict=True) if ok)
-        second = max(w if ok and w != widest else 0 for w, ok in zip(widths, wrapable, strict=True))
-        ratios = [1 if w == widest and ok else 0 for w, ok in zip(widths, wrapable, strict=True)]
-        if not any(ratios) or not widest - second:
-            break
-        widths = _reduce(excess, ratios, [min(excess, widest - second)] * len(widths), widths)
-        excess = sum(widths) - available
-    return widths
-
-
-def _wrap(text: str, width: int, fold: bool) -> list[str]:
-    """Printable ASCII ``text`` cut into lines of exactly ``width`` characters, as rich's ``Text.wrap`` cuts and
-    pads it (left-justified; a word longer than the width folded when ``fold``, else cropped)."""
-    if len(text) <= width:
-        return [text + " " * (width - len(text))]
-    if text[0] != " " and max(map(len, text.split())) <= width:
-        return _fit(_wrap_words(text, width), width)
-    breaks = []
-    offset = 0
-    for m in _WORD.finditer(text):
-        start, word = m.start(), m.group()
-        length = len(word.rstrip())
-        if width - offset >= length:
-            offset += len(word)
-        elif length > width:
-            if fold:
-                pieces = [word[i:i + width] for i in range(0, len(word), width)]
-                for piece in pieces[:-1]:
-                    if start:
-                        breaks.append(start)
-                    start += len(piece)
-                if start:
-                    breaks.append(start)
-                offset = len(pieces[-1])
-            else:
-                if start:
-                    breaks.append(start)
-                offset = len(word)
-        elif offset and start:
-            breaks.append(start)
-            offset = len(word)
-    return _fit([text[a:b] for a, b in zip([0, *breaks], [*breaks, len(text)], strict=True)], width)
-
-
-def _wrap_words(text: str, width: int) -> list[str]:
-    """The same cut, for text with no leading space and no word longer than the width (a finding's message): each
-    line runs from a word's start to the start of the first word that does not end within the width."""
-    lines = []
-    p, n = 0, len(text)
-    while p + width < n:
-        q = p + width
-        if text[q] == " ":
-            while q < n and text[q] == " ":
-                q += 1
-            if q == n:
-                break
-        else:
-            q = text.rfind(" ", p, q) + 1
-        lines.append(text[p:q])
-        p = q
-    lines.append(text[p:])
-    return lines
-
-
-def _fit(lines: list[str], width: int) -> list[str]:
-    """Each line as rich finishes it: whitespace past the width dropped, then cropped or padded to the width."""
-    out = []
-    for line in lines:
-        if len(line) > width:
-            spaces = len(line) - len(line.rstrip())
-            line = line[: len(line) - min(spaces, len(line) - width)]
-        out.append(line[:width] + " " * (width - len(line)))
-    return out
-
-
 def _cell_lines(con: Console, cell: Any, width: int, column: Any) -> list[Any]:
     """One cell as lines of exactly ``width`` cells: ``str`` for plain text, :class:`Text` where rich must do it (a
     styled text, wide characters, a no-wrap cell that does not fit)."""
-    text = _plain(cell)
+    from rich.text import Text
+
+    text = plain(cell)
     styled = isinstance(cell, Text) and (cell.spans or cell.justify or cell.overflow or cell.no_wrap is not None)
-    if not styled and _simple(text):
+    if not styled and simple(text):
         if len(text) <= width:
             return [text + " " * (width - len(text))]
         if not column.no_wrap and column.overflow in ("fold", "crop"):
-            return _wrap(text, width, column.overflow == "fold")
+            return wrap(text, width, column.overflow == "fold")
     rich_text = cell if isinstance(cell, Text) else Text(text)
     return list(rich_text.wrap(con, width, justify=column.justify, overflow=column.overflow,
                                no_wrap=column.no_wrap))
@@ -402,7 +272,7 @@ def _stream(con: Console, table: Table, rows: Sequence[Sequence[Any]], widths: l
             if color:
                 batch.append(_styled_line(cells, k, widths, row, divider, left, right))
             else:
-                parts = [_plain(c[k]) if k < len(c) else " " * (w - 2) for c, w in zip(cells, widths, strict=True)]
+                parts = [plain(c[k]) if k < len(c) else " " * (w - 2) for c, w in zip(cells, widths, strict=True)]
                 batch.append(left + " " + f" {divider} ".join(parts) + " " + right + "\n")
         if len(batch) >= _BATCH:
             _flush(con, batch, color)
@@ -413,6 +283,8 @@ def _styled_line(cells: list[list[Any]], k: int, widths: list[int], row: Sequenc
                  right: str) -> Text:
     """Line ``k`` of a row for a terminal that shows styles: each cell's text in its style, the blank lines below
     a shorter cell unstyled (as rich draws them)."""
+    from rich.text import Text
+
     line = Text(left + " ")
     for i, (lines, width, cell) in enumerate(zip(cells, widths, row, strict=True)):
         if i:
@@ -428,6 +300,8 @@ def _styled_line(cells: list[list[Any]], k: int, widths: list[int], row: Sequenc
 
 
 def _flush(con: Console, batch: list[Any], color: bool) -> None:
+    from rich.text import Text
+
     if not batch:
         return
     if color:

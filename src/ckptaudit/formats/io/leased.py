@@ -27,7 +27,10 @@ lease-break time in the middle of a chunk while another process truncates the fi
 back and the stopped read faults when it resumes. ``CKPTAUDIT_MAPPED_READS=0`` turns the mapped path off.
 
 Thread-safety: one :class:`LeasedFile` per open data file, shared by the scanning threads (a lock guards the
-lease count; the reads themselves run in parallel).
+lease count; the reads themselves run in parallel). The page-table work (``MADV_POPULATE_READ`` before a chunk,
+``MADV_DONTNEED`` after it) is about as much CPU as hashing the chunk, and ``mmap.madvise`` does it holding the
+GIL, so that two scanning threads took turns at it; it goes through libc's ``madvise`` by ``ctypes``, which
+releases the GIL for the call (:func:`madvise`), wherever ``ctypes`` and NumPy (for the map's address) load.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
-__all__ = ["MIN_MAPPED_BYTES", "LeasedFile", "mapped_reads_enabled"]
+__all__ = ["MIN_MAPPED_BYTES", "LeasedFile", "madvise", "map_address", "mapped_reads_enabled"]
 
 _F_SETSIG = 10  # Linux's fcntl commands (F_LINUX_SPECIFIC_BASE = 1024); the fcntl module lacks some
 _F_SETLEASE = 1024
@@ -54,6 +58,54 @@ copy they save."""
 MIN_LEASE_BREAK_SECONDS = 5
 """The kernel takes a lease back after ``/proc/sys/fs/lease-break-time`` seconds (45 by default) whether or not
 the holder gave it back; below this a chunk read slowly (cold pages on a slow disk) could outlast it."""
+
+
+_LIBC_MADVISE: Any = None
+"""libc's ``madvise`` through ``ctypes`` (``False``: not available here), loaded on first use."""
+
+
+def _libc_madvise() -> Any:
+    global _LIBC_MADVISE
+    if _LIBC_MADVISE is None:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _LIBC_MADVISE = fn
+        except (ImportError, OSError, AttributeError):  # no ctypes or no libc symbol: mmap.madvise, with the GIL
+            _LIBC_MADVISE = False
+    return _LIBC_MADVISE
+
+
+def madvise(mapped: mmap.mmap, address: int | None, start: int, length: int, advice: int) -> None:
+    """``mapped.madvise(advice, start, length)``, without the GIL where ``address`` (of the map's first byte) is
+    known: the call through ``ctypes`` releases it, ``mmap.madvise`` holds it for the whole page-table walk.
+    Raises ``OSError`` as ``mmap.madvise`` does, ``ValueError`` for a start outside the map; a range past its end
+    is cut at the end, as ``mmap.madvise`` cuts it."""
+    fn = _libc_madvise()
+    if address is None or not fn:
+        mapped.madvise(advice, start, length)
+        return
+    if start < 0 or start >= len(mapped) or length < 0:  # mmap.madvise's checks, and its clipping below
+        raise ValueError(f"madvise range {start}+{length} outside the map of {len(mapped)} bytes")
+    if fn(address + start, min(length, len(mapped) - start), advice) != 0:
+        import ctypes
+
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def map_address(mapped: mmap.mmap) -> tuple[int, Any] | None:
+    """The address of ``mapped``'s first byte and the object that holds it (keep it while the address is used;
+    drop it before closing the map), or ``None`` where NumPy is not loaded (then ``madvise`` holds the GIL)."""
+    if "numpy" not in sys.modules:  # the scan of large tensors loads it; this module does not load it alone
+        return None
+    import numpy as np
+
+    held = np.frombuffer(mapped, dtype=np.uint8)
+    return int(held.ctypes.data), held
 
 
 def mapped_reads_enabled() -> bool:
@@ -89,6 +141,8 @@ class LeasedFile:
         self._off = False  # the mapped path failed once for this file: pread from now on
         self._map: mmap.mmap | None = None
         self._bytes: memoryview | None = None
+        self._address: int | None = None
+        self._held: Any = None  # what keeps the map's address valid to hand to libc (map_address)
         self.mapped = 0
         """Chunks read through the map so far (for tests and benchmarks)."""
 
@@ -103,7 +157,7 @@ class LeasedFile:
         assert self._map is not None and self._bytes is not None
         lo = pos - pos % mmap.PAGESIZE
         try:
-            self._map.madvise(_MADV_POPULATE_READ, lo, pos + n - lo)
+            madvise(self._map, self._address, lo, pos + n - lo, _MADV_POPULATE_READ)
         except (OSError, ValueError):  # an I/O error on a page, or no MADV_POPULATE_READ: pread reports it
             self._off = True
             self._leave(pos, n)
@@ -132,6 +186,9 @@ class LeasedFile:
                         return False
                     self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
                     self._bytes = memoryview(self._map)
+                    found = map_address(self._map)
+                    if found is not None:
+                        self._address, self._held = found
                 # Before every lease, not once per map: the break signal belongs to the open file description,
                 # and one without it (a descriptor number re-opened or dup2'd over) would get SIGIO, which kills.
                 fcntl.fcntl(fd, _F_SETSIG, int(signal.SIGURG))
@@ -167,7 +224,7 @@ class LeasedFile:
         assert self._map is not None
         lo = pos - pos % mmap.PAGESIZE
         try:
-            self._map.madvise(mmap.MADV_DONTNEED, lo, pos + n - lo)
+            madvise(self._map, self._address, lo, pos + n - lo, mmap.MADV_DONTNEED)
         except (OSError, ValueError):  # best effort: the pages are reclaimable anyway
             pass
         with self._lock:
@@ -180,6 +237,7 @@ class LeasedFile:
 
     def close(self) -> None:
         """Unmap (after every view was handed back)."""
+        self._address = self._held = None
         if self._bytes is not None:
             self._bytes.release()
             self._bytes = None

@@ -188,7 +188,7 @@ class FileMaps:
         self._mapped_reads: bool | None = None
         self._lock = threading.Lock()
         self.remote: Any = None
-        """For a checkpoint behind a URL: the :class:`~ckptaudit.formats.remote.staging.RemoteFiles` its stand-in files
+        """For a checkpoint behind a URL: the :class:`~ckptaudit.formats.remote.objects.RemoteFiles` its stand-in files
         read their data from (ranged reads); ``None`` for local checkpoints."""
 
     def fd(self, path: str) -> int:

@@ -19,7 +19,7 @@ each are one request, not one each; a ``torch.save`` file's staging reads nothin
 data the scan reads, and nothing is fetched twice there). No read exceeds :data:`MAX_READ_BYTES` and no batch
 holds more than :data:`MAX_IN_FLIGHT_BYTES`, so memory stays bounded by those, whatever the checkpoint's size;
 only the ranges asked are written to the stand-in and charged to the staging budget. Tensor data is not staged:
-it streams through :class:`~ckptaudit.formats.remote.staging.RemoteFiles` when it is hashed.
+it streams through :class:`~ckptaudit.formats.remote.objects.RemoteFiles` when it is hashed.
 
 The ``.metadata`` parsed here only to plan reads goes through the same scan and restricted rebuild as the reader
 (nothing is unpickled otherwise); when it is hostile or malformed, nothing more is staged and the reader reports
@@ -89,7 +89,7 @@ class _InFlight:
 class RangeStager:
     """Fills byte ranges of one stand-in file from its remote object, each byte fetched at most once.
 
-    ``remote`` is a :class:`~ckptaudit.formats.remote.staging._Remote` (its reads bounded and checked there);
+    ``remote`` is a :class:`~ckptaudit.formats.remote.objects.RemoteObject` (its reads bounded and checked there);
     ``take(n)`` charges the staged-metadata budget before anything is fetched. ``read_through``: ranges at most
     this far apart share one ranged read, the bytes between them dropped (:data:`READ_THROUGH_GAP` for a DCP
     data file's items; 0, the default, where those bytes are tensor data read again by the scan and few

@@ -15,64 +15,31 @@ members carry their sizes only after their data, so the data files cannot be wal
 stand-in is read by the same DCP reader as a local directory. Other sub-prefixes are left empty, as the readers
 open nothing else below a local directory's top level.
 
-Every read goes through :class:`_Remote` (one object of the staged checkpoint): its reply must be exactly the
-range asked (never more bytes are kept, fewer is an error), the object must still be the one staged (its ETag,
-read at staging, is sent as ``If-Match`` with every S3 ``GetObject`` and every HTTP request and checked in the
-replies: a replacement of the same length is reported, never read as the staged object), and the first read
-that times out or breaks the protocol fails every later read of the checkpoint at once (a misbehaving server
-costs one deadline, not one per request). ``http(s)://`` requests are bounded one by one
-(:mod:`ckptaudit.formats.remote.http`: a deadline per request, the reply capped to the range asked); S3 requests
-by the client's connect and read timeouts. ``$CKPTAUDIT_REMOTE_TIMEOUT`` (seconds, default 30) sets both.
-
-Credentials and endpoints come from fsspec's and the storage library's usual configuration (for S3:
-``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles; ``FSSPEC_S3_*`` where the
-installed s3fs takes the option). A configuration the storage library rejects, or credentials it cannot find or
-use, is a :class:`RemoteError` naming the URL: one line, exit code 2.
+Every read goes through :class:`~ckptaudit.formats.remote.objects.RemoteObject`, bounded, pinned to the ETag staged
+and exactly the range asked (:mod:`ckptaudit.formats.remote.objects`).
 """
 
 from __future__ import annotations
 
 import os
 import struct
-import threading
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ckptaudit.formats.remote.errors import (
-    ObjectChanged,
-    ProtocolError,
-    RemoteError,
-    RemoteReadError,
-    RequestTimeout,
-    request_timeout,
+from ckptaudit.formats.remote import is_url, local_path
+from ckptaudit.formats.remote.errors import RemoteError, RemoteReadError
+from ckptaudit.formats.remote.objects import (
+    FILL_PIECE,
+    Pins,
+    ReadGuard,
+    RemoteFiles,
+    RemoteObject,
+    filesystem,
+    fill,
 )
 
 __all__ = ["MAX_STAGED_BYTES", "RemoteFiles", "ShareReader", "is_url", "local_path", "object_name", "request_url",
            "stage"]
-
-MAX_STAGED_BYTES = 1 << 30
-"""Metadata bytes staged per checkpoint at most (headers, pickles, JSON): a limit against hostile listings."""
-MAX_MEMBER_BYTES = 64 << 20
-"""A zip member larger than this is tensor data: only its local header is staged."""
-MAX_FILES = 100_000
-READ_AHEAD = 2
-"""Ranged reads issued together per large tensor streamed (:meth:`RemoteFiles.read_ahead`): memory holds as many
-pieces (4 MiB each, ``auditing.tensor_scan.REMOTE_PIECE_BYTES``; and the storage library's buffers for them)
-per scanning thread."""
-COALESCE_BYTES = 8 << 20
-"""The largest ranged read that coalesces small tensors (:meth:`RemoteFiles.prefetched`)."""
-COALESCE_GAP = 64 << 10
-"""Bytes between two small tensors that one ranged read fetches rather than make two requests."""
-_SAFETENSORS_HEADER_LIMIT = 100_000_000
-TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
-
-
-def is_url(path: str) -> bool:
-    """Whether ``path`` names a remote object (``scheme://``, other than ``file://``)."""
-    scheme, sep, _ = path.partition("://")
-    return bool(sep) and scheme.isidentifier() and scheme.lower() != "file" and len(scheme) > 1
 
 
 def _is_http(url: str) -> bool:
@@ -95,325 +62,13 @@ def object_name(url: str) -> str:
         return unquote(urlsplit(url).path.rstrip("/").rpartition("/")[2])
     return os.path.basename(url.rstrip("/"))
 
-
-def local_path(path: str) -> str:
-    """``file:///x`` -> ``/x``; anything else unchanged."""
-    return path[len("file://"):] if path.lower().startswith("file://") else path
-
-
-class _Guard:
-    """The reads of one staged checkpoint: the first that times out or breaks the protocol trips it, and every
-    later read fails at once with the same reason."""
-
-    def __init__(self) -> None:
-        self.tripped: str | None = None
-
-    def check(self) -> None:
-        if self.tripped is not None:
-            raise RemoteReadError(f"{self.tripped} (an earlier read failed so; no more requests are made)")
-
-    def failed(self, exc: RemoteReadError) -> RemoteReadError:
-        if self.tripped is None and isinstance(exc, ProtocolError | RequestTimeout):
-            self.tripped = str(exc)
-        return exc
-
-
-@dataclass(frozen=True, slots=True)
-class _Remote:
-    """One remote object of a staged checkpoint, read only through :meth:`read` / :meth:`read_many`."""
-
-    fs: Any
-    path: str
-    size: int
-    guard: _Guard = field(default_factory=_Guard)
-    pin: tuple[tuple[str, str], str] | None = None
-    """S3: (bucket, key) and the ETag staged, which must still be the one every read sends."""
-
-    def read(self, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the object (clipped to its size): exactly those, or :class:`RemoteReadError`."""
-        return self.read_many([(start, end)])[0]
-
-    def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
-        """:meth:`read` of each ``(start, end)``, concurrently where the filesystem can (``cat_ranges``)."""
-        self.guard.check()
-        if self.pin is not None:
-            with _S3_LOCK:
-                now = _S3_PINS.get(self.pin[0])
-            if now is None or now[0] != self.pin[1]:
-                raise ObjectChanged(f"{self.path} changed since it was staged (ETag {self.pin[1]} then, "
-                                    f"{now[0] if now else 'unknown'} when staged again since)")
-        spans = [(s, max(s, min(self.size, e))) for s, e in ranges]
-        todo = [(s, e) for s, e in spans if e > s]
-        datas: list[Any]
-        try:
-            if len(todo) == 1:
-                datas = [self.fs.cat_file(self.path, start=todo[0][0], end=todo[0][1])]
-            elif todo:
-                datas = self.fs.cat_ranges([self.path] * len(todo), [s for s, _ in todo], [e for _, e in todo])
-            else:
-                datas = []
-        except Exception as exc:  # noqa: BLE001 - the storage library's errors, one per read
-            datas = [exc] * len(todo)
-        got: dict[tuple[int, int], bytes] = {}
-        for (s, e), data in zip(todo, datas, strict=True):
-            if isinstance(data, BaseException):
-                raise self.guard.failed(self._error(data, s, e)) from None
-            if len(data) != e - s:
-                raise self.guard.failed(ProtocolError(
-                    f"{self.path}: {len(data)} bytes came back for bytes {s}-{e - 1} (the object is not the size "
-                    f"it was staged with, {self.size} bytes, or the server ignores ranges)"))
-            got[(s, e)] = bytes(data)
-        return [got.get(span, b"") for span in spans]
-
-    def _error(self, exc: BaseException, start: int, end: int) -> RemoteReadError:
-        if isinstance(exc, RemoteReadError):
-            return exc
-        text = f"{type(exc).__name__}: {exc}"
-        lower = text.lower()
-        if "precondition" in lower or "pre-condition" in lower or " 412" in lower:  # the pinned ETag refused
-            return ObjectChanged(f"{self.path} changed since it was staged (the store refused the ETag pinned "
-                                 f"then: {text})")
-        if isinstance(exc, TimeoutError) or "Timeout" in type(exc).__name__:
-            return RequestTimeout(f"{self.path}: bytes {start}-{end - 1}: {text}")
-        return RemoteReadError(f"ranged read of {self.path} at {start}: {text}")
-
-
-class RemoteFiles:
-    """Stand-in file (absolute local path) -> its remote object; ranged reads for the tensor data.
-
-    Shared by the scanning threads: fsspec filesystems serve concurrent ranged reads; staging a span is
-    serialised by a lock.
-    """
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-        """The stand-in directory (removed by :meth:`close`)."""
-        self._files: dict[str, _Remote] = {}
-        self._staged: set[tuple[str, int, int]] = set()
-        self._lock = threading.Lock()
-        self._blocks: dict[str, tuple[tuple[int, bytes], ...]] = {}
-        """Prefetched ranges by stand-in file (:meth:`prefetched`): ``(offset, bytes)``; replaced, never changed
-        in place, so a scanning thread reads it without the lock."""
-        self.on_close: list[Any] = []
-        """Called by :meth:`close` (the S3 pins released)."""
-
-    def add(self, local: str, remote: _Remote) -> None:
-        self._files[local] = remote
-
-    def __contains__(self, local: object) -> bool:
-        return local in self._files
-
-    def etag(self, local: str) -> str | None:
-        """The ETag the object behind ``local`` is pinned to (S3, HTTP), or ``None`` (not remote, not pinned)."""
-        r = self._files.get(local)
-        if r is None:
-            return None
-        if r.pin is not None:
-            return r.pin[1]
-        pins = getattr(r.fs, "pins", None)
-        held = pins.get(r.path) if isinstance(pins, dict) else None
-        return held[0] if isinstance(held, tuple) and isinstance(held[0], str) else None
-
-    def read_into(self, local: str, buf: memoryview, offset: int) -> int:
-        """Fill ``buf`` with the remote bytes at ``offset`` of the file behind ``local``; the count read. Served
-        from a block :meth:`prefetched` fetched when one holds the whole range, else one ranged read
-        (:meth:`_Remote.read`: bounded, pinned, exactly the range asked). Raises :class:`RemoteReadError` (an
-        ``OSError``: the scan reports the tensor's data as unreadable, with why)."""
-        r = self._files[local]
-        end = min(r.size, offset + len(buf))
-        if end <= offset:
-            return 0
-        for start, data in self._blocks.get(local, ()):  # a handful per scanning thread
-            if start <= offset and end <= start + len(data):
-                buf[: end - offset] = data[offset - start : end - start]
-                return end - offset
-        data = r.read(offset, end)
-        buf[: len(data)] = data
-        return len(data)
-
-    def read_ahead(self, local: str, start: int, length: int, piece: int) -> Iterator[bytes]:
-        """The remote bytes ``[start, start+length)`` of the file behind ``local``, in order, ``piece`` bytes at a
-        time (a short one means the object ended early), fetched :data:`READ_AHEAD` ranged reads at a time,
-        issued together (:meth:`_Remote.read_many`: concurrent requests, each bounded, pinned and exactly the
-        range asked, as every read of the checkpoint is): a large tensor streams at the store's parallel
-        throughput rather than one round trip per piece, memory bounded by those pieces. The order (and so a
-        tensor's hash) is the sequential one."""
-        r = self._files[local]
-        end = min(r.size, start + length)
-        offsets = range(start, end, piece)
-        for k in range(0, len(offsets), READ_AHEAD):
-            yield from r.read_many([(o, min(end, o + piece)) for o in offsets[k : k + READ_AHEAD]])
-
-    @contextmanager
-    def prefetched(self, ranges: Iterable[tuple[str, int, int]]) -> Iterator[int]:
-        """Within the block, :meth:`read_into` serves the ranges ``(local, offset, length)`` (small tensors) from
-        memory: they are fetched first, coalesced into ranged reads of at most :data:`COALESCE_BYTES` that span
-        gaps of at most :data:`COALESCE_GAP` (a DCP item's archive headers between two tensors), concurrently
-        (:meth:`_Remote.read_many`, with its checks).
-        Yields the number of ranged reads made. The caller bounds the bytes (a batch of small tensors); the
-        blocks are dropped on leaving. Ranges of files that are not remote are ignored."""
-        spans: dict[str, list[tuple[int, int]]] = {}
-        for local, offset, length in ranges:
-            r = self._files.get(local)
-            if r is not None and length > 0:
-                spans.setdefault(local, []).append((offset, min(r.size, offset + length)))
-        mine: list[tuple[str, tuple[int, bytes]]] = []
-        reads = 0
-        try:
-            for local, items in spans.items():
-                merged: list[list[int]] = []
-                for s, e in sorted(items):
-                    if merged and s - merged[-1][1] <= COALESCE_GAP and max(e, merged[-1][1]) - merged[-1][0] <= \
-                            COALESCE_BYTES:
-                        merged[-1][1] = max(merged[-1][1], e)
-                    else:
-                        merged.append([s, e])
-                r = self._files[local]
-                datas = r.read_many([(s, e) for s, e in merged if e > s])
-                reads += len(datas)
-                blocks = [(s, d) for (s, _), d in zip((m for m in merged if m[1] > m[0]), datas, strict=True)]
-                with self._lock:
-                    self._blocks[local] = self._blocks.get(local, ()) + tuple(blocks)
-                mine += [(local, b) for b in blocks]
-            yield reads
-        finally:
-            with self._lock:
-                for local in {name for name, _ in mine}:
-                    ours = {id(b) for name, b in mine if name == local}
-                    held = tuple(x for x in self._blocks.get(local, ()) if id(x) not in ours)
-                    if held:
-                        self._blocks[local] = held
-                    else:
-                        self._blocks.pop(local, None)
-
-    def stage_span(self, local: str, start: int, length: int) -> None:
-        """Write the remote bytes ``[start, start+length)`` into the stand-in (before a strided view maps it)."""
-        key = (local, start, length)
-        with self._lock:
-            if key in self._staged:
-                return
-            _fill(self._files[local], local, start, length)
-            self._staged.add(key)
-
-    def close(self) -> None:
-        import shutil
-
-        for release in self.on_close:
-            release()
-        self.on_close = []
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _fs(url: str) -> tuple[Any, str]:
-    """The filesystem of ``url`` (HTTP: a private instance holding this checkpoint's pins) and the
-    path in it. Configuration the storage library refuses is a :class:`RemoteError`."""
-    try:
-        import fsspec
-    except ImportError:
-        raise RemoteError(f"{url}: reading URLs needs fsspec: pip install 'ckptaudit[remote]' (fsspec and s3fs; "
-                          "add gcsfs for gs://)") from None
-    protocol = url.partition("://")[0].lower()
-    timeout = request_timeout()
-    try:
-        if protocol in ("http", "https"):
-            from ckptaudit.formats.remote.http import BoundedHTTPFileSystem
-
-            # A URL with a query (a presigned URL's signature) is sent as given: re-encoding it (yarl turns %2F
-            # into /) could change the bytes the server signed.
-            return BoundedHTTPFileSystem(skip_instance_cache=True, encoded="?" in url), url
-        options: dict[str, Any] = {}
-        if protocol in ("s3", "s3a") and "config_kwargs" not in fsspec.config.conf.get("s3", {}):
-            # botocore's own per-request bounds (connect, and each wait for bytes), few retries
-            options["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout,
-                                        "retries": {"max_attempts": 2}}
-        fs, path = fsspec.core.url_to_fs(url, **options)
-    except ImportError as exc:
-        raise RemoteError(f"{url}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - the storage library refused its configuration: say so in one line
-        hint = ""
-        if "endpoint_url" in str(exc):
-            hint = (" (this s3fs takes no endpoint_url option: set AWS_ENDPOINT_URL instead of "
-                    "FSSPEC_S3_ENDPOINT_URL, or install a newer s3fs)")
-        raise RemoteError(f"{url}: the {protocol} filesystem refused its configuration{hint}: "
-                          f"{type(exc).__name__}: {exc}") from None
-    return fs, path
-
-
-_S3_PINS: dict[tuple[str, str], tuple[str, int]] = {}
-"""(bucket, key) -> (the ETag staged, how many live stagings hold it): what every ``GetObject`` of the key sends
-as ``IfMatch``. Process-wide, as the S3 filesystem (and its client) is fsspec's cached instance."""
-_S3_LOCK = threading.Lock()
-
-
-def _inject_if_match(params: dict[str, Any], **_: Any) -> None:
-    """botocore's ``before-parameter-build.s3.GetObject`` event: a pinned key is read only as it was staged."""
-    with _S3_LOCK:
-        pin = _S3_PINS.get((str(params.get("Bucket")), str(params.get("Key"))))
-    if pin is not None and "IfMatch" not in params and "VersionId" not in params:
-        params["IfMatch"] = pin[0]
-
-
-class _Pins:
-    """The identity of each staged object (its ETag), recorded from ``info``/``ls`` and enforced by the
-    filesystem's own requests: S3 sends it as ``IfMatch`` with every ``GetObject`` (botocore's event hook on the
-    filesystem's client) and answers 412 once the object was replaced; HTTP sends ``If-Match`` and checks the
-    replies' ETag (:mod:`ckptaudit.formats.remote.http`). Other filesystems: not pinned (sizes still checked)."""
-
-    def __init__(self, fs: Any) -> None:
-        self.fs = fs
-        self.s3 = False
-        self.held: list[tuple[tuple[str, str], str]] = []
-        if hasattr(fs, "split_path") and "s3" in (fs.protocol if isinstance(fs.protocol, tuple | list) else
-                                                  (fs.protocol,)):
-            events = getattr(getattr(getattr(fs, "s3", None), "meta", None), "events", None)
-            if events is not None:
-                events.register("before-parameter-build.s3.GetObject", _inject_if_match,
-                                unique_id="ckptaudit-pin-etag")  # once per client
-                self.s3 = True
-
-    def add(self, path: str, info: dict[str, Any]) -> tuple[tuple[str, str], str] | None:
-        """Pin ``path`` as ``info`` describes it; the S3 pin (key, ETag) to check before each read, if any."""
-        pin = getattr(self.fs, "pin", None)
-        if pin is not None:
-            pin(path, info)
-            return None
-        etag = info.get("ETag") or info.get("etag")
-        if not self.s3 or not isinstance(etag, str) or not etag:
-            return None
-        bucket, key = self.fs.split_path(path)[:2]
-        with _S3_LOCK:
-            old = _S3_PINS.get((bucket, key))
-            # Another live staging pinned another ETag: the object changed between the two; its reads now fail
-            # their check in _Remote.read_many, and this staging pins what it saw.
-            holders = old[1] + 1 if old is not None and old[0] == etag else 1
-            _S3_PINS[(bucket, key)] = (etag, holders)
-        self.held.append(((bucket, key), etag))
-        return (bucket, key), etag
-
-    def release(self) -> None:
-        with _S3_LOCK:
-            for key, etag in self.held:
-                pin = _S3_PINS.get(key)
-                if pin is not None and pin[0] == etag:
-                    if pin[1] <= 1:
-                        del _S3_PINS[key]
-                    else:
-                        _S3_PINS[key] = (etag, pin[1] - 1)
-        self.held = []
-
-
-_FILL_PIECE = 8 << 20
-
-
-def _fill(remote: _Remote, local: str, start: int, length: int) -> None:
-    """Copy the remote bytes ``[start, start+length)`` (clipped to the file) into the stand-in, 8 MiB at a time
-    (memory holds one piece, whatever the span: a strided view's, a DCP shard's)."""
-    end = min(remote.size, start + length)
-    with open(local, "r+b") as fh:
-        for pos in range(start, end, _FILL_PIECE):
-            data = remote.read(pos, min(end, pos + _FILL_PIECE))
-            fh.seek(pos)
-            fh.write(data)
+MAX_STAGED_BYTES = 1 << 30
+"""Metadata bytes staged per checkpoint at most (headers, pickles, JSON): a limit against hostile listings."""
+MAX_MEMBER_BYTES = 64 << 20
+"""A zip member larger than this is tensor data: only its local header is staged."""
+MAX_FILES = 100_000
+_SAFETENSORS_HEADER_LIMIT = 100_000_000
+TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".tar")
 
 
 class _Budget:
@@ -435,19 +90,19 @@ def stage(url: str) -> tuple[str, RemoteFiles]:
     the storage library's configuration, credentials, the network, a server that breaks the protocol, each
     said in one line naming the URL.
     """
-    fs, root = _fs(request_url(url))
+    fs, root = filesystem(request_url(url))
     try:
         info = fs.info(root)
     except FileNotFoundError:
         raise FileNotFoundError(2, "no such object or prefix", url) from None
     except Exception as exc:  # noqa: BLE001 - credentials, endpoint, network: the storage library's own words
         raise RemoteError(f"{url}: cannot reach it ({type(exc).__name__}: {exc})") from None
-    import tempfile  # here: is_url and local_path are on every command's start-up path
+    import tempfile  # here: only an audit of a URL needs it
 
     tmp = tempfile.mkdtemp(prefix="ckptaudit-remote-")
     remote = RemoteFiles(tmp)
     budget = _Budget(url)
-    ctx = _Staging(fs, _Guard(), _Pins(fs), remote, budget)
+    ctx = _Staging(fs, ReadGuard(), Pins(fs), remote, budget)
     remote.on_close.append(ctx.pins.release)
     try:
         base = _safe_name(object_name(root)) or "checkpoint"
@@ -474,13 +129,13 @@ class _Staging:
     """What staging one checkpoint shares: its filesystem, read guard, pins, remote files and budget."""
 
     fs: Any
-    guard: _Guard
-    pins: _Pins
+    guard: ReadGuard
+    pins: Pins
     remote: RemoteFiles
     budget: _Budget
 
-    def handle(self, path: str, size: int, info: dict[str, Any]) -> _Remote:
-        return _Remote(self.fs, path, size, self.guard, self.pins.add(path, info))
+    def handle(self, path: str, size: int, info: dict[str, Any]) -> RemoteObject:
+        return RemoteObject(self.fs, path, size, self.guard, self.pins.add(path, info))
 
 
 def _size(entry: dict[str, Any], url: str) -> int:
@@ -508,7 +163,7 @@ def _stage_dir(ctx: _Staging, root: str, url: str, local_root: str, *, nested: b
     if not nested and not dcp:
         return  # the readers look one level down for DCP directories only
     files: dict[str, tuple[str, int, str]] = {}
-    handles: dict[str, _Remote] = {}
+    handles: dict[str, RemoteObject] = {}
     for name, entry in sorted(names.items()):
         safe = _safe_name(name)
         if safe is None:
@@ -535,7 +190,7 @@ def _safe_name(name: str) -> str | None:
     return name
 
 
-def _stage_file(ctx: _Staging, path: str, size: int, info: dict[str, Any], local: str) -> _Remote:
+def _stage_file(ctx: _Staging, path: str, size: int, info: dict[str, Any], local: str) -> RemoteObject:
     with open(local, "wb") as fh:
         fh.truncate(size)  # sparse: holds no disk blocks until written
     r = ctx.handle(path, size, info)
@@ -549,18 +204,18 @@ def _stage_file(ctx: _Staging, path: str, size: int, info: dict[str, Any], local
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         n = min(n, _SAFETENSORS_HEADER_LIMIT, size - len(head))
         budget.take(8 + n)
-        _fill(r, local, 0, 8 + n)
+        fill(r, local, 0, 8 + n)
         return r
     if lower.endswith(".json"):
         budget.take(size)
-        _fill(r, local, 0, size)
+        fill(r, local, 0, size)
         return r
     if not lower.endswith(TORCH_EXTENSIONS):
         return r  # not a file the readers open
     head = r.read(0, min(size, 4))
     if head != b"PK\x03\x04":  # a plain or legacy pickle: the readers parse all of it
         budget.take(size)
-        _fill(r, local, 0, size)
+        fill(r, local, 0, size)
         return r
     _stage_zip(r, local, budget)
     return r
@@ -591,7 +246,7 @@ class _StagedFile:
         return data
 
 
-def _stage_zip(r: _Remote, local: str, budget: _Budget) -> None:
+def _stage_zip(r: RemoteObject, local: str, budget: _Budget) -> None:
     """Stage a zip archive's end records, central directory, every local header and every small member."""
     import zipfile
 
@@ -646,7 +301,7 @@ def _stage_zip(r: _Remote, local: str, budget: _Budget) -> None:
 class ShareReader:
     """(ranks other than 0 of a distributed audit) This rank's reads of its share of the checkpoint at ``url``:
     one filesystem, one read guard, and the objects this rank listed pinned as it listed them, so that both its
-    view check (:meth:`view`) and its data reads (:meth:`stand_in`) go through :class:`_Remote` as rank 0's
+    view check (:meth:`view`) and its data reads (:meth:`stand_in`) go through :class:`RemoteObject` as rank 0's
     staging does: a deadline per request, replies exactly the range asked, the listed ETag sent with every read
     (S3 ``IfMatch``, HTTP ``If-Match``) and a later replacement an :class:`ObjectChanged`. The stand-in's
     :class:`RemoteFiles` takes over the pins (released by its ``close``); :meth:`close` releases them otherwise.
@@ -656,7 +311,7 @@ class ShareReader:
 
     def __init__(self, url: str, *, single_file: bool) -> None:
         self.url = url
-        self.fs, root = _fs(request_url(url))
+        self.fs, root = filesystem(request_url(url))
         self.query = ""
         """An ``http(s)://`` URL's ``?query`` (a signature, a token), sent with every object's request."""
         if _is_http(root) and "?" in root:
@@ -664,10 +319,10 @@ class ShareReader:
             self.query = "?" + query
         root = root.rstrip("/")
         self.base = root.rsplit("/", 1)[0] if single_file and "/" in root else root
-        self.guard = _Guard()
-        self._pins: _Pins | None = None  # made at the first pin: an S3 filesystem's client exists after a request
+        self.guard = ReadGuard()
+        self._pins: Pins | None = None  # made at the first pin: an S3 filesystem's client exists after a request
         self._listed: dict[str, dict[str, dict[str, Any]] | str | None] = {}
-        self._handles: dict[str, _Remote | str] = {}
+        self._handles: dict[str, RemoteObject | str] = {}
         self._etags: dict[str, str] = {}
 
     def _entry(self, path: str) -> dict[str, Any] | str:
@@ -698,7 +353,7 @@ class ShareReader:
             return f"cannot be read ({type(exc).__name__}: {exc})"
         return info
 
-    def handle(self, name: str) -> _Remote | str:
+    def handle(self, name: str) -> RemoteObject | str:
         """The pinned object behind ``name``, or why this rank cannot read it."""
         known = self._handles.get(name)
         if known is not None:
@@ -706,7 +361,7 @@ class ShareReader:
         path = f"{self.base}/{name}{self.query}"
         entry = self._entry(path)
         if isinstance(entry, str):
-            out: _Remote | str = entry
+            out: RemoteObject | str = entry
         else:
             try:
                 size = _size(entry, self.url)
@@ -714,8 +369,8 @@ class ShareReader:
                 out = f"cannot be read ({exc})"
             else:
                 if self._pins is None:
-                    self._pins = _Pins(self.fs)
-                out = _Remote(self.fs, path, size, self.guard, self._pins.add(path, entry))
+                    self._pins = Pins(self.fs)
+                out = RemoteObject(self.fs, path, size, self.guard, self._pins.add(path, entry))
                 etag = entry.get("ETag") or entry.get("etag")
                 if isinstance(etag, str) and etag:
                     self._etags[name] = etag
@@ -741,8 +396,8 @@ class ShareReader:
                 continue
             h = xxhash.xxh3_128()
             try:
-                for pos in range(0, r.size, _FILL_PIECE):
-                    h.update(r.read(pos, min(r.size, pos + _FILL_PIECE)))
+                for pos in range(0, r.size, FILL_PIECE):
+                    h.update(r.read(pos, min(r.size, pos + FILL_PIECE)))
             except OSError as exc:  # RemoteReadError: reported as this rank's view of the file
                 out[name] = f"cannot be read ({exc})"
                 continue
