@@ -38,6 +38,7 @@ SINGLE_FILE_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 PINS_DIR = ".ckptaudit-pins"
 """The in-loop guard's folder of pins (``ckptaudit.integrations.pinning.PINS_DIR``): hard links of checkpoints
 being audited, never a checkpoint of the run."""
+_SINGLE_FILES = ("torch.save", "safetensors", "lightning")
 POINTERS = (layout.POINTER, "latest_checkpointed_iteration.txt")
 
 _HF = re.compile(r"^checkpoint-(\d+)$")
@@ -127,7 +128,7 @@ def _component_file(name: str) -> bool:
     from ckptaudit.layouts.huggingface import file_rule
 
     rule = file_rule(name)
-    return rule is not None and rule not in ("ignore", "manifest")
+    return rule is not None and rule not in ("ignore", "manifest", "model-config")
 
 
 def classify_dir(base: str, children: list[str]) -> tuple[str, int | None] | None:
@@ -209,9 +210,14 @@ def survey(root: str, lister: Lister, *, root_name: str, join: Callable[[str, st
             out.candidates.append(_folder(root, root_name, own, root_mtime, join, "", top))
         return out
     _walk(out, lister, join, "", top, 0)
-    if own is not None and not out.candidates:  # a folder of component files given directly
-        out.candidates.append(_folder(root, root_name, own, root_mtime, join, "", top))
-        out.skipped = [s for s in out.skipped if "component file" not in s.reason]
+    if own is not None:
+        # The root holds component files (optimizer.pt, training_args.bin...): its own files are the parts of one
+        # checkpoint, the root, which is the candidate unless sub-folders hold checkpoints (a Trainer's output
+        # folder holds its final save_pretrained beside checkpoint-N/).
+        out.candidates = [c for c in out.candidates if "/" in c.name or c.layout not in _SINGLE_FILES]
+        out.skipped = [s for s in out.skipped if "/" in s.name or s.reason.startswith(("the guard", "a link"))]
+        if not out.candidates:
+            out.candidates.append(_folder(root, root_name, own, root_mtime, join, "", top))
     return out
 
 
