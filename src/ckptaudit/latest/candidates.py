@@ -203,9 +203,9 @@ def survey(root: str, lister: Lister, *, root_name: str, join: Callable[[str, st
                     children = lister(e.name)
                 except OSError:
                     continue
-                kind = classify_dir(e.name, [c.name for c in children])
-                if kind is not None:
-                    out.candidates.append(_folder(root, e.name, kind, e.mtime, join, e.name, children))
+                inner = classify_dir(e.name, [c.name for c in children])
+                if inner is not None:
+                    out.candidates.append(_folder(root, e.name, inner, e.mtime, join, e.name, children))
         if not out.candidates:
             out.candidates.append(_folder(root, root_name, own, root_mtime, join, "", top))
         return out
