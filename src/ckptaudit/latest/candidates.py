@@ -75,7 +75,10 @@ class Candidate:
 
     @property
     def remote(self) -> bool:
-        return self.files is not None
+        """Behind an object-store URL (read through the remote staging)."""
+        from ckptaudit.formats.remote.staging import is_url
+
+        return is_url(self.path)
 
 
 @dataclass(frozen=True, slots=True)

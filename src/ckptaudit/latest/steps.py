@@ -74,8 +74,8 @@ CandidateStep = Callable[[Candidate, StepContext], None]
 
 
 def _has(c: Candidate, name: str) -> bool:
-    if c.files is not None:
-        return name in c.files
+    if c.remote:
+        return name in (c.files or ())
     return os.path.isfile(os.path.join(c.path, name))
 
 
