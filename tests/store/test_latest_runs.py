@@ -217,6 +217,15 @@ def s3_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     s3fs = pytest.importorskip("s3fs")
     from local_s3 import environment, s3_server
 
+    from ckptaudit.launch import RankContext
+    from ckptaudit.recipes.tinygpt import plain_recipe
+    from ckptaudit.store import save_checkpoint
+
+    store = tmp_path_factory.mktemp("s3-store")
+    job = plain_recipe.setup(RankContext(rank=0, world_size=1, backend="gloo", shared_dir=""))
+    for _ in range(2):
+        plain_recipe.step(job)
+        save_checkpoint(job, store)
     local = tmp_path_factory.mktemp("s3-run")
     trained(local / "ckpt-0002.pt")
     trained(local / "ckpt-0004.pt")
@@ -228,7 +237,8 @@ def s3_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
             fs.put(str(p), f"latest-runs/run/{p.name}")
         fs.put(str(local / "ckpt-0002.pt"), "latest-runs/nested/stage-1/ckpt-0002.pt")
         fs.pipe("latest-runs/run/notes.txt", b"hello")
-        yield {"local": local, "fs": fs}
+        fs.put(str(store), "latest-runs/store", recursive=True)
+        yield {"local": local, "store": store, "fs": fs}
 
 
 def test_an_s3_root_is_listed_and_judged_like_its_local_copy(s3_run: Any) -> None:
@@ -242,6 +252,18 @@ def test_an_s3_root_is_listed_and_judged_like_its_local_copy(s3_run: Any) -> Non
     for name, row in rows.items():
         assert ([f["code"] for f in row["findings"]] == [f["code"] for f in local_rows[name]["findings"]]), name
     assert doc["skipped"] == [{"name": "notes.txt", "reason": "not a checkpoint file (.txt)"}]
+
+
+def test_an_s3_root_of_store_folders_is_judged_like_its_local_copy(s3_run: Any) -> None:
+    code, doc = _latest("s3://latest-runs/store", "--all")
+    _, here = _latest(str(s3_run["store"]), "--all")
+    assert code == 0 and doc["latest"] == "s3://latest-runs/store/step-000002"
+    rows, local_rows = _rows(doc), _rows(here)
+    assert set(rows) == set(local_rows) == {"step-000001", "step-000002"}
+    for name, row in rows.items():
+        assert row["layout"] == "ckptaudit" and row["resumable"] is True, row
+        assert [f["code"] for f in row["findings"]] == [f["code"] for f in local_rows[name]["findings"]], name
+    assert [s["name"] for s in doc["skipped"]] == ["latest"]  # the pointer, not read on a remote root
 
 
 def test_an_s3_listing_is_bounded_and_says_where_it_stopped(s3_run: Any) -> None:
