@@ -199,7 +199,8 @@ def _option_args(p: argparse.ArgumentParser, table: Mapping[str, Option]) -> Non
         if opt.name == "jobs":
             p.add_argument(opt.flag, "-j", type=_jobs, default=None, metavar="N", help=opt.help)
         elif opt.annotation == "bool":
-            p.add_argument(opt.flag, action="store_true", help=opt.help)
+            p.add_argument(opt.flag, dest=opt.name, action="store_false" if opt.default else "store_true",
+                           help=opt.help)
         elif opt.choices:
             p.add_argument(opt.flag, default=opt.default, choices=opt.choices, help=opt.help)
         else:  # a list: comma-separated on the command line

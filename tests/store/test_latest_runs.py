@@ -183,6 +183,41 @@ def test_the_run_evidence_is_one_more_contract_record_after_the_checkpoints_own(
     assert newest.name == "ckpt-0008.pt" and validate(newest).resumable
 
 
+def test_audit_beside_the_siblings_holds_the_checkpoint_to_its_run(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptaudit
+    from ckptaudit.auditing import run_evidence
+
+    _fp32_run_then_cast(tmp_path)
+    cast = str(tmp_path / "ckpt-0008.pt")
+    report = ckptaudit.audit(cast)
+    assert not report.ok and report.raw.contract is not None and report.raw.contract.source == "run"
+    (f,) = [f for f in report.findings if f.code == "contract.run-mismatch"]
+    assert f.message.startswith("steps 2-6 hold float32 masters") and "step 8 holds bfloat16" in f.message
+    out, err = io.StringIO(), io.StringIO()
+    assert main(["audit", cast, "--format", "json", "--no-progress"], stdout=out, stderr=err) == 1, err.getvalue()
+    assert "contract.run-mismatch" in {f["code"] for f in json.loads(out.getvalue())["findings"]}
+    alone = ckptaudit.audit(cast, run_evidence=False)
+    assert alone.ok and "contract.inferred" in {f.code for f in alone.findings}
+    assert main(["audit", cast, "--no-run-evidence", "--no-progress"], stdout=io.StringIO(),
+                stderr=io.StringIO()) == 0
+    # Cheap: a checkpoint that decides its own contract never reads its siblings.
+    def unreadable(s: Any) -> Any:
+        raise AssertionError(f"read {s.name}")
+
+    monkeypatch.setattr(run_evidence, "masters_of", unreadable)
+    assert ckptaudit.audit(str(tmp_path / "ckpt-0006.pt")).ok
+
+
+def test_audit_of_a_genuine_bf16_run_stays_clean(tmp_path: Path) -> None:
+    import ckptaudit
+
+    for step in (2, 4):
+        _save(tmp_path / f"ckpt-{step:04d}.pt", step=step, cast=torch.bfloat16)
+    report = ckptaudit.audit(str(tmp_path / "ckpt-0004.pt"))
+    assert report.ok and report.raw.contract is not None and report.raw.contract.source == "optimizer-state"
+
+
 # --------------------------------------------------------------------------------------------------------------
 # defaults
 
@@ -215,11 +250,10 @@ def test_the_library_and_the_cli_default_to_the_protecting_level(tmp_path: Path)
 def s3_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     pytest.importorskip("moto.server")
     s3fs = pytest.importorskip("s3fs")
-    from local_s3 import environment, s3_server
-
     from ckptaudit.launch import RankContext
     from ckptaudit.recipes.tinygpt import plain_recipe
     from ckptaudit.store import save_checkpoint
+    from local_s3 import environment, s3_server
 
     store = tmp_path_factory.mktemp("s3-store")
     job = plain_recipe.setup(RankContext(rank=0, world_size=1, backend="gloo", shared_dir=""))

@@ -52,6 +52,10 @@ class AuditOptions:
     ignore: tuple[str, ...] = ()
     """Finding codes or families acknowledged (:func:`ckptaudit.catalogue.parse_ignore`): kept in the report,
     marked ignored, counted toward nothing."""
+    run_evidence: bool = False
+    """:func:`run_audit` reads the run's evidence beside a local checkpoint (its siblings: the run's other
+    checkpoints, :mod:`ckptaudit.auditing.run_evidence`) where its own contract is 16-bit masters inferred from its
+    tensors. The API and the command line turn it on by default (``run_evidence`` option)."""
     run_records: tuple[ContractRecord, ...] = ()
     """Records of the contract from outside the checkpoint (``ckptaudit latest``: what the run's other checkpoints
     hold, source ``run``), consulted after the checkpoint's own: its manifest and its stack's record decide first."""
@@ -81,6 +85,10 @@ def run_audit(path: str, options: AuditOptions | None = None, *, progress: Progr
     scanned = scan_checkpoint(path, chunk_bytes=options.chunk_bytes, progress=progress, jobs=options.jobs,
                               quick=options.quick)
     try:
+        if options.run_evidence:
+            from ckptaudit.auditing.run_evidence import audit_evidence, judge_with_run
+
+            return judge_with_run(scanned, options, audit_evidence(path))
         return judge_scan(scanned, options)
     finally:
         scanned.close()

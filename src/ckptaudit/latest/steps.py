@@ -157,20 +157,23 @@ CANDIDATE_STEPS: list[CandidateStep] = [uncommitted, quarantined, empty, content
 
 def _read_and_check(c: Candidate, ctx: StepContext) -> list[Finding]:
     if ctx.verify in ("quick", "full"):
-        from ckptaudit.auditing.judge import AuditOptions, judge_scan
+        from ckptaudit.auditing.judge import AuditOptions
+        from ckptaudit.auditing.run_evidence import judge_with_run
         from ckptaudit.auditing.scan import default_jobs, scan_checkpoint
         from ckptaudit.checks.manifest import check_manifest
         from ckptaudit.formats.io.tensors import DEFAULT_CHUNK_BYTES
 
         quick = ctx.verify == "quick"
-        run = ctx.run.record_for(c) if ctx.run is not None and ctx.master_dtype == "auto" else None
         options = AuditOptions(require=ctx.require, jobs=default_jobs(), quick=quick, ignore=ctx.ignore,
-                               master_dtype=ctx.master_dtype, run_records=(run,) if run is not None else (),
+                               master_dtype=ctx.master_dtype,
                                chunk_bytes=QUICK_CHUNK_BYTES if quick else DEFAULT_CHUNK_BYTES)
+        run = ctx.run
         scanned = scan_checkpoint(c.path, jobs=options.jobs, quick=quick, chunk_bytes=options.chunk_bytes)
         try:
             ctx.manifest = scanned.view.manifest
-            found = list(judge_scan(scanned, options).findings)
+            # The run's evidence is read only where it can decide (a contract of 16-bit masters inferred).
+            found = list(judge_with_run(scanned, options,
+                                        (lambda: run.record_for(c)) if run is not None else (lambda: None)).findings)
             if quick:  # a quick audit reads no content: the manifest's hashes are verified as "hashes" does
                 seen = {(f.code, f.subject) for f in found}
                 found += [f for f in check_manifest(scanned.ckpt, scanned.view, hashes=True)
