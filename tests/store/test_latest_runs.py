@@ -63,11 +63,13 @@ def test_a_run_of_pt_files_names_the_newest_and_says_what_it_skipped(tmp_path: P
     trained(tmp_path / "ckpt-0002.pt")
     trained(tmp_path / "ckpt-0004.pt")
     (tmp_path / "train.log").write_text("loss 1.0\n")
+    (tmp_path / "ckpt-0004.pt.passport.json").write_text("{}")
     code, doc = _latest(str(tmp_path))
     assert code == 0 and doc["latest"] == str(tmp_path / "ckpt-0004.pt") and doc["latest_step"] == 4
     rows = _rows(doc)
     assert rows["ckpt-0004.pt"]["layout"] == "torch.save" and rows["ckpt-0004.pt"]["step_from"] == "name"
-    assert doc["skipped"] == [{"name": "train.log", "reason": "not a checkpoint file (.log)"}]
+    assert doc["skipped"] == [{"name": "ckpt-0004.pt.passport.json", "reason": "the passport of ckpt-0004.pt"},
+                              {"name": "train.log", "reason": "not a checkpoint file (.log)"}]
 
 
 @pytest.mark.parametrize(("name", "step"), [("ckpt-0004.pt", 4), ("model_step=4.pt", 4), ("epoch=1-step=40.ckpt", 40),

@@ -39,6 +39,8 @@ PINS_DIR = ".ckptaudit-pins"
 """The in-loop guard's folder of pins (``ckptaudit.integrations.pinning.PINS_DIR``): hard links of checkpoints
 being audited, never a checkpoint of the run."""
 _SINGLE_FILES = ("torch.save", "safetensors", "lightning")
+PASSPORT_SUFFIX = ".passport.json"
+"""A single-file checkpoint's passport lies beside it as ``<file>.passport.json``: part of no candidate."""
 POINTERS = (layout.POINTER, "latest_checkpointed_iteration.txt")
 
 _HF = re.compile(r"^checkpoint-(\d+)$")
@@ -169,6 +171,8 @@ def classify_file(name: str) -> tuple[str, int | None] | str:
         return "quarantined", step_from_name(original)
     if name.endswith(quarantine.REPORT_SUFFIX):
         return f"the guard's report of {name[: -len(quarantine.REPORT_SUFFIX)]}"
+    if name.endswith(PASSPORT_SUFFIX):  # the agreed convention (ckptaudit.ondisk.passport): FILE.passport.json
+        return f"the passport of {name[: -len(PASSPORT_SUFFIX)]}"
     if name in POINTERS:
         return "a pointer (compared with the newest resumable checkpoint)"
     lower = name.lower()
