@@ -17,7 +17,7 @@ from ckptaudit.options import AUDIT_OPTIONS, COMPARE_OPTIONS, FAIL_ON, IGNORE, M
 from ckptaudit.version import __version__
 
 if TYPE_CHECKING:  # imported by the commands that run: ``--help`` needs none of it
-    from ckptaudit.findings import ComponentKind, RawReport
+    from ckptaudit.findings import RawReport
 
 __all__ = ["main"]
 
@@ -115,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="cpu", help="where both models run for the gate (default cpu)")
     e.add_argument("--convert", metavar="MODULE:ATTR",
                    help="custom conversion (name, tensor, dtype) -> tensor (default: tensor.to(dtype))")
+    e.add_argument("--passport-key", metavar="PRIVATE_KEY",
+                   help="sign the artifact's passport with this PEM EC key (default: digest-only; docs/passport.md)")
     g = e.add_argument_group("quality gate thresholds (defaults justified in docs/export-serving.md)")
     g.add_argument("--max-abs-diff", type=float, help="largest absolute output difference")
     g.add_argument("--max-rel-diff", type=float, help="largest output difference relative to the row's max |output|")
@@ -142,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
                     "tensor's precision from its first chunk, so a bf16-rounded checkpoint is never LATEST; full: "
                     "run the whole audit on each candidate")
     lt.add_argument("--require", default="",
-                    help="comma-separated components whose absence rejects a candidate: scheduler,rng,data-progress")
+                    help="comma-separated components whose absence rejects a candidate: scheduler,rng,data-progress; "
+                    "passport (or passport=KEY.pub): only a candidate whose passport verifies (docs/passport.md)")
     lt.add_argument("--master-dtype", default="auto", choices=MASTER_DTYPES,
                     help="the master dtype the quick and full audits hold parameters to (auto: read it from each "
                     "candidate); a mixed-precision run's is float32")
@@ -156,6 +159,35 @@ def _parser() -> argparse.ArgumentParser:
                     "without it, exit 1 only when no checkpoint is resumable")
     lt.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     _ignore_arg(lt, "; an ignored error does not reject a candidate")
+
+    at = sub.add_parser("attest", help="audit a checkpoint and write its passport: the verdict bound to its bytes "
+                        "(docs/passport.md)")
+    at.add_argument("path", help="checkpoint file or directory (local)")
+    at.add_argument("--output", "-o", metavar="FILE",
+                    help="where to write the passport (default: DIR/ckptaudit.passport.json, FILE.passport.json)")
+    at.add_argument("--key", metavar="PRIVATE_KEY",
+                    help="PEM EC private key to sign with (the [sign] extra); without it the passport is digest-only")
+    at.add_argument("--expect", default="training", choices=["training", "serving"],
+                    help="what the checkpoint is: a resumable training checkpoint (default) or a serving export")
+    at.add_argument("--digest", default="sha256", choices=["sha256", "blake3"],
+                    help="the file digests' algorithm, one model-signing verifies (default sha256)")
+    at.add_argument("--master-dtype", default="auto", choices=MASTER_DTYPES,
+                    help="the master dtype the audit holds parameters to (auto: read it from the checkpoint)")
+    at.add_argument("--jobs", "-j", type=_jobs, default=None, metavar="N", help="threads (default: every core)")
+    at.add_argument("--format", default="table", choices=["table", "json"], help="what to print")
+    _ignore_arg(at)
+
+    ve = sub.add_parser("verify", help="check a copy (local, s3://, gs://) against its passport: every byte, the "
+                        "signature, the verdict")
+    ve.add_argument("path", help="checkpoint file or directory, or its s3:// / gs:// URL")
+    ve.add_argument("--passport", metavar="FILE", help="the passport (default: the one the checkpoint carries)")
+    ve.add_argument("--key", metavar="PUBLIC_KEY",
+                    help="the signer's PEM public key: the signature must verify (a digest-only passport is refused)")
+    ve.add_argument("--expect", default="training", choices=["training", "serving"],
+                    help="what the checkpoint is used as; its recorded verdict must be a pass for that")
+    ve.add_argument("--jobs", "-j", type=_jobs, default=None, metavar="N", help="files read at once")
+    ve.add_argument("--format", default="table", choices=["table", "json"], help="what to print")
+    ve.add_argument("--verbose", "-v", action="store_true", help="list every finding")
 
     d = sub.add_parser("demo", help="run the whole story on the built-in recipe (CPU, 2 ranks)")
     d.add_argument("--out", default="ckptaudit-demo", help="directory for checkpoints and reports")
@@ -247,11 +279,14 @@ def _resolved(args: argparse.Namespace, table: Mapping[str, Option]) -> dict[str
         raise UsageError(str(exc)) from None
 
 
-def _require(text: str) -> frozenset[ComponentKind]:
+def _require(text: str, *, passport: bool = False) -> frozenset[Any]:
     from ckptaudit.findings import ComponentKind
 
-    kinds: set[ComponentKind] = set()
+    kinds: set[Any] = set()
     for item in filter(None, (t.strip() for t in text.split(","))):
+        if passport and (item == "passport" or item.startswith("passport=")):  # latest: docs/passport.md
+            kinds.add(item)
+            continue
         try:
             kinds.add(ComponentKind(item))
         except ValueError:
@@ -453,7 +488,7 @@ def _cmd_export_serving(args: argparse.Namespace, stdout: TextIO, stderr: TextIO
         options = ExportOptions(recipe=args.recipe, out=args.out, dtype=args.dtype, keep_fp32=tuple(args.keep_fp32),
                                 force=args.force, max_shard_bytes=parse_size(args.max_shard_size),
                                 eval_batch=args.eval_batch, device=args.device, thresholds=GateThresholds(**limits),
-                                convert=convert)
+                                convert=convert, passport_key=args.passport_key)
     except ValueError as exc:  # ExportError is a ValueError
         raise UsageError(str(exc)) from None
 
@@ -501,7 +536,8 @@ def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
         stderr.flush()
 
     show = not args.no_progress and stderr.isatty()
-    report = latest_report(args.root, verify=args.verify, require=_require(args.require), check_all=args.all,
+    report = latest_report(args.root, verify=args.verify, require=_require(args.require, passport=True),
+                           check_all=args.all,
                            progress=progress if show else None, ignore=_ignore(args.ignore),
                            master_dtype=args.master_dtype, run_evidence=not args.no_run_evidence)
     fail_on = args.fail_on
@@ -512,6 +548,35 @@ def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
     if report.extra["latest"] is None:
         return EXIT_FINDINGS
     return code if fail_on else EXIT_CLEAN
+
+
+def _cmd_attest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from ckptaudit.auditing.judge import AuditOptions
+    from ckptaudit.passport import PassportError, attest
+    from ckptaudit.passport.render import attest_json, attest_text, dumps
+
+    if not _exists(args.path):
+        raise UsageError(f"{args.path}: no such file or directory; give the path of a checkpoint file or directory")
+    try:
+        options = AuditOptions(master_dtype=args.master_dtype, ignore=_ignore(args.ignore))
+        p = attest(args.path, key=args.key, output=args.output, artifact=args.expect, options=options,
+                   jobs=args.jobs, algorithm=args.digest)
+    except PassportError as exc:
+        raise UsageError(str(exc)) from None
+    stdout.write(dumps(attest_json(p, args.path)) if args.format == "json" else attest_text(p, args.path))
+    return EXIT_CLEAN if p.verdict == "pass" else EXIT_FINDINGS
+
+
+def _cmd_verify(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from ckptaudit.passport import PassportError, verify
+    from ckptaudit.passport.render import dumps, verify_json, verify_text
+
+    try:
+        result = verify(args.path, args.passport, key=args.key, expect=args.expect, jobs=args.jobs)
+    except PassportError as exc:  # the passport itself is unreadable, or the key: one line, exit 2
+        raise UsageError(" ".join(str(exc).split())) from None
+    stdout.write(dumps(verify_json(result)) if args.format == "json" else verify_text(result, args.verbose))
+    return result.exit_code
 
 
 def _cmd_demo(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
@@ -542,9 +607,9 @@ def _cmd_probe(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     return _emit(report, args, stdout)
 
 
-COMMANDS = {"audit": _cmd_audit, "compare": _cmd_compare, "demo": _cmd_demo,
+COMMANDS = {"attest": _cmd_attest, "audit": _cmd_audit, "compare": _cmd_compare, "demo": _cmd_demo,
             "export-serving": _cmd_export_serving, "latest": _cmd_latest, "probe": _cmd_probe,
-            "resume-test": _cmd_resume}
+            "resume-test": _cmd_resume, "verify": _cmd_verify}
 
 NEEDS_TORCH = frozenset({"demo", "export-serving", "probe", "resume-test"})
 """The commands that run PyTorch: without it installed they stop at one line naming the extra to install."""

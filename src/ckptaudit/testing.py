@@ -19,18 +19,26 @@ passes::
 ``CheckFailed`` (every failure) > ``AuditFailed`` (:func:`assert_checkpoint_ok`); ``ResumeFailed``
 (:func:`assert_resumes_faithfully`) > ``CheckpointDrift``, ``IncompleteRestore``, ``ExporterFailed``,
 ``NoPower``, ``ReferenceNotReproducible``.
+
+For a CI gate before a checkpoint is promoted, resumed from or served (``docs/passport.md``)::
+
+    assert_passport_verifies("s3://bucket/run/step-900/", key="signer.pub")
+
+raises :class:`PassportFailed` (an ``AssertionError``; ``exc.result`` is the
+:class:`~ckptaudit.passport.VerifyResult`) unless its passport verifies.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from ckptaudit.api import Report, audit
 from ckptaudit.findings import Severity
 
 __all__ = ["AuditFailed", "CheckFailed", "CheckpointDrift", "ExporterFailed", "IncompleteRestore", "NoPower",
-           "ReferenceNotReproducible", "ResumeFailed", "assert_checkpoint_ok", "assert_resumes_faithfully"]
+           "PassportFailed", "ReferenceNotReproducible", "ResumeFailed", "assert_checkpoint_ok",
+           "assert_passport_verifies", "assert_resumes_faithfully"]
 
 _RESUME_OPTIONS = ("nproc", "save_at", "steps", "margin", "min_rel", "loss_threshold", "timeout_s",
                    "export_timeout_s", "workdir")
@@ -146,3 +154,36 @@ def _resume_failure(report: Report) -> type[ResumeFailed]:
         return NoPower
     return ResumeFailed
 
+
+class PassportFailed(AssertionError):
+    """:func:`assert_passport_verifies`: the checkpoint does not verify against its passport (or has none, or its
+    recorded verdict was no pass); ``result`` is the :class:`~ckptaudit.passport.VerifyResult`, the message its
+    summary and findings."""
+
+    def __init__(self, message: str, result: Any) -> None:
+        super().__init__(message)
+        self.result = result
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.result))
+
+
+def assert_passport_verifies(path: str | os.PathLike[str], passport: str | os.PathLike[str] | None = None, *,
+                             key: str | os.PathLike[str] | None = None,
+                             expect: Literal["training", "serving"] = "training") -> Any:
+    """Verify the checkpoint at ``path`` (a local path or an ``s3://`` / ``gs://`` URL) against its passport
+    (``passport``; default: the one it carries) and return the :class:`~ckptaudit.passport.VerifyResult`; raise
+    :class:`PassportFailed` unless every byte is the attested one, the signature verifies with ``key`` (the
+    signer's PEM public key; with it a digest-only passport fails) and the recorded verdict is a pass for
+    ``expect`` (``training`` or ``serving``). A passport that cannot be read fails too (the message says why)."""
+    from ckptaudit.passport import PassportError, verify
+    from ckptaudit.passport.render import verify_text
+
+    try:
+        result = verify(os.fspath(path), None if passport is None else os.fspath(passport),
+                        key=None if key is None else os.fspath(key), expect=expect)
+    except PassportError as exc:
+        raise PassportFailed(f"{os.fspath(path)}: its passport cannot be used: {exc}", None) from None
+    if not result.ok:
+        raise PassportFailed(verify_text(result).rstrip(), result)
+    return result

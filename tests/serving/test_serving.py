@@ -99,7 +99,16 @@ def test_bf16_export_passes_the_gate_is_exactly_the_rounded_weights_and_audits_c
     code, report, err = export(src, out)
     assert code == 0, err
     assert report["serving"]["gate"]["passed"] is True
-    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    assert sorted(os.listdir(out)) == ["ckptaudit.passport.json", "model.safetensors"]
+    # Its passport: audited as a serving artifact, with the gate's results and where it came from.
+    from ckptaudit.passport import read_passport, verify
+
+    passport = read_passport(str(out / "ckptaudit.passport.json"))
+    assert passport.artifact == "serving" and passport.verdict == "pass" and not passport.signed
+    assert passport.serving is not None and passport.serving.gate["passed"] is True
+    assert passport.serving.source == str(src.resolve()) and passport.serving.source_passport_digest is None
+    assert [f.name for f in passport.files] == ["model.safetensors"]
+    assert verify(str(out), expect="serving").ok and not verify(str(out)).ok  # not a training checkpoint
     # The artifact holds the training weights rounded to bf16, nothing else and nothing lost besides that.
     exported = load_file(str(out / "model.safetensors"))
     weights = dcp_model_weights(src)

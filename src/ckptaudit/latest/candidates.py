@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptaudit.ondisk import layout, quarantine
+from ckptaudit.ondisk.passport import PASSPORT_SUFFIX, SIGNATURE_SUFFIX, is_passport_name
 
 __all__ = ["MAX_DEPTH", "MAX_ENTRIES", "SINGLE_FILE_EXTENSIONS", "Candidate", "Entry", "Skipped", "Survey",
            "classify_dir", "classify_file", "newest_first", "step_from_name", "survey"]
@@ -39,8 +40,6 @@ PINS_DIR = ".ckptaudit-pins"
 """The in-loop guard's folder of pins (``ckptaudit.integrations.pinning.PINS_DIR``): hard links of checkpoints
 being audited, never a checkpoint of the run."""
 _SINGLE_FILES = ("torch.save", "safetensors", "lightning")
-PASSPORT_SUFFIX = ".passport.json"
-"""A single-file checkpoint's passport lies beside it as ``<file>.passport.json``: part of no candidate."""
 POINTERS = (layout.POINTER, "latest_checkpointed_iteration.txt")
 
 _HF = re.compile(r"^checkpoint-(\d+)$")
@@ -171,8 +170,11 @@ def classify_file(name: str) -> tuple[str, int | None] | str:
         return "quarantined", step_from_name(original)
     if name.endswith(quarantine.REPORT_SUFFIX):
         return f"the guard's report of {name[: -len(quarantine.REPORT_SUFFIX)]}"
-    if name.endswith(PASSPORT_SUFFIX):  # the agreed convention (ckptaudit.ondisk.passport): FILE.passport.json
-        return f"the passport of {name[: -len(PASSPORT_SUFFIX)]}"
+    if is_passport_name(name):  # FILE.passport.json, FILE.passport.sig (ckptaudit.ondisk.passport)
+        for suffix in (PASSPORT_SUFFIX, SIGNATURE_SUFFIX):
+            if name.endswith(suffix):
+                return f"the passport{' signature' if suffix == SIGNATURE_SUFFIX else ''} of {name[: -len(suffix)]}"
+        return "a passport"
     if name in POINTERS:
         return "a pointer (compared with the newest resumable checkpoint)"
     lower = name.lower()

@@ -56,7 +56,9 @@ class StepContext:
     """One candidate's validation: the options, the run, and the findings so far."""
 
     verify: str
-    require: frozenset[ComponentKind]
+    require: frozenset[Any]
+    """What the caller requires: components (:class:`~ckptaudit.findings.ComponentKind`: :attr:`components`), and
+    what a step of its own reads (``passport`` / ``passport=KEY``: :mod:`ckptaudit.passport.requirement`)."""
     ignore: tuple[str, ...]
     master_dtype: str
     run: RunEvidence | None = None
@@ -68,6 +70,12 @@ class StepContext:
     """Set by a step after which nothing more is to be learnt (a temporary, a quarantined checkpoint)."""
     manifest: dict[str, Any] | None = None
     """The candidate's manifest as its reading found it (set by :func:`content`)."""
+
+
+    @property
+    def components(self) -> frozenset[ComponentKind]:
+        """The required components, for the audit's component check."""
+        return frozenset(r for r in self.require if isinstance(r, ComponentKind))
 
 
 CandidateStep = Callable[[Candidate, StepContext], None]
@@ -151,7 +159,14 @@ def commit_marker(c: Candidate, ctx: StepContext) -> None:
                                     "recorded sizes, content not verified"))
 
 
-CANDIDATE_STEPS: list[CandidateStep] = [uncommitted, quarantined, empty, content, commit_marker]
+def passport(c: Candidate, ctx: StepContext) -> None:
+    """``--require passport``: the candidate's passport must verify (:mod:`ckptaudit.passport.requirement`)."""
+    from ckptaudit.passport.requirement import require_passport_step
+
+    require_passport_step(c, ctx)
+
+
+CANDIDATE_STEPS: list[CandidateStep] = [uncommitted, quarantined, empty, content, commit_marker, passport]
 """The steps every candidate goes through, in order (add one line here for a new one)."""
 
 
@@ -164,7 +179,7 @@ def _read_and_check(c: Candidate, ctx: StepContext) -> list[Finding]:
         from ckptaudit.formats.io.tensors import DEFAULT_CHUNK_BYTES
 
         quick = ctx.verify == "quick"
-        options = AuditOptions(require=ctx.require, jobs=default_jobs(), quick=quick, ignore=ctx.ignore,
+        options = AuditOptions(require=ctx.components, jobs=default_jobs(), quick=quick, ignore=ctx.ignore,
                                master_dtype=ctx.master_dtype,
                                chunk_bytes=QUICK_CHUNK_BYTES if quick else DEFAULT_CHUNK_BYTES)
         run = ctx.run
@@ -192,7 +207,7 @@ def _read_and_check(c: Candidate, ctx: StepContext) -> list[Finding]:
         view = interpret(ckpt)
         ctx.manifest = view.manifest
         findings += check_indexes(ckpt, view)
-        findings += check_components(view, ctx.require)[1]
+        findings += check_components(view, ctx.components)[1]
         findings += check_manifest(ckpt, view, hashes=ctx.verify == "hashes")
     return findings
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import json
 import os
 import re
@@ -116,6 +117,10 @@ class ExportOptions:
     convert: Callable[[str, torch.Tensor, torch.dtype], torch.Tensor] | None = None
     """A custom conversion ``(name, tensor, dtype) -> tensor of that dtype`` (your own rounding or quantiser: the
     thing the gate is for); default ``tensor.to(dtype)``. Not applied to the ``keep_fp32`` tensors."""
+    passport: bool = True
+    """Write the artifact's passport (``docs/passport.md``): its audit, the gate's results, the source's passport."""
+    passport_key: str | None = None
+    """A PEM EC private key to sign the passport with (the ``[sign]`` extra); ``None``: digest-only."""
 
     def __post_init__(self) -> None:
         if self.dtype not in EXPORT_DTYPES:
@@ -155,6 +160,8 @@ class ExportResult:
     metadata: dict[str, str]
     batch: str
     device: str
+    passport: str | None = None
+    """The artifact's passport file, when one was written."""
 
     @property
     def exit_code(self) -> int:
@@ -262,6 +269,14 @@ def export_serving(source: str, options: ExportOptions, *, log: Callable[[str], 
         raise FileNotFoundError(source)
     out = os.path.abspath(options.out)
     _check_out(out)
+    if options.passport and options.passport_key:  # a key that does not load stops the export before it starts
+        from ckptaudit.passport import PassportError
+        from ckptaudit.passport.statements import load_private_key
+
+        try:
+            load_private_key(options.passport_key)
+        except PassportError as exc:
+            raise ExportError(f"--passport-key: {exc}") from None
     recipe = _load_serving_recipe(options.recipe)
     storage = EXPORT_DTYPES[options.dtype]
     say(f"scan {source}")
@@ -307,8 +322,31 @@ def export_serving(source: str, options: ExportOptions, *, log: Callable[[str], 
         say(f"write {out}")
         files = write_artifact(out, exported, metadata, options.max_shard_bytes)
         written = True
+    passport = _write_passport(source, out, gate_doc, options, say) if written and options.passport else None
     return ExportResult(os.path.abspath(source), out, options.dtype, written, gate, files, len(exported),
-                        tuple(kept), tuple(ignored), metadata, batch_label, options.device)
+                        tuple(kept), tuple(ignored), metadata, batch_label, options.device, passport)
+
+
+def _write_passport(source: str, out: str, gate_doc: dict[str, Any], options: ExportOptions,
+                    say: Callable[[str], None]) -> str | None:
+    """The serving artifact's passport: audited as a serving artifact, with the gate's results and the digest of
+    the training checkpoint's passport when it has one (that file's bytes, as a descendant names its parent)."""
+    from ckptaudit.ondisk.passport import find_passport
+    from ckptaudit.passport import PassportError, ServingInfo, attest
+    from ckptaudit.passport.document import read_passport_bytes
+
+    found, digest = find_passport(source), None
+    try:
+        digest = None if found is None else "sha256:" + hashlib.sha256(read_passport_bytes(found)).hexdigest()
+    except (PassportError, OSError) as exc:
+        say(f"the training checkpoint's passport {found} cannot be read ({exc}); not recorded")
+    try:
+        p = attest(out, key=options.passport_key, artifact="serving",
+                   serving=ServingInfo(gate_doc, os.path.abspath(source), digest))
+    except PassportError as exc:
+        raise ExportError(f"{out} was written, but its passport could not be: {exc}") from None
+    say(f"passport {p.file} ({'signed' if p.signed else 'digest-only'}, verdict {p.verdict})")
+    return p.file
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -23,7 +23,25 @@ from ckptaudit.store.dtypes import dtype_changes, refusal
 __all__ = ["load_checkpoint"]
 
 
-def _resolve(path: str) -> tuple[str, str]:
+def _resolve(path: str, require_passport: bool | str = False) -> tuple[str, str]:
+    """(coordinator) :func:`_resolve_path`, then with ``require_passport`` the checkpoint's passport verified
+    (``("error", why)`` when it does not)."""
+    resolved = _resolve_path(path)
+    if resolved[0] != "ok" or not require_passport:
+        return resolved
+    from ckptaudit.passport import passport_findings
+
+    name = os.path.basename(resolved[1])
+    key = require_passport if isinstance(require_passport, str) else None
+    problems = passport_findings(resolved[1], name, key=key)
+    if not problems:
+        return resolved
+    return ("error", f"{resolved[1]}: require_passport: {'; '.join(f.message for f in problems[:3])}"
+            + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
+            + "; `ckptaudit latest --require passport` names the newest checkpoint whose passport verifies")
+
+
+def _resolve_path(path: str) -> tuple[str, str]:
     """(coordinator) A checkpoint directory, or the newest resumable one under a root; ``("missing", why)`` when
     there is nothing to resume yet (no such directory, or no committed checkpoint in it)."""
     from ckptaudit.latest import find_latest
@@ -54,12 +72,14 @@ def _resolve(path: str) -> tuple[str, str]:
 @overload
 def load_checkpoint(job: Job, path: str | os.PathLike[str], *, allow_dtype_change: bool = ...,
                     allow_world_size_change: bool = ..., strict: bool = ..., verify: str = ...,
+                    require_passport: bool | str = ...,
                     missing_ok: Literal[False] = ...) -> LoadedCheckpoint: ...
 
 
 @overload
 def load_checkpoint(job: Job, path: str | os.PathLike[str], *, allow_dtype_change: bool = ...,
                     allow_world_size_change: bool = ..., strict: bool = ..., verify: str = ...,
+                    require_passport: bool | str = ...,
                     missing_ok: bool) -> LoadedCheckpoint | None: ...
 
 
@@ -72,6 +92,7 @@ def load_checkpoint(
     strict: bool = True,
     verify: str = "hashes",
     missing_ok: bool = False,
+    require_passport: bool | str = False,
 ) -> LoadedCheckpoint | None:
     """(all ranks, collective) Restore ``job`` from a checkpoint of :func:`save_checkpoint`.
 
@@ -88,9 +109,15 @@ def load_checkpoint(
     A root that does hold committed checkpoints, none of them resumable, still raises: that is damage, not a
     first run.
 
+    ``require_passport``: load only a checkpoint whose passport (``ckptaudit attest``, or a guard; see
+    ``docs/passport.md``) verifies: ``True`` for any passport (a digest-only one: the bytes are the attested ones),
+    or the path of the signer's PEM public key (the signature must verify; a digest-only passport is refused).
+    Its recorded verdict must be a pass. Costs one read of every byte, on the coordinator.
+
     Order of events:
 
-    1. (coordinator) resolves ``path``; broadcasts the directory.
+    1. (coordinator) resolves ``path``; with ``require_passport``, verifies the checkpoint against its passport;
+       broadcasts the directory (or why it is refused).
     2. (all ranks) read ``manifest.json``; check the world size, the components against ``job`` and the
        dtypes of the live model and optimizer against the saved ones (no silent cast, see
        ``allow_dtype_change``).
@@ -107,7 +134,8 @@ def load_checkpoint(
     group = Group()
     path = os.path.abspath(os.fspath(path))
     try:
-        resolved = group.broadcast(_resolve(path) if group.coordinator else None, "resolve checkpoint")
+        resolved = group.broadcast(_resolve(path, require_passport) if group.coordinator else None,
+                                   "resolve checkpoint")
     except CollectiveError as exc:
         raise CheckpointLoadError(f"load of {path}: {exc}") from None
     if resolved[0] == "missing" and missing_ok:
