@@ -110,7 +110,7 @@ def _step_from_file(c: Candidate) -> Candidate:
     return Candidate(c.path, c.name, c.layout, step, c.mtime, "the file's step key", c.files)
 
 
-def validate(c: Candidate, *, verify: str = DEFAULT_VERIFY, require: Collection[ComponentKind] = frozenset(),
+def validate(c: Candidate, *, verify: str = DEFAULT_VERIFY, require: Collection[ComponentKind | str] = frozenset(),
              ignore: Collection[str] = (), master_dtype: str = "auto", run: RunEvidence | None = None,
              checked: list[Checked] | None = None) -> Checked:
     """Validate one candidate through :data:`~ckptaudit.latest.steps.CANDIDATE_STEPS` (see the module docstring);
@@ -133,7 +133,7 @@ def validate(c: Candidate, *, verify: str = DEFAULT_VERIFY, require: Collection[
     return Checked(c, resumable, tuple(findings))
 
 
-def find_latest(root: str, *, verify: str = DEFAULT_VERIFY, require: Collection[ComponentKind] = frozenset(),
+def find_latest(root: str, *, verify: str = DEFAULT_VERIFY, require: Collection[ComponentKind | str] = frozenset(),
                 check_all: bool = False, progress: Callable[[str], None] | None = None,
                 ignore: Collection[str] = (), master_dtype: str = "auto", run_evidence: bool = True) -> LatestResult:
     """Validate the candidates under ``root`` (a local path or an ``s3://``/``gs://`` URL) newest first; stop at

@@ -25,7 +25,7 @@ def _candidate_json(ch: Checked | None, c: Candidate) -> dict[str, Any]:
                          for f in (ch.findings if ch is not None else ())]}
 
 
-def latest_report(root: str, *, verify: str | None = None, require: Collection[ComponentKind] = frozenset(),
+def latest_report(root: str, *, verify: str | None = None, require: Collection[ComponentKind | str] = frozenset(),
                   check_all: bool = False, progress: Callable[[str], None] | None = None,
                   ignore: Collection[str] = (), master_dtype: str = "auto", run_evidence: bool = True) -> RawReport:
     """The :class:`~ckptaudit.findings.RawReport` of ``ckptaudit latest``: ``extra["latest"]`` (path or ``None``),
