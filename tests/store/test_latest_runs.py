@@ -311,6 +311,11 @@ def test_an_s3_listing_is_bounded_and_says_where_it_stopped(s3_run: Any) -> None
         ("stage-1", "cannot be listed (the listing bound of 1 requests was reached)")]
     code, doc = _latest("s3://latest-runs/nested")
     assert code == 0 and doc["latest"] == "s3://latest-runs/nested/stage-1/ckpt-0002.pt"
+    # The bound stops at the oldest folders: the newest-looking names are listed first.
+    survey = remote_survey("s3://latest-runs/store", max_listings=2)  # the root, then one folder
+    assert [c.name for c in survey.candidates] == ["step-000002"]
+    assert ("step-000001", "cannot be listed (the listing bound of 2 requests was reached)") in [
+        (s.name, s.reason) for s in survey.skipped]
 
 
 def test_latest_on_an_unreachable_url_is_one_line_and_exit_2(tmp_path: Path) -> None:

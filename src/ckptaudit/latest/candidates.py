@@ -219,6 +219,7 @@ def survey(root: str, lister: Lister, *, root_name: str, join: Callable[[str, st
             out.candidates.append(_folder(root, root_name, own, root_mtime, join, "", top))
         return out
     _walk(out, lister, join, "", top, 0)
+    out.skipped.sort(key=lambda s: s.name)
     if own is not None:
         # The root holds component files (optimizer.pt, training_args.bin...): its own files are the parts of one
         # checkpoint, the root, which is the candidate unless sub-folders hold checkpoints (a Trainer's output
@@ -243,7 +244,8 @@ def _remote(join: Callable[[str, str], str]) -> bool:
 
 def _walk(out: Survey, lister: Lister, join: Callable[[str, str], str], rel: str, entries: list[Entry],
           depth: int) -> None:
-    for e in sorted(entries, key=lambda e: e.name):
+    # Newest-looking names first: when a bound stops the listing, what it did not reach are the oldest folders.
+    for e in sorted(entries, key=lambda e: (-(step_from_name(e.name) or -1), e.name)):
         name = f"{rel}/{e.name}" if rel else e.name
         if e.outside:
             # A link leaving root is never judged: `latest` would vouch for another checkpoint.
