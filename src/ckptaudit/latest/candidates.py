@@ -176,7 +176,7 @@ def classify_file(name: str) -> tuple[str, int | None] | str:
                 return f"the passport{' signature' if suffix == SIGNATURE_SUFFIX else ''} of {name[: -len(suffix)]}"
         return "a passport"
     if name in POINTERS:
-        return "a pointer (compared with the newest resumable checkpoint)"
+        return "a pointer (read on local roots only)"
     lower = name.lower()
     if not lower.endswith(SINGLE_FILE_EXTENSIONS):
         return "not a checkpoint file (" + (os.path.splitext(name)[1] or "no extension") + ")"
@@ -252,6 +252,8 @@ def _walk(out: Survey, lister: Lister, join: Callable[[str, str], str], rel: str
             out.skipped.append(Skipped(name, "a link leading outside the root: never judged"))
             continue
         if e.kind == "file":
+            if e.name in POINTERS and not rel and not _remote(join):
+                continue  # read and compared with the newest resumable checkpoint (the report's `pointer`)
             kind = classify_file(e.name)
             if isinstance(kind, str):
                 out.skipped.append(Skipped(name, kind))
