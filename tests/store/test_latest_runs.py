@@ -119,10 +119,14 @@ def test_nested_stages_are_searched_to_a_bounded_depth(tmp_path: Path) -> None:
     deep.mkdir(parents=True)
     trained(deep / "ckpt-0009.pt")
     trained(deep.parent / "ckpt-0003.pt")  # three levels below the root: still searched
+    (tmp_path / "wandb" / "run-1").mkdir(parents=True)
+    for i in range(3):
+        (tmp_path / "wandb" / "run-1" / f"events-{i}.log").write_text("x")
     code, doc = _latest(str(tmp_path), "--all")
     assert code == 0 and doc["latest"] == str(tmp_path / "stage-2" / "ckpt-0004.pt")
     assert set(_rows(doc)) == {"stage-2/ckpt-0004.pt", "a/b/c/ckpt-0003.pt", "stage-1/ckpt-0002.pt"}
-    assert {"name": "a/b/c/d", "reason": "deeper than 3 levels below the root: not searched"} in doc["skipped"]
+    assert doc["skipped"] == [{"name": "a/b/c/d", "reason": "deeper than 3 levels below the root: not searched"},
+                              {"name": "wandb", "reason": "no checkpoint inside (1 entry)"}]
 
 
 def test_a_folder_of_component_files_is_one_candidate_not_a_run_of_single_files(tmp_path: Path) -> None:

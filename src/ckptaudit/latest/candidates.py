@@ -286,7 +286,11 @@ def _walk(out: Survey, lister: Lister, join: Callable[[str, str], str], rel: str
         elif not children:
             out.skipped.append(Skipped(name, "an empty folder with no checkpoint name"))
         else:
+            found, skipped = len(out.candidates), len(out.skipped)
             _walk(out, lister, join, name, children, depth + 1)
+            if len(out.candidates) == found:  # a folder of logs, configs...: one line, not one per file
+                del out.skipped[skipped:]
+                out.skipped.append(Skipped(name, f"no checkpoint inside ({len(children)} entr{'y' if len(children) == 1 else 'ies'})"))
 
 
 def newest_first(found: list[Candidate]) -> list[Candidate]:
