@@ -271,6 +271,7 @@ def s3_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     trained(local / "ckpt-0004.pt")
     trained(local / "ckpt-0006.pt", rounded=True)
     with s3_server() as env, environment(env):
+        s3fs.S3FileSystem.clear_instance_cache()  # ckptaudit's cached client must not outlive the server
         fs = s3fs.S3FileSystem(skip_instance_cache=True)
         fs.mkdir("latest-runs")
         for p in sorted(local.iterdir()):
@@ -278,7 +279,10 @@ def s3_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
         fs.put(str(local / "ckpt-0002.pt"), "latest-runs/nested/stage-1/ckpt-0002.pt")
         fs.pipe("latest-runs/run/notes.txt", b"hello")
         fs.put(str(store), "latest-runs/store", recursive=True)
-        yield {"local": local, "store": store, "fs": fs}
+        try:
+            yield {"local": local, "store": store, "fs": fs}
+        finally:
+            s3fs.S3FileSystem.clear_instance_cache()
 
 
 def test_an_s3_root_is_listed_and_judged_like_its_local_copy(s3_run: Any) -> None:
@@ -329,8 +333,12 @@ def test_latest_on_an_unreachable_url_is_one_line_and_exit_2(tmp_path: Path) -> 
            "CKPTAUDIT_REMOTE_TIMEOUT": "2"}
     from local_s3 import environment
 
-    pytest.importorskip("s3fs")
-    with environment(env):
-        code = main(["latest", "s3://nowhere/run/", "--no-progress"], stdout=io.StringIO(), stderr=err)
+    s3fs = pytest.importorskip("s3fs")
+    s3fs.S3FileSystem.clear_instance_cache()  # a cached client would still reach an earlier endpoint
+    try:
+        with environment(env):
+            code = main(["latest", "s3://nowhere/run/", "--no-progress"], stdout=io.StringIO(), stderr=err)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
     assert code == 2 and err.getvalue().count("\n") == 1 and "s3://nowhere/run" in err.getvalue()
     assert os.path.exists(tmp_path)
