@@ -71,8 +71,8 @@ def test_the_command_line_flags_are_the_table(command: str) -> None:
         assert (action.help and opt.help.split(" (")[0] in action.help) or opt.name == "fail_on", opt.name
         if opt.choices:
             assert tuple(action.choices or ()) == opt.choices and action.default == opt.default
-        if opt.annotation == "bool":
-            assert action.default is False and action.nargs == 0
+        if opt.annotation == "bool":  # a switch: --quick turns one on, --no-run-evidence one on by default off
+            assert action.default is opt.default and action.nargs == 0 and action.dest == opt.name
 
 
 def test_api_jobs_and_cli_quick(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ def audit(
     fail_on: Literal["error", "warning", "info"] = "error",
     ignore: str | Iterable[str] = (),
     quick: bool = False,
+    run_evidence: bool = True,
     jobs: int | None = None,
     chunk_bytes: int = 1048576,
 ) -> Report: ...

@@ -133,6 +133,9 @@ def audit(path: str | os.PathLike[str], **options: Any) -> Report:
       ``"security.not-loaded,optimizer"``): kept in the report, marked ``ignored``, counted toward nothing;
     - ``quick``: the in-loop mode (first chunk of each tensor, no content hashes; see
       :attr:`ckptaudit.auditing.judge.AuditOptions.quick` for what it cannot see);
+    - ``run_evidence``: ``True`` (default): where the checkpoint alone looks like 16-bit masters (bf16 parameters
+      beside bf16 moments, nothing recording the masters), hold it to the float32 masters its run's other
+      checkpoints beside it hold (``contract.run-mismatch``); ``False`` judges it alone;
     - ``jobs``: threads scanning tensors at once; ``None`` (default) is every core this process may use, as on
       the command line (the report is the same whatever the number);
     - ``chunk_bytes``: bytes read per chunk.
@@ -162,7 +165,7 @@ def audit_options(opts: Mapping[str, Any]) -> AuditOptions:
                         require=frozenset(ComponentKind(str(s).strip()) for s in require),
                         chunk_bytes=opts["chunk_bytes"], quick=opts["quick"],
                         jobs=opts["jobs"] or default_jobs(), master_dtype_from=opts["master_dtype_from"],
-                        ignore=_ignored(opts["ignore"]))
+                        ignore=_ignored(opts["ignore"]), run_evidence=opts["run_evidence"])
 
 
 def compare(reference: str | os.PathLike[str], candidate: str | os.PathLike[str], **options: Any) -> Report:

@@ -46,7 +46,9 @@ class Option:
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        """``--master-dtype``; a switch on by default is turned off by ``--no-<name>`` (``--no-run-evidence``)."""
+        off = self.annotation == "bool" and self.default is True
+        return "--" + ("no-" if off else "") + self.name.replace("_", "-")
 
 
 def _choice(values: tuple[str, ...]) -> Callable[[Any], bool]:
@@ -122,6 +124,10 @@ AUDIT_OPTIONS: Mapping[str, Option] = {o.name: o for o in (
     IGNORE,
     Option("quick", False, "bool", lambda v: isinstance(v, bool), "True or False",
            "the in-loop mode: each tensor's precision from its first chunk, no content hashes (not a full verdict)"),
+    Option("run_evidence", True, "bool", lambda v: isinstance(v, bool), "True or False",
+           "where the checkpoint alone looks like 16-bit masters, hold it to the float32 masters its run's other "
+           "checkpoints beside it hold (contract.run-mismatch); the command line's --no-run-evidence judges it "
+           "alone"),
     Option("jobs", None, "int | None", _jobs(), "an int >= 1, or None (every core this process may use)",
            "threads scanning tensors at once (default: every core this process may use); the report is the same "
            "whatever N"),
