@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckptaudit.findings import safe_repr
 from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS, TORCH_DTYPES
 from ckptaudit.formats.pickle.object_tree import check_tree
 from ckptaudit.formats.pickle.scan import (
@@ -33,7 +34,6 @@ from ckptaudit.formats.pickle.scan import (
     UnsafeGlobalError,
 )
 from ckptaudit.formats.pickle.unpickler import PickledRecord, RestrictedUnpickler
-from ckptaudit.safetext import safe_repr
 
 __all__ = [
     "BytesMeta",

@@ -546,13 +546,12 @@ def _unflatten(flat: dict[str, Any], mapping: Mapping[str, tuple[str | int, ...]
         path: tuple[str | int, ...] = mapping.get(key) or (key,)
         node = root
         for p in path[:-1]:
-            nxt = node.get(p)
-            if nxt is None and p not in node:
-                nxt = node[p] = {}
-                made.add(id(nxt))
-            elif id(nxt) not in made:
+            if p not in node:
+                node[p] = {}
+                made.add(id(node[p]))
+            elif id(node[p]) not in made:
                 return dict(flat)
-            node = nxt
+            node = node[p]
         if path[-1] in node:
             return dict(flat)
         node[path[-1]] = value
