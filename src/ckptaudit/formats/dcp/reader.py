@@ -306,6 +306,7 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
     # Thousands of items share a few data files: each file's path is vetted and stat'ed once.
     path_problems: dict[str, str | None] = {}
     stats: dict[str, tuple[str | None, int] | None] = {}
+    irregular: set[str] = set()
     for index, info in storage.items():
         fqn = index.fqn
         where = _item_range(info)
@@ -363,7 +364,8 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
             located[index] = Unreadable(f"data file {rel_name} is missing", rel_name)
             continue
         if kind is not None:
-            if rel_name not in short_files and not any(f.subject == rel_name for f in findings):
+            if rel_name not in irregular:  # once per file (a set: the items naming it may be millions)
+                irregular.add(rel_name)
                 findings.append(finding("integrity.corrupt", rel_name,
                                         f"data file {rel_name} is {kind}, not a regular file; not opened",
                                         file=rel_name))
