@@ -18,7 +18,7 @@ PACKAGE = SRC / "ckptaudit"
 TIERS: dict[str, dict[str, int]] = {
     # the vocabulary: findings and report types, the multi-process harness, the optional dependencies, codes, schema,
     # the job protocol, options
-    "foundation": {"version": 0, "safetext": 0, "findings": 0, "launch": 0, "extras": 0, "catalogue": 1, "schema": 1, "recipes": 1, "options": 2},
+    "foundation": {"version": 0, "findings": 0, "launch": 0, "extras": 0, "catalogue": 1, "schema": 1, "recipes": 1, "options": 2},
     # one reader per container
     "readers": {"formats": 3},
     # what the bytes mean (on-disk conventions, library layouts), what is wrong (checks), how it is rendered;
