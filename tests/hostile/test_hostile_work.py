@@ -208,3 +208,31 @@ def test_items_naming_a_directory_are_reported_in_linear_time(tmp_path: Path) ->
         assert len([f for f in read.findings if f.subject == "sub"]) == 1
         work.append(lines_run(read_dcp, str(root)))
     assert work[1] < 5 * work[0], work
+
+
+def test_compare_finds_moment_sources_in_linear_time() -> None:
+    """A candidate whose optimizer moments all differ from their own parameter's, among thousands of same-shape
+    layers: each looks for an equal reference moment by its hash (a lookup), never by scanning every same-shape
+    moment (that was quadratic)."""
+    from ckptaudit.comparing.matching import Entry
+    from ckptaudit.comparing.pairs import Pair, find_moment_sources
+    from ckptaudit.formats.io.tensors import DTYPES, FileMaps, TensorData
+
+    def run(n: int) -> tuple[int, list[Pair]]:
+        data = TensorData(DTYPES["float32"], (4,), (Piece("f", 0, 0, (4,), (1,), (0,)),))
+        refs = [Entry(("optimizer", f"p{i}", "exp_avg"), "optimizer", f"p{i}", "tensor", "exp_avg", f"p{i}", data,
+                      hash=f"h{i}") for i in range(n)]
+        # the candidate's moment of p{i} equals the reference's of p{i+1} for half; the rest equal nothing
+        pairs = [Pair(r.key, r, Entry(r.key, "optimizer", r.name, "tensor", "exp_avg", r.param, data,
+                                      hash=f"h{(i + 1) % n}" if i % 2 else f"x{i}"), "different")
+                 for i, r in enumerate(refs)]
+        with FileMaps() as maps:
+            work = lines_run(lambda: find_moment_sources(pairs, refs, maps, maps, 1 << 20, max_value_checks=0))
+        return work, pairs
+
+    small, _ = run(400)
+    large, pairs = run(1600)
+    assert large < 5 * small, (small, large)
+    found = [p for p in pairs if p.source is not None]
+    assert len(found) == 800 and all(p.source is not None and p.source[1] == "identical" for p in found)
+    assert all(p.source is not None and p.source[0].param != p.key[1] for p in found)
