@@ -109,9 +109,16 @@ def test_a_planner_path_that_disagrees_with_its_key_is_corrupt_and_never_an_over
     md = _metadata(saved)
     assert set(tree) == set(md.state_dict_metadata)
     assert tree["opt"] == 1 and tree["step"] == 3
-    # The live loader refuses what the audit calls corrupt.
+    # The live loaders refuse what the audit calls corrupt.
     with pytest.raises(UnsafeCheckpointError, match="planner_data"):
         check_metadata_safe(str(root))
+    if case == "decoy":
+        import torch
+
+        from ckptaudit.formats.torchload import safe_dcp_load
+
+        with pytest.raises(UnsafeCheckpointError, match="planner_data"):
+            safe_dcp_load({"model": {"weight": torch.zeros(8, 8)}}, root)
 
 
 @pytest.mark.parametrize("case", ["all-dots-split", "no-planner-data", "key-absent", "extra-entry"])
