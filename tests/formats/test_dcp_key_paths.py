@@ -121,6 +121,20 @@ def test_a_planner_path_that_disagrees_with_its_key_is_corrupt_and_never_an_over
             safe_dcp_load({"model": {"weight": torch.zeros(8, 8)}}, root)
 
 
+def test_list_indices_past_the_item_count_are_accepted(tmp_path: Path) -> None:
+    # torch's flattening visits every element of a list holding a tensor; an empty dict among them leaves no key,
+    # so an honest index may exceed the number of items
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path / "empties"
+    dcp.save({"layers": [{}, {}, {}, torch.ones(2)]}, checkpoint_id=str(root), no_dist=True)
+    assert _metadata(root).planner_data == {"layers.3": ("layers", 3)}
+    read = read_dcp(str(root))
+    assert not [f for f in read.findings if f.code == CORRUPT], read.findings
+    assert read.part is not None and isinstance(read.part.tree["layers"][3], TensorData)
+
+
 @pytest.mark.parametrize("case", ["all-dots-split", "no-planner-data", "key-absent", "extra-entry"])
 def test_planner_paths_that_agree_with_their_keys_are_accepted(case: str, saved: Path, tmp_path: Path) -> None:
     edits: dict[str, Callable[[Any], None]] = {

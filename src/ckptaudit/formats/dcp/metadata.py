@@ -447,11 +447,15 @@ class _Node:
         self.leaf: str | None = None  # the key whose path ends here
 
 
-def _path_problem(key: str, path: Any, n_keys: int) -> str | None:
+MAX_LIST_INDEX = 1 << 31
+"""Largest list index a key path may hold (no saved list is longer; ``str()`` of it is short)."""
+
+
+def _path_problem(key: str, path: Any) -> str | None:
     """Why ``path`` is not a key path torch's flattening (``_nested_dict.flatten_state_dict``) could have written
     for ``key``: a tuple whose first element is a name (``str(k)`` of a top-level key), the rest names (mapping
-    keys, ``str(k)``) or list indices (``0 <= i``, below the item count: every index holds an item), joined by
-    dots back to ``key`` exactly (``".".join(map(str, path))``); ``None`` when it is one."""
+    keys, ``str(k)``) or list indices (``0 <= i <`` :data:`MAX_LIST_INDEX`), joined by dots back to ``key``
+    exactly (``".".join(map(str, path))``); ``None`` when it is one."""
     if type(path) not in (tuple, list) or not 0 < len(path) <= MAX_PATH:
         return f"is {_short(path) if type(path) is not tuple else 'a tuple of ' + str(len(path))}, not a key path"
     if type(path[0]) is not str:
@@ -460,10 +464,10 @@ def _path_problem(key: str, path: Any, n_keys: int) -> str | None:
     for p in path:
         if type(p) is str:
             length += len(p)
-        elif type(p) is int and 0 <= p < n_keys:
-            length += len(str(p))  # bounded: below the number of items
+        elif type(p) is int and 0 <= p < MAX_LIST_INDEX:
+            length += len(str(p))  # bounded: a short number
         else:
-            return f"holds {_short(p)}, neither a name nor a list index below {n_keys}"
+            return f"holds {_short(p)}, neither a name nor a list index below 2**31"
     if length != len(key) or ".".join(p if type(p) is str else str(p) for p in path) != key:
         return f"is {safe_repr(tuple(path), 200)}, which joins to another key than {_short(key)}"
     return None
@@ -499,7 +503,7 @@ def _planner(raw: Any, keys: Mapping[str, Any]) -> tuple[dict[str, tuple[str | i
             continue
         if key not in keys:
             continue  # no item is loaded by it: neither reading uses it
-        why = _path_problem(key, path, len(keys))
+        why = _path_problem(key, path)
         if why is not None:
             problem(f"planner_data's path of {_short(key)} {why}")
             continue
