@@ -78,3 +78,30 @@ def test_a_traceback_keeps_its_lines_and_escapes_what_is_inside_them(fmt: Output
     lines = [html.unescape(line).strip() for line in text.split("\n")]
     assert 'File "x.py", line 3, in export' in lines and "boom()" in lines
     assert any(f"KeyError: {shown}" in line for line in lines), (shown, fmt)
+
+
+@pytest.mark.parametrize("fmt", [OutputFormat.TABLE, OutputFormat.HTML])
+def test_hostile_names_are_escaped_in_grouped_rows_too(fmt: OutputFormat, tmp_path: Path) -> None:
+    """Without --verbose, four or more findings of one code are one row listing their subjects: those names are
+    escaped there as everywhere (every other test of hostile names renders verbose, which never groups)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ckptaudit.report.table import GROUP_ABOVE, MAX_SUBJECTS
+
+    hostile = HOSTILE[:MAX_SUBJECTS]
+    assert len(hostile) > GROUP_ABOVE
+    names = {f"layer{i}{ch}weight": torch.randn(512).to(torch.bfloat16).float() for i, ch in enumerate(hostile)}
+    path = tmp_path / "model.safetensors"
+    save_file(names, str(path))
+    report = run_audit(str(path))
+    rounded = [f for f in report.findings if f.code == "precision.bf16-rounded"]
+    assert len(rounded) == len(hostile) > GROUP_ABOVE
+    out = io.StringIO()
+    render(report, fmt, out, verbose=False)
+    text = out.getvalue()
+    if fmt == OutputFormat.TABLE:
+        assert f"{len(hostile)} subjects" in text  # grouped
+    for ch in hostile:
+        assert ch not in text, (hex(ord(ch)), fmt)
+    assert sum(f"{clean(ch)}weight" in text for ch in hostile) == len(hostile), (fmt, text[-3000:])

@@ -89,3 +89,68 @@ def test_megatron_iteration_past_the_int_to_string_limit_is_spelled_not_raised()
     assert "<integer of about 5001 digits>" in _megatron_data_detail({"iteration": huge,
                                                                      "args": {"consumed_train_samples": huge}})
     assert "<integer of about 5001 digits>" in _megatron_data_detail({"iteration": huge})
+
+
+def test_the_safe_formatter_never_raises_and_keeps_distinct_values_apart() -> None:
+    from ckptaudit.findings import safe_repr, safe_str
+
+    huge = 10**5000
+    assert safe_str(huge).startswith("<integer of about 5001 digits> (blake2b ")
+    assert safe_str(huge) != safe_str(huge + 1) and safe_str(-huge) != safe_str(huge)  # names never merge
+    assert safe_str((huge, "a")).endswith(", 'a')") and safe_repr([huge]).startswith("[<integer")
+    assert safe_str(2**100) == str(2**100) and safe_str(float("nan")) == "NaN" and safe_repr("a") == "'a'"
+
+    class Hostile:
+        def __str__(self) -> str:
+            raise ValueError("no")
+
+        def __repr__(self) -> str:
+            raise ValueError("no")
+
+    assert safe_str(Hostile()) == "<Hostile>" and safe_repr(Hostile()) == "<Hostile>"
+    assert safe_str({huge: 1}) == "<dict of 1 items>"
+    assert len(safe_str("x" * 10**6, 100)) <= 100 and "chars)" in safe_str("x" * 10**6, 100)
+
+
+def _huge_key_checkpoints(tmp_path: Path) -> dict[str, Path]:
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    huge = 10**5000
+    pt = tmp_path / "huge.pt"
+    torch.save({"model": {huge: torch.randn(3), huge + 1: torch.randn(3), "w": torch.randn(2)}, huge: torch.ones(2),
+                "step": huge}, pt)
+    root = tmp_path / "huge-dcp"
+    dcp.save({"model": {"w": torch.randn(4)}, "x": torch.randn(2)}, checkpoint_id=str(root), no_dist=True)
+    with open(root / ".metadata", "rb") as fh:
+        md = pickle.load(fh)  # the test's own file
+    md.planner_data["x"] = ("x", huge)  # a planner_data path element of 5,001 digits
+    (root / ".metadata").write_bytes(pickle.dumps(md))
+    return {"torch.save": pt, "dcp": root}
+
+
+def test_keys_of_5001_digits_end_in_a_report_from_the_api_and_the_cli(tmp_path: Path) -> None:
+    import ckptaudit
+
+    paths = _huge_key_checkpoints(tmp_path)
+    report = ckptaudit.audit(paths["torch.save"])
+    names = [t.name for t in report.raw.tensors]
+    huge_names = [n for n in names if "<integer of about 5001 digits>" in n]
+    assert len(huge_names) == 3 and len(set(huge_names)) == 3, names  # two model keys and one top-level: apart
+    dcp_report = ckptaudit.audit(paths["dcp"])
+    assert any(f.code == "integrity.corrupt" and "<integer of about 5001 digits>" in f.message
+               for f in dcp_report.findings), dcp_report.findings
+    for path in paths.values():
+        for fmt in ("table", "json", "html"):
+            for extra in ([], ["--verbose"]):
+                out, err = io.StringIO(), io.StringIO()
+                code = main(["audit", str(path), "--no-progress", "--format", fmt, *extra], stdout=out, stderr=err)
+                assert code in (0, 1) and "Traceback" not in err.getvalue(), err.getvalue()[-2000:]
+                assert out.getvalue()
+                if fmt == "json":
+                    json.loads(out.getvalue())
+        out, err = io.StringIO(), io.StringIO()
+        assert main(["compare", str(path), str(path), "--no-progress"], stdout=out, stderr=err) in (0, 1), \
+            err.getvalue()[-2000:]

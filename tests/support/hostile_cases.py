@@ -183,3 +183,36 @@ def shared_chunks_dcp(path: Path, n: int) -> Path:
                                                                 torch.Size([n]), shared)
     (ckpt / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
     return ckpt
+
+
+def column_chunks_dcp(path: Path, n: int) -> Path:
+    """A DCP checkpoint of one ``[1, n]`` fp32 tensor ``w`` saved as ``n`` ``[1, 1]`` column chunks (issue 36: a
+    pairwise tiling check took 151 s at n = 5,000), built cheaply: one real ``torch.save`` archive of a ``[1, 1]``
+    tensor written ``n`` times into one data file (each chunk a whole archive at its own offset, as DCP writes
+    them), and the ``.metadata`` torch's own classes describe it with."""
+    import io
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    path.mkdir(parents=True)
+    buf = io.BytesIO()
+    torch.save(torch.full((1, 1), 0.5), buf)
+    item = buf.getvalue()
+    (path / "__0_0.distcp").write_bytes(item * n)
+    chunks = [ChunkStorageMetadata(torch.Size([0, i]), torch.Size([1, 1])) for i in range(n)]
+    storage = {MetadataIndex("w", torch.Size([0, i])): _StorageInfo("__0_0.distcp", i * len(item), len(item))
+               for i in range(n)}
+    md = Metadata(state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32),
+                                                                   torch.Size([1, n]), chunks)},
+                  planner_data={"w": ("w",)}, storage_data=storage)
+    (path / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
+    return path

@@ -3,6 +3,7 @@
     .venv/bin/python tests/support/hostile_figures.py                    # both rounds
     .venv/bin/python tests/support/hostile_figures.py --round 3          # issue 25's work bounds only
     .venv/bin/python tests/support/hostile_figures.py --round 3 --src /tmp/base/src   # the same inputs, other code
+    .venv/bin/python tests/support/hostile_figures.py --round 4          # issue 36: column chunks, huge keys
 
 Round 2 builds every hostile case of ``hostile_cases.py`` (the builders the tests use) in a temporary directory
 and audits each in one child process (``audit_worker.py``: warmed up on real checkpoints, then
@@ -15,6 +16,10 @@ files (``hostile_deepspeed.py``; the DeepSpeed writer runs first, a minute or tw
 entries share one chunk list (``safe_dcp_reader``), and ``http://`` audits against the local servers of
 ``http_servers.py`` (requests made and body bytes the server could send). ``--src`` runs the children on
 another source tree, e.g. the code before a change: ``git archive <commit> src | tar -x -C /tmp/base``.
+
+Round 4 (issue 36) times, in the same fresh children, the audit of a ``[1, N]`` DCP tensor saved as N ``[1, 1]``
+column chunks against ``torch.distributed.checkpoint.load`` of the same folder, and audits a ``torch.save`` file
+whose keys are 5,001-digit ints.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--round", choices=["2", "3", "all"], default="all")
+    parser.add_argument("--round", choices=["2", "3", "4", "all"], default="all")
     parser.add_argument("--src", default=str(ROOT / "src"), help="the ckptaudit source tree the children run")
     parser.add_argument("--limit", type=float, default=600, help="seconds after which a round-3 child is killed")
     args = parser.parse_args(argv)
@@ -45,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         round2()
     if args.round in ("3", "all"):
         round3(args.src, args.limit)
+    if args.round in ("4", "all"):
+        round4(args.src, args.limit)
     return 0
 
 
@@ -95,7 +102,16 @@ what, path = sys.argv[2], sys.argv[3]
 from ckptaudit.auditing.judge import run_audit
 start = time.perf_counter()
 out = {}
-if what == "dcp-reader":
+if what == "dcp-load":
+    import warnings
+    import torch
+    import torch.distributed.checkpoint as dcp
+    warnings.simplefilter("ignore")
+    md = dcp.FileSystemReader(path).read_metadata()  # our own file
+    state = {k: torch.zeros(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    out["tensors"] = len(state)
+elif what == "dcp-reader":
     from ckptaudit.formats.torchload import safe_dcp_reader
     md = safe_dcp_reader(path).read_metadata()
     out["chunk objects"] = len({id(c) for item in md.state_dict_metadata.values() for c in getattr(item, "chunks", ())})
@@ -170,6 +186,23 @@ def round3(src: str, limit: float) -> None:
                 answer = _run(src, "audit", f"{srv.url}/ckpt.pt", limit)
                 extra = f"({srv.requests} requests, {srv.sent / 2**20:.1f} MiB sent by the server) "
             _row3(f"http://, server {mode}", big.stat().st_size, answer, extra)
+
+
+def round4(src: str, limit: float) -> None:
+    import torch
+
+    print("| input | size | time | peak RSS of the child | result |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        for n in (5_000, 10_000):
+            ckpt = hc.column_chunks_dcp(d / f"cols-{n}", n)
+            _row3(f"DCP: [1, {n:,}] in {n:,} column chunks, audit", _size(ckpt), _run(src, "audit", str(ckpt), limit))
+            _row3(f"DCP: [1, {n:,}] in {n:,} column chunks, dcp.load", _size(ckpt),
+                  _run(src, "dcp-load", str(ckpt), limit))
+        huge = d / "huge.pt"
+        torch.save({"model": {10**5000: torch.randn(3), "w": torch.randn(2)}, 10**5000: torch.ones(2)}, huge)
+        _row3("torch.save: keys of 5,001 digits", _size(huge), _run(src, "audit", str(huge), limit))
 
 
 def _tensors_pt(path: Path) -> None:

@@ -32,6 +32,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ckptaudit.findings import safe_str
+
 __all__ = ["deepspeed_zero_lr_steps", "zero_lr_groups"]
 
 _SCHEDULES = ("WarmupLR", "WarmupDecayLR")
@@ -68,7 +70,7 @@ def zero_lr_groups(groups: Sequence[Mapping[str, Any]], schedulers: Sequence[Any
         if isinstance(tree, dict):
             for key, value in tree.items():
                 if key in _SCHEDULER_LRS and isinstance(value, list) and len(value) == len(groups):
-                    lists.append((str(key), value))
+                    lists.append((safe_str(key), value))
                 elif isinstance(value, dict | list):
                     todo.append(value)
         elif isinstance(tree, list):

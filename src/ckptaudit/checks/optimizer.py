@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from ckptaudit.catalogue import finding
-from ckptaudit.findings import Finding, text
+from ckptaudit.findings import Finding, safe_str, text
 from ckptaudit.layouts.attachment import Attachment, assign_by_order, attachable, moment_shape, saved_param_names
 from ckptaudit.layouts.view import OptimizerView, View, normalize_fqn
 
@@ -88,7 +88,7 @@ def check_steps(opt: OptimizerView | None, steps: dict[Any, float]) -> list[Find
         return []
     values = Counter(steps.values())
     common, _ = values.most_common(1)[0]
-    odd = [str(k) for k, v in steps.items() if v != common]
+    odd = [safe_str(k) for k, v in steps.items() if v != common]
     return [
         finding(
             "optimizer.step-mismatch",

@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptaudit.checks.lr_history import deepspeed_zero_lr_steps, zero_lr_groups
 from ckptaudit.checks.optimizer import may_all_be_unattached, never_updated
-from ckptaudit.findings import ComponentKind, Precision, TensorRecord
+from ckptaudit.findings import ComponentKind, Precision, TensorRecord, safe_str
 from ckptaudit.formats.base import Checkpoint, walk
 from ckptaudit.formats.io import tensors
 from ckptaudit.formats.io.tensors import TensorData
@@ -104,7 +104,7 @@ def scheduler_trees(ckpt: Checkpoint) -> list[Any]:
         if part.name and file_rule(part.name) is ComponentKind.SCHEDULER:
             trees.append(part.tree)
         elif isinstance(part.tree, dict):
-            trees += [v for k, v in part.tree.items() if str(k) in SCHEDULER_KEYS]
+            trees += [v for k, v in part.tree.items() if safe_str(k) in SCHEDULER_KEYS]
     return trees
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptaudit.auditing.plan import open_interpreted
-from ckptaudit.findings import ComponentKind
+from ckptaudit.findings import ComponentKind, safe_str
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts import (
@@ -146,7 +146,7 @@ def entries_of(side: Side) -> dict[tuple[str, ...], Entry]:
                 if field_name in _SKIP_GROUP_FIELDS:
                     continue
                 for path, leaf in walk(v):
-                    key = ("optimizer", "param_groups", str(gi), str(field_name), *(str(p) for p in path))
+                    key = ("optimizer", "param_groups", safe_str(gi), safe_str(field_name), *(safe_str(p) for p in path))
                     name = "/".join((opt.where, "param_groups", *key[2:]))
                     _put(out, Entry(key, ComponentKind.OPTIMIZER.value, name, "value", value=leaf))
     model_where = list(view.components.get(ComponentKind.MODEL, []))
@@ -168,7 +168,7 @@ def entries_of(side: Side) -> dict[tuple[str, ...], Entry]:
             comp, sub = _component_path(part, rule, path, under_model=_under(label, model_where))
             key = (comp, *sub)
             if key in out:  # two spellings landed on one key: keep the raw path for the second
-                key = (comp, *(str(p) for p in path))
+                key = (comp, *(safe_str(p) for p in path))
             if isinstance(leaf, TensorData | Unreadable):
                 _put(out, _tensor_entry(key, comp, names.get(id(leaf), label), leaf, "", None))
             else:
@@ -194,7 +194,7 @@ def _put(out: dict[tuple[str, ...], Entry], e: Entry) -> None:
 
 def _label(part: Part, path: tuple[Any, ...]) -> str:
     bits = [part.name] if part.name else []
-    bits += [str(p) for p in path]
+    bits += [safe_str(p) for p in path]
     return "/".join(bits) if bits else "(root)"
 
 
@@ -209,7 +209,7 @@ def _file_rule(part: Part) -> ComponentKind | str | None:
 
 def _component_path(part: Part, rule: ComponentKind | str | None, path: tuple[Any, ...],
                     *, under_model: bool) -> tuple[str, tuple[str, ...]]:
-    p = tuple(str(x) for x in path)
+    p = tuple(safe_str(x) for x in path)
     if isinstance(rule, ComponentKind):
         m = _FILE_RANK.search(part.name)
         rank = (f"rank{int(m[1])}",) if m and rule in (ComponentKind.RNG, ComponentKind.DATA_PROGRESS) else ()

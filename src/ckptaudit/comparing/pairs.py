@@ -247,21 +247,30 @@ def find_moment_sources(pairs: list[Pair], ref_entries: list[Entry], ref: FileMa
     moments all differ is another state, not a permutation).
     """
     by_shape: dict[tuple[str, tuple[int, ...]], list[Entry]] = {}
+    # Equal hashes by (state name, shape, dtype, hash), each list holding at most two parameters: a lookup per
+    # moment, never a scan of every same-shape moment (thousands of same-shape layers made that quadratic).
+    by_hash: dict[tuple[Any, ...], list[Entry]] = {}
     for e in ref_entries:
         if is_moment(e) and e.data is not None:
             by_shape.setdefault((e.role, e.data.shape), []).append(e)
+            if e.hash is not None:
+                same = by_hash.setdefault((e.role, e.data.shape, e.dtype, e.hash), [])
+                if len(same) < 2 and all(o.param != e.param for o in same):
+                    same.append(e)
     budget: dict[tuple[str, tuple[int, ...]], int] = {}
     for p in pairs:
         ce = p.cand
         if p.status != "different" or ce is None or not is_moment(ce) or ce.data is None:
             continue
         group_key = (ce.role, ce.data.shape)
-        others = [e for e in by_shape.get(group_key, []) if e.param != ce.param]
-        hit = next((e for e in others if e.data is not None and e.hash is not None and e.dtype == ce.dtype
-                    and e.hash == ce.hash), None)
+        hit = next((e for e in by_hash.get((ce.role, ce.data.shape, ce.dtype, ce.hash), ())
+                    if e.param != ce.param), None) if ce.hash is not None else None
         if hit is not None:
             p.source = (hit, "identical")
             continue
+        if budget.get(group_key, 0) >= max_value_checks:
+            continue  # the value checks of this state name and shape are spent: no scan of its moments either
+        others = (e for e in by_shape.get(group_key, []) if e.param != ce.param)
         for e in others:
             if budget.get(group_key, 0) >= max_value_checks:
                 break

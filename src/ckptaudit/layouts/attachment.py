@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptaudit.catalogue import finding
-from ckptaudit.findings import Finding, Severity
+from ckptaudit.findings import Finding, Severity, safe_str
 from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.view import ModelView, OptimizerView, TensorRef, View, normalize_fqn
 
@@ -191,7 +191,7 @@ def _by_order(opt: OptimizerView, model: ModelView) -> Attachment:
         for k in (k for k in opt.state if k not in in_groups):
             findings.append(
                 finding("optimizer.unmatched", f"{opt.where}/state/{k}",
-                        f"optimizer state entry {k} belongs to no param group", key=str(k))
+                        f"optimizer state entry {k} belongs to no param group", key=safe_str(k))
             )
     else:
         grouped = [list(opt.state)]
@@ -281,7 +281,7 @@ def _ambiguous(opt: OptimizerView, groups_text: str, fit: OrderFit, grouped: lis
         f"{why}. Which of them the optimizer really held cannot be verified offline; compare against a reference "
         "(ckptaudit compare) or save FQN-keyed state.",
         entries=sum(len(g) for g in grouped),
-        unpinned={str(k): v for k, v in loose[:20]},
+        unpinned={safe_str(k): v for k, v in loose[:20]},
     )
 
 
@@ -392,7 +392,7 @@ def _by_names(opt: OptimizerView, params: dict[str, TensorRef], names: dict[Any,
             if key not in opt.state:
                 result.findings.append(
                     finding("optimizer.unmatched", f"{where}/param_groups/{name}",
-                            f"param group lists {name!r}, which the model does not have", key=str(name))
+                            f"param group lists {name!r}, which the model does not have", key=safe_str(name))
                 )
         elif key not in opt.state:
             result.findings.append(

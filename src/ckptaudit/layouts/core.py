@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptaudit.findings import ComponentKind
+from ckptaudit.findings import ComponentKind, safe_str
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.contract import load_function
 from ckptaudit.formats.io.tensors import TensorData
@@ -54,7 +54,7 @@ def interpret(ckpt: Checkpoint) -> View:
         nonlocal order_known
         for path, leaf in walk(tree):
             if isinstance(leaf, TensorData | Unreadable):
-                fqn = ".".join(str(p) for p in path)
+                fqn = ".".join(safe_str(p) for p in path)
                 ref = TensorRef(part_label(part, *prefix, fqn), leaf, leaf_file(ckpt, part, leaf))
                 model_params[fqn] = ref
                 seen_tensors.add(id(leaf))
@@ -105,7 +105,7 @@ def _component_of_part(part: Part, view: View) -> Any:
     def comp(path: tuple[Any, ...]) -> str:
         if isinstance(rule, ComponentKind):
             return rule.value
-        head = str(path[0]) if path else ""
+        head = safe_str(path[0]) if path else ""
         for keys, kind in (
             (SCHEDULER_KEYS, ComponentKind.SCHEDULER),
             (RNG_KEYS, ComponentKind.RNG),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ckptaudit.findings import ComponentKind, text
+from ckptaudit.findings import ComponentKind, safe_str, text
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable
 from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.precision import LIGHTNING_SCALER_KEYS, scaler_record
@@ -40,7 +40,7 @@ def classify_keys(part: Part, tree: dict[str, Any], view: View, found: Any, add_
     matched = False
     top_tensors = {k: v for k, v in tree.items() if isinstance(v, TensorData | Unreadable)}
     for key, value in tree.items():
-        k = str(key)
+        k = safe_str(key)
         where = part_label(part, k)
         if k in MODEL_KEYS and isinstance(value, dict):
             add_model(part, value, where, (k,))
@@ -80,7 +80,7 @@ def classify_keys(part: Part, tree: dict[str, Any], view: View, found: Any, add_
                    or view.details[ComponentKind.DATA_PROGRESS].startswith("step counter only")):
         view.details[ComponentKind.DATA_PROGRESS] = detail
     if matched and top_tensors and len(top_tensors) >= 1 and not any(
-        str(k) in MODEL_KEYS for k in tree
+        safe_str(k) in MODEL_KEYS for k in tree
     ):
         # torchtitan: model FQNs at the top level beside optimizer/lr_scheduler/...
         add_model(part, top_tensors, part_label(part) + " (top-level keys)", ())
@@ -101,7 +101,7 @@ def _data_detail(tree: dict[str, Any], step_key: str | None) -> str:
                 "data loaders), so a mid-epoch resume restarts the epoch's data")
     loader = tree.get("dataloader")
     if isinstance(loader, dict) and loader:
-        ranks = sorted(str(k)[len("dp_rank_"):] for k in loader if str(k).startswith("dp_rank_"))
+        ranks = sorted(safe_str(k)[len("dp_rank_"):] for k in loader if safe_str(k).startswith("dp_rank_"))
         if ranks:
             world = loader.get("world_size")
             lost = [r for r in ranks if isinstance(loader.get(f"dp_rank_{r}"), Unreadable)]
@@ -153,8 +153,8 @@ def optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Optim
             items = []
         for key, entry in items:
             if isinstance(entry, dict):
-                key = key if isinstance(key, str | int) else str(key)  # state is keyed by FQN or index
-                state[key] = {str(n): ref(("state", key, n), v) for n, v in entry.items()}
+                key = key if isinstance(key, str | int) else safe_str(key)  # state is keyed by FQN or index
+                state[key] = {safe_str(n): ref(("state", key, n), v) for n, v in entry.items()}
         keyed = "index" if any(isinstance(k, int) for k in state) else "fqn"
         if not state and groups:
             params = [p for g in groups for p in g["params"]]
@@ -164,11 +164,11 @@ def optimizer_view(part: Part, tree: Any, where: str, ckpt: Checkpoint) -> Optim
     flat_state: dict[Any, dict[str, Any]] = {}
     group_params: list[str] = []
     for key, value in tree.items():
-        m = _TITAN_STATE.match(str(key))
+        m = _TITAN_STATE.match(safe_str(key))
         if m:
             flat_state.setdefault(m["fqn"], {})[m["name"]] = ref((key,), value)
             continue
-        g = _TITAN_GROUP.match(str(key))
+        g = _TITAN_GROUP.match(safe_str(key))
         if g and g["fqn"] not in group_params:
             group_params.append(g["fqn"])
     if flat_state or group_params:

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptaudit.findings import ComponentKind
+from ckptaudit.findings import ComponentKind, safe_str
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.io.tensors import TensorData
 
@@ -142,7 +142,7 @@ class View:
 
 def part_label(part: Part, *keys: Any) -> str:
     bits = [part.name] if part.name else []
-    bits += [str(k) for k in keys]
+    bits += [safe_str(k) for k in keys]
     return "/".join(bits) if bits else "(root)"
 
 
@@ -174,7 +174,7 @@ def unreadable_detail(where: str, value: Any) -> str:
 
 
 def _step_parts(key: Any) -> list[str]:
-    return [p for p in re.split(r"[./]", str(key)) if p]
+    return [p for p in re.split(r"[./]", safe_str(key)) if p]
 
 
 def is_step_key(key: Any) -> bool:
@@ -191,7 +191,7 @@ def find_step(tree: dict[Any, Any]) -> tuple[str, int] | None:
     ``train``...), best name first (:data:`STEP_NAMES`), then the shallowest; ``None`` when there is none."""
     found: list[tuple[int, int, str, int]] = []
     for key, value in tree.items():
-        k = str(key)
+        k = safe_str(key)
         if is_step_key(k) and as_int(value) is not None:
             parts = _step_parts(k)
             found.append((STEP_NAMES.index(parts[-1]), len(parts), k, value))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import unicodedata
 from typing import Any
 
+from ckptaudit.findings import safe_str
+
 __all__ = ["clean"]
 
 _ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
@@ -28,7 +30,7 @@ def _escape(ch: str) -> str:
 def clean(value: Any) -> str:
     """``value`` as text safe to print on a terminal or put in a page: the characters of the categories above
     escaped, everything else unchanged."""
-    text = str(value)
+    text = safe_str(value)  # never raises: a 5,001-digit int key is described, not written out
     if text.isprintable():  # False for every escaped category (and for spaces other than " "): the fast path
         return text
     return "".join(_escape(ch) for ch in text)

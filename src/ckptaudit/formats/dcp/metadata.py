@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckptaudit.findings import safe_repr
 from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS, TORCH_DTYPES
 from ckptaudit.formats.pickle.object_tree import check_tree
 from ckptaudit.formats.pickle.scan import (
@@ -299,11 +300,16 @@ class DcpMetadata:
     state_dict_metadata: Mapping[str, TensorMeta | BytesMeta | MalformedMeta]
     storage_data: Mapping[IndexKey, StorageInfo]
     planner_data: Mapping[str, tuple[str | int, ...]]
+    """Where each key sits in the nested state dict: only paths that agree with their keys (see
+    :attr:`planner_problems`); a key without one sits at the top."""
     storage_meta: StorageMetaInfo | None
     version: str | None
     save_plans: int = 0
     """How many ranks' save plans (``SavePlan``) the saver kept in ``.metadata`` (Megatron-Core's ``all_local_plans``); they
     are vetted like the rest and not read further."""
+    planner_problems: tuple[str, ...] = ()
+    """Where ``planner_data`` disagrees with the keys DCP loads by (:func:`_planner`): each is an
+    ``integrity.corrupt`` finding of the audit and a refusal of the live loader; ``planner_data`` is then empty."""
 
 
 class MetadataShapeError(ValueError):
@@ -311,8 +317,7 @@ class MetadataShapeError(ValueError):
 
 
 def _short(value: Any) -> str:
-    text = repr(value) if type(value) in (str, int, bool, type(None)) else type(value).__name__
-    return text if len(text) <= 80 else text[:77] + "..."
+    return safe_repr(value, 80) if type(value) in (str, int, bool, type(None)) else type(value).__name__
 
 
 def _sizes(value: Any, what: str) -> tuple[int, ...]:
@@ -383,7 +388,11 @@ def _tensor(fqn: str, raw: _TensorStorageMetadata, seen: _Expansion) -> TensorMe
         tp = seen.props.get(key)
         if tp is None:
             tp = seen.props[key] = TensorProps(dtype.name, layout.name, grad, MEMORY_FORMATS[fmt.value], pin)
-        size = _sizes(getattr(raw, "size", None), "size")
+        raw_size = getattr(raw, "size", None)
+        if type(raw_size) is list:
+            # torch compares it with the loading tensor's torch.Size, which never equals a list: dcp.load refuses
+            raise MetadataShapeError("size is a list, not torch.Size (torch.distributed.checkpoint.load refuses it)")
+        size = _sizes(raw_size, "size")
         chunks_raw = getattr(raw, "chunks", None)
         if type(chunks_raw) is not list:
             raise MetadataShapeError(f"chunks is {_short(chunks_raw)}, not a list")
@@ -423,16 +432,113 @@ def _storage_meta(raw: Any) -> StorageMetaInfo | None:
                            _opt_str(raw.get("load_id"), "storage_meta.load_id"), tuple(modules))
 
 
-def _planner(raw: Any) -> dict[str, tuple[str | int, ...]]:
-    """Key paths of ``planner_data`` that are well formed (the others are dropped: paths fall back to keys)."""
-    out: dict[str, tuple[str | int, ...]] = {}
-    if not isinstance(raw, dict):
-        return out
+MAX_PLANNER_PROBLEMS = 20
+"""Disagreements of ``planner_data`` named one by one; the rest are counted."""
+
+
+class _Node:
+    """A node of the key-path trie :func:`_planner` checks paths with."""
+
+    __slots__ = ("children", "kind", "leaf")
+
+    def __init__(self) -> None:
+        self.children: dict[str | int, _Node] = {}
+        self.kind: type | None = None  # str (a mapping's names) or int (a list's indices), never both
+        self.leaf: str | None = None  # the key whose path ends here
+
+
+MAX_LIST_INDEX = 1 << 31
+"""Largest list index a key path may hold (no saved list is longer; ``str()`` of it is short)."""
+
+
+def _path_problem(key: str, path: Any) -> str | None:
+    """Why ``path`` is not a key path torch's flattening (``_nested_dict.flatten_state_dict``) could have written
+    for ``key``: a tuple whose first element is a name (``str(k)`` of a top-level key), the rest names (mapping
+    keys, ``str(k)``) or list indices (``0 <= i <`` :data:`MAX_LIST_INDEX`), joined by dots back to ``key``
+    exactly (``".".join(map(str, path))``); ``None`` when it is one."""
+    if type(path) not in (tuple, list) or not 0 < len(path) <= MAX_PATH:
+        return f"is {_short(path) if type(path) is not tuple else 'a tuple of ' + str(len(path))}, not a key path"
+    if type(path[0]) is not str:
+        return f"starts with {_short(path[0])}: torch's flattening starts every path with a name"
+    length = len(path) - 1
+    for p in path:
+        if type(p) is str:
+            length += len(p)
+        elif type(p) is int and 0 <= p < MAX_LIST_INDEX:
+            length += len(str(p))  # bounded: a short number
+        else:
+            return f"holds {_short(p)}, neither a name nor a list index below 2**31"
+    if length != len(key) or ".".join(p if type(p) is str else str(p) for p in path) != key:
+        return f"is {safe_repr(tuple(path), 200)}, which joins to another key than {_short(key)}"
+    return None
+
+
+def _planner(raw: Any, keys: Mapping[str, Any]) -> tuple[dict[str, tuple[str | int, ...]], tuple[str, ...]]:
+    """The key paths of ``planner_data`` that agree with the keys they are filed under, and the disagreements.
+
+    DCP loads every item by its flattened key (``state_dict_metadata``'s and ``storage_data``'s ``fqn``: what
+    ``dcp.load`` and ``FileSystemReader`` look up); ``planner_data`` only says where a key sits in the nested
+    dict. A path is accepted only where it agrees with its key (:func:`_path_problem`); the accepted paths of all
+    keys (a key without one sits at the top, ``(key,)``) must place no two keys at one path, no key inside
+    another's value and no list index beside a name. Anything else is a disagreement: then no path is used (every
+    key at the top), so no item can stand in another's place."""
+    if raw is None:
+        return {}, ()
+    if type(raw) is not dict:
+        return {}, (f"planner_data is {_short(raw)}, not a mapping of keys to key paths",)
+    problems: list[str] = []
+    extra = 0
+
+    def problem(text: str) -> None:
+        nonlocal extra
+        if len(problems) < MAX_PLANNER_PROBLEMS:
+            problems.append(text)
+        else:
+            extra += 1
+
+    accepted: dict[str, tuple[str | int, ...]] = {}
     for key, path in dict.items(raw):
-        if (type(key) is str and type(path) in (tuple, list) and 0 < len(path) <= MAX_PATH
-                and all(type(p) in (str, int) for p in path)):
-            out[key] = tuple(path)
-    return out
+        if type(key) is not str:
+            problem(f"planner_data files a path under {_short(key)}, which is not a key")
+            continue
+        if key not in keys:
+            continue  # no item is loaded by it: neither reading uses it
+        why = _path_problem(key, path)
+        if why is not None:
+            problem(f"planner_data's path of {_short(key)} {why}")
+            continue
+        accepted[key] = tuple(path)
+    root = _Node()
+    for key in keys:
+        path = accepted.get(key, (key,))
+        node = root
+        clash: str | None = None
+        for depth, p in enumerate(path):
+            if node.leaf is not None:
+                clash = f"inside the value of {_short(node.leaf)}"
+                break
+            kind = type(p)
+            if node.kind is not None and node.kind is not kind:
+                clash = (f"where a list index and a name sit side by side (at "
+                         f"{safe_repr(tuple(path[:depth + 1]), 200)})")
+                break
+            node.kind = kind
+            child = node.children.get(p)
+            if child is None:
+                child = node.children[p] = _Node()
+            node = child
+        else:
+            if node.leaf is not None:
+                clash = f"at the path of {_short(node.leaf)}"
+            elif node.children:
+                clash = "where other keys' values sit inside it"
+            else:
+                node.leaf = key
+        if clash is not None:
+            problem(f"planner_data puts {_short(key)} at {safe_repr(path, 200)}, {clash}")
+    if extra:
+        problems.append(f"... and {extra} more disagreements of planner_data")
+    return ({} if problems else accepted), tuple(problems)
 
 
 def rebuild(raw: Any) -> DcpMetadata:
@@ -461,6 +567,8 @@ def rebuild(raw: Any) -> DcpMetadata:
         if type(fqn) is not str:
             raise MetadataShapeError(f"storage_data has a key {_short(index)} that is not a MetadataIndex")
         offset = getattr(index, "offset", None)
+        if type(offset) is list:  # torch cannot even hash that key: its unpickling of .metadata fails
+            raise MetadataShapeError(f"storage_data has a key of {_short(fqn)} whose offset is a list, not torch.Size")
         key = IndexKey(fqn, None if offset is None else _sizes(offset, "MetadataIndex.offset"))
         if key in storage:
             raise MetadataShapeError(f"storage_data lists item {key.fqn} at offsets {key.offset} twice")
@@ -468,8 +576,9 @@ def rebuild(raw: Any) -> DcpMetadata:
     version = raw.get("version")
     plans = raw.get("all_local_plans")
     save_plans = (sum(1 for p in plans if type(p) is _SavePlan) if type(plans) is list else 0)
-    return DcpMetadata(sd, storage, _planner(raw.get("planner_data")), _storage_meta(raw.get("storage_meta")),
-                       _opt_str(version, "version"), save_plans)
+    planner, planner_problems = _planner(raw.get("planner_data"), sd)
+    return DcpMetadata(sd, storage, planner, _storage_meta(raw.get("storage_meta")), _opt_str(version, "version"),
+                       save_plans, planner_problems)
 
 
 _SIZED = frozenset({str, bytes, tuple, list, dict})

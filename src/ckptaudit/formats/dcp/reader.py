@@ -171,6 +171,9 @@ def check_metadata_safe(path: str) -> DcpMetadata:
     for item_md in md.state_dict_metadata.values():
         if isinstance(item_md, MalformedMeta):
             raise UnsafeCheckpointError(f"{meta_path}: {item_md.reason}")
+    if md.planner_problems:
+        raise UnsafeCheckpointError(f"{meta_path}: {md.planner_problems[0]}; the audit judges this checkpoint "
+                                    "corrupt (what a key-path reading of it would load is not what was checked)")
     entries: dict[IndexKey, tuple[str, int, int, StorageInfo]] = {}
     for index, info in md.storage_data.items():
         where = _item_range(info)
@@ -287,6 +290,12 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
         findings.append(finding(code, meta_subject, why, file=meta_subject))
         return DcpRead(None, findings, files, digest=digest)
     sd_meta, storage = md.state_dict_metadata, md.storage_data
+    for why in md.planner_problems:
+        # DCP loads items by their keys; a path that disagrees would let one item stand in another's place
+        findings.append(finding(
+            "integrity.corrupt", meta_subject,
+            f"{METADATA}: {why}; torch.distributed.checkpoint.load finds every item by its key, so the key paths "
+            "of planner_data are not used (every key is judged at the top of the state dict)", file=meta_subject))
 
     # Locate every storage item once: file inside the directory, a regular file, range inside the file, and
     # no two items sharing bytes (a hostile metadata could point a million items at one range).
@@ -297,6 +306,7 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
     # Thousands of items share a few data files: each file's path is vetted and stat'ed once.
     path_problems: dict[str, str | None] = {}
     stats: dict[str, tuple[str | None, int] | None] = {}
+    irregular: set[str] = set()
     for index, info in storage.items():
         fqn = index.fqn
         where = _item_range(info)
@@ -354,7 +364,8 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
             located[index] = Unreadable(f"data file {rel_name} is missing", rel_name)
             continue
         if kind is not None:
-            if rel_name not in short_files and not any(f.subject == rel_name for f in findings):
+            if rel_name not in irregular:  # once per file (a set: the items naming it may be millions)
+                irregular.add(rel_name)
                 findings.append(finding("integrity.corrupt", rel_name,
                                         f"data file {rel_name} is {kind}, not a regular file; not opened",
                                         file=rel_name))
@@ -527,29 +538,36 @@ def _bytes_item(
 
 
 def _unflatten(flat: dict[str, Any], mapping: Mapping[str, tuple[str | int, ...]]) -> Any:
-    """Rebuild the nested state dict from DCP's flattened keys, using the saved path tuples (already vetted)."""
+    """The nested state dict of DCP's items, each found by its flattened key (as ``dcp.load`` finds it) and placed
+    at its key path: ``mapping`` holds only paths that join back to their keys and never meet
+    (:func:`ckptaudit.formats.dcp.metadata.rebuild` vetted them), so no item can take another's place. Should two
+    meet anyway, the items stay at the top under their keys: never an overwrite."""
     root: dict[Any, Any] = {}
+    made = {id(root)}  # the dicts made here (an item's own value may be a dict too: never written into)
     for key, value in flat.items():
         path: tuple[str | int, ...] = mapping.get(key) or (key,)
         node = root
         for p in path[:-1]:
-            nxt = node.get(p)
-            if not isinstance(nxt, dict):
-                nxt = {}
-                node[p] = nxt
-            node = nxt
+            if p not in node:
+                node[p] = {}
+                made.add(id(node[p]))
+            elif id(node[p]) not in made:
+                return dict(flat)
+            node = node[p]
+        if path[-1] in node:
+            return dict(flat)
         node[path[-1]] = value
-    return _lists(root)
+    return _lists(root, made)
 
 
-def _lists(node: Any) -> Any:
-    if isinstance(node, dict):
-        converted = {k: _lists(v) for k, v in node.items()}
-        keys = list(converted)
-        if keys and all(isinstance(k, int) for k in keys) and sorted(keys) == list(range(len(keys))):
-            return [converted[i] for i in range(len(keys))]
-        return converted
-    return node
+def _lists(node: Any, made: set[int]) -> Any:
+    if id(node) not in made:
+        return node  # an item's value, as loaded
+    converted = {k: _lists(v, made) for k, v in node.items()}
+    keys = list(converted)
+    if keys and all(type(k) is int for k in keys) and sorted(keys) == list(range(len(keys))):
+        return [converted[i] for i in range(len(keys))]
+    return converted
 
 
 EXTRAS = ("manifest.json", "ckptaudit.json", "metadata.json", "common.pt")

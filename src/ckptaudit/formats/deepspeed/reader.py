@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptaudit.catalogue import finding
-from ckptaudit.findings import Finding, text
+from ckptaudit.findings import Finding, safe_str, text
 from ckptaudit.formats.base import Part, Unreadable
 from ckptaudit.formats.deepspeed.zero import (
     ZeroLayoutError,
@@ -334,7 +334,7 @@ def _stage0(mp: int, name_prefix: str, prefix: str, rank0: dict[str, Any], modul
     if isinstance(state, dict):
         for key, entry in state.items():
             if isinstance(key, int) and not isinstance(key, bool) and 0 <= key < len(names) and isinstance(entry, dict):
-                by_fqn[name_prefix + names[key]] = {str(k): v for k, v in entry.items()}
+                by_fqn[name_prefix + names[key]] = {safe_str(k): v for k, v in entry.items()}
     out_groups = []
     for g in raw_groups if isinstance(raw_groups, list) else []:
         if isinstance(g, dict):

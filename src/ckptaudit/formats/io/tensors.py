@@ -16,7 +16,7 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptaudit.formats.io.leased import LeasedFile, mapped_reads_enabled
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["DTYPES", "SMALL_TENSOR_BYTES", "DType", "FileMaps", "Piece", "TensorData", "iter_chunks", "read_exact",
-           "scratch_buffer", "small_read_plan"]
+           "scratch_buffer", "small_read_plan", "tiling_error"]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 """1 MiB: the chunk stays in cache between the hash and the OR-reduction that read it (measured: 4 MiB chunks
@@ -110,6 +110,8 @@ class TensorData:
     dtype: DType
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
+    _coverage: list[str | None] = field(default_factory=list, init=False, repr=False, compare=False)
+    """:meth:`coverage_error`'s answer, once decided (it is asked by the reader, the scan and every read)."""
 
     @property
     def numel(self) -> int:
@@ -141,31 +143,69 @@ class TensorData:
         return pieces
 
     def coverage_error(self) -> str | None:
-        """Why the pieces do not tile the tensor exactly, or ``None`` when they do."""
-        if self.whole_piece() is not None:  # nothing can overlap
-            return None
-        total = 0
-        for p in self.pieces:
-            if len(p.offsets) != len(self.shape) or len(p.sizes) != len(self.shape):
-                return f"a shard has rank {len(p.sizes)}, the tensor has rank {len(self.shape)}"
-            for o, s, n in zip(p.offsets, p.sizes, self.shape, strict=True):
-                if o < 0 or s < 0 or o + s > n:
-                    return f"shard at offsets {list(p.offsets)} with sizes {list(p.sizes)} exceeds shape {list(self.shape)}"
-            total += p.numel
-        if total != self.numel:
-            return f"shards hold {total} elements, the tensor has {self.numel}"
-        # Equal totals and every shard inside: the shards tile the tensor exactly unless two overlap (and so leave
-        # a hole elsewhere). Sorted by their first offset, a shard can only overlap those starting before it ends.
-        boxes = sorted((p.offsets, p.sizes) for p in self.pieces if p.numel)
-        for i, (offs, sizes) in enumerate(boxes):
-            for other_offs, other_sizes in boxes[i + 1:]:
-                if self.shape and other_offs[0] >= offs[0] + sizes[0]:
-                    break
-                if all(o2 < o1 + s1 and o1 < o2 + s2
-                       for o1, s1, o2, s2 in zip(offs, sizes, other_offs, other_sizes, strict=True)):
-                    return (f"shards at offsets {list(offs)} and {list(other_offs)} overlap (and leave a hole "
-                            "elsewhere): the tensor cannot be restored from them")
+        """Why the pieces do not tile the tensor exactly, or ``None`` when they do. Decided once per tensor (the
+        readers, the scan and the streaming reads all ask), in time linear in the pieces (:func:`tiling_error`)."""
+        memo = self._coverage
+        if not memo:
+            memo.append(tiling_error(self.shape, self.pieces) if self.whole_piece() is None else None)
+        return memo[0]
+
+
+MAX_SPLIT_DIMS = 12
+"""Most dimensions the pieces of one tensor may split (real shardings: 1 to 3) for :func:`tiling_error` to decide
+whether they tile it; beyond, the tensor is refused (its check would cost 2**dims per piece)."""
+
+
+def tiling_error(shape: tuple[int, ...], pieces: tuple[Piece, ...]) -> str | None:
+    """Why ``pieces`` (boxes ``offsets : offsets + sizes``) do not tile ``shape`` exactly, or ``None``.
+
+    Every piece must lie inside the tensor and their volumes add up to its volume; then they tile it unless two
+    overlap. Overlap is decided without comparing pieces pairwise (quadratic: a ``[1, N]`` tensor saved as N
+    column chunks), by counting corners: a box's indicator is the signed sum of the orthants ``x >= c`` at its
+    2**d corners (sign ``(-1)**(upper bounds taken)``), these orthants are linearly independent, so the boxes
+    tile the tensor exactly iff their signed corner counts equal the tensor's own. Dimensions every piece spans
+    whole are left out (d is the number of split dimensions), so the work is ``O(pieces * 2**d)``, with ``d`` at
+    most :data:`MAX_SPLIT_DIMS`.
+    """
+    rank = len(shape)
+    total = 0
+    for p in pieces:
+        if len(p.offsets) != rank or len(p.sizes) != rank:
+            return f"a shard has rank {len(p.sizes)}, the tensor has rank {rank}"
+        for o, s, n in zip(p.offsets, p.sizes, shape, strict=True):
+            if o < 0 or s < 0 or o + s > n:
+                return f"shard at offsets {list(p.offsets)} with sizes {list(p.sizes)} exceeds shape {list(shape)}"
+        total += p.numel
+    numel = math.prod(shape)
+    if total != numel:
+        return f"shards hold {total} elements, the tensor has {numel}"
+    boxes = [p for p in pieces if p.numel]
+    if len(boxes) <= 1:
+        return None  # one box of the tensor's volume inside it is the tensor
+    split = [d for d in range(rank) if any(p.offsets[d] or p.sizes[d] != shape[d] for p in boxes)]
+    if len(split) > MAX_SPLIT_DIMS:
+        return (f"its {len(boxes)} shards split {len(split)} dimensions; ckptaudit decides tilings of up to "
+                f"{MAX_SPLIT_DIMS} split dimensions, so it cannot tell whether they restore the tensor")
+    counts: dict[tuple[int, ...], int] = {}
+    masks = range(1 << len(split))
+    for p in boxes:
+        lo = [p.offsets[d] for d in split]
+        hi = [p.offsets[d] + p.sizes[d] for d in split]
+        for mask in masks:
+            corner = tuple(hi[i] if mask >> i & 1 else lo[i] for i in range(len(split)))
+            sign = -1 if mask.bit_count() & 1 else 1
+            counts[corner] = counts.get(corner, 0) + sign
+    for mask in masks:  # the tensor's own corners, taken away: a tiling leaves nothing
+        corner = tuple(shape[d] if mask >> i & 1 else 0 for i, d in enumerate(split))
+        counts[corner] = counts.get(corner, 0) - (-1 if mask.bit_count() & 1 else 1)
+    odd = next((c for c, n in counts.items() if n), None)
+    if odd is None:
         return None
+    at = [0] * rank
+    for i, d in enumerate(split):
+        at[d] = odd[i]
+    return (f"shards overlap (and leave a hole elsewhere), e.g. at the corner {at}: the tensor cannot be restored "
+            "from them")
 
 
 class FileMaps:

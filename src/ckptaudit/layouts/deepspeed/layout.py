@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptaudit.findings import ComponentKind, text
+from ckptaudit.findings import ComponentKind, safe_str, text
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable
 from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.keyed import optimizer_view
@@ -60,10 +60,10 @@ def deepspeed_view(part: Part, tree: dict[str, Any], view: View, found: Any, add
         found(ComponentKind.SCHEDULER, part_label(part, "lr_scheduler"), "DeepSpeed lr_scheduler state")
     client: dict[Any, Any] = tree["client_state"] if isinstance(tree.get("client_state"), dict) else {}
     for key in client:
-        k = str(key)
+        k = safe_str(key)
         if k in RNG_KEYS and client[key] not in (None, [], {}):
             found(ComponentKind.RNG, part_label(part, "client_state", k))
-    data_keys = [str(k) for k in client if str(k) in DATA_KEYS or str(k) in STEP_KEYS or is_step_key(k)]
+    data_keys = [safe_str(k) for k in client if safe_str(k) in DATA_KEYS or safe_str(k) in STEP_KEYS or is_step_key(k)]
     steps = as_int(facts.get("global_steps"))
     view.step = steps if view.step is None else view.step
     if facts.get("data_sampler"):

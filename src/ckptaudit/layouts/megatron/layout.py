@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ckptaudit.findings import ComponentKind, text
+from ckptaudit.findings import ComponentKind, safe_str, text
 from ckptaudit.formats.base import Checkpoint, Part, Unreadable, walk
 from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.layouts.keyed import clean_groups
@@ -86,7 +86,7 @@ def megatron_view(ckpt: Checkpoint) -> View:
     dcp_part = dcp_part or Part("", "dcp", None)
     tree = dcp_part.tree if isinstance(dcp_part.tree, dict) else {}
     for key, leaf in tree.items():
-        k = str(key)
+        k = safe_str(key)
         is_tensor = isinstance(leaf, TensorData | Unreadable)
         base = _SHARD_SUFFIX.sub("", k)
         head = base.split(".", 1)[0]
