@@ -385,10 +385,10 @@ def _audit_distributed(args: argparse.Namespace, rank: int, world_size: int, std
 
 
 def _exists(path: str) -> bool:
-    """Local paths (and ``file://`` URLs) are checked here; other URLs when they are opened."""
-    from ckptaudit.formats.remote.staging import is_url, local_path
+    """Local paths (and ``file://`` URLs) are checked here; other URLs when they are opened (as the API does)."""
+    from ckptaudit.api import reachable
 
-    return is_url(path) or os.path.exists(local_path(path))
+    return reachable(path)
 
 
 def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
@@ -464,16 +464,14 @@ def _cmd_export_serving(args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 
 
 def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from ckptaudit.auditing.scan import default_jobs
-    from ckptaudit.comparing import CompareOptions, run_compare
+    from ckptaudit.api import compare_options
+    from ckptaudit.comparing import run_compare
 
     for role, path in (("reference", args.reference), ("candidate", args.candidate)):
         if not _exists(path):
             raise UsageError(f"{role} {path}: no such file or directory; give the path of a checkpoint file or "
                              "directory")
-    values = _resolved(args, COMPARE_OPTIONS)
-    options = CompareOptions(verbose=args.verbose, threads=values["jobs"] or min(64, default_jobs()),
-                             ignore=_ignore(values["ignore"]))
+    options = compare_options(_resolved(args, COMPARE_OPTIONS), verbose=args.verbose)
     prog, update = _progress(not args.no_progress, stderr)
     if prog is not None:
         with prog:
