@@ -102,7 +102,7 @@ def test_a_missing_path_is_the_same_refusal_and_a_missing_object_a_clear_error(l
             ckptaudit.audit(path)
     code, _, err = _cli("audit", f"{s3}/no-such.pt")
     assert code == 2 and f"{s3}/no-such.pt" in err
-    with pytest.raises(OSError, match="no-such.pt"):
+    with pytest.raises(OSError, match=r"no-such\.pt"):
         ckptaudit.audit(f"{s3}/no-such.pt")
 
 
