@@ -27,7 +27,7 @@ TIERS: dict[str, dict[str, int]] = {
     # the audit engine (plan, scan, per-tensor scan, judge, distributed), then the compare engine on it
     "engine": {"auditing": 6, "comparing": 7},
     # what a user runs or calls, built on the engine
-    "commands": {"api": 8, "latest": 8, "store": 9, "exporters": 10, "serving": 10, "probe": 11, "resume": 11,
+    "commands": {"api": 8, "latest": 8, "load": 9, "store": 9, "exporters": 10, "serving": 10, "probe": 11, "resume": 11,
                  "demo": 12},
     # how users come in
     "doors": {"integrations": 13, "testing": 13, "cli": 14, "__main__": 15},
