@@ -81,7 +81,7 @@ def test_the_example_exporter_is_restored_whole_by_the_default_loader(tmp_path: 
                           f"{alone}:export", "--save-at", "3", "--steps", "3"])
     assert code == 0, err
     (mine,) = doc["resume"]["candidates"]
-    assert mine["verdict"] == "faithful" and mine["loader"].startswith("default_load"), mine
+    assert mine["verdict"] == "faithful" and mine["loader"] == "ckptaudit.resume.default_load", mine
     assert {k: v["status"] for k, v in mine["restore"].items()} == dict.fromkeys(mine["restore"], "restored"), mine
     from ckptaudit.resume.config import COMPONENTS
 

@@ -307,6 +307,10 @@ def _emit(report: RawReport, args: argparse.Namespace, stdout: TextIO) -> int:
                 render(report, fmt, fh, verbose=args.verbose)
         except OSError as exc:
             raise UsageError(f"--output {args.output}: cannot write ({exc.strerror})") from None
+        # The report went to a file: the one-line verdict still reaches the terminal (or the CI log).
+        diagnostics = getattr(args, "diagnostics", None)
+        if diagnostics is not None:
+            diagnostics.write(f"{report.path}: {report.summary} (report: {args.output})\n")
     else:
         try:
             render(report, fmt, stdout, verbose=args.verbose)
@@ -596,6 +600,7 @@ def _main(argv: Sequence[str] | None, stdout: Any, stderr: TextIO) -> int:
         old = torch_older_than_tested(f"ckptaudit {args.command}")
         if old is not None:
             stderr.write(f"warning: {old}\n")
+    args.diagnostics = stderr  # where _emit says the verdict when the report goes to --output
     try:
         return COMMANDS[args.command](args, stdout, stderr)
     except ModuleNotFoundError as exc:  # a path into torch not foreseen above (the audit under torchrun)
