@@ -140,3 +140,13 @@ def test_the_old_import_path_still_works_with_a_deprecation_warning(tmp_path: Pa
     with pytest.raises(AttributeError):
         old.no_such_name  # noqa: B018
     assert os.path.exists(path)
+
+
+def test_the_loader_is_reached_from_the_package_root_without_importing_torch_early() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, ckptaudit; before = 'torch' in sys.modules; m = ckptaudit.load; "
+            "print(before, m.__name__, callable(m.load))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "ckptaudit.load", "True"]
