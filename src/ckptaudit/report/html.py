@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -28,7 +29,7 @@ table{border-collapse:collapse;font-size:.85em;margin:.5em 0}td,th{border:1px so
 text-align:left;vertical-align:top}th{background:#f5f5f5}.error{color:#a61b1b;font-weight:600}
 .warning{color:#8a5a00}.info{color:#1f5f8b}code{font-size:.95em}.plots{display:flex;flex-wrap:wrap;gap:1em}
 .muted{color:#777;font-size:.85em}pre.tb{white-space:pre-wrap;font-size:.9em;margin:.4em 0 0;color:#444}
-td,th,h2,p,code,pre{overflow-wrap:anywhere}table{max-width:100%}
+td,th,h2,p,code,pre{overflow-wrap:break-word}table{max-width:100%}
 """
 
 
@@ -51,19 +52,44 @@ def _e(text: Any) -> str:
     return html.escape(clean(text))
 
 
+_LONG = re.compile(r"\S{%d,}" % 24)
+_BREAK_AFTER = re.compile(r"(?<=[./_:\-])")
+
+
+def _ew(text: Any) -> str:
+    """:func:`_e` for text shown in the page's flow (table cells, headings): a long unbroken run (a tensor's
+    dotted name, a path) may wrap after its dots, slashes, underscores, colons and dashes, or every 24 characters
+    where it has none (``<wbr>``), so it wraps in its cell instead of widening the table past the page, while
+    short words keep whole."""
+    cleaned = clean(text)
+    out: list[str] = []
+    pos = 0
+    for m in _LONG.finditer(cleaned):
+        out.append(html.escape(cleaned[pos:m.start()]))
+        pieces = [p for p in _BREAK_AFTER.split(m.group()) if p]
+        out.append("<wbr>".join(html.escape(c) for p in pieces for c in _chunks(p, 24)))
+        pos = m.end()
+    out.append(html.escape(cleaned[pos:]))
+    return "".join(out)
+
+
+def _chunks(text: str, n: int) -> list[str]:
+    return [text[i:i + n] for i in range(0, len(text), n)] or [""]
+
+
 def _report(r: RawReport) -> str:
     worst = r.worst()
     cls = "bad" if worst is Severity.ERROR else "warn" if worst is Severity.WARNING else "ok"
     resume = r.extra.get("resume")
-    parts = [f"<h2>{_e(r.command)}: <code>{_e(r.path)}</code></h2>"]
+    parts = [f"<h2>{_e(r.command)}: <code>{_ew(r.path)}</code></h2>"]
     if isinstance(resume, dict):
         kept = resume.get("workdir")
-        parts.append(f"<p class='muted'>recipe: <code>{_e(r.path)}</code> &middot; exporters: "
-                     + ", ".join(f"<code>{_e(c['exporter'])}</code>" for c in resume.get("candidates", []))
+        parts.append(f"<p class='muted'>recipe: <code>{_ew(r.path)}</code> &middot; exporters: "
+                     + ", ".join(f"<code>{_ew(c['exporter'])}</code>" for c in resume.get("candidates", []))
                      + f" &middot; {_e(resume.get('nproc'))} rank(s)"
                      + (f", resumed on {_e(resume.get('resume_nproc'))}"
                         if resume.get("resume_nproc") not in (None, resume.get("nproc")) else "")
-                     + " &middot; checkpoints: " + (f"<code>{_e(kept)}</code>" if kept else
+                     + " &middot; checkpoints: " + (f"<code>{_ew(kept)}</code>" if kept else
                                                     "in a temporary directory, removed (--workdir keeps them)"))
     else:
         parts.append(f"<p class='muted'>format: {_e(r.format)}")
@@ -83,7 +109,7 @@ def _report(r: RawReport) -> str:
                              for c in r.components]))
     if r.findings:
         rows = [[f"<span class='{f.severity.label}'>{f.severity.label}{' (ignored)' if f.ignored else ''}</span>",
-                 f"<code>{_e(f.code)}</code>", _e(f.subject), _message(f.message)] for f in r.findings]
+                 f"<code>{_e(f.code)}</code>", _ew(f.subject), _message(f.message)] for f in r.findings]
         parts.append(_table("findings", ["severity", "code", "subject", "message"], rows, escaped=True))
     odd = [t for t in r.tensors if t.precision in (Precision.BF16, Precision.FP16, Precision.UNREAD)]
     if odd:
@@ -96,14 +122,14 @@ def _message(text: str) -> str:
     """A finding's message; a traceback after its first line kept in lines of its own."""
     head, _, rest = text.partition("\n")
     if not rest.strip():
-        return _e(head)
+        return _ew(head)
     # Each line escaped on its own: the newlines stay line breaks, any other separator in a line is shown escaped.
-    return _e(head) + "<pre class='tb'>" + "\n".join(_e(line) for line in rest.rstrip().split("\n")) + "</pre>"
+    return _ew(head) + "<pre class='tb'>" + "\n".join(_e(line) for line in rest.rstrip().split("\n")) + "</pre>"
 
 
 def _table(title: str, columns: Sequence[Any], rows: Sequence[Sequence[Any]], *, escaped: bool = False) -> str:
     head = "".join(f"<th>{_e(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{c if escaped else _e(c)}</td>" for c in row) + "</tr>" for row in rows)
+    body = "".join("<tr>" + "".join(f"<td>{c if escaped else _ew(c)}</td>" for c in row) + "</tr>" for row in rows)
     return f"<h3>{_e(title)}</h3><table><tr>{head}</tr>{body}</table>"
 
 
