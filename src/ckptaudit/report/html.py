@@ -52,7 +52,7 @@ def _e(text: Any) -> str:
     return html.escape(clean(text))
 
 
-_LONG = re.compile(r"\S{%d,}" % 24)
+_LONG = re.compile(r"\S{24,}")
 _BREAK_AFTER = re.compile(r"(?<=[./_:\-])")
 
 
