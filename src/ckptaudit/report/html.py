@@ -224,7 +224,7 @@ def _legend_lines(name: str) -> list[str]:
         rest = rest[cut:]
     if rest:
         lines[-1] = lines[-1][: _LEGEND_CHARS - 1] + "…"
-    return lines
+    return lines or [""]
 
 
 def _svg_plot(title: str, series: list[tuple[str, list[float], int]], *, log: bool, xlabel: str, ylabel: str,
