@@ -17,16 +17,27 @@ $(DEMO_STAMP): pyproject.toml constraints.txt
 	touch $(DEMO_STAMP)
 
 $(STAMP): $(DEMO_STAMP)
-	@echo "== [1/3] the test stack: transformers, accelerate, Lightning, PEFT, Megatron-Core, moto, pytest, ruff, mypy"
+	@echo "== [1/4] the test stack: transformers, accelerate, Lightning, PEFT, Megatron-Core, moto, pytest, ruff, mypy"
 	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e '.[test]'
 	# The training stacks the tests write real checkpoints with. DeepSpeed is an sdist whose build imports torch
 	# (no build isolation, no prebuilt ops: it JIT-builds one small op with g++ at first use); torchtitan 0.3.0
 	# pins packages it does not need for checkpoints (wandb, tensorboard, datasets): installed without them.
-	@echo "== [2/3] DeepSpeed (built from its sdist without its ops: a minute or two)"
+	@echo "== [2/4] DeepSpeed (built from its sdist without its ops: a minute or two)"
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet --no-build-isolation -c constraints.txt deepspeed
-	@echo "== [3/3] torchtitan and its few checkpoint dependencies"
+	@echo "== [3/4] torchtitan and its few checkpoint dependencies"
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt torchtitan
 	$(BIN)/python -m pip install --quiet -c constraints.txt tyro torchdata spmd_types
+	@echo "== [4/4] Chromium (Debian's package) for the HTML report's browser test, when missing"
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) || \
+	      echo "   chromium could not be installed: tests/report/test_html_browser.py will skip"; \
+	  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+	    (sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) || \
+	      echo "   chromium could not be installed: tests/report/test_html_browser.py will skip"; \
+	  else \
+	    echo "   no chromium and no root to install it (apt-get install chromium): the browser test will skip"; \
+	  fi
 	touch $(STAMP)
 
 demo: $(DEMO_STAMP)

@@ -175,3 +175,41 @@ def test_the_garbage_collector_is_left_as_the_caller_had_it(tmp_path: Path) -> N
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_severities_compare_with_their_documented_names(tmp_path: Path) -> None:
+    from ckptaudit.findings import Severity
+
+    bad = ckptaudit.audit(trained(tmp_path / "bad.pt", rounded=True))
+    worst = bad.findings[0]
+    assert worst.severity == "error" and "error" == worst.severity and worst.severity != "warning"
+    assert str(worst.severity) == f"{worst.severity}" == worst.severity.label == "error"
+    assert [f.code for f in bad.findings if f.severity == "error"] == [f.code for f in bad.failing]
+    # Ordered by how bad, not alphabetically ("error" < "info" as text), also against a name.
+    assert Severity.INFO < Severity.WARNING < Severity.ERROR and sorted(["error", "info", "warning"]) != [
+        "info", "warning", "error"]
+    assert sorted([Severity.ERROR, Severity.INFO, Severity.WARNING]) == ["info", "warning", "error"]
+    assert max(Severity) == "error" and Severity.WARNING >= "warning" and Severity.WARNING < "error"
+    assert [int(s) for s in Severity] == [0, 1, 2] and Severity.parse("Warning") is Severity.WARNING
+    with pytest.raises(TypeError, match="compare a severity with a Severity or one of 'info', 'warning', 'error'"):
+        assert Severity.ERROR > "fatal"
+    assert {Severity.ERROR: 1}["error"] == 1  # a name finds a severity's entry: equal and hashed alike
+    # The JSON still writes the names.
+    assert {f["severity"] for f in json.loads(bad.to_json())["findings"]} <= {"error", "warning", "info"}
+
+
+def test_api_md_gives_every_public_field_with_its_type() -> None:
+    import dataclasses
+
+    from ckptaudit import findings
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    for cls in (findings.Finding, findings.RawReport, findings.TensorRecord, findings.Component, findings.Contract):
+        section = doc[doc.index(f"`ckptaudit.findings.{cls.__name__}`"):]
+        section = section[:section.index("\n\n", section.index("|---"))]
+        for f in dataclasses.fields(cls):
+            written = cls.__annotations__[f.name]  # the source's text (postponed annotations)
+            row = f"| `{f.name}` | `{written.replace('|', chr(92) + '|')}` |"
+            assert row in section, f"docs/api.md: {cls.__name__}.{f.name} should read {row}"
+    for name in ("ok", "quick", "findings", "failing", "summary", "path", "raw", "fail_on"):
+        assert f"| `{name}` | `" in doc, name

@@ -66,3 +66,23 @@ def test_the_any_model_examples_run_as_documented(model: str, tmp_path: Path,
     assert gate["passed"] and gate["metrics"]["kind"] == "logits" and gate["metrics"]["vocab"] == 4
     assert gate["metrics"]["loss_source"] == "eval_loss" and gate["metrics"]["top1_agreement"] >= 0.9
     assert (tmp_path / serving[serving.index("--out") + 1] / "model.safetensors").is_file()
+
+
+@pytest.mark.dist
+def test_the_example_exporter_is_restored_whole_by_the_default_loader(tmp_path: Path) -> None:
+    """docs/resume-test.md's default layout and docs/examples/my_exporter.py agree: its ``export`` without its
+    ``load`` is restored by the default loader, every component judged restored."""
+    alone = tmp_path / "alone.py"
+    alone.write_text("import importlib.util, sys\n"
+                     f"spec = importlib.util.spec_from_file_location('my_exporter', {str(EXAMPLES / 'my_exporter.py')!r})\n"
+                     "mod = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(mod)\n\n\n"
+                     "def export(job, path, ctx):\n    mod.export(job, path, ctx)\n")
+    code, doc, err = run(["resume-test", "--recipe", "docs/examples/my_recipe.py:recipe", "--exporter",
+                          f"{alone}:export", "--save-at", "3", "--steps", "3"])
+    assert code == 0, err
+    (mine,) = doc["resume"]["candidates"]
+    assert mine["verdict"] == "faithful" and mine["loader"] == "ckptaudit.resume.default_load", mine
+    assert {k: v["status"] for k, v in mine["restore"].items()} == dict.fromkeys(mine["restore"], "restored"), mine
+    from ckptaudit.resume.config import COMPONENTS
+
+    assert set(mine["restore"]) == set(COMPONENTS), mine["restore"]  # every component judged, training step too

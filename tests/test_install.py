@@ -231,7 +231,8 @@ def test_commands_that_need_torch_say_which_extra_in_one_line(torch_free: Path, 
 
 @pytest.mark.parametrize(("api", "use"), [("ckptaudit.store.save_checkpoint", ""),
                                           ("ckptaudit.store.load_checkpoint", ""),
-                                          ("ckptaudit.testing.assert_resumes_faithfully", "('a:b', 'c:d')")])
+                                          ("ckptaudit.testing.assert_resumes_faithfully", "('a:b', 'c:d')"),
+                                          ("ckptaudit.load.load", "('x.pt')")])
 def test_apis_that_need_torch_name_the_extra(torch_free: Path, api: str, use: str) -> None:
     module, _, name = api.rpartition(".")
     proc = _run([str(torch_free / "python"), "-c", f"import {module}; {module}.{name}{use}"])

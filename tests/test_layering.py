@@ -28,7 +28,7 @@ TIERS: dict[str, dict[str, int]] = {
     "engine": {"auditing": 6, "comparing": 7},
     # what a user runs or calls, built on the engine
     # (the passport sits below latest, the store and serving, which require or write one)
-    "commands": {"api": 8, "passport": 8, "latest": 9, "store": 10, "exporters": 11, "serving": 11, "probe": 12,
+    "commands": {"api": 8, "passport": 8, "latest": 9, "load": 9, "store": 10, "exporters": 11, "serving": 11, "probe": 12,
                  "resume": 12, "demo": 13},
     # how users come in
     "doors": {"integrations": 14, "testing": 14, "cli": 15, "__main__": 16},

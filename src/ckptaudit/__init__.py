@@ -30,4 +30,6 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module("ckptaudit.version").__version__
     if name in __all__:
         return getattr(importlib.import_module("ckptaudit.api"), name)
+    if name == "load":  # the safe loader's module (``ckptaudit.load.load(path)``), imported when first named
+        return importlib.import_module("ckptaudit.load")
     raise AttributeError(f"module 'ckptaudit' has no attribute {name!r}")

@@ -5,6 +5,7 @@ import os
 from collections.abc import Iterable
 from typing import Literal
 
+from ckptaudit import load as load
 from ckptaudit.api import Report as Report
 
 __version__: str

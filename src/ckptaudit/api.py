@@ -28,8 +28,9 @@ from ckptaudit.options import AUDIT_OPTIONS, COMPARE_OPTIONS, resolve, signature
 
 if TYPE_CHECKING:
     from ckptaudit.auditing.judge import AuditOptions
+    from ckptaudit.comparing import CompareOptions
 
-__all__ = ["Report", "audit", "audit_options", "compare"]
+__all__ = ["Report", "audit", "audit_options", "checked_path", "compare", "compare_options", "reachable"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,19 +105,33 @@ class Report:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
 
-def _path(func: str, name: str, value: Any) -> str:
+def reachable(path: str) -> bool:
+    """Whether ``path`` may name a checkpoint: a local path (or ``file://`` URL) that exists, or a remote URL
+    (whose existence its reader checks when it opens it)."""
+    from ckptaudit.formats.remote.staging import is_url, local_path
+
+    return is_url(path) or os.path.exists(local_path(path))
+
+
+def checked_path(func: str, name: str, value: Any) -> str:
+    """``value`` as the path the engine reads: a local path, a ``file://`` URL or a remote URL (``s3://``,
+    ``gs://``, ``https://``: checked when it is opened), exactly what the command line takes. Raises ``TypeError``
+    for what is not a text path and ``FileNotFoundError`` for a local path that does not exist; the API, the
+    command line and the guards share it, so they accept the same paths."""
     if not isinstance(value, str | os.PathLike):
-        raise TypeError(f"{func}: {name} must be a path (str or os.PathLike), not {type(value).__name__}")
+        raise TypeError(f"{func}: {name} must be a path or URL (str or os.PathLike), not {type(value).__name__}")
     path = os.fspath(value)
     if not isinstance(path, str):
         raise TypeError(f"{func}: {name} must be a text path, not bytes ({path!r})")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{func}: {name} {path!r} does not exist")
+    if not reachable(path):
+        raise FileNotFoundError(f"{func}: {name} {path!r} does not exist; give the path of a checkpoint file or "
+                                "directory, or its URL (s3://, gs://, https://)")
     return path
 
 
 def audit(path: str | os.PathLike[str], **options: Any) -> Report:
-    """Audit the checkpoint at ``path`` (a file or directory in any layout ``ckptaudit audit`` reads).
+    """Audit the checkpoint at ``path`` (a file or directory in any layout ``ckptaudit audit`` reads; a local path,
+    a ``file://`` URL or a remote one, ``s3://``, ``gs://``, ``https://``, as on the command line).
 
     Options (keywords; names, types and defaults in :data:`ckptaudit.options.AUDIT_OPTIONS`, which the command
     line's flags are derived from too):
@@ -140,14 +155,14 @@ def audit(path: str | os.PathLike[str], **options: Any) -> Report:
       the command line (the report is the same whatever the number);
     - ``chunk_bytes``: bytes read per chunk.
 
-    Everything runs in the calling process, on ``jobs`` threads. Raises ``FileNotFoundError`` when ``path`` does
-    not exist, ``TypeError`` / ``ValueError`` for a bad option. A checkpoint that cannot be read is a finding in
+    Everything runs in the calling process, on ``jobs`` threads. Raises ``FileNotFoundError`` when a local
+    ``path`` does not exist (``OSError`` naming the URL for a remote object that does not), ``TypeError`` / ``ValueError`` for a bad option. A checkpoint that cannot be read is a finding in
     the report, not an exception.
     """
     from ckptaudit.auditing.judge import run_audit
 
     opts = resolve("ckptaudit.audit", options, AUDIT_OPTIONS)
-    where = _path("ckptaudit.audit", "path", path)
+    where = checked_path("ckptaudit.audit", "path", path)
     return Report(run_audit(where, audit_options(opts)), Severity.parse(opts["fail_on"]))
 
 
@@ -179,20 +194,28 @@ def compare(reference: str | os.PathLike[str], candidate: str | os.PathLike[str]
     Raises ``FileNotFoundError`` when either path does not exist, ``TypeError`` / ``ValueError`` for a bad
     option.
     """
-    from ckptaudit.auditing.scan import default_jobs
-    from ckptaudit.comparing import CompareOptions, run_compare
+    from ckptaudit.comparing import run_compare
 
     opts = resolve("ckptaudit.compare", options, COMPARE_OPTIONS)
+    settings = compare_options(opts)
+    ref = checked_path("ckptaudit.compare", "reference", reference)
+    cand = checked_path("ckptaudit.compare", "candidate", candidate)
+    return Report(run_compare(ref, cand, settings), Severity.parse(opts["fail_on"]))
+
+
+def compare_options(opts: Mapping[str, Any], *, verbose: bool = False) -> CompareOptions:
+    """The engine's :class:`~ckptaudit.comparing.CompareOptions` for resolved options (:data:`~ckptaudit.options.
+    COMPARE_OPTIONS`): the one translation the API and the command line share (``verbose``: the table lists
+    identical pairs too, the command line's ``--verbose``; the JSON report is the same either way)."""
+    from ckptaudit.auditing.scan import default_jobs
+    from ckptaudit.comparing import CompareOptions
+
     if opts["jobs"] is not None and opts["threads"] is not None and opts["jobs"] != opts["threads"]:
         raise ValueError(f"ckptaudit.compare: jobs={opts['jobs']} and threads={opts['threads']} disagree; threads "
                          "is the older name of jobs: pass jobs alone")
-    ref = _path("ckptaudit.compare", "reference", reference)
-    cand = _path("ckptaudit.compare", "candidate", candidate)
     threads = opts["jobs"] or opts["threads"] or min(64, default_jobs())
-    raw = run_compare(ref, cand, CompareOptions(chunk_bytes=opts["chunk_bytes"], threads=threads,
-                                                max_moment_checks=opts["max_moment_checks"],
-                                                ignore=_ignored(opts["ignore"])))
-    return Report(raw, Severity.parse(opts["fail_on"]))
+    return CompareOptions(chunk_bytes=opts["chunk_bytes"], threads=threads, verbose=verbose,
+                          max_moment_checks=opts["max_moment_checks"], ignore=_ignored(opts["ignore"]))
 
 
 audit.__signature__ = signature((("path", "str | os.PathLike[str]"),), AUDIT_OPTIONS, Report)  # type: ignore[attr-defined]

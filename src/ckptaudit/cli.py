@@ -368,6 +368,10 @@ def _emit(report: RawReport, args: argparse.Namespace, stdout: TextIO) -> int:
                 render(report, fmt, fh, verbose=args.verbose)
         except OSError as exc:
             raise UsageError(f"--output {args.output}: cannot write ({exc.strerror})") from None
+        # The report went to a file: the one-line verdict still reaches the terminal (or the CI log).
+        diagnostics = getattr(args, "diagnostics", None)
+        if diagnostics is not None:
+            diagnostics.write(f"{report.path}: {report.summary} (report: {args.output})\n")
     else:
         try:
             render(report, fmt, stdout, verbose=args.verbose)
@@ -448,10 +452,10 @@ def _audit_distributed(args: argparse.Namespace, rank: int, world_size: int, std
 
 
 def _exists(path: str) -> bool:
-    """Local paths (and ``file://`` URLs) are checked here; other URLs when they are opened."""
-    from ckptaudit.formats.remote import is_url, local_path
+    """Local paths (and ``file://`` URLs) are checked here; other URLs when they are opened (as the API does)."""
+    from ckptaudit.api import reachable
 
-    return is_url(path) or os.path.exists(local_path(path))
+    return reachable(path)
 
 
 def _cmd_resume(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
@@ -527,16 +531,14 @@ def _cmd_export_serving(args: argparse.Namespace, stdout: TextIO, stderr: TextIO
 
 
 def _cmd_compare(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from ckptaudit.auditing.scan import default_jobs
-    from ckptaudit.comparing import CompareOptions, run_compare
+    from ckptaudit.api import compare_options
+    from ckptaudit.comparing import run_compare
 
     for role, path in (("reference", args.reference), ("candidate", args.candidate)):
         if not _exists(path):
             raise UsageError(f"{role} {path}: no such file or directory; give the path of a checkpoint file or "
                              "directory")
-    values = _resolved(args, COMPARE_OPTIONS)
-    options = CompareOptions(verbose=args.verbose, threads=values["jobs"] or min(64, default_jobs()),
-                             ignore=_ignore(values["ignore"]))
+    options = compare_options(_resolved(args, COMPARE_OPTIONS), verbose=args.verbose)
     prog, update = _progress(not args.no_progress, stderr)
     if prog is not None:
         with prog:
@@ -688,6 +690,7 @@ def _main(argv: Sequence[str] | None, stdout: Any, stderr: TextIO) -> int:
         old = torch_older_than_tested(f"ckptaudit {args.command}")
         if old is not None:
             stderr.write(f"warning: {old}\n")
+    args.diagnostics = stderr  # where _emit says the verdict when the report goes to --output
     try:
         return COMMANDS[args.command](args, stdout, stderr)
     except ModuleNotFoundError as exc:  # a path into torch not foreseen above (the audit under torchrun)

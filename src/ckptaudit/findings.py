@@ -117,24 +117,65 @@ text = safe_str
 """``str(value)`` that never fails (the name earlier versions used; see :func:`safe_str`)."""
 
 
-class Severity(enum.IntEnum):
-    """How bad a finding is. Ordered, so ``--fail-on warning`` means ``severity >= WARNING``."""
+_SEVERITY_RANKS = {"info": 0, "warning": 1, "error": 2}
 
-    INFO = 0
-    WARNING = 1
-    ERROR = 2
+
+class Severity(enum.StrEnum):
+    """How bad a finding is: ``"info"`` < ``"warning"`` < ``"error"``.
+
+    A string enum, so it is what the docs and the JSON call it: ``Severity.ERROR == "error"``, ``str()`` gives
+    ``"error"``. Ordered by how bad, not alphabetically (``--fail-on warning`` means ``severity >= WARNING``);
+    a severity also compares with a name (``finding.severity >= "warning"``). ``int()`` gives its rank (0, 1, 2).
+    """
+
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
 
     @property
     def label(self) -> str:
-        return self.name.lower()
+        """Its name, as the docs, the tables and the JSON write it (the same as ``str()``)."""
+        return self.value
+
+    @property
+    def rank(self) -> int:
+        """0 (info), 1 (warning), 2 (error)."""
+        return _SEVERITY_RANKS[self.value]
+
+    def __int__(self) -> int:
+        return self.rank
 
     @classmethod
     def parse(cls, text: str) -> Severity:
         try:
-            return cls[text.upper()]
-        except KeyError:
+            return cls(text.lower()) if isinstance(text, str) else cls(text)
+        except ValueError:
             choices = ", ".join(s.label for s in cls)
             raise ValueError(f"unknown severity {text!r}; choose one of: {choices}") from None
+
+    def _other(self, other: object) -> int | None:
+        if not isinstance(other, str):  # a Severity is a str too
+            return None
+        if other not in _SEVERITY_RANKS:  # never the alphabetical order str would fall back to
+            raise TypeError(f"cannot order {self!r} and {other!r}: compare a severity with a Severity or one of "
+                            f"{', '.join(map(repr, _SEVERITY_RANKS))}")
+        return _SEVERITY_RANKS[other]
+
+    def __lt__(self, other: object) -> bool:
+        rank = self._other(other)
+        return NotImplemented if rank is None else self.rank < rank
+
+    def __le__(self, other: object) -> bool:
+        rank = self._other(other)
+        return NotImplemented if rank is None else self.rank <= rank
+
+    def __gt__(self, other: object) -> bool:
+        rank = self._other(other)
+        return NotImplemented if rank is None else self.rank > rank
+
+    def __ge__(self, other: object) -> bool:
+        rank = self._other(other)
+        return NotImplemented if rank is None else self.rank >= rank
 
 
 class ComponentKind(enum.StrEnum):

@@ -11,7 +11,7 @@ import pytest
 from ckptaudit.auditing.judge import AuditOptions, run_audit
 from ckptaudit.findings import ComponentKind, Precision, RawReport, Severity
 from ckptaudit.formats.dcp.reader import check_metadata_safe
-from ckptaudit.formats.torchload import safe_torch_load
+from ckptaudit.formats.torchload import vetted_torch_load
 
 pytestmark = pytest.mark.dist
 
@@ -77,7 +77,7 @@ def test_required_components_turn_warnings_into_errors(fsdp_run: dict[str, Any],
     import torch
 
 
-    src = safe_torch_load(fsdp_run["dir"] / "compute-copy-fp32.pt")
+    src = vetted_torch_load(fsdp_run["dir"] / "compute-copy-fp32.pt")
     slim = {"model": src["model"], "optimizer": src["optimizer"]}
     path = tmp_path / "slim.pt"
     torch.save(slim, path)
@@ -98,7 +98,7 @@ def test_required_components_turn_warnings_into_errors(fsdp_run: dict[str, Any],
 def test_index_keyed_and_permuted_optimizer_state(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
     import torch
 
-    src = safe_torch_load(fsdp_run["dir"] / "compute-copy-fp32.pt")
+    src = vetted_torch_load(fsdp_run["dir"] / "compute-copy-fp32.pt")
     model = {k: v for k, v in src["model"].items()}
     names = list(model)
     fqn_state = src["optimizer"]["state"]
@@ -121,7 +121,7 @@ def test_index_keyed_and_permuted_optimizer_state(fsdp_run: dict[str, Any], tmp_
 def test_fqn_keyed_state_for_a_missing_parameter(fsdp_run: dict[str, Any], tmp_path: Path) -> None:
     import torch
 
-    src = safe_torch_load(fsdp_run["dir"] / "compute-copy-fp32.pt")
+    src = vetted_torch_load(fsdp_run["dir"] / "compute-copy-fp32.pt")
     osd = src["optimizer"]
     osd["state"]["blocks.9.ghost.weight"] = osd["state"]["head.weight"]
     osd["state"]["head.weight"] = {**osd["state"]["head.weight"], "exp_avg": osd["state"]["head.weight"]["exp_avg"][:3]}

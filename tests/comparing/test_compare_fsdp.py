@@ -16,7 +16,7 @@ from ckptaudit.auditing.judge import run_audit
 from ckptaudit.cli import main
 from ckptaudit.comparing import CompareOptions, run_compare
 from ckptaudit.findings import RawReport, Severity
-from ckptaudit.formats.torchload import safe_torch_load
+from ckptaudit.formats.torchload import vetted_torch_load
 
 pytestmark = pytest.mark.dist
 
@@ -122,7 +122,7 @@ def test_fp16_copy_is_the_reference_rounded_to_fp16(fsdp_run: dict[str, Any]) ->
 
 def test_swapped_moments_between_two_same_shape_layers_are_misattached(fsdp_run: dict[str, Any]) -> None:
     d = fsdp_run["dir"]
-    a, b = safe_torch_load(d / "swapped.pt")["swapped"]
+    a, b = vetted_torch_load(d / "swapped.pt")["swapped"]
     assert fsdp_run["shapes"][a] == fsdp_run["shapes"][b] and a != b
     report = run_compare(str(d / "faithful"), str(d / "swapped.pt"))
     found = [f for f in report.findings if f.code == "optimizer.misattached"]
@@ -185,7 +185,7 @@ def test_dcp_really_casts_silently_on_load(fsdp_run: dict[str, Any], fsdp_low_pr
 def derived(fsdp_run: dict[str, Any], tmp_path: Path, name: str, edit: Any) -> Path:
     import torch
 
-    state = safe_torch_load(fsdp_run["dir"] / "faithful.pt")
+    state = vetted_torch_load(fsdp_run["dir"] / "faithful.pt")
     edit(state)
     path = tmp_path / name
     torch.save(state, path)

@@ -115,10 +115,10 @@ def test_a_planner_path_that_disagrees_with_its_key_is_corrupt_and_never_an_over
     if case == "decoy":
         import torch
 
-        from ckptaudit.formats.torchload import safe_dcp_load
+        from ckptaudit.formats.torchload import vetted_dcp_load
 
         with pytest.raises(UnsafeCheckpointError, match="planner_data"):
-            safe_dcp_load({"model": {"weight": torch.zeros(8, 8)}}, root)
+            vetted_dcp_load({"model": {"weight": torch.zeros(8, 8)}}, root)
 
 
 def test_list_indices_past_the_item_count_are_accepted(tmp_path: Path) -> None:

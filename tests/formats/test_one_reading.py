@@ -25,7 +25,7 @@ import torch
 
 from ckptaudit.formats import open_checkpoint
 from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_safe, read_dcp
-from ckptaudit.formats.torchload import safe_dcp_load, safe_dcp_reader, safe_torch_load
+from ckptaudit.formats.torchload import vetted_dcp_load, vetted_dcp_reader, vetted_torch_load
 from ckptaudit.formats.zip import memo as ziplayout
 from ckptaudit.formats.zip.archive import TorchZipError, TorchZipFile, read_torch_zip_bytes
 from zip_mutants import Zip, members_of, payload, stored, torch_pickle, torch_save_bytes
@@ -107,7 +107,7 @@ def test_a_dcp_bytes_item_with_a_pickle_before_its_zip_is_refused_everywhere(dcp
     with pytest.raises(UnsafeCheckpointError, match="step"):
         check_metadata_safe(str(evil))
     with pytest.raises(UnsafeCheckpointError):
-        safe_dcp_load({"model": {"w": torch.zeros(3, 4)}, "step": 0}, str(evil))
+        vetted_dcp_load({"model": {"w": torch.zeros(3, 4)}, "step": 0}, str(evil))
     assert not marker.exists()
     # The control: torch.distributed.checkpoint.load runs it.
     _child("""
@@ -310,7 +310,7 @@ def test_safe_torch_load_reads_the_file_it_checked(tmp_path: Path, monkeypatch: 
         return out
 
     monkeypatch.setattr(TorchZipFile, "read", read_then_swap)
-    assert torch.equal(safe_torch_load(path)["w"], torch.arange(6.0))
+    assert torch.equal(vetted_torch_load(path)["w"], torch.arange(6.0))
 
 
 def test_safe_dcp_reader_hands_torch_the_bytes_it_checked(dcp_dir: Path, tmp_path: Path) -> None:
@@ -322,7 +322,7 @@ def test_safe_dcp_reader_hands_torch_the_bytes_it_checked(dcp_dir: Path, tmp_pat
 
     root = tmp_path / "ckpt"
     shutil.copytree(dcp_dir, root)
-    reader = safe_dcp_reader(root)  # checked here
+    reader = vetted_dcp_reader(root)  # checked here
     info = _items(root)["step"]
     marker = tmp_path / "late-pwned"
     item = _item_bytes(root, "step")
@@ -339,7 +339,7 @@ def test_safe_dcp_reader_hands_torch_the_bytes_it_checked(dcp_dir: Path, tmp_pat
     assert not marker.exists()
     # And the untouched directory loads, through the same reader's read_data, exactly.
     state = {"model": {"w": torch.zeros(3, 4)}, "step": 0}
-    safe_dcp_load(state, str(dcp_dir))
+    vetted_dcp_load(state, str(dcp_dir))
     assert state["step"] == 5 and torch.equal(state["model"]["w"], torch.arange(12.0).reshape(3, 4))
 
 

@@ -31,7 +31,7 @@ from ckptaudit.auditing.judge import run_audit
 from ckptaudit.cli import main
 from ckptaudit.findings import Precision, RawReport, Severity
 from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_safe
-from ckptaudit.formats.torchload import safe_dcp_load, safe_torch_load
+from ckptaudit.formats.torchload import vetted_dcp_load, vetted_torch_load
 from ckptaudit.report import OutputFormat, render
 
 EXPECTED_GLOBAL = {
@@ -166,10 +166,10 @@ def test_payload_is_reported_and_never_executed(name: str, corpus: dict[str, Hos
         import torch
 
         with pytest.raises(UnsafeCheckpointError):
-            safe_dcp_load({"model": {"w": torch.zeros(2)}, "extra": 0}, str(h.path))
+            vetted_dcp_load({"model": {"w": torch.zeros(2)}, "extra": 0}, str(h.path))
     elif h.loader == "torch" and h.path.is_file():
         with pytest.raises(UnsafeCheckpointError, match="refusing to load"):
-            safe_torch_load(h.path)
+            vetted_torch_load(h.path)
     assert not h.sentinel.exists(), f"{name}: the payload ran"
 
 
@@ -254,7 +254,7 @@ def test_dcp_metadata_naming_files_outside_its_directory_is_rejected(
     with pytest.raises(UnsafeCheckpointError, match=r"outside|absolute|link"):
         check_metadata_safe(str(ckpt))
     with pytest.raises(UnsafeCheckpointError):
-        safe_dcp_load({"model": {"0.weight": torch.zeros(16, 8)}}, str(ckpt))
+        vetted_dcp_load({"model": {"0.weight": torch.zeros(16, 8)}}, str(ckpt))
 
 
 def test_dcp_item_past_the_end_of_its_file_is_never_read(bases: dict[str, Path], tmp_path: Path,

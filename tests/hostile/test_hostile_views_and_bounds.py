@@ -2,7 +2,7 @@
 
 Each attack is written as an attacker would write it (torch's own ``Metadata`` pickled with a crafted
 ``__reduce__``, or opcodes assembled by hand) and run through every entry point that reads it: ``audit`` (in a
-child under ``RLIMIT_AS`` and a timeout, see :mod:`audit_worker`), ``check_metadata_safe``, ``safe_dcp_load``
+child under ``RLIMIT_AS`` and a timeout, see :mod:`audit_worker`), ``check_metadata_safe``, ``vetted_dcp_load``
 and the CLI. Payloads write a sentinel file; a control run of ``torch.distributed.checkpoint.load`` in a child
 shows each payload is live, so a test cannot pass because the attack was inert.
 """
@@ -27,7 +27,7 @@ from ckptaudit.cli import main
 from ckptaudit.formats.dcp.reader import UnsafeCheckpointError, check_metadata_safe
 from ckptaudit.formats.pickle.scan import UnsafeGlobalError
 from ckptaudit.formats.pickle.unpickler import RestrictedUnpickler, base_table
-from ckptaudit.formats.torchload import safe_dcp_load
+from ckptaudit.formats.torchload import vetted_dcp_load
 from hostile_cases import (
     ATTACKS,
     BOUNDED,
@@ -62,7 +62,7 @@ def test_metadata_that_shows_checks_another_view_is_refused_everywhere(
     with pytest.raises(UnsafeCheckpointError, match=r"shadow|second BUILD|crafted"):
         check_metadata_safe(str(ckpt))
     with pytest.raises(UnsafeCheckpointError):
-        safe_dcp_load({"model": {"0.weight": torch.zeros(16, 8)}, "extra": 0}, str(ckpt))
+        vetted_dcp_load({"model": {"0.weight": torch.zeros(16, 8)}, "extra": 0}, str(ckpt))
     answer = worker.audit(str(ckpt))
     assert answer["ok"], answer.get("error")
     assert any(c == "security.unsafe-pickle" and s == ".metadata" for c, s, _ in answer["findings"]), \
@@ -88,13 +88,13 @@ def test_safe_dcp_load_restores_exactly_what_was_saved(bases: dict[str, Path]) -
         return {"model": {"0.weight": torch.zeros(16, 8), "2.bias": torch.zeros(4)}, "step": torch.tensor(0)}
 
     state, ref = template(), template()
-    safe_dcp_load(state, str(bases["dcp"]))
+    vetted_dcp_load(state, str(bases["dcp"]))
     dcp.load(ref, checkpoint_id=str(bases["dcp"]))  # torch's own reader on our own trusted checkpoint
     assert int(state["step"]) == int(ref["step"]) == 2
     for k in ref["model"]:
         assert torch.equal(state["model"][k], ref["model"][k]) and ref["model"][k].abs().sum() > 0
     with pytest.raises(TypeError, match="storage reader"):
-        safe_dcp_load(state, str(bases["dcp"]), storage_reader=object())
+        vetted_dcp_load(state, str(bases["dcp"]), storage_reader=object())
 
 
 @pytest.mark.parametrize("how", ["items", "values"])
@@ -463,7 +463,7 @@ def test_a_non_tensor_dcp_item_that_would_hang_torch_load_is_refused_before_load
     with pytest.raises(UnsafeCheckpointError, match="share the hash value"):
         check_metadata_safe(str(ckpt))
     with pytest.raises(UnsafeCheckpointError, match="share the hash value"):
-        safe_dcp_load({"model": {"0.weight": torch.zeros(16, 8)}, "extra": {}}, str(ckpt))
+        vetted_dcp_load({"model": {"0.weight": torch.zeros(16, 8)}, "extra": {}}, str(ckpt))
     assert time.perf_counter() - start < 30
 
 
@@ -487,12 +487,12 @@ def test_a_manifest_claiming_2_31_ranks_is_bounded_by_what_is_on_disk(tmp_path: 
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The live loader (safe_torch_load: the writer's loader, resume, compare's values) refuses what the audit refuses
+# The live loader (vetted_torch_load: the writer's loader, resume, compare's values) refuses what the audit refuses
 
 
 def test_the_live_loader_refuses_the_bounded_work_attacks_before_torch_load(
         bases: dict[str, Path], tmp_path: Path) -> None:
-    """``safe_torch_load`` reads the archive as the audit does (same scan, same restricted unpickler and limits)
+    """``vetted_torch_load`` reads the archive as the audit does (same scan, same restricted unpickler and limits)
     before ``torch.load`` sees it: 200k colliding keys in ``data.pkl`` and 4M memo entries are refused in a
     second or so with an error naming the file and the limit; the ordinary checkpoint (NumPy and Python RNG
     states included) still loads. Run in a child with a timeout: the unguarded ``torch.load`` of the colliding
@@ -508,16 +508,16 @@ def test_the_live_loader_refuses_the_bounded_work_attacks_before_torch_load(
     script = f"""
 import json, time
 import torch
-from ckptaudit.formats.torchload import safe_torch_load
+from ckptaudit.formats.torchload import vetted_torch_load
 out = {{}}
 for name, path in {json.dumps({k: str(v) for k, v in cases.items()})}.items():
     start = time.process_time()
     try:
-        safe_torch_load(path)
+        vetted_torch_load(path)
         out[name] = ["loaded", "", time.process_time() - start]
     except Exception as exc:
         out[name] = [type(exc).__name__, str(exc), time.process_time() - start]
-state = safe_torch_load({str(bases["pt"])!r})
+state = vetted_torch_load({str(bases["pt"])!r})
 out["normal"] = [sorted(state), state["step"], type(state["rng"]["numpy"][1]).__name__,
                  str(state["model"]["0.weight"].dtype)]
 print(json.dumps(out))

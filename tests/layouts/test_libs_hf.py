@@ -17,7 +17,7 @@ import pytest
 
 from ckptaudit.auditing.judge import run_audit
 from ckptaudit.findings import ComponentKind, RawReport, Severity
-from ckptaudit.formats.torchload import safe_torch_load
+from ckptaudit.formats.torchload import vetted_torch_load
 from ckptaudit.formats.zip.archive import read_torch_zip
 from configurations import Written
 
@@ -56,7 +56,7 @@ def truth(checkpoint: Path) -> dict[str, Any]:
 
 def truth_by_key(checkpoint: Path, optimizer_file: str) -> dict[int, str]:
     """Index key -> parameter name, from the saved groups' integer lists and the live optimizer's groups."""
-    osd = safe_torch_load(checkpoint / optimizer_file)
+    osd = vetted_torch_load(checkpoint / optimizer_file)
     groups = truth(checkpoint)["groups"]
     return {k: n for g, names in zip(osd["param_groups"], groups, strict=True)
             for k, n in zip(g["params"], names, strict=True)}
@@ -98,7 +98,7 @@ def test_rng_states_load_through_the_allowlist(hf: Written) -> None:
         # They do need NumPy's RNG globals, and our allowlist admits them: loaded, nothing unsafe.
         assert any(g.startswith("numpy.") for g in tz.scan.globals), tz.scan.globals
         assert tz.loaded and not tz.scan.unsafe
-        state = safe_torch_load(path)
+        state = vetted_torch_load(path)
         assert keys <= set(state)
         report = run_audit(str(path.parent))
         assert not [f for f in report.findings if f.subject == path.name], [f.message for f in report.findings]
@@ -138,8 +138,8 @@ def test_trainer_decay_split_is_attached_by_the_unique_order_consistent_assignme
     groups = truth(ckpt)["groups"]
     assert len(groups) == 2 and all(n.endswith("bias") or ".ln_" in n for n in groups[1])
     # Read in plain parameter order, most entries of this healthy checkpoint get the wrong shape.
-    osd = safe_torch_load(ckpt / "optimizer.pt")
-    model = safe_torch_load(ckpt / "pytorch_model.bin")
+    osd = vetted_torch_load(ckpt / "optimizer.pt")
+    model = vetted_torch_load(ckpt / "pytorch_model.bin")
     params = truth(ckpt)["params"]
     wrong = sum(osd["state"][i]["exp_avg"].shape != model[params[i]].shape for i in range(len(params)))
     assert wrong > len(params) // 2
@@ -168,7 +168,7 @@ def _swap_first_entries_of_different_shapes(src: Path, dst: Path) -> tuple[int, 
     import torch
 
     shutil.copytree(src, dst)
-    osd = safe_torch_load(src / "optimizer.pt")
+    osd = vetted_torch_load(src / "optimizer.pt")
     state = osd["state"]
     a = osd["param_groups"][0]["params"][0]
     b = next(k for k in osd["param_groups"][0]["params"] if state[k]["exp_avg"].shape != state[a]["exp_avg"].shape)
@@ -197,7 +197,7 @@ def _reshape_entry(src: Path, dst: Path, shape: tuple[int, ...], avoid: tuple[in
     import torch
 
     shutil.copytree(src, dst)
-    osd = safe_torch_load(src / "optimizer.pt")
+    osd = vetted_torch_load(src / "optimizer.pt")
     key = next(k for k, v in osd["state"].items() if tuple(v["exp_avg"].shape) != avoid)
     for name in ("exp_avg", "exp_avg_sq"):
         osd["state"][key][name] = torch.zeros(shape)
@@ -213,7 +213,7 @@ def test_unordered_model_checks_the_multiset_of_moment_shapes(hf: Written, tmp_p
     src = hf / "trainer-safetensors" / "checkpoint-2"
     with safe_open(str(src / "model.safetensors"), framework="pt") as fh:
         have = Counter(tuple(fh.get_slice(k).get_shape()) for k in fh.keys())
-    osd = safe_torch_load(src / "optimizer.pt")
+    osd = vetted_torch_load(src / "optimizer.pt")
     need = Counter(tuple(v["exp_avg"].shape) for v in osd["state"].values())
     assert run_audit(str(src)).extra["attachment"] == "unknown-order"
 

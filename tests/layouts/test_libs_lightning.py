@@ -17,7 +17,7 @@ import pytest
 
 from ckptaudit.auditing.judge import AuditOptions, run_audit
 from ckptaudit.findings import ComponentKind, RawReport, Severity
-from ckptaudit.formats.torchload import safe_torch_load
+from ckptaudit.formats.torchload import vetted_torch_load
 from configurations import Written
 
 pytestmark = pytest.mark.libs
@@ -76,7 +76,7 @@ def test_decay_groups_and_leading_buffer_are_attached_exactly(ckpts: Ckpts) -> N
     index_keyed = next(f for f in report.findings if f.code == "optimizer.index-keyed")
     assert index_keyed.evidence["attachment"] == "unique-order"
     assert index_keyed.evidence["groups"] == [len(g) for g in groups]
-    osd = safe_torch_load(ckpt)["optimizer_states"][0]
+    osd = vetted_torch_load(ckpt)["optimizer_states"][0]
     expected = {k: n
                 for g, names in zip(osd["param_groups"], groups, strict=True)
                 for k, n in zip(g["params"], names, strict=True)}

@@ -18,7 +18,7 @@ import xxhash
 
 from ckptaudit.cli import main
 from ckptaudit.findings import RawReport, Severity
-from ckptaudit.formats.torchload import safe_torch_load
+from ckptaudit.formats.torchload import vetted_torch_load
 from ckptaudit.launch import launch
 from ckptaudit.probe import Probe, ProbeResult, judge_probe
 from ckptaudit.probe.regions import combine
@@ -96,7 +96,7 @@ def test_compute_copy_upcast_to_fp32_is_caught(fsdp2_run: dict[str, Any]) -> Non
     assert codes(report) == {"probe.saved-compute-copy": {p.fqn for p in result.params}}
     assert report.fails(Severity.ERROR)
     # Independent check: the saved fp32 values are the compute copy the probe saw in forward, upcast.
-    saved = safe_torch_load(fsdp2_run["dir"] / "compute-copy-fp32.pt")["model"]
+    saved = vetted_torch_load(fsdp2_run["dir"] / "compute-copy-fp32.pt")["model"]
     for p in result.params:
         assert _independent_combined(saved[p.fqn]) == combine([c.upcast_hash for c in result.compute[p.fqn]])
         assert _independent_combined(saved[p.fqn]) != combine([m.hash for m in result.masters[p.fqn]])
@@ -107,7 +107,7 @@ def test_compute_copy_stored_as_bf16_is_caught(fsdp2_run: dict[str, Any]) -> Non
     report = judge_probe(result)
     assert set(verdicts(result).values()) == {"compute-copy"}
     assert codes(report) == {"probe.saved-compute-copy": {p.fqn for p in result.params}}
-    saved = safe_torch_load(fsdp2_run["dir"] / "compute-copy-bf16.pt")["model"]
+    saved = vetted_torch_load(fsdp2_run["dir"] / "compute-copy-bf16.pt")["model"]
     for p in result.params:
         assert saved[p.fqn].dtype == torch.bfloat16
         assert _independent_combined(saved[p.fqn]) == combine([c.hash for c in result.compute[p.fqn]])

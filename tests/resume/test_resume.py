@@ -15,7 +15,7 @@ import pytest
 
 from ckptaudit.cli import main
 from ckptaudit.findings import RawReport
-from ckptaudit.formats.torchload import safe_torch_load
+from ckptaudit.formats.torchload import vetted_torch_load
 from ckptaudit.report import OutputFormat, render
 from ckptaudit.resume import COMPONENTS, ResumeConfig, Trajectory, judge_resume, run_resume_test, thresholds
 from runs import SUPPORT
@@ -102,7 +102,7 @@ def test_compute_copy_differs_at_restore_and_drifts_while_the_loss_looks_normal(
 def test_swapped_moments_are_caught_at_restore_and_named(experiment: tuple[RawReport, Path]) -> None:
     report, work = experiment
     c = candidate(report, "swapped_moments")
-    swapped = safe_torch_load(work / "candidate-1-swapped_moments")["swapped"]
+    swapped = vetted_torch_load(work / "candidate-1-swapped_moments")["swapped"]
     assert c["verdict"] == "drift" and c["rel_l2"][0] == 0.0  # weights faithful; the first step uses the moments
     moments = c["restore"]["optimizer moments"]
     assert moments["status"] == "differs"

@@ -13,7 +13,7 @@ of the child's peak resident set over its warmed-up baseline. A line per class, 
 Round 3 (issue 25: work that grew faster than the input) runs each case in a fresh child (killed after
 ``--limit`` seconds) and prints its seconds and peak resident set: ZeRO-2 layouts built from DeepSpeed's own
 files (``hostile_deepspeed.py``; the DeepSpeed writer runs first, a minute or two), a DCP ``.metadata`` whose
-entries share one chunk list (``safe_dcp_reader``), and ``http://`` audits against the local servers of
+entries share one chunk list (``vetted_dcp_reader``), and ``http://`` audits against the local servers of
 ``http_servers.py`` (requests made and body bytes the server could send). ``--src`` runs the children on
 another source tree, e.g. the code before a change: ``git archive <commit> src | tar -x -C /tmp/base``.
 
@@ -112,8 +112,8 @@ if what == "dcp-load":
     dcp.load(state, checkpoint_id=path, no_dist=True)
     out["tensors"] = len(state)
 elif what == "dcp-reader":
-    from ckptaudit.formats.torchload import safe_dcp_reader
-    md = safe_dcp_reader(path).read_metadata()
+    from ckptaudit.formats.torchload import vetted_dcp_reader
+    md = vetted_dcp_reader(path).read_metadata()
     out["chunk objects"] = len({id(c) for item in md.state_dict_metadata.values() for c in getattr(item, "chunks", ())})
 else:
     try:
@@ -177,7 +177,7 @@ def round3(src: str, limit: float) -> None:
         except (ImportError, RuntimeError) as exc:
             print(f"| DeepSpeed cases | - | not run: {str(exc)[:100]} | - | - |")
         ckpt = hc.shared_chunks_dcp(d / "dcp", 3000)
-        _row3("DCP .metadata: 3000 entries share one 3000-chunk list (safe_dcp_reader)", _size(ckpt),
+        _row3("DCP .metadata: 3000 entries share one 3000-chunk list (vetted_dcp_reader)", _size(ckpt),
               _run(src, "dcp-reader", str(ckpt), limit))
         big = d / "ckpt.pt"
         _tensors_pt(big)

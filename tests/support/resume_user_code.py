@@ -77,9 +77,9 @@ def partial(job: Any, path: str, ctx: Any = None) -> None:
 def _load_partial(job: Any, path: str, ctx: Any = None) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    from ckptaudit.formats.torchload import safe_torch_load
+    from ckptaudit.formats.torchload import vetted_torch_load
 
-    state = safe_torch_load(path)
+    state = vetted_torch_load(path)
     set_state_dict(job.model, job.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=StateDictOptions(full_state_dict=True))
     job.scheduler.load_state_dict(state["scheduler"])
@@ -170,10 +170,10 @@ def torch_rng_only(job: Any, path: str, ctx: Any) -> None:
 def _load_torch_rng_only(job: Any, path: str, ctx: Any) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from ckptaudit.formats.torchload import safe_dcp_load
+    from ckptaudit.formats.torchload import vetted_dcp_load
 
     state = _torch_rng_state(job, ctx.rank)
-    safe_dcp_load(state, path)
+    vetted_dcp_load(state, path)
     set_state_dict(job.model, job.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     job.scheduler.load_state_dict(state["scheduler"])
     job.step = int(state["step"]["step"])

@@ -265,7 +265,7 @@ def documented_load(job: Job, path: str, ctx: Any = None) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from ckptaudit.formats.dcp.reader import check_metadata_safe
-    from ckptaudit.formats.torchload import safe_dcp_load
+    from ckptaudit.formats.torchload import vetted_dcp_load
 
     check_metadata_safe(path)
     keys = list(FileSystemReader(path).read_metadata().state_dict_metadata)
@@ -291,7 +291,7 @@ def documented_load(job: Job, path: str, ctx: Any = None) -> None:
         state["scheduler"] = job.scheduler.state_dict()
     if job.data is not None and data_key is not None:
         state["data"] = {data_key: job.data.state_dict()}
-    safe_dcp_load(state, path)
+    vetted_dcp_load(state, path)
     set_state_dict(job.model, job.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if "scheduler" in state:
         job.scheduler.load_state_dict(state["scheduler"])
@@ -315,9 +315,9 @@ def load_model_and_optimizer(job: Job, path: str, ctx: Any = None) -> None:
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    from ckptaudit.formats.torchload import safe_torch_load
+    from ckptaudit.formats.torchload import vetted_torch_load
 
-    payload = safe_torch_load(path)
+    payload = vetted_torch_load(path)
     set_state_dict(job.model, job.optimizer, model_state_dict=payload["model"],
                    optim_state_dict=payload["optimizer"], options=StateDictOptions(full_state_dict=True))
     if job.scheduler is not None and payload.get("scheduler") is not None:

@@ -3,13 +3,17 @@ comparing, exporting).
 
 One reading: what torch loads is what ckptaudit vetted, from the same open file.
 
-- :func:`safe_torch_load`: the archive is read as the audit reads it first (torch's zip reading restated, the
+The stable names a user imports are in :mod:`ckptaudit.load` (``load``, ``load_dcp``, ``dcp_reader``); the names
+0.x taught here (``safe_torch_load``, ``safe_dcp_load``, ``safe_dcp_reader``) still import, with a
+``DeprecationWarning``.
+
+- :func:`vetted_torch_load`: the archive is read as the audit reads it first (torch's zip reading restated, the
   allowlist scan, then the restricted unpickler and its limits), through one open descriptor, then loaded with
   ``torch.load(weights_only=True, mmap=True)`` from that same descriptor (``/proc/self/fd``: a file renamed over
   the path in between is not what torch reads) and only the NumPy globals RNG states need added.
-- :func:`safe_dcp_load`: :func:`ckptaudit.formats.dcp.reader.check_metadata_safe` first (``.metadata`` and every
+- :func:`vetted_dcp_load`: :func:`ckptaudit.formats.dcp.reader.check_metadata_safe` first (``.metadata`` and every
   non-tensor item are pickles that ``torch.distributed.checkpoint.load`` unpickles without restriction), then
-  ``torch.distributed.checkpoint.load`` through :func:`safe_dcp_reader`, a storage reader that serves the
+  ``torch.distributed.checkpoint.load`` through :func:`vetted_dcp_reader`, a storage reader that serves the
   metadata the check rebuilt as plain data (converted to torch's classes here), never the pickle itself, and
   reads every item itself: each non-tensor item's bytes are read once, checked, and those very bytes handed to
   the planner; each tensor item is checked and loaded through one open descriptor. Call it on every rank, like
@@ -37,7 +41,25 @@ from ckptaudit.formats.zip.archive import (
 )
 from ckptaudit.formats.zip.central import Region
 
-__all__ = ["safe_dcp_load", "safe_dcp_reader", "safe_torch_load", "to_torch_metadata"]
+__all__ = ["to_torch_metadata", "vetted_dcp_load", "vetted_dcp_reader", "vetted_torch_load"]
+
+_DEPRECATED = {"safe_torch_load": ("vetted_torch_load", "ckptaudit.load.load(path)"),
+               "safe_dcp_load": ("vetted_dcp_load", "ckptaudit.load.load_dcp(state_dict, path)"),
+               "safe_dcp_reader": ("vetted_dcp_reader", "ckptaudit.load.dcp_reader(path)")}
+"""The names the docs of 0.x taught (``from ckptaudit.formats.torchload import safe_dcp_load``): still importable,
+with a ``DeprecationWarning`` naming the stable one, until the release CHANGELOG.md names."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        import warnings
+
+        internal, public = _DEPRECATED[name]
+        warnings.warn(f"ckptaudit.formats.torchload.{name} is internal and deprecated; use {public} (docs/api.md, "
+                      "'Loading a checkpoint safely'); the old name goes in ckptaudit 0.3", DeprecationWarning,
+                      stacklevel=2)
+        return globals()[internal]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def numpy_globals() -> list[Any]:
@@ -56,7 +78,7 @@ def numpy_globals() -> list[Any]:
     return [g for g in found if g is not None]
 
 
-def safe_torch_load(path: str | os.PathLike[str]) -> Any:
+def vetted_torch_load(path: str | os.PathLike[str]) -> Any:
     """Load a ``torch.save`` zip archive without executing anything outside the allowlist.
 
     The archive is first read exactly as the offline audit reads it (:meth:`~ckptaudit.formats.zip.archive.
@@ -174,7 +196,7 @@ def to_torch_metadata(md: DcpMetadata) -> Any:
                            storage_meta=storage_meta, version=md.version)
 
 
-def safe_dcp_reader(path: str | os.PathLike[str]) -> Any:
+def vetted_dcp_reader(path: str | os.PathLike[str]) -> Any:
     """A ``torch.distributed.checkpoint.FileSystemReader`` of ``path`` whose ``read_metadata`` returns the
     metadata :func:`~ckptaudit.formats.dcp.reader.check_metadata_safe` vetted (raises :class:`UnsafeCheckpointError`
     when it refuses ``path``): ``.metadata`` is never unpickled by torch. Its ``read_data`` reads every item
@@ -271,17 +293,17 @@ def _pread_all(fd: int, offset: int, length: int) -> bytes:
     return b"".join(parts)
 
 
-def safe_dcp_load(state_dict: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> None:
+def vetted_dcp_load(state_dict: dict[str, Any], path: str | os.PathLike[str], **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load(state_dict, checkpoint_id=path, **kwargs)``, but only after
     :func:`~ckptaudit.formats.dcp.reader.check_metadata_safe` accepted ``path`` (raises
     :class:`UnsafeCheckpointError` otherwise, before anything of the checkpoint is unpickled), and through the
-    metadata that check vetted (:func:`safe_dcp_reader`), never a second reading of the pickle.
+    metadata that check vetted (:func:`vetted_dcp_reader`), never a second reading of the pickle.
 
     (all ranks) every rank checks the directory itself, so no rank unpickles an unchecked file.
     """
     import torch.distributed.checkpoint as dcp
 
     if "storage_reader" in kwargs or "checkpoint_id" in kwargs:
-        raise TypeError("safe_dcp_load chooses the storage reader itself (the one that serves the vetted "
+        raise TypeError("the safe DCP load chooses the storage reader itself (the one that serves the vetted "
                         "metadata); pass the directory as path, not storage_reader= or checkpoint_id=")
-    dcp.load(state_dict, storage_reader=safe_dcp_reader(path), **kwargs)
+    dcp.load(state_dict, storage_reader=vetted_dcp_reader(path), **kwargs)

@@ -119,6 +119,11 @@ register_rule(PartRule("component-files", order=40,
                   read="ckptaudit.layouts.huggingface:read_component_file"))
 
 
+TORCHTITAN_KEYS = frozenset({"train_state", "dataloader", "lr_scheduler"})
+"""Top-level keys torchtitan's CheckpointManager saves beside the model's FQNs: the evidence for the label (a plain
+FSDP2 save of ``{**model_state, "optimizer": ...}`` has the same model keys and is labelled ``dcp``)."""
+
+
 def layout_name(ckpt: Checkpoint, view: View) -> str:
     names = {os.path.basename(p.name) for p in ckpt.parts}
     if ckpt.format == "deepspeed":
@@ -126,7 +131,8 @@ def layout_name(ckpt: Checkpoint, view: View) -> str:
     if ckpt.format == "dcp":
         if view.manifest is not None:
             return "ckptaudit"
-        if view.model is not None and any("(top-level keys)" in w for w in view.model.where):
+        if view.model is not None and any("(top-level keys)" in w for w in view.model.where) and any(
+                isinstance(p.tree, dict) and any(str(k) in TORCHTITAN_KEYS for k in p.tree) for p in ckpt.parts):
             return "torchtitan"
         return "dcp"
     if ckpt.format == "directory":

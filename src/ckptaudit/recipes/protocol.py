@@ -131,7 +131,11 @@ def load_object(spec: str) -> Any:
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"{spec!r}: module {module_name} has no attribute {attr!r}") from None
+        import difflib
+
+        close = difflib.get_close_matches(attr, [n for n in dir(module) if not n.startswith("_")], n=1)
+        hint = f"; did you mean {module_name}:{close[0]}?" if close else ""
+        raise ValueError(f"{spec!r}: module {module_name} has no attribute {attr!r}{hint}") from None
 
 
 def _import_problem(where: str, exc: BaseException) -> str:
@@ -227,9 +231,15 @@ def user_failure(function: str, rule: str, exc: BaseException | None = None) -> 
 
 
 def describe_function(fn: Any) -> str:
-    """``qualname (file:line)`` of a function or bound method, for messages."""
+    """``qualname (file:line)`` of a function or bound method, for messages; ckptaudit's own functions by their
+    import name (``ckptaudit.resume.default_load``): a user reads the frames of their own code, never ours."""
     target = getattr(fn, "__func__", fn)
     name = getattr(target, "__qualname__", None) or repr(target)
+    module = getattr(target, "__module__", None) or ""
+    if module == "ckptaudit" or module.startswith("ckptaudit."):
+        parent = module.rpartition(".")[0]  # the package's name for it where it re-exports it (the documented one)
+        shown = parent if parent and getattr(sys.modules.get(parent), name, None) is target else module
+        return f"{shown}.{name}"
     try:
         file = inspect.getsourcefile(target)
         line = inspect.getsourcelines(target)[1]

@@ -36,6 +36,22 @@ def _keys(keys: list[str]) -> str:
     return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
+_PLURAL = frozenset({"parameters", "optimizer moments", "optimizer hyperparameters"})
+
+
+def _is(comp: str) -> str:
+    """The verb for a component's name: "the optimizer moments are", "the scheduler is"."""
+    return "are" if comp in _PLURAL else "is"
+
+
+def _named(comp: str, keys: list[str]) -> str:
+    """A component as a user reads it: the RNG with the generators in question (``rng (numpy, python)``; its keys
+    are ``rank<r>/<generator>``), any other by its name."""
+    if comp != "rng" or not keys:
+        return comp
+    return f"rng ({', '.join(sorted({k.rpartition('/')[2] for k in keys}))})"
+
+
 def judge_resume(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[str, Any], control: dict[str, Any],
            candidates: list[tuple[int, Any, str, str]], *, saved: dict[str, dict[str, str]] | None = None,
            after: dict[str, dict[str, str]] | None = None) -> RawReport:
@@ -135,19 +151,22 @@ def judge_resume(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[st
             if st["status"] == "not restored":
                 findings.append(finding(
                     "resume.not-restored", f"{spec}: {comp}",
-                    f"{name}: the {comp} is not restored by {run['loader']}: right after loading it is still the "
-                    f"fresh job's ({listed}); a real resume from this checkpoint would start with it; save and load "
-                    f"the {comp} in the exporter", component=comp, keys=st["keys"]))
+                    f"{name}: the {_named(comp, st['keys'])} {_is(comp)} not restored by {run['loader']}: right after "
+                    f"loading {'they are' if comp in _PLURAL else 'it is'} still the fresh job's ({listed}); a real "
+                    f"resume from this checkpoint would start with {'them' if comp in _PLURAL else 'it'}; save and "
+                    f"load the {comp} in the exporter", component=comp, keys=st["keys"]))
             else:
                 findings.append(finding(
                     "resume.restored-differs", f"{spec}: {comp}",
-                    f"{name}: {comp} restored by {run['loader']}, but not to the reference's values ({listed}), "
+                    f"{name}: {_named(comp, st['keys'])} restored by {run['loader']}, but not to the reference's "
+                    f"values ({listed}), "
                     "before any step (no kernel noise yet)", component=comp, keys=st["keys"]))
         for comp, idle in unused.items():
             what, later = _UNUSED[comp]
             findings.append(finding(
                 "resume.unused-state-differs", f"{spec}: {comp}",
-                f"{name}: the {comp} is {restore[comp]['status']} after {run['loader']} ({_keys(idle)}), but the "
+                f"{name}: the {_named(comp, idle)} {_is(comp)} {restore[comp]['status']} after {run['loader']} "
+                f"({_keys(idle)}), but the "
                 f"{cfg.steps} uninterrupted steps never use it ({what}), so the resumed run does not depend on it; "
                 f"a job that uses it later ({later}) would: save and restore it if yours does",
                 component=comp, keys=idle))
@@ -205,14 +224,16 @@ def judge_resume(cfg: ResumeConfig, workdir: str, base: Trajectory, ref: dict[st
             "top_parameters": [{"name": n, "rel_l2": v} for n, v in top],
             "forensics": forensics,
         })
-        state_text = ("; ".join(f"{c}: {restore[c]['status']}" for c in problems)
+        state_text = ("; ".join(f"{_named(c, restore[c]['keys'])}: {restore[c]['status']}" for c in problems)
                       + "; " * bool(problems and unused)
-                      + "; ".join(f"{c}: {restore[c]['status']} (unused by the steps)" for c in unused)
+                      + "; ".join(f"{_named(c, unused[c])}: {restore[c]['status']} (unused by the steps)"
+                                  for c in unused)
                       or "restored")
         rows.append([name, state_text, _fmt(max(dev.rel_l2)), f"{max_loss_rel:.2%}",
                      str(drifting[0]) if drifting else "-", verdict.upper() if verdict != "faithful" else verdict])
         forensic_rows.append([name, forensics])
-        state_issues = ", ".join(f"{c} {'differ' if restore[c]['status'] == 'differs' else 'not restored'}"
+        state_issues = ", ".join(f"{_named(c, restore[c]['keys'])} "
+                                 f"{'differ' if restore[c]['status'] == 'differs' else 'not restored'}"
                                  for c in problems)
         if verdict == "drift":
             summaries.append(f"{name}: DRIFT (rel. L2 {max(dev.rel_l2):.1e}, loss within {max_loss_rel:.2%})"

@@ -474,14 +474,14 @@ def _convert(options: ExportOptions, key: str, value: torch.Tensor, storage: tor
 def _eval_batch(recipe: Any, options: ExportOptions) -> tuple[Any, str]:
     if options.eval_batch:
         from ckptaudit.formats.dcp.reader import UnsafeCheckpointError
-        from ckptaudit.formats.torchload import safe_torch_load
+        from ckptaudit.formats.torchload import vetted_torch_load
 
         path = options.eval_batch
         if not os.path.isfile(path):
             raise ExportError(f"--eval-batch {path}: no such file; give a torch.save file of the batch the recipe's "
                               "forward takes")
         try:
-            batch = safe_torch_load(path)
+            batch = vetted_torch_load(path)
         except (ValueError, UnsafeCheckpointError) as exc:
             raise ExportError(f"--eval-batch {path}: {exc}") from None
         if not _has_tensor(batch):

@@ -115,7 +115,12 @@ class GateMetrics:
 
     def as_dict(self) -> dict[str, Any]:
         # JSON has no NaN or infinity: a non-finite metric (exported outputs overflowed) is written as null.
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        out = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        if self.kind == "values":  # no rows and no vocabulary: one row of every value (for a regressor, not the
+            # batch size as a "vocab" and 1 as its "positions")
+            del out["positions"], out["vocab"]
+            out["values"] = self.vocab
+        return out
 
 
 @dataclass(frozen=True, slots=True)

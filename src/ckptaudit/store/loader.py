@@ -124,7 +124,7 @@ def load_checkpoint(
     3. (all ranks) verify the files against the manifest, each rank a share (sizes, and xxh3-128 when
        ``verify="hashes"``); exchange the problems, so every rank raises the same error.
     4. (all ranks) ``check_metadata_safe`` on ``.metadata`` (DCP unpickles it with plain ``pickle``); DCP is
-       given the metadata it vetted (``safe_dcp_reader``), never the file to unpickle again.
+       given the metadata it vetted (``vetted_dcp_reader``), never the file to unpickle again.
     5. (all ranks) ``torch.distributed.checkpoint.load`` into the live state (non-tensor items unpickled
        with ``weights_only=True``), then ``set_state_dict``, the scheduler, the step, the data progress, and
        last this rank's RNG state.
@@ -188,10 +188,10 @@ def load_checkpoint(
                                   + (f" (and {len(all_problems) - 5} more)" if len(all_problems) > 5 else "")
                                   + "; resume from an older checkpoint (`ckptaudit latest` lists them)")
     from ckptaudit.formats.dcp.reader import UnsafeCheckpointError
-    from ckptaudit.formats.torchload import safe_dcp_reader
+    from ckptaudit.formats.torchload import vetted_dcp_reader
 
     try:
-        reader = safe_dcp_reader(ckpt)  # DCP reads the metadata this check vetted, never the pickle again
+        reader = vetted_dcp_reader(ckpt)  # DCP reads the metadata this check vetted, never the pickle again
     except UnsafeCheckpointError as exc:
         raise CheckpointLoadError(f"refusing to load {ckpt}: {exc}") from None
 

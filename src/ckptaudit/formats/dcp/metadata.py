@@ -8,7 +8,7 @@ them, walking the data itself (``dict.items(d)``, never a method the pickle coul
 
 Everything downstream reads that record: the audit (:func:`ckptaudit.formats.dcp.reader.read_dcp`), the guard
 (:func:`ckptaudit.formats.dcp.reader.check_metadata_safe`) and the live loader
-(:func:`ckptaudit.formats.torchload.safe_dcp_load`), which converts it to torch's classes and hands them to
+(:func:`ckptaudit.formats.torchload.vetted_dcp_load`), which converts it to torch's classes and hands them to
 ``torch.distributed.checkpoint.load`` instead of letting torch unpickle the file. So what is loaded is exactly
 what was vetted. This module imports nothing of torch.
 """

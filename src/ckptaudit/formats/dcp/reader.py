@@ -4,7 +4,7 @@
 plain data (:func:`ckptaudit.formats.dcp.metadata.load_dcp_metadata`), never with plain :mod:`pickle` as
 ``FileSystemReader.read_metadata`` does. :func:`check_metadata_safe` is the same guard for callers that are
 about to load the directory; it returns the vetted :class:`~ckptaudit.formats.dcp.metadata.DcpMetadata`, which
-:func:`ckptaudit.formats.torchload.safe_dcp_load` hands to ``torch.distributed.checkpoint.load`` (so the loader
+:func:`ckptaudit.formats.torchload.vetted_dcp_load` hands to ``torch.distributed.checkpoint.load`` (so the loader
 reads exactly what was checked, never the pickle again).
 
 Every item named in the metadata is located (file inside the directory, offset + length inside the file)
@@ -146,7 +146,7 @@ def _item_range(info: StorageInfo) -> tuple[str, int, int] | str:
 def check_metadata_safe(path: str) -> DcpMetadata:
     """The vetted metadata of ``path``; raise :class:`UnsafeCheckpointError` unless
     ``torch.distributed.checkpoint.load`` can be given ``path`` with that metadata (see
-    :func:`ckptaudit.formats.torchload.safe_dcp_load`) without running code from it, leaving it, blocking on it
+    :func:`ckptaudit.formats.torchload.vetted_dcp_load`) without running code from it, leaving it, blocking on it
     or reading past its files.
 
     Checks: ``path/.metadata`` is a regular file inside ``path``, parses, and references only the DCP
