@@ -93,7 +93,7 @@ class _CountingMemoryFs:
 
 def test_the_coalesced_remote_read_is_capped_at_8_mib(tmp_path: Path) -> None:
     pytest.importorskip("fsspec")
-    from ckptaudit.formats.remote.staging import COALESCE_BYTES, RemoteFiles, _Remote
+    from ckptaudit.formats.remote.objects import COALESCE_BYTES, RemoteFiles, RemoteObject
 
     mib = 1 << 20
     counting = _CountingMemoryFs()
@@ -101,7 +101,7 @@ def test_the_coalesced_remote_read_is_capped_at_8_mib(tmp_path: Path) -> None:
     counting.fs.pipe_file("/bucket/data.distcp", blob)
     files = RemoteFiles(str(tmp_path))
     local = str(tmp_path / "data.distcp")
-    files.add(local, _Remote(counting, "/bucket/data.distcp", len(blob)))
+    files.add(local, RemoteObject(counting, "/bucket/data.distcp", len(blob)))
     # Twelve neighbouring 1 MiB tensors: one read of 8 MiB (the cap), then one of the 4 left; never one of 12.
     with files.prefetched([(local, k * mib, mib) for k in range(12)]) as reads:
         assert reads == 2 and counting.reads == [8 * mib, 4 * mib] and COALESCE_BYTES == 8 * mib

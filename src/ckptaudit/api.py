@@ -108,7 +108,7 @@ class Report:
 def reachable(path: str) -> bool:
     """Whether ``path`` may name a checkpoint: a local path (or ``file://`` URL) that exists, or a remote URL
     (whose existence its reader checks when it opens it)."""
-    from ckptaudit.formats.remote.staging import is_url, local_path
+    from ckptaudit.formats.remote import is_url, local_path
 
     return is_url(path) or os.path.exists(local_path(path))
 

@@ -144,7 +144,7 @@ def siblings_of(path: str) -> tuple[str, list[Sibling]]:
     """The label of the local checkpoint ``path`` (``step 8``) and its siblings: the entries of its folder of the
     same kind (file or folder) whose names differ from its name only in their numbers, the last number being the
     step; none when its name has no number, for a URL, or past :data:`MAX_LISTED` entries."""
-    from ckptaudit.formats.remote.staging import is_url
+    from ckptaudit.formats.remote import is_url
     from ckptaudit.ondisk import layout, quarantine
 
     if is_url(path):

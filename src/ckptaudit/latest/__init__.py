@@ -69,7 +69,7 @@ class LatestResult:
 def survey_root(root: str) -> tuple[list[Candidate], list[Skipped]]:
     """The candidates under ``root`` (a local path or an ``s3://``/``gs://`` URL), newest first, and what was
     skipped. Raises ``FileNotFoundError`` when nothing is at ``root``."""
-    from ckptaudit.formats.remote.staging import is_url, local_path
+    from ckptaudit.formats.remote import is_url, local_path
     from ckptaudit.latest.listing import local_survey, remote_survey
 
     if is_url(root):
@@ -142,7 +142,7 @@ def find_latest(root: str, *, verify: str = DEFAULT_VERIFY, require: Collection[
     checkpoints establish where its own records do not decide (:mod:`ckptaudit.latest.evidence`).
     Raises ``FileNotFoundError`` when ``root`` does not exist, ``ValueError`` for a bad ``verify`` or ``ignore``."""
     from ckptaudit.catalogue import parse_ignore
-    from ckptaudit.formats.remote.staging import is_url, local_path
+    from ckptaudit.formats.remote import is_url, local_path
 
     if verify not in VERIFY_LEVELS:
         raise ValueError(f"verify must be one of {', '.join(VERIFY_LEVELS)}, not {verify!r}")

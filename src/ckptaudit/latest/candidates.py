@@ -77,7 +77,7 @@ class Candidate:
     @property
     def remote(self) -> bool:
         """Behind an object-store URL (read through the remote staging)."""
-        from ckptaudit.formats.remote.staging import is_url
+        from ckptaudit.formats.remote import is_url
 
         return is_url(self.path)
 

@@ -67,7 +67,7 @@ def dump_passport(signed: bool, model_signing: Mapping[str, Any], audit: Mapping
 def read_passport_bytes(file: str) -> bytes:
     """The bytes of a local passport file or a URL's, at most :data:`MAX_PASSPORT_BYTES`."""
     from ckptaudit.formats.io.safeio import LimitExceeded, read_limited
-    from ckptaudit.formats.remote.staging import is_url
+    from ckptaudit.formats.remote import is_url
 
     if is_url(file):
         from ckptaudit.formats.remote.staging import stage
