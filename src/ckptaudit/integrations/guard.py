@@ -40,107 +40,62 @@ a verdict that is *not judged*: logged, nothing quarantined, training not stoppe
 The audit options flow unchanged from the integration's constructor (``AuditCallback(quick=True, ...)``) to
 ``Guard(**audit_options)`` (checked there, :data:`ckptaudit.options.AUDIT_OPTIONS`), to :attr:`Guard.audit_options`,
 to every worker request's ``"options"``, to :func:`~ckptaudit.integrations.guard_worker.audit_to_file`, to :func:`ckptaudit.audit`.
+
+Cut by concept, every name importable from here: the records (:mod:`.guard_records`: :class:`Verdict`,
+:class:`SaveWait`, :class:`Kept`, :class:`CheckpointAuditFailed`), the collectives every rank calls
+(:mod:`.guard_collective`), the worker process's client (:mod:`.guard_process`) and the process itself
+(:mod:`.guard_worker`); this module holds the :class:`Guard`: its queue, the bound on unverified saves, the
+verdicts and the quarantine.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
 import shutil
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptaudit.integrations import pinning
+from ckptaudit.integrations.guard_collective import (
+    ROUND_S,
+    before_save_everywhere,
+    stop_requested,
+    wait_everywhere,
+)
+from ckptaudit.integrations.guard_process import WORKER_ONE_THREAD, WorkerProcess, worker_env
+from ckptaudit.integrations.guard_records import (
+    BACKGROUNDS,
+    ON_FAILURE,
+    CheckpointAuditFailed,
+    Kept,
+    SaveWait,
+    Verdict,
+    report_path,
+)
 from ckptaudit.ondisk.quarantine import REPORT_SUFFIX, is_quarantined, quarantine_name
 
-__all__ = ["BACKGROUNDS", "ON_FAILURE", "REPORT_SUFFIX", "CheckpointAuditFailed", "Guard", "Kept", "SaveWait", "Verdict",
-           "before_save_everywhere", "is_quarantined", "quarantine_name", "report_path", "stop_requested",
-           "wait_everywhere"]
+if TYPE_CHECKING:
+    import subprocess
+
+__all__ = ["BACKGROUNDS", "ON_FAILURE", "REPORT_SUFFIX", "ROUND_S", "WORKER_ONE_THREAD", "CheckpointAuditFailed", "Guard",
+           "Kept", "SaveWait", "Verdict", "before_save_everywhere", "is_quarantined", "quarantine_name", "report_path",
+           "stop_requested", "wait_everywhere", "worker_env"]
 
 log = logging.getLogger("ckptaudit.guard")
 
-ON_FAILURE = ("warn", "stop")
-BACKGROUNDS = ("thread", "process")
 _BY_MODE = object()
 """``max_unverified``'s default: 1 with ``on_failure="stop"``, no bound with ``"warn"``."""
 
 
-def report_path(checkpoint: str) -> str:
-    """Where the guard writes the report of ``checkpoint``: beside it, ``<checkpoint>.ckptaudit.json``."""
-    return os.path.normpath(checkpoint) + REPORT_SUFFIX
-
-
 def _key(path: str) -> str:
     return os.path.normpath(os.path.abspath(path))
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """The outcome of one checkpoint's audit in the loop."""
-
-    checkpoint: str
-    """The path audited (where the library saved it)."""
-    step: int | None
-    ok: bool | None
-    """``True`` passed, ``False`` failed, ``None`` not judged (the audit could not run, or the bytes it read may
-    not be the bytes saved: see ``error``)."""
-    summary: str
-    codes: tuple[str, ...]
-    """The codes of the findings at or above ``fail_on``."""
-    report: str | None
-    """Where the JSON report lies (after any quarantine), or ``None``."""
-    quarantined_to: str | None
-    seconds: float
-    """Wall time of the audit on the worker."""
-    queued_s: float
-    """Time between the save and the start of its audit (waiting behind earlier audits)."""
-    error: str = ""
-    note: str = ""
-    """What happened to the checkpoint's path between the save and the verdict, when anything did: replaced by
-    newer content (the verdict is the saved content's) or deleted (no report is left behind)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SaveWait:
-    """A save that waited at :meth:`Guard.before_save` because ``max_unverified`` save points were unverified."""
-
-    step: int | None
-    seconds: float
-    unverified: int
-    """Save points waiting for a verdict when the wait began."""
-
-
-@dataclass(frozen=True, slots=True)
-class Kept:
-    """A checkpoint's newest passing content, kept by the guard (:meth:`Guard.kept`)."""
-
-    path: str
-    """The pinned copy (the guard's hard link; copy it, never write to it)."""
-    step: int | None
-    report: str
-    """A copy of its JSON report."""
-
-
-class CheckpointAuditFailed(RuntimeError):
-    """Raised at the end of training, with ``on_failure="stop"``, when a checkpoint saved during it failed its audit.
-
-    Raised on every rank, after the last audit has finished and every failing checkpoint is quarantined (the
-    library's own resume path skips it): by the Trainer and Lightning callbacks at the end of ``train()`` /
-    ``fit()``, and by :meth:`Guard.finish` in the loops that call it. ``failed`` holds the failing verdicts on
-    the rank that audited (empty on the others).
-    """
-
-    def __init__(self, message: str, failed: tuple[Verdict, ...] = ()) -> None:
-        super().__init__(message)
-        self.failed = failed
 
 
 @dataclass(eq=False, slots=True)
@@ -229,7 +184,7 @@ class Guard:
         self._placed: dict[str, str] = {}
         """Report path -> the checkpoint it describes (to remove it when the checkpoint is deleted)."""
         self._thread: threading.Thread | None = None
-        self._child: subprocess.Popen[str] | None = None
+        self._process = WorkerProcess()
         self._ready = threading.Event()
         self._closed = False
         if _likely_owner():
@@ -363,6 +318,11 @@ class Guard:
         """Every save that waited for a verdict (:meth:`before_save`), in order."""
         with self._cond:
             return tuple(self._waits)
+
+    @property
+    def _child(self) -> subprocess.Popen[str] | None:
+        """The worker process, while it runs (``background="process"``)."""
+        return self._process.child
 
     @property
     def pending(self) -> int:
@@ -500,12 +460,12 @@ class Guard:
                     self._cond.notify_all()
                 self._settle(job, verdict.ok, done=True)
         finally:
-            self._stop_child()
+            self._process.stop()
 
     def _boot(self) -> None:
         """(worker thread, once) The worker process started and ready, or the audit engine imported."""
         if self.background == "process":
-            self._spawn()
+            self._process.spawn()
         else:
             from ckptaudit.integrations.guard_worker import warm
 
@@ -655,160 +615,8 @@ class Guard:
 
     def _run_audit(self, checkpoint: str, where: str, as_path: str) -> dict[str, Any]:
         if self.background == "process":
-            return self._run_in_child(checkpoint, where, as_path)
+            return self._process.request({"checkpoint": checkpoint, "report": where, "as_path": as_path,
+                                          "options": self.audit_options})
         from ckptaudit.integrations.guard_worker import audit_to_file
 
         return audit_to_file(checkpoint, where, self.audit_options, as_path)
-
-    def _spawn(self) -> subprocess.Popen[str]:
-        """(worker thread) Start the worker process and wait for its ready line (priority lowered, engine
-        imported)."""
-        child = subprocess.Popen([sys.executable, "-m", "ckptaudit.integrations.guard_worker"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True, bufsize=1, env=worker_env())
-        self._child = child
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        if not line:
-            code = child.wait()
-            self._child = None
-            raise RuntimeError(f"the audit worker process exited with code {code} before it was ready")
-        return child
-
-    def _run_in_child(self, checkpoint: str, where: str, as_path: str) -> dict[str, Any]:
-        child = self._child
-        if child is None or child.poll() is not None:
-            child = self._spawn()
-        assert child.stdin is not None and child.stdout is not None
-        child.stdin.write(json.dumps({"checkpoint": checkpoint, "report": where, "as_path": as_path,
-                                      "options": self.audit_options}) + "\n")
-        child.stdin.flush()
-        line = child.stdout.readline()
-        if not line:
-            code = child.wait()
-            self._child = None
-            raise RuntimeError(f"the audit worker process exited with code {code}")
-        answer: dict[str, Any] = json.loads(line)
-        if "error" in answer:
-            raise RuntimeError(answer["error"])
-        return answer
-
-    def _stop_child(self) -> None:
-        child, self._child = self._child, None
-        if child is None:
-            return
-        try:
-            if child.stdin is not None:
-                # A quit line, not only EOF: a process forked from training (a DataLoader worker) may hold the
-                # pipe's write end open, and the worker would never see EOF.
-                try:
-                    child.stdin.write(json.dumps({"quit": True}) + "\n")
-                    child.stdin.flush()
-                except OSError:
-                    pass
-                child.stdin.close()
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-
-
-WORKER_ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
-"""Set to 1 in the worker process's environment: NumPy's BLAS would otherwise start a thread per core."""
-
-
-def worker_env() -> dict[str, str]:
-    """(training process) The audit worker's environment: this one, with one thread per numerical library (the
-    worker scans with one thread and lowers its own priority first thing: :mod:`ckptaudit.integrations.guard_worker`)."""
-    return {**os.environ, **dict.fromkeys(WORKER_ONE_THREAD, "1")}
-
-
-def stop_requested(guard: Guard) -> bool:
-    """(all ranks, collective when distributed) Whether rank 0's guard asks training to stop; every rank gets
-    the same answer (a one-element all-reduce of the default group), so all of them leave the loop at the same
-    step. Call it at the same point of every step on every rank. Its cost: one 4-byte all-reduce per call (a
-    latency, no bandwidth), on the current CUDA device under NCCL, on the CPU under gloo; none at all with
-    ``on_failure="warn"``, which never stops (every rank builds its guard with the same ``on_failure``, so no
-    rank enters the collective alone)."""
-    if guard.on_failure != "stop":
-        return False
-    import torch
-    import torch.distributed as dist
-
-    on = dist.is_available() and dist.is_initialized()
-    flag = guard.should_stop() if not on or dist.get_rank() == 0 else False
-    if not on or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-ROUND_S = 1.0
-"""How long the rank that audits waits between two all-reduces in :func:`before_save_everywhere` and
-:func:`wait_everywhere`."""
-
-
-def _any_rank_default() -> Callable[[bool], bool] | None:
-    """An "any rank says true" reduction over the default group (a 4-byte all-reduce), or ``None`` when this
-    process is alone."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-
-    def any_rank(flag: bool) -> bool:
-        import torch
-
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
-    return any_rank
-
-
-def before_save_everywhere(guard: Guard, step: int | None = None,
-                           any_rank: Callable[[bool], bool] | None = None) -> None:
-    """(all ranks, just before a collective save; collective when distributed and ``max_unverified`` is set)
-    :meth:`Guard.before_save` on the rank that audits, while the others wait beside it in rounds of at most
-    :data:`ROUND_S` seconds, one tiny all-reduce each (``any_rank``: the library's own "any rank true" reduction,
-    Lightning's ``reduce_boolean_decision``; default, the default group's all-reduce): no rank sits in the save's
-    first collective for as long as an audit takes, which its timeout (10 to 30 minutes) could end. Every rank
-    builds its guard with the same ``max_unverified``, so none enters the rounds alone; with no bound there are
-    none."""
-    if guard.max_unverified is None:
-        return
-    reduce = any_rank or _any_rank_default()
-    if reduce is None:
-        guard.before_save(step)
-        return
-    while reduce(guard.before_save(step, timeout=ROUND_S) is None):
-        pass
-
-
-def wait_everywhere(guard: Guard, timeout: float | None = None,
-                    any_rank: Callable[[bool], bool] | None = None) -> bool:
-    """(all ranks, at the end of training; collective when distributed) :meth:`Guard.wait` on the rank that
-    audits (up to ``timeout`` seconds), the others beside it in rounds of one tiny all-reduce (as in
-    :func:`before_save_everywhere`). Returns whether every audit finished (on the rank that audits; true on
-    the others)."""
-    reduce = any_rank or _any_rank_default()
-    if reduce is None:
-        return guard.wait(timeout)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        left = ROUND_S if deadline is None else max(0.0, min(ROUND_S, deadline - time.monotonic()))
-        done = guard.wait(left)
-        expired = deadline is not None and time.monotonic() >= deadline
-        if not reduce(not done and not expired):
-            return done
-
-
-def _collective_device() -> Any:
-    """The device a collective's tensor must live on for the default group's backend: NCCL needs this process's
-    current CUDA device (``torch.cuda.current_device()``, set by the launcher per local rank; a bare ``"cuda"``
-    would be device 0 on every rank); gloo takes CPU tensors."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
