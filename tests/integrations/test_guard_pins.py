@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from concurrent.futures import Future
@@ -171,6 +172,27 @@ def test_a_save_beyond_max_unverified_waits_for_the_pending_verdict(tmp_path: Pa
     (wait,) = guard.waits
     assert (wait.step, wait.unverified) == (4, 1) and wait.seconds > 0
     assert guard.close(120) and guard.verdicts[-1].ok is True
+
+
+@pytest.mark.parametrize(("warn_after_s", "level"), [(30.0, logging.INFO), (0.0, logging.WARNING)])
+def test_a_wait_within_the_bound_is_info_and_a_stall_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch, warn_after_s: float,
+                                                                level: int) -> None:
+    """A healthy run whose save waits for the rest of an audit (the bound at work) logs it as INFO; only a wait
+    beyond WAIT_WARN_S (a stall) is a WARNING."""
+    from ckptaudit.integrations import guard as guard_module
+
+    monkeypatch.setattr(guard_module, "WAIT_WARN_S", warn_after_s)
+    guard = Guard(on_failure="stop", background="thread")
+    held: Future[None] = Future()
+    guard.submit(str(trained(tmp_path / "step=2.ckpt")), step=2, ready=held)
+    threading.Timer(0.3, held.set_result, (None,)).start()
+    with caplog.at_level(logging.DEBUG, logger="ckptaudit.guard"):
+        waited = guard.before_save(4)
+    assert waited is not None and waited > 0
+    (record,) = [r for r in caplog.records if "waited" in r.getMessage()]
+    assert record.levelno == level and "the save at step 4 waited" in record.getMessage()
+    assert guard.close(120)
 
 
 def test_warn_mode_has_no_bound_unless_asked(tmp_path: Path) -> None:
