@@ -27,10 +27,11 @@ TIERS: dict[str, dict[str, int]] = {
     # the audit engine (plan, scan, per-tensor scan, judge, distributed), then the compare engine on it
     "engine": {"auditing": 6, "comparing": 7},
     # what a user runs or calls, built on the engine
-    "commands": {"api": 8, "latest": 8, "store": 9, "exporters": 10, "serving": 10, "probe": 11, "resume": 11,
-                 "demo": 12},
+    # (the passport sits below latest, the store and serving, which require or write one)
+    "commands": {"api": 8, "passport": 8, "latest": 9, "store": 10, "exporters": 11, "serving": 11, "probe": 12,
+                 "resume": 12, "demo": 13},
     # how users come in
-    "doors": {"integrations": 13, "testing": 13, "cli": 14, "__main__": 15},
+    "doors": {"integrations": 14, "testing": 14, "cli": 15, "__main__": 16},
 }
 """Tier (the names of ``docs/architecture.md``) -> top-level unit of ``ckptaudit`` -> its layer. A module may import a
 unit of a strictly lower layer, or its own unit; every layer of a tier is below every layer of the next tier."""

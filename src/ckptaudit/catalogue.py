@@ -191,6 +191,30 @@ _RULES: tuple[Rule, ...] = (
          "with its report beside it (<name>.ckptaudit.json)."),
     Rule("store.pointer-stale", W, "The `latest` pointer names a checkpoint that is missing, not resumable, or "
          "older than the newest resumable one."),
+    # ---- passport (ckptaudit attest / verify: a verdict bound to the bytes; docs/passport.md) ----
+    Rule("passport.missing", E, "No passport where one is required (`verify`, `latest --require passport`, the "
+         "store's loader with require_passport): a directory checkpoint carries ckptaudit.passport.json inside, "
+         "a file FILE.passport.json beside it; `ckptaudit attest` writes one."),
+    Rule("passport.changed", E, "A file of the checkpoint whose bytes differ from the ones its passport attests "
+         "(the evidence names the tensors whose digest changed, where the tensors could be compared)."),
+    Rule("passport.file-missing", E, "A file the passport attests is not in the copy verified."),
+    Rule("passport.file-extra", E, "A file in the copy verified that the passport does not attest (added after "
+         "the audit, or a copy that mixed two checkpoints)."),
+    Rule("passport.same-tensors", W, "The copy's files differ from the attested ones but every tensor's "
+         "layout-independent digest matches (a DCP folder consolidated into one torch.save, a re-sharded copy): "
+         "same tensors, other files. The tensors are the audited ones; the files were not audited."),
+    Rule("passport.signature", E, "The passport's signature does not verify with the key given, the passport is "
+         "digest-only (unsigned) where a key was given, or its two statements do not name the same root digest: "
+         "nothing in it is trusted."),
+    Rule("passport.verdict", E, "The passport is intact but records no pass for what the checkpoint is used as "
+         "(a failing or not-judged audit, or a training checkpoint used for serving and the reverse)."),
+    Rule("passport.malformed", E, "A passport that cannot be read (not JSON, over the size or nesting limits, an "
+         "unknown version, a malformed statement): nothing in it is trusted; `verify` exits 2 on it."),
+    Rule("passport.unsigned", INFO, "A digest-only passport verified without a key: the bytes are the attested "
+         "ones, but anyone could have written it; give the signer's public key (--key) to know who attested."),
+    Rule("passport.lineage", W, "The passport says this checkpoint descends from a damaged training state (the "
+         "live masters were damaged at an earlier save and never restored since): its own audit may pass, but its "
+         "state is not the run's."),
     # ---- probe (ckptaudit probe / ckptaudit.probe.Probe: the live job observed at three points) ----
     Rule("probe.saved-compute-copy", E, "The saved tensor equals the compute representation observed inside "
          "forward (the master rounded to the compute dtype), stored in the compute dtype or upcast back, instead "

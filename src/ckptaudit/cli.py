@@ -153,6 +153,35 @@ def _parser() -> argparse.ArgumentParser:
     lt.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     _ignore_arg(lt, "; an ignored error does not reject a candidate")
 
+    at = sub.add_parser("attest", help="audit a checkpoint and write its passport: the verdict bound to its bytes "
+                        "(docs/passport.md)")
+    at.add_argument("path", help="checkpoint file or directory (local)")
+    at.add_argument("--output", "-o", metavar="FILE",
+                    help="where to write the passport (default: DIR/ckptaudit.passport.json, FILE.passport.json)")
+    at.add_argument("--key", metavar="PRIVATE_KEY",
+                    help="PEM EC private key to sign with (the [sign] extra); without it the passport is digest-only")
+    at.add_argument("--expect", default="training", choices=["training", "serving"],
+                    help="what the checkpoint is: a resumable training checkpoint (default) or a serving export")
+    at.add_argument("--digest", default="sha256", choices=["sha256", "blake3"],
+                    help="the file digests' algorithm, one model-signing verifies (default sha256)")
+    at.add_argument("--master-dtype", default="auto", choices=MASTER_DTYPES,
+                    help="the master dtype the audit holds parameters to (auto: read it from the checkpoint)")
+    at.add_argument("--jobs", "-j", type=_jobs, default=None, metavar="N", help="threads (default: every core)")
+    at.add_argument("--format", default="table", choices=["table", "json"], help="what to print")
+    _ignore_arg(at)
+
+    ve = sub.add_parser("verify", help="check a copy (local, s3://, gs://) against its passport: every byte, the "
+                        "signature, the verdict")
+    ve.add_argument("path", help="checkpoint file or directory, or its s3:// / gs:// URL")
+    ve.add_argument("--passport", metavar="FILE", help="the passport (default: the one the checkpoint carries)")
+    ve.add_argument("--key", metavar="PUBLIC_KEY",
+                    help="the signer's PEM public key: the signature must verify (a digest-only passport is refused)")
+    ve.add_argument("--expect", default="training", choices=["training", "serving"],
+                    help="what the checkpoint is used as; its recorded verdict must be a pass for that")
+    ve.add_argument("--jobs", "-j", type=_jobs, default=None, metavar="N", help="files read at once")
+    ve.add_argument("--format", default="table", choices=["table", "json"], help="what to print")
+    ve.add_argument("--verbose", "-v", action="store_true", help="list every finding")
+
     d = sub.add_parser("demo", help="run the whole story on the built-in recipe (CPU, 2 ranks)")
     d.add_argument("--out", default="ckptaudit-demo", help="directory for checkpoints and reports")
     d.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
@@ -512,6 +541,35 @@ def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
     return code if fail_on else EXIT_CLEAN
 
 
+def _cmd_attest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from ckptaudit.auditing.judge import AuditOptions
+    from ckptaudit.passport import PassportError, attest
+    from ckptaudit.passport.render import attest_json, attest_text, dumps
+
+    if not _exists(args.path):
+        raise UsageError(f"{args.path}: no such file or directory; give the path of a checkpoint file or directory")
+    try:
+        options = AuditOptions(master_dtype=args.master_dtype, ignore=_ignore(args.ignore))
+        p = attest(args.path, key=args.key, output=args.output, artifact=args.expect, options=options,
+                   jobs=args.jobs, algorithm=args.digest)
+    except PassportError as exc:
+        raise UsageError(str(exc)) from None
+    stdout.write(dumps(attest_json(p, args.path)) if args.format == "json" else attest_text(p, args.path))
+    return EXIT_CLEAN if p.verdict == "pass" else EXIT_FINDINGS
+
+
+def _cmd_verify(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    from ckptaudit.passport import PassportError, verify
+    from ckptaudit.passport.render import dumps, verify_json, verify_text
+
+    try:
+        result = verify(args.path, args.passport, key=args.key, expect=args.expect, jobs=args.jobs)
+    except PassportError as exc:  # the passport itself is unreadable, or the key: one line, exit 2
+        raise UsageError(" ".join(str(exc).split())) from None
+    stdout.write(dumps(verify_json(result)) if args.format == "json" else verify_text(result, args.verbose))
+    return result.exit_code
+
+
 def _cmd_demo(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     from ckptaudit.demo import run_demo
 
@@ -540,9 +598,9 @@ def _cmd_probe(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     return _emit(report, args, stdout)
 
 
-COMMANDS = {"audit": _cmd_audit, "compare": _cmd_compare, "demo": _cmd_demo,
+COMMANDS = {"attest": _cmd_attest, "audit": _cmd_audit, "compare": _cmd_compare, "demo": _cmd_demo,
             "export-serving": _cmd_export_serving, "latest": _cmd_latest, "probe": _cmd_probe,
-            "resume-test": _cmd_resume}
+            "resume-test": _cmd_resume, "verify": _cmd_verify}
 
 NEEDS_TORCH = frozenset({"demo", "export-serving", "probe", "resume-test"})
 """The commands that run PyTorch: without it installed they stop at one line naming the extra to install."""

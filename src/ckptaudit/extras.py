@@ -8,7 +8,9 @@ every format with their own readers (numpy, safetensors, rich, xxhash) and never
   ``torchrun``). A torch already installed (a CUDA build, a nightly) is used as it is: pip keeps it when it
   satisfies :data:`TORCH_MIN`.
 - ``[remote]``: checkpoints behind ``s3://``/``gs://`` URLs (fsspec, s3fs; gcsfs for ``gs://``).
-- ``[all]``: both.
+- ``[sign]``: signed passports (``attest --key``, ``verify --key``): OpenSSF ``model-signing`` (with ``pyOpenSSL``,
+  which model-signing 1.1.1 imports without declaring it; it brings ``cryptography`` and ``blake3``).
+- ``[all]``: all three.
 
 Imports nothing of ours and nothing heavy: ``find_spec`` looks for torch without importing it.
 """

@@ -1,0 +1,188 @@
+"""``ckptaudit attest``: audit a checkpoint and write its passport.
+
+The file digests are computed on their own threads while the audit scans the tensors, both over the same files
+(the second reader finds the bytes in the page cache: the files are read from storage once). The tensors' digests
+are a pass of their own over the scanned tensors (again from the page cache), only when attesting; the audit's
+own scan keeps its xxh3 hash and its cost. ``bench/bench_passport.py`` measures what that costs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from ckptaudit.findings import RawReport, Severity
+from ckptaudit.ondisk.passport import PASSPORT_VERSION, is_url, passport_path, signature_path
+from ckptaudit.passport.digests import (
+    FILE_ALGORITHMS,
+    digest_files,
+    ignore_paths,
+    list_files,
+    root_digest,
+    tensor_digests,
+)
+from ckptaudit.passport.document import dump_passport, parse_passport
+from ckptaudit.passport.model import Artifact, Lineage, Passport, PassportError, ServingInfo, TensorDigest
+from ckptaudit.passport.statements import (
+    audit_statement,
+    canonical,
+    envelope,
+    key_fingerprint,
+    load_private_key,
+    model_signing_bundle,
+    model_signing_statement,
+    sign_statement,
+)
+from ckptaudit.version import __version__
+
+if TYPE_CHECKING:
+    from ckptaudit.auditing.judge import AuditOptions
+
+__all__ = ["attest", "verdict_of"]
+
+
+def verdict_of(report: RawReport) -> str:
+    """``pass`` (no error counted), ``fail``, or ``not-judged`` (a quick audit, or nothing a checkpoint)."""
+    if report.extra.get("mode") == "quick":
+        return "not-judged"
+    if any(f.severity is Severity.ERROR and not f.ignored for f in report.findings):
+        return "fail"
+    if not report.tensors:
+        return "not-judged"
+    return "pass"
+
+
+def _audit(path: str, options: AuditOptions) -> tuple[RawReport, list[TensorDigest], dict[str, str]]:
+    from ckptaudit.auditing.judge import judge_scan
+    from ckptaudit.auditing.scan import scan_checkpoint
+
+    scanned = scan_checkpoint(path, chunk_bytes=options.chunk_bytes, jobs=options.jobs, quick=options.quick)
+    try:
+        tensors, errors = tensor_digests(scanned.refs, scanned.ckpt.maps, jobs=options.jobs)
+        return judge_scan(scanned, options), tensors, errors
+    finally:
+        scanned.close()
+
+
+def _stat_all(files: list[tuple[str, str, int]]) -> list[tuple[str, int, int]]:
+    out = []
+    for name, full, _ in files:
+        st = os.stat(full)
+        out.append((name, st.st_size, st.st_mtime_ns))
+    return out
+
+
+def _predicate(name: str, report: RawReport, options: dict[str, Any], artifact: Artifact, files: list[Any],
+               algorithm: str, root: str, tensors: list[TensorDigest], lineage: Lineage,
+               serving: ServingInfo | None, signer: str | None) -> dict[str, Any]:
+    c = report.contract
+    algo = tensors[0].digest.split(":", 1)[0] if tensors else None
+    return {
+        "passport_version": PASSPORT_VERSION,
+        "tool": {"name": "ckptaudit", "version": __version__},
+        "checkpoint": name,
+        "artifact": artifact,
+        "options": options,
+        "contract": None if c is None else {"master_dtype": c.master_dtype, "source": c.source, "detail": c.detail,
+                                            "where": c.where},
+        "verdict": verdict_of(report),
+        "summary": report.summary,
+        "format": report.format,
+        "findings": dict(sorted(Counter(f.code for f in report.findings if not f.ignored).items())),
+        "files": {"algorithm": algorithm, "root_digest": root,
+                  "items": [{"name": f.name, "digest": f.digest, "size": f.size} for f in files]},
+        "tensors": {"algorithm": algo, "items": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                                                  "digest": t.digest} for t in tensors]},
+        "serving": None if serving is None else {"gate": dict(serving.gate), "source": serving.source,
+                                                  "source_passport_digest": serving.source_passport_digest},
+        "lineage": lineage.to_json(),
+        "signer": signer,
+    }
+
+
+def attest(path: str, *, key: str | None = None, key_password: str | None = None, output: str | None = None,
+           lineage: Lineage | None = None, report: RawReport | None = None, artifact: Artifact = "training",
+           serving: ServingInfo | None = None, options: AuditOptions | None = None, jobs: int | None = None,
+           algorithm: str = "sha256") -> Passport:
+    """Audit the checkpoint at ``path`` (unless ``report`` is the audit of these bytes, from the same pass) and
+    write its passport to ``output`` (default: :func:`~ckptaudit.ondisk.passport.passport_path`; a signed one also
+    writes model-signing's bundle at :func:`~ckptaudit.ondisk.passport.signature_path`).
+
+    ``key``: a PEM private key (EC P-256/384/521) to sign with (the ``[sign]`` extra: model-signing signs its
+    statement); without one the passport is digest-only and says so. ``lineage``: which checkpoint this one
+    descends from (the guards fill it). ``artifact``: ``training`` (a resumable checkpoint) or ``serving`` (an
+    inference export; ``serving`` then holds its gate results and the training checkpoint's passport digest).
+    ``options``: the audit's :class:`~ckptaudit.auditing.judge.AuditOptions` (its ``expect`` is set from
+    ``artifact``). ``algorithm``: the file digests' (``sha256``, model-signing's default, or ``blake3``). A
+    ``report`` given carries no tensor digests: the passport then records none. Raises :class:`PassportError` (a key
+    that does not load, the extra missing, a file that changed while attested) and ``FileNotFoundError``.
+    """
+    from dataclasses import replace
+
+    from ckptaudit.auditing.judge import AuditOptions
+    from ckptaudit.auditing.scan import default_jobs
+
+    if is_url(path):
+        raise PassportError(f"{path}: attest reads a local checkpoint (a passport is written beside the bytes it "
+                            "audits); attest before copying, and `ckptaudit verify` the copy")
+    if algorithm not in FILE_ALGORITHMS:
+        raise PassportError(f"--digest {algorithm!r}: model-signing verifies {', '.join(FILE_ALGORITHMS)}")
+    if artifact not in ("training", "serving"):
+        raise PassportError(f"artifact must be training or serving, not {artifact!r}")
+    private = load_private_key(key, key_password.encode() if key_password else None) if key else None
+    if not os.path.lexists(path):
+        raise FileNotFoundError(2, "no such file or directory", path)
+    is_dir = os.path.isdir(path)
+    jobs = jobs or (options.jobs if options is not None else default_jobs())
+    options = replace(options or AuditOptions(), expect=artifact, jobs=jobs)
+    files = list_files(path)
+    before = _stat_all(files)
+    tensors: list[TensorDigest] = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptaudit-attest") as bg:
+        # The files' digests run beside the audit's scan: both read the same bytes, from storage once.
+        pending = bg.submit(digest_files, files, algorithm, jobs=jobs)
+        try:
+            if report is None:
+                report, tensors, _ = _audit(path, options)
+        finally:
+            digests = pending.result()
+    if _stat_all(list_files(path)) != before:
+        raise PassportError(f"{path}: its files changed while it was attested (a save still writing?); attest it "
+                            "once the save has finished")
+    name = os.path.basename(os.path.normpath(path))
+    root = root_digest(digests)
+    ms_stmt = model_signing_statement(name, digests, algorithm, ignore_paths(is_dir), root)
+    opts = {"master_dtype": options.master_dtype, "expect": options.expect,
+            "require": sorted(k.value for k in options.require), "ignore": list(options.ignore),
+            "quick": options.quick}
+    signer = key_fingerprint(private) if private is not None else None
+    au_stmt = audit_statement(name, root, _predicate(name, report, opts, artifact, digests, algorithm, root, tensors,
+                                                     lineage or Lineage(), serving, signer))
+    out = output or passport_path(path, is_dir=is_dir)
+    if private is not None:
+        assert key is not None
+        ms_text = model_signing_bundle(ms_stmt, key, key_password)
+        import json
+
+        ms_part: dict[str, Any] = json.loads(ms_text)
+        au_part = sign_statement(au_stmt, private)
+        sig = signature_path(path, is_dir=is_dir) if output is None else out.removesuffix(".json") + ".sig"
+        _write(sig, ms_text.encode())
+    else:
+        ms_part = {"dsseEnvelope": envelope(canonical(ms_stmt))}
+        au_part = {"dsseEnvelope": envelope(canonical(au_stmt))}
+    raw = dump_passport(private is not None, ms_part, au_part)
+    _write(out, raw)
+    return parse_passport(raw, out).passport
+
+
+def _write(path: str, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a reader never sees half a passport)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
