@@ -69,7 +69,19 @@ from ckptaudit.integrations.guard_collective import (
     stop_requested,
     wait_everywhere,
 )
+from ckptaudit.integrations.guard_lineage import (
+    LiveState,
+    RunLineage,
+    SaveRecord,
+    classify,
+    failure_advice,
+    observe_live,
+    passport_drafts,
+    passport_request,
+    place_passport,
+)
 from ckptaudit.integrations.guard_process import WORKER_ONE_THREAD, WorkerProcess, worker_env
+from ckptaudit.integrations.guard_quarantine import failure_message, quarantine
 from ckptaudit.integrations.guard_records import (
     BACKGROUNDS,
     ON_FAILURE,
@@ -120,6 +132,10 @@ class _Job:
     """The checkpoint's files as saved (pinned at submit; for an asynchronous save, when its future completes)."""
     ready: Future[Any] | None = None
     """An asynchronous save's future: the worker waits for it (never the training loop) before the audit."""
+    live: LiveState | None = None
+    """The live check at its save point (:meth:`Guard.observe`), or ``None`` when the guard saw no optimizer."""
+    attested: dict[str, Any] | None = None
+    """(worker) The worker's answer about its passport: ``file``, ``digest``, ``root_digest``, or ``error``."""
 
 
 def _likely_owner() -> bool:
@@ -151,7 +167,8 @@ class Guard:
     """
 
     def __init__(self, *, on_failure: str = "warn", background: str = "process",
-                 max_unverified: int | object | None = _BY_MODE, **audit_options: Any) -> None:
+                 max_unverified: int | object | None = _BY_MODE, passport: bool = True,
+                 passport_key: str | os.PathLike[str] | None = None, **audit_options: Any) -> None:
         from ckptaudit.options import AUDIT_OPTIONS, resolve
 
         if on_failure not in ON_FAILURE:
@@ -167,6 +184,13 @@ class Guard:
             raise ValueError(f"ckptaudit guard: max_unverified={max_unverified!r} is not valid; pass an int of at "
                              "least 1 (the most saves waiting for a verdict) or None (no bound)")
         resolve("ckptaudit guard", audit_options, AUDIT_OPTIONS)
+        if passport_key is not None and not (passport and os.path.isfile(passport_key)):
+            raise ValueError(f"ckptaudit guard: passport_key={os.fspath(passport_key)!r} is not valid; pass the path "
+                             "of a PEM private key file (and passport=True) to sign each passport, or None for "
+                             "digest-only passports")
+        self.passport = bool(passport)
+        """Write a passport beside (inside) each checkpoint that passes (:mod:`ckptaudit.passport`)."""
+        self.passport_key = None if passport_key is None else os.fspath(passport_key)
         self.on_failure = on_failure
         self.background = background
         self.max_unverified: int | None = max_unverified  # type: ignore[assignment]
@@ -189,6 +213,10 @@ class Guard:
         """Report path -> the checkpoint it describes (to remove it when the checkpoint is deleted)."""
         self._thread: threading.Thread | None = None
         self._process = WorkerProcess()
+        self._observed: LiveState | None = None
+        """The live check of the save about to be submitted (:meth:`observe`)."""
+        self.lineage = RunLineage()
+        """(worker) The run's history: each save's parent, and the save that damaged the live state."""
         self._ready = threading.Event()
         self._closed = False
         if _likely_owner():
@@ -275,8 +303,9 @@ class Guard:
                 pin = pinning.pin(checkpoint, pins)
             except OSError:
                 pin = None  # it does not exist (the audit says so), or cannot be read
+        live, self._observed = self._observed, None
         job = _Job(checkpoint, step, step if step is not None else object(), quarantine_to, after_quarantine,
-                   on_pass, time.monotonic(), report or report_path(checkpoint), pins, keep_pin, pin, ready)
+                   on_pass, time.monotonic(), report or report_path(checkpoint), pins, keep_pin, pin, ready, live)
         with self._cond:
             ahead = len(self._live)
             self._live.append(job)
@@ -286,6 +315,29 @@ class Guard:
             log.info("ckptaudit guard: %s saved while %d audit(s) are pending; queued behind them", checkpoint, ahead)
         self.start()
         self._jobs.put(job)
+
+    def observe(self, optimizer: Any, step: int | None = None) -> LiveState | None:
+        """(owning process, training thread, after the library's save and before :meth:`submit`) The live check of
+        the masters ``optimizer`` steps (:func:`~ckptaudit.integrations.guard_lineage.observe_live`), given to the
+        next submitted checkpoint: its failure then says whether the training state or only the file is damaged.
+        The integrations call it through :func:`~ckptaudit.integrations.live_contract.declare_live_contract`.
+        A check that cannot run is logged and left out, never raised into training."""
+        try:
+            self._observed = observe_live(optimizer, step)
+        except Exception as exc:  # noqa: BLE001 - training goes on; the failure then says it could not tell
+            log.info("ckptaudit guard: the live check of the masters could not run (%s: %s)", type(exc).__name__,
+                     exc)
+            self._observed = None
+        return self._observed
+
+    def restored(self, checkpoint: str, step: int | None = None) -> None:
+        """(owning process, before the first save of a run that resumed) The run restored ``checkpoint``: the next
+        save descends from it, and from its damaged ancestor when its passport says it descends from damage."""
+        from ckptaudit.integrations.guard_lineage import restored_record
+
+        parent, damaged = restored_record(checkpoint, step)
+        with self._cond:
+            self.lineage.restored(parent, damaged)
 
     def detach(self, path: str) -> bool:
         """(training thread, just before the library writes ``path`` again in place) When a pin still needs the
@@ -424,21 +476,7 @@ class Guard:
         that rank 0's guard found one (on the others)."""
         with self._cond:
             failed = tuple(v for v in self._verdicts if v.ok is False)
-        if not failed:
-            return CheckpointAuditFailed(
-                "ckptaudit guard (on_failure='stop'): a checkpoint saved during training failed its audit on the "
-                "process that audits (rank 0), and was quarantined; training stopped. Rank 0's log "
-                "(logger ckptaudit.guard) names it and its report")
-        lines = [f"ckptaudit guard (on_failure='stop'): {len(failed)} checkpoint(s) saved during training failed "
-                 "their audit; training stopped:"]
-        for v in failed:
-            where = f" -> quarantined to {v.quarantined_to}" if v.quarantined_to else " (not kept: " + v.note + ")"
-            lines.append(f"  {v.checkpoint}{f' (step {v.step})' if v.step is not None else ''}: "
-                         f"{', '.join(sorted(set(v.codes)))}{where}; report: {v.report}")
-        lines.append("The library's own resume path skips quarantined checkpoints; `ckptaudit latest DIR` names "
-                     "the newest that can be resumed. Fix the save (the report says what is wrong) before "
-                     "resuming.")
-        return CheckpointAuditFailed("\n".join(lines), failed)
+        return CheckpointAuditFailed(failure_message(failed), failed)
 
     # -- worker side ----------------------------------------------------------------------------------------
 
@@ -456,6 +494,7 @@ class Guard:
                 if job is None:
                     return
                 verdict = self._judge(job)
+                self._record(job, verdict)
                 self._sweep()  # before the verdict is published: wait() returns with the orphans gone
                 with self._cond:
                     self._verdicts.append(verdict)
@@ -466,9 +505,19 @@ class Guard:
                     if not self._open[job.point]:
                         del self._open[job.point]
                     self._cond.notify_all()
-                self._settle(job, verdict.ok, done=True)
+                self._settle(job, verdict.ok, done=True, descends=verdict.damaged_ancestor is not None)
         finally:
             self._process.stop()
+
+    def _record(self, job: _Job, verdict: Verdict) -> None:
+        """(worker, after each verdict) The save joins the run's lineage: the next save's parent, and the damaged
+        ancestor of every later save when its failure damaged the live training state."""
+        attested = job.attested or {}
+        word = {True: "pass", False: "fail", None: "not-judged"}[verdict.ok]
+        saved = SaveRecord(self.lineage.name(job.checkpoint), attested.get("root_digest"), word,
+                           attested.get("digest") if verdict.passport else None, job.step)
+        with self._cond:
+            self.lineage.record(saved, verdict.damage or None)
 
     def _boot(self) -> None:
         """(worker thread, once) The worker process started and ready, or the audit engine imported."""
@@ -500,9 +549,11 @@ class Guard:
         target = pin.path if pin is not None else job.checkpoint
         draft = (os.path.join(pin.folder, "report" + REPORT_SUFFIX) if pin is not None and pin.folder
                  else f"{job.report}.tmp-{os.getpid()}-{threading.get_ident()}")
+        paper = None if not self.passport else passport_request(
+            self.lineage.lineage(), self.passport_key, pin.folder if pin is not None else None, job.checkpoint)
         try:
             try:
-                result = self._run_audit(target, draft, job.checkpoint)
+                result = self._run_audit(target, draft, job.checkpoint, paper)
             except Exception as exc:  # noqa: BLE001 - any failure of one audit is reported, never kills the loop
                 log.warning("ckptaudit guard: %s was not judged: the audit could not run (%s: %s); it stays "
                             "where it is", job.checkpoint, type(exc).__name__, exc)
@@ -521,8 +572,9 @@ class Guard:
                                f"replaced: {why}")
             return self._decide(job, result, state, draft, seconds, queued)
         finally:
-            if os.path.exists(draft):
-                os.remove(draft)
+            for left in (draft, *passport_drafts(paper)):
+                if os.path.exists(left):
+                    os.remove(left)
             if pin is not None and not (job.keep_pin and self._status_of_kept(job, pin)):
                 pin.release()
 
@@ -534,21 +586,34 @@ class Guard:
 
     def _decide(self, job: _Job, result: dict[str, Any], state: str, draft: str, seconds: float,
                 queued: float) -> Verdict:
-        """(worker) Record the verdict of what was saved: report, quarantine, the integration's hooks."""
+        """(worker) Record the verdict of what was saved: report, passport, quarantine, the integration's hooks."""
         ok, summary, codes = bool(result["ok"]), str(result["summary"]), tuple(result["codes"])
         pin = job.pin
         note = ""
         where: str | None = None
         moved: str | None = None
+        job.attested = result.get("passport")
+        damaged = self.lineage.damaged
+        ancestor = damaged.checkpoint if damaged is not None else None
         if state == "replaced":
             note = ("replaced since it was saved: this is the verdict of the content saved then; the new content "
                     "has its own audit")
         elif state == "gone":
             note = "deleted before its verdict (retention): judged from its pin; no report is left behind"
-        self._settle(job, ok)  # before the hooks: on_pass's retention must see this one as passed
+        self._settle(job, ok, descends=ancestor is not None)  # before the hooks: on_pass's retention sees it
         if ok:
+            papers = None
             if state == "same":
                 where = self._place(draft, job.report, job.checkpoint)
+                papers = place_passport(job.attested, job.checkpoint)
+            if ancestor is not None:
+                good = self.lineage.last_passed()
+                log.warning("ckptaudit guard: %s passed its own audit, but its training state descends from the "
+                            "damage at %s (its masters were rounded in memory there): not a checkpoint to resume "
+                            "from; restore %s and fix the training code", job.checkpoint, ancestor,
+                            good.checkpoint if good is not None else "a checkpoint from before that run")
+                return Verdict(job.checkpoint, job.step, True, summary, codes, where, None, seconds, queued, "",
+                               note, passport=papers, damaged_ancestor=ancestor)
             log.info("ckptaudit guard: %s passed (%.2f s): %s%s", job.checkpoint, seconds, summary,
                      f" ({note})" if note else "")
             if job.keep_pin and pin is not None and pin.folder is not None:
@@ -564,33 +629,30 @@ class Guard:
                 except Exception as exc:  # noqa: BLE001
                     log.error("ckptaudit guard: %s passed, but updating the library's pointer failed (%s: %s)",
                               job.checkpoint, type(exc).__name__, exc)
-            return Verdict(job.checkpoint, job.step, True, summary, codes, where, None, seconds, queued, "", note)
+            return Verdict(job.checkpoint, job.step, True, summary, codes, where, None, seconds, queued, "", note,
+                           passport=papers)
         source = job.checkpoint if state == "same" else (pin.path if state == "replaced" and pin is not None
                                                          else None)
         if source is not None:
-            try:
-                dest = (job.quarantine_to or quarantine_name)(job.checkpoint)
-                os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
-                shutil.move(source, dest)
-                moved = dest
-                where = self._place(draft, report_path(dest), dest)
-                if state == "same" and job.after_quarantine is not None:
-                    job.after_quarantine(job.checkpoint, dest)
-            except Exception as exc:  # noqa: BLE001
-                log.error("ckptaudit guard: %s failed its audit and could NOT be quarantined (%s: %s); do not "
-                          "resume from it", job.checkpoint, type(exc).__name__, exc)
-        log.warning("ckptaudit guard: %s FAILED its audit (%s)%s; report: %s%s%s", job.checkpoint,
+            moved = quarantine(job.checkpoint, source, job.quarantine_to, job.after_quarantine)
+            if moved is not None:
+                where = self._place(draft, report_path(moved), moved)
+        damage = classify(job.live)
+        advice = failure_advice(damage, job.live, self.lineage.last_passed())
+        log.warning("ckptaudit guard: %s FAILED its audit (%s)%s; report: %s%s: %s%s", job.checkpoint,
                     ", ".join(sorted(set(codes))), f", moved to {moved}" if moved else "", where,
-                    f" ({note})" if note else "",
+                    f" ({note})" if note else "", advice,
                     "; stopping training at the next step" if self.on_failure == "stop" else "")
-        return Verdict(job.checkpoint, job.step, False, summary, codes, where, moved, seconds, queued, "", note)
+        return Verdict(job.checkpoint, job.step, False, summary, codes, where, moved, seconds, queued, "", note,
+                       damage=damage, advice=advice, damaged_ancestor=ancestor)
 
-    def _settle(self, job: _Job, ok: bool | None, done: bool = False) -> None:
+    def _settle(self, job: _Job, ok: bool | None, done: bool = False, descends: bool = False) -> None:
         """(worker) :meth:`status` of ``job``'s checkpoint once it has a verdict, unless a newer save of the same
-        path still waits for one (``done``: ``job`` has left the pending list)."""
+        path still waits for one (``done``: ``job`` has left the pending list; ``descends``: from damage)."""
+        word = "descends from damage" if ok and descends else {True: "passed", False: "failed", None: "not judged"}[ok]
         with self._cond:
             if sum(j.checkpoint == job.checkpoint for j in self._live) <= (0 if done else 1):
-                self._status[_key(job.checkpoint)] = {True: "passed", False: "failed", None: "not judged"}[ok]
+                self._status[_key(job.checkpoint)] = word
 
     def _place(self, draft: str, where: str, checkpoint: str) -> str:
         """(worker) Move the report drafted in the pin (or beside) to ``where``, atomically."""
@@ -621,10 +683,11 @@ class Guard:
                 if self._placed.get(rep) == ckpt:
                     del self._placed[rep]
 
-    def _run_audit(self, checkpoint: str, where: str, as_path: str) -> dict[str, Any]:
+    def _run_audit(self, checkpoint: str, where: str, as_path: str,
+                   passport: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.background == "process":
             return self._process.request({"checkpoint": checkpoint, "report": where, "as_path": as_path,
-                                          "options": self.audit_options})
+                                          "options": self.audit_options, "passport": passport})
         from ckptaudit.integrations.guard_worker import audit_to_file
 
-        return audit_to_file(checkpoint, where, self.audit_options, as_path)
+        return audit_to_file(checkpoint, where, self.audit_options, as_path, passport)

@@ -93,7 +93,7 @@ def _masters(optimizer: Any) -> list[tuple[tuple[int, int] | str, Any]]:
         for i, p in enumerate(params):
             if isinstance(p, torch.Tensor) and p.dtype == fp32:
                 # A DTensor (FSDP2): this rank's shard. Its type, not hasattr: a Parameter's attribute lookup is slow.
-                out.append(((g, i), p.to_local() if type(p).__name__ == "DTensor" else p))
+                out.append(((g, i), p.to_local() if type(p).__name__ == "DTensor" else p))  # type: ignore[attr-defined]
     if out:
         return out
     for attr in FLAT_MASTERS:
@@ -235,7 +235,7 @@ class RunLineage:
                 "state": "clean" if self.damaged is None else "descends-from-damage",
                 "damaged_ancestor": None if self.damaged is None else self.damaged.ancestor()}
 
-    def record(self, saved: SaveRecord, damage: Damage | None) -> None:
+    def record(self, saved: SaveRecord, damage: str | None) -> None:
         """A save's verdict: it becomes the next save's parent; a failure that damaged the live ``state`` becomes
         the damaged ancestor of every later save."""
         self.parent = saved
@@ -280,3 +280,67 @@ def failure_advice(damage: Damage, live: LiveState | None, good: SaveRecord | No
                 "or state_dict hook that wrote it)")
     return ("the guard did not see the live masters at this save (no optimizer was given to it), so it cannot tell "
             "whether the training state or only the file is damaged")
+
+
+def passport_request(lineage: dict[str, Any], key: str | None, folder: str | None, checkpoint: str) -> dict[str, Any]:
+    """(worker) What the audit worker needs to write a checkpoint's passport in the audit's pass: its lineage, the
+    key, and a draft path (in the pin's private folder, else beside the checkpoint: never inside it, where it
+    would be one of the files it digests)."""
+    where = (os.path.join(folder, "passport.json") if folder is not None
+             else f"{os.path.normpath(checkpoint)}.passport-draft-{os.getpid()}.json")
+    return {"output": where, "key": key, "lineage": lineage}
+
+
+def passport_drafts(request: dict[str, Any] | None) -> tuple[str, ...]:
+    """(worker) The draft files a passport request may leave behind (the passport and its signature)."""
+    if request is None:
+        return ()
+    out = str(request["output"])
+    return out, out.removesuffix(".json") + ".sig"
+
+
+def place_passport(attested: dict[str, Any] | None, checkpoint: str) -> str | None:
+    """(worker, after a pass) Move the drafted passport (and its signature) to where the checkpoint's passport
+    lives (:func:`ckptaudit.ondisk.passport.passport_path`: inside a directory, beside a file). Returns where, or
+    ``None`` (no passport was written: logged)."""
+    from ckptaudit.ondisk.passport import passport_path, signature_path
+
+    if not attested:
+        return None
+    if "error" in attested or not attested.get("file"):
+        log.warning("ckptaudit guard: %s passed, but its passport could not be written (%s)", checkpoint,
+                    attested.get("error", "no file"))
+        return None
+    draft = str(attested["file"])
+    dest = passport_path(checkpoint)
+    try:
+        sig = draft.removesuffix(".json") + ".sig"
+        if os.path.exists(sig):
+            os.replace(sig, signature_path(checkpoint))
+        os.replace(draft, dest)
+    except OSError as exc:
+        log.warning("ckptaudit guard: %s passed, but its passport could not be placed at %s (%s)", checkpoint, dest,
+                    exc)
+        return None
+    return dest
+
+
+def restored_record(checkpoint: str, step: int | None) -> tuple[SaveRecord, SaveRecord | None]:
+    """(training thread) A restored checkpoint as a lineage parent, from its passport when it has one (its digest,
+    verdict, and the damaged ancestor it descends from, if any), else as *not judged*."""
+    from ckptaudit.ondisk.passport import find_passport
+    from ckptaudit.passport import PassportError, read_passport
+
+    name = os.path.normpath(checkpoint)
+    found = find_passport(checkpoint)
+    if found is None:
+        return SaveRecord(name, None, "not-judged", None, step), None
+    try:
+        paper = read_passport(found)
+    except (OSError, PassportError) as exc:
+        log.warning("ckptaudit guard: the passport of the restored %s could not be read (%s); its lineage is not "
+                    "known", checkpoint, exc)
+        return SaveRecord(name, None, "not-judged", None, step), None
+    bad = paper.lineage.damaged_ancestor
+    damaged = None if bad is None else SaveRecord(bad.checkpoint, bad.root_digest, bad.verdict, bad.passport_digest)
+    return SaveRecord(name, paper.root_digest, paper.verdict, paper.digest, step), damaged

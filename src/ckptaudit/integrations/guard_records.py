@@ -44,6 +44,18 @@ class Verdict:
     note: str = ""
     """What happened to the checkpoint's path between the save and the verdict, when anything did: replaced by
     newer content (the verdict is the saved content's) or deleted (no report is left behind)."""
+    damage: str = ""
+    """For a failure, what it damaged, from the live check at its save point: ``"state"`` (the live masters held
+    only 16-bit values: the training state itself; every later save descends from it), ``"file"`` (the live
+    masters kept their bits: only the saved file; later saves are not tainted) or ``"unknown"`` (the guard saw
+    no optimizer). Empty for a pass."""
+    advice: str = ""
+    """For a failure: which of the two failed, and which way to go (fix the save, or restore and fix training)."""
+    passport: str | None = None
+    """Where the guard wrote the checkpoint's passport (a pass, ``Guard(passport=True)``), or ``None``."""
+    damaged_ancestor: str | None = None
+    """For a checkpoint that descends from a damaged training state: the save whose failure damaged it (its name
+    relative to the run). Such a checkpoint may pass on its own; it is not one to resume from."""
 
 
 @dataclass(frozen=True, slots=True)

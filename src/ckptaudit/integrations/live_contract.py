@@ -75,9 +75,12 @@ def live_master_dtype(optimizer: Any) -> tuple[str, str] | None:
 
 
 def declare_live_contract(guard: Guard, optimizer: Any, run: str = "") -> None:
-    """(owning process, before :meth:`Guard.submit`) Give ``guard``'s audits the running job's master dtype
-    (:func:`live_master_dtype`; ``run``: more about the run, e.g. its precision setting), unless the user passed
-    a ``master_dtype`` of their own. Once set, later calls leave it as it is."""
+    """(owning process, after the library's save and before :meth:`Guard.submit`) Give ``guard``'s audits the
+    running job's master dtype (:func:`live_master_dtype`; ``run``: more about the run, e.g. its precision
+    setting), unless the user passed a ``master_dtype`` of their own (once set, later calls leave it as it is);
+    and give the next submitted checkpoint the live check of its masters (:meth:`Guard.observe`: did the training
+    state itself lose its bits, or only the file?)."""
+    guard.observe(optimizer)
     if guard.audit_options.get("master_dtype", "auto") != "auto":
         return
     found = live_master_dtype(optimizer)
