@@ -119,13 +119,13 @@ def test_every_catalogued_code_fits_the_schema() -> None:
 
 def test_schema_1_x_is_additive_older_reports_still_validate(tmp_path: Path) -> None:
     # 1.1 added the optional "mode" key (quick audits), 1.2 the contract's "where"/"records", a finding's "ignored"
-    # and counts' "ignored": a 1.0 report (none of them) still fits the 1.x schema.
+    # and counts' "ignored", 1.3 contract sources and latest's "skipped": a 1.0 report (none of them) still fits.
     from ckptaudit.findings import SCHEMA_VERSION
 
-    assert SCHEMA_VERSION == "1.2"
+    assert SCHEMA_VERSION == "1.3"
     path = trained(tmp_path / "good.pt")
     quick = ckptaudit.audit(path, quick=True).to_dict()
-    assert quick["schema_version"] == "1.2" and quick["mode"] == "quick"
+    assert quick["schema_version"] == "1.3" and quick["mode"] == "quick"
     validate(quick)
     old = ckptaudit.audit(path).to_dict()
     assert "mode" not in old

@@ -59,6 +59,9 @@ _RULES: tuple[Rule, ...] = (
     Rule("contract.mismatch", E, "The training stack's own record (DeepSpeed's ds_config, Megatron's args, a saved "
          "GradScaler, ckptaudit's manifest) says the run keeps full-precision masters, but the checkpoint's "
          "parameters and optimizer state are 16-bit: the masters were not saved. The message names both."),
+    Rule("contract.run-mismatch", E, "The run's other checkpoints (`ckptaudit latest`, or `audit` beside its "
+         "siblings) hold full-precision masters, but this one's parameters and optimizer state are 16-bit: judged "
+         "alone a bf16-masters run, beside its own run the masters were not saved. The message names the siblings."),
     Rule("contract.unknown", W, "The master dtype could not be inferred (no optimizer state, mixed dtypes); pass "
          "--master-dtype."),
     # components

@@ -132,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
 
     lt = sub.add_parser("latest", help="the newest resumable checkpoint under a directory, and why newer ones "
                         "are rejected")
-    lt.add_argument("root", help="directory holding step-N/, checkpoint-N/, *.ckpt ... (or one checkpoint)")
+    lt.add_argument("root", help="directory or s3://, gs:// prefix holding step-N/, checkpoint-N/, *.pt, *.ckpt ... "
+                    "(or one checkpoint)")
     lt.add_argument("--format", default="table", choices=["table", "json"], help="report format")
     lt.add_argument("--output", "-o", help="write the report to this file instead of stdout")
     lt.add_argument("--verify", default="quick", choices=["sizes", "hashes", "quick", "full"],
@@ -145,6 +146,9 @@ def _parser() -> argparse.ArgumentParser:
     lt.add_argument("--master-dtype", default="auto", choices=MASTER_DTYPES,
                     help="the master dtype the quick and full audits hold parameters to (auto: read it from each "
                     "candidate); a mixed-precision run's is float32")
+    lt.add_argument("--no-run-evidence", action="store_true",
+                    help="judge each candidate alone: do not hold it to the master dtype its run's other checkpoints "
+                    "establish (by default a candidate cast to bf16 beside float32 siblings is rejected)")
     lt.add_argument("--all", action="store_true", help="validate every candidate, not only down to the latest")
     lt.add_argument("--verbose", "-v", action="store_true", help="list every finding")
     lt.add_argument("--fail-on", choices=FAIL_ON.choices,
@@ -516,12 +520,9 @@ def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
     from ckptaudit.formats.remote.staging import is_url, local_path
     from ckptaudit.latest import latest_report
 
-    if is_url(args.root):
-        raise UsageError(f"{args.root}: latest reads a local directory (or a mounted bucket); it does not list "
-                         "checkpoints behind URLs. Audit one of them by its URL instead: ckptaudit audit "
-                         f"{args.root.rstrip('/')}/<step directory>")
-    args.root = local_path(args.root)
-    if not os.path.exists(args.root):
+    if not is_url(args.root):
+        args.root = local_path(args.root)
+    if not is_url(args.root) and not os.path.exists(args.root):
         raise UsageError(f"{args.root}: no such file or directory; give the directory your checkpoints are saved in")
     def progress(msg: str) -> None:
         stderr.write(f"latest: {msg}\n")
@@ -530,7 +531,7 @@ def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
     show = not args.no_progress and stderr.isatty()
     report = latest_report(args.root, verify=args.verify, require=_require(args.require), check_all=args.all,
                            progress=progress if show else None, ignore=_ignore(args.ignore),
-                           master_dtype=args.master_dtype)
+                           master_dtype=args.master_dtype, run_evidence=not args.no_run_evidence)
     fail_on = args.fail_on
     args.fail_on = fail_on or "error"
     code = _emit(report, args, stdout)

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 """Version of the JSON report. Minor bumps add fields; a major bump renames or removes one."""
 
 HASH_ALGORITHM = "xxh3-128"

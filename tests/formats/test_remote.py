@@ -287,13 +287,6 @@ def test_url_forms() -> None:
     assert local_path("file:///tmp/x.pt") == "/tmp/x.pt" and local_path("/tmp/x.pt") == "/tmp/x.pt"
 
 
-def test_latest_over_a_url_is_a_clear_usage_error() -> None:
-    out, err = io.StringIO(), io.StringIO()
-    code = main(["latest", "s3://ckpts/run/checkpoint/", "--no-progress"], stdout=out, stderr=err)
-    assert code == 2 and "s3://ckpts/run/checkpoint/" in err.getvalue()
-    assert "does not list checkpoints behind URLs" in err.getvalue() and "ckptaudit audit" in err.getvalue()
-
-
 class _CountingFs:
     """Counts the storage library's reads of tensor data: calls, and requests (a ranged read is one; ``cat_ranges``
     makes one per range, concurrently), and the most requests in flight at once."""

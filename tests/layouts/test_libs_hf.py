@@ -431,3 +431,31 @@ def test_an_export_cast_to_bf16_where_nothing_records_the_masters_is_a_warning_n
     assert not codes(report, Severity.ERROR)
     declared = run_audit(str(ckpt), AuditOptions(master_dtype="float32"))
     assert "precision.low-precision-storage" in codes(declared, Severity.ERROR)
+
+
+def test_a_float32_config_beside_bf16_arguments_decides_float32_masters(hf: Written, tmp_path: Path) -> None:
+    # config.json records the model's dtype when the Trainer saved it (float32), and training_args.bin turns on bf16
+    # autocast: the Trainer's optimizer stepped float32 masters. model.safetensors and the moments cast to bf16 are
+    # an export that lost them, which the files alone would call a bf16-masters run (a warning at most).
+    import torch
+
+    ckpt = _export_cast_to_bf16(hf / "trainer-safetensors" / "checkpoint-2", tmp_path / "export", "optimizer.pt")
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float32"
+    args = torch.load(ckpt / "training_args.bin", weights_only=False)  # the fixture's own Trainer wrote it
+    args.bf16 = True
+    torch.save(args, ckpt / "training_args.bin")
+    report = run_audit(str(ckpt))
+    assert report.contract is not None
+    assert (report.contract.master_dtype, report.contract.source, report.contract.where) == (
+        "float32", "trainer-autocast", "config.json + training_args.bin")
+    mismatch = one(report, "contract.mismatch")
+    assert mismatch.severity is Severity.ERROR
+    assert mismatch.message.startswith("config.json + training_args.bin records dtype=float32 in config.json, "
+                                       "bf16=True in training_args.bin")
+    # A genuine bf16 run: the model was bf16 when saved (pure bf16 training); not decided, as before.
+    config["dtype"] = "bfloat16"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    genuine = run_audit(str(ckpt))
+    assert genuine.contract is not None and genuine.contract.source == "optimizer-state"
+    assert not codes(genuine, Severity.ERROR)

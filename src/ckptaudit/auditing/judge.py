@@ -29,6 +29,7 @@ from ckptaudit.checks.updates import (
 from ckptaudit.findings import ComponentKind, Finding, Precision, RawReport, Severity
 from ckptaudit.formats.io.tensors import DEFAULT_CHUNK_BYTES
 from ckptaudit.layouts.attachment import ELEMENTWISE_STATE
+from ckptaudit.layouts.view import ContractRecord
 
 __all__ = ["AuditOptions", "judge_scan", "run_audit"]
 
@@ -51,6 +52,9 @@ class AuditOptions:
     ignore: tuple[str, ...] = ()
     """Finding codes or families acknowledged (:func:`ckptaudit.catalogue.parse_ignore`): kept in the report,
     marked ignored, counted toward nothing."""
+    run_records: tuple[ContractRecord, ...] = ()
+    """Records of the contract from outside the checkpoint (``ckptaudit latest``: what the run's other checkpoints
+    hold, source ``run``), consulted after the checkpoint's own: its manifest and its stack's record decide first."""
     quick: bool = False
     """The in-loop mode: inventory, attachment, integrity from headers and recorded sizes, and each tensor's
     precision decided from its first chunk; no content hash (``hash`` is ``None``), manifest hashes not
@@ -104,7 +108,7 @@ def judge_scan(s: ScannedCheckpoint, options: AuditOptions) -> RawReport:
         if isinstance(contract_info, dict) and isinstance(contract_info.get("master_dtype"), str):
             manifest_dtype = contract_info["master_dtype"]
     contract, contract_findings = infer_contract(options.master_dtype, params, moments, manifest_dtype,
-                                                 records=view.contract_records,
+                                                 records=[*view.contract_records, *options.run_records],
                                                  flag_source="live" if options.master_dtype_from else "flag",
                                                  flag_detail=options.master_dtype_from)
     components: tuple[Any, ...] = ()

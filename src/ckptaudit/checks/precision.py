@@ -64,6 +64,9 @@ def infer_contract(
     deciding = next((r for r in records if r.master_dtype is not None), None)
     if deciding is not None:
         assert deciding.master_dtype is not None
+        if deciding.source == "run":  # the run's other checkpoints (ckptaudit latest): deciding.why names this one
+            contract = Contract(deciding.master_dtype, "run", deciding.says, where=deciding.where, records=seen)
+            return contract, _run_mismatch(contract, tensors, deciding)
         contract = Contract(deciding.master_dtype, deciding.source, f"{deciding.says}: {deciding.why}",
                             where=deciding.where, records=seen)
         return contract, _low(contract, f"{deciding.where} records {deciding.says}") + _mismatch(
@@ -138,6 +141,29 @@ def _mismatch(contract: Contract, tensors: Contract, where: str, says: str, why:
             f"{tensors.master_dtype} if the record is not this run's.",
             record=where,
             record_says=says,
+            expected=contract.master_dtype,
+            tensors=tensors.detail,
+        )
+    ]
+
+
+def _run_mismatch(contract: Contract, tensors: Contract, run: ContractRecord) -> list[Finding]:
+    """``contract.run-mismatch``: the run's other checkpoints hold full-precision masters, this one holds 16-bit
+    parameters and moments (what the file alone would call a bf16-masters run)."""
+    if contract.master_dtype not in _WIDE or not (tensors.source == "optimizer-state"
+                                                  and tensors.master_dtype in _NARROW):
+        return []
+    return [
+        finding(
+            "contract.run-mismatch",
+            "contract",
+            f"{run.says}; {run.why} holds {tensors.master_dtype} ({tensors.detail}). Judged alone it could be a "
+            f"run with {tensors.master_dtype} masters; beside its own run's checkpoints it is not: its "
+            f"{contract.master_dtype} masters were not saved (e.g. an export that cast the whole state to "
+            f"{tensors.master_dtype}), and resuming from it continues from rounded weights. Pass --master-dtype "
+            f"{tensors.master_dtype} if the run switched to {tensors.master_dtype} masters on purpose, or "
+            "--no-run-evidence to judge each checkpoint alone.",
+            evidence=run.where,
             expected=contract.master_dtype,
             tensors=tensors.detail,
         )

@@ -14,7 +14,12 @@ import os
 from ckptaudit.findings import ComponentKind
 from ckptaudit.formats.base import Checkpoint, Part
 from ckptaudit.layouts.keyed import optimizer_view
-from ckptaudit.layouts.precision import scaler_record, training_args_record
+from ckptaudit.layouts.precision import (
+    model_config_record,
+    scaler_record,
+    trainer_autocast_record,
+    training_args_record,
+)
 from ckptaudit.layouts.rules import Context, PartRule, register_rule
 from ckptaudit.layouts.view import View, as_int
 
@@ -34,6 +39,7 @@ _FILE_RULES: tuple[tuple[str, ComponentKind | str], ...] = (
     ("scaler*.pt", "scaler"),
     ("*.index.json", "index"),
     ("manifest.json", "manifest"),
+    ("config.json", "model-config"),
     ("ckptaudit.json", "manifest"),
     ("*.json", "ignore"),
 )
@@ -49,18 +55,22 @@ def file_rule(name: str) -> ComponentKind | str | None:
     return None
 
 
-NAMED_FILES = ("ignore", "training-args", "scaler", "manifest", "index")
+NAMED_FILES = ("ignore", "training-args", "scaler", "manifest", "index", "model-config")
 """The file rules whose files are not components: read (or skipped) by their name alone."""
 
 
 def read_named_file(part: Part, ctx: Context) -> bool:
     """A file its name says is an index, a manifest, a record of the run's precision, or to be ignored."""
     rule, tree, view = ctx.file_rule, part.tree, ctx.view
-    if rule in ("training-args", "scaler"):
-        read = training_args_record if rule == "training-args" else scaler_record
+    if rule in ("training-args", "scaler", "model-config"):
+        read = {"training-args": training_args_record, "scaler": scaler_record,
+                "model-config": model_config_record}[rule]
         record = read(tree, part.name)
         if record is not None:
             view.contract_records.append(record)
+            both = trainer_autocast_record(view.contract_records)  # whichever of the two is read second
+            if both is not None and not any(r.source == both.source for r in view.contract_records):
+                view.contract_records.append(both)
     elif rule == "manifest":
         if isinstance(tree, dict):
             view.manifest = tree

@@ -17,6 +17,10 @@ that record means for the master dtype (:class:`~ckptaudit.layouts.view.Contract
 - The Trainer's ``training_args.bin`` (read inertly: its declared fields as plain data, nothing run): ``bf16`` /
   ``fp16`` turn on autocast over the model's own parameters, which are fp32 masters when the model was loaded in
   fp32 and 16-bit ones when it was loaded in bf16 (pure bf16 training): shown, never deciding.
+- The model's ``config.json`` beside the Trainer's ``training_args.bin``: ``save_pretrained`` writes the model's
+  dtype at save time (``dtype``; ``torch_dtype`` before transformers 5). ``float32`` there with ``bf16`` or
+  ``fp16`` in the arguments (and no DeepSpeed) is autocast over float32 parameters, which the Trainer's optimizer
+  steps: float32 masters (``trainer-autocast``), whatever dtype the saved weights have.
 - Lightning saves no precision setting other than the GradScaler's state: ``bf16-mixed``, ``bf16-true``,
   ``16-true`` and ``32-true`` leave no record in the ``.ckpt``.
 
@@ -29,7 +33,8 @@ from typing import Any
 
 from ckptaudit.layouts.view import ContractRecord
 
-__all__ = ["LIGHTNING_SCALER_KEYS", "deepspeed_record", "megatron_record", "scaler_record", "training_args_record"]
+__all__ = ["LIGHTNING_SCALER_KEYS", "deepspeed_record", "megatron_record", "model_config_record", "scaler_record",
+           "trainer_autocast_record", "training_args_record"]
 
 LIGHTNING_SCALER_KEYS = ("MixedPrecision", "FSDPPrecision", "native_amp_scaling_state")
 """Where Lightning keeps its precision plugin's state in a ``.ckpt`` (the plugin's class name; the last one is
@@ -141,3 +146,32 @@ def training_args_record(obj: Any, where: str) -> ContractRecord | None:
     else:
         why = "no autocast: the masters are the model's own parameters, in the dtype it was loaded in; does not decide"
     return ContractRecord("training-args", where, ", ".join(said), None, why)
+
+
+def model_config_record(obj: Any, where: str) -> ContractRecord | None:
+    """A model's ``config.json``: the dtype ``save_pretrained`` recorded (the model's at save time); never decides
+    alone (a plain ``save_pretrained`` folder may hold weights of any origin)."""
+    if not isinstance(obj, dict):
+        return None
+    dtype = obj.get("dtype", obj.get("torch_dtype"))
+    if not isinstance(dtype, str) or dtype.removeprefix("torch.") not in ("float32", "bfloat16", "float16"):
+        return None
+    dtype = dtype.removeprefix("torch.")
+    return ContractRecord("model-config", where, f"dtype={dtype}", None,
+                          "the model's dtype when save_pretrained wrote it; decides with the Trainer's arguments")
+
+
+def trainer_autocast_record(records: list[ContractRecord]) -> ContractRecord | None:
+    """``config.json`` says the model was float32 when saved and ``training_args.bin`` turns on bf16/fp16 autocast
+    (no DeepSpeed): the Trainer stepped float32 parameters, so the masters are float32."""
+    config = next((r for r in records if r.source == "model-config"), None)
+    args = next((r for r in records if r.source == "training-args"), None)
+    if config is None or args is None or config.says != "dtype=float32" or "DeepSpeed" in args.why:
+        return None
+    flags = [f for f in ("bf16=True", "fp16=True") if f in args.says.split(", ")]
+    if not flags:
+        return None
+    return ContractRecord("trainer-autocast", f"{config.where} + {args.where}",
+                          f"dtype=float32 in {config.where}, {flags[0]} in {args.where}", "float32",
+                          "the Trainer's autocast over the model's own parameters, which were float32 when it saved: "
+                          "its optimizer steps float32 masters")

@@ -49,7 +49,7 @@ from ckptaudit.formats.remote.errors import (
     request_timeout,
 )
 
-__all__ = ["MAX_STAGED_BYTES", "RemoteFiles", "ShareReader", "is_url", "local_path", "stage"]
+__all__ = ["MAX_STAGED_BYTES", "RemoteFiles", "ShareReader", "filesystem", "is_url", "local_path", "stage"]
 
 MAX_STAGED_BYTES = 1 << 30
 """Metadata bytes staged per checkpoint at most (headers, pickles, JSON): a limit against hostile listings."""
@@ -313,6 +313,13 @@ def _fs(url: str) -> tuple[Any, str]:
         raise RemoteError(f"{url}: the {protocol} filesystem refused its configuration{hint}: "
                           f"{type(exc).__name__}: {exc}") from None
     return fs, path
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` with this module's request bounds, and the path in it (for listings:
+    ``ckptaudit latest`` on an object-store prefix). Configuration the storage library refuses is a
+    :class:`RemoteError`."""
+    return _fs(url)
 
 
 _S3_PINS: dict[tuple[str, str], tuple[str, int]] = {}
