@@ -182,3 +182,39 @@ def test_a_signed_passport_when_the_guard_has_a_key(tmp_path: Path) -> None:
     assert v.ok and read_passport(v.passport or "").signed
     with pytest.raises(ValueError, match=r"passport_key='nope\.pem' is not valid"):
         Guard(passport_key="nope.pem")
+
+
+def _latest(root: Path, *flags: str) -> tuple[int, str]:
+    import io
+
+    from ckptaudit.cli import main
+
+    out = io.StringIO()
+    code = main(["latest", str(root), "--format", "json", *flags], stdout=out, stderr=io.StringIO())
+    return code, out.getvalue()
+
+
+def test_latest_passes_over_the_descendants_of_a_damaged_state_and_says_why(tmp_path: Path) -> None:
+    import json
+
+    guard, _ = _run(tmp_path, damage="state")
+    assert guard.close(120)
+    code, text = _latest(tmp_path)
+    doc = json.loads(text)
+    assert code == 0 and doc["latest"] == str(tmp_path / "step-4.pt"), doc["latest"]
+    (why,) = [f for f in doc["findings"] if f["code"] == "guard.descends-from-damage"]
+    assert why["subject"] == "step-8.pt" and "descends from damage at step-6.pt" in why["message"]
+    assert "Resume from a checkpoint saved before step-6.pt" in why["message"]
+    code, text = _latest(tmp_path, "--allow-damaged-lineage")  # the old choice
+    assert code == 0 and json.loads(text)["latest"] == str(tmp_path / "step-8.pt")
+
+
+def test_latest_names_the_newest_passing_save_after_a_file_only_failure(tmp_path: Path) -> None:
+    import json
+
+    guard, _ = _run(tmp_path, damage="file")
+    assert guard.close(120)
+    code, text = _latest(tmp_path)
+    doc = json.loads(text)
+    assert code == 0 and doc["latest"] == str(tmp_path / "step-8.pt")
+    assert not [f for f in doc["findings"] if f["code"] == "guard.descends-from-damage"]

@@ -18,6 +18,7 @@ from ckptaudit.catalogue import finding
 from ckptaudit.findings import ComponentKind, Finding, Severity
 from ckptaudit.latest.candidates import Candidate
 from ckptaudit.latest.evidence import RunEvidence
+from ckptaudit.latest.lineage import damaged_lineage
 from ckptaudit.ondisk import layout, quarantine
 from ckptaudit.ondisk import manifest as mf
 
@@ -151,7 +152,7 @@ def commit_marker(c: Candidate, ctx: StepContext) -> None:
                                     "recorded sizes, content not verified"))
 
 
-CANDIDATE_STEPS: list[CandidateStep] = [uncommitted, quarantined, empty, content, commit_marker]
+CANDIDATE_STEPS: list[CandidateStep] = [uncommitted, quarantined, empty, damaged_lineage, content, commit_marker]
 """The steps every candidate goes through, in order (add one line here for a new one)."""
 
 
