@@ -152,8 +152,8 @@ class _RewrittenDuringItsAudit(Guard):
         super().__init__(**options)
         self.how = how
 
-    def _run_audit(self, checkpoint: str, where: str, as_path: str) -> dict[str, Any]:
-        result = super()._run_audit(checkpoint, where, as_path)
+    def _run_audit(self, checkpoint: str, where: str, as_path: str, *passport: Any) -> dict[str, Any]:
+        result = super()._run_audit(checkpoint, where, as_path, *passport)
         if self.how == "in place":
             trained(Path(as_path))
         else:
