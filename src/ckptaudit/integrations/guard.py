@@ -74,6 +74,7 @@ from ckptaudit.integrations.guard_lineage import (
     RunLineage,
     SaveRecord,
     classify,
+    drop_stale_passport,
     failure_advice,
     observe_live,
     passport_drafts,
@@ -297,6 +298,8 @@ class Guard:
         if self._closed:
             raise RuntimeError("ckptaudit guard: submit() after close(); create a new Guard")
         self.before_save(step)
+        if self.passport:
+            drop_stale_passport(checkpoint)
         pin: pinning.Pin | None = None
         if ready is None:
             try:

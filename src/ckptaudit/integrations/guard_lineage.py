@@ -325,6 +325,21 @@ def place_passport(attested: dict[str, Any] | None, checkpoint: str) -> str | No
     return dest
 
 
+def drop_stale_passport(checkpoint: str) -> None:
+    """(training thread, at submit) Remove a passport left beside ``checkpoint`` by an earlier save of the same path
+    (Lightning's ``last.ckpt`` is rewritten at every save): it attests other bytes. The new content gets its own
+    once it passes."""
+    from ckptaudit.ondisk.passport import passport_path, signature_path
+
+    for old in (passport_path(checkpoint), signature_path(checkpoint)):
+        try:
+            os.remove(old)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("ckptaudit guard: could not remove the stale passport %s (%s)", old, exc)
+
+
 def restored_record(checkpoint: str, step: int | None) -> tuple[SaveRecord, SaveRecord | None]:
     """(training thread) A restored checkpoint as a lineage parent, from its passport when it has one (its digest,
     verdict, and the damaged ancestor it descends from, if any), else as *not judged*."""
