@@ -24,8 +24,6 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
 
 def _median_s(fn: object, repeat: int) -> float:
     times = []
