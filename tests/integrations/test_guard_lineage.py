@@ -218,3 +218,25 @@ def test_latest_names_the_newest_passing_save_after_a_file_only_failure(tmp_path
     doc = json.loads(text)
     assert code == 0 and doc["latest"] == str(tmp_path / "step-8.pt")
     assert not [f for f in doc["findings"] if f["code"] == "guard.descends-from-damage"]
+
+
+def test_a_run_that_restores_inherits_the_lineage_of_what_it_restored(tmp_path: Path) -> None:
+    guard, saved = _run(tmp_path, damage="state")
+    assert guard.close(120)
+    for restored, state in ((saved[8], "descends-from-damage"), (saved[4], "clean")):
+        model, opt = _trained()
+        resumed = Guard(background="thread")
+        resumed.restored(str(restored), step=int(restored.stem.split("-")[1]))
+        later = _save(model, opt, tmp_path / f"after-{restored.stem}.pt")
+        resumed.observe(opt)
+        resumed.submit(str(later), step=10)
+        assert resumed.close(120)
+        (v,) = resumed.verdicts
+        lineage = read_passport(v.passport or "").lineage
+        assert lineage.parent is not None and lineage.parent.checkpoint == str(restored)
+        assert lineage.parent.verdict == "pass" and lineage.state == state
+        if state == "clean":
+            assert lineage.damaged_ancestor is None and v.damaged_ancestor is None
+        else:
+            assert lineage.damaged_ancestor is not None and lineage.damaged_ancestor.checkpoint == "step-6.pt"
+            assert v.damaged_ancestor == "step-6.pt"
