@@ -331,7 +331,8 @@ def drop_stale_passport(checkpoint: str) -> None:
     once it passes."""
     from ckptaudit.ondisk.passport import passport_path, signature_path
 
-    for old in (passport_path(checkpoint), signature_path(checkpoint)):
+    is_dir = os.path.isdir(checkpoint)  # once: both names follow from it
+    for old in (passport_path(checkpoint, is_dir=is_dir), signature_path(checkpoint, is_dir=is_dir)):
         try:
             os.remove(old)
         except FileNotFoundError:
