@@ -261,7 +261,8 @@ def test_trainer_on_two_ranks_stops_on_both_after_the_lossy_save(tmp_path: Path)
                                 "quarantined-checkpoint-4.ckptaudit.json"]
         assert r["get_last_checkpoint"] == "checkpoint-2"
         assert (r["resumed_from_step"], r["resumed_to_step"]) == (2, 7)
-        assert r["files"]["quarantined-checkpoint-4"] == r["files"]["checkpoint-2"]
+        # The passport of the good one, inside it, is the only difference (the guard wrote it when it passed).
+        assert r["files"]["quarantined-checkpoint-4"] + ["ckptaudit.passport.json"] == sorted(r["files"]["checkpoint-2"])
         assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(r["files"]["checkpoint-2"])
     # Both processes' train() raised CheckpointAuditFailed; the one that audited names the checkpoint.
     assert [r["raised"]["failed"] for r in ranks] == [["checkpoint-4"], []]
@@ -285,7 +286,7 @@ def test_lightning_stops_after_the_lossy_save_and_last_resumes_the_good_one(ligh
     live(lightning_story["verdicts"][0], "Lightning precision=")
     assert lightning_story["stopped_at"] == 5
     assert lightning_story["listing"] == [
-        "epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.ckptaudit.json",
+        "epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.ckptaudit.json", "epoch=0-step=2.ckpt.passport.json",
         "epoch=0-step=4.ckpt.quarantined", "epoch=0-step=4.ckpt.quarantined.ckptaudit.json",
         "last.ckpt", "last.ckpt.ckptaudit.json", "last.ckpt.quarantined", "last.ckpt.quarantined.ckptaudit.json"]
     # last.ckpt was the failed step-4 state; it is now a real copy (not a link) of the step-2 checkpoint, and
@@ -309,7 +310,7 @@ def test_lightning_ddp_on_two_ranks_stops_on_both_after_the_lossy_save(tmp_path:
     assert [r["stopped_at"] for r in ranks] == [5, 5]
     for r in ranks:
         assert r["listing"] == [
-            "epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.ckptaudit.json",
+            "epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.ckptaudit.json", "epoch=0-step=2.ckpt.passport.json",
             "epoch=0-step=4.ckpt.quarantined", "epoch=0-step=4.ckpt.quarantined.ckptaudit.json",
             "last.ckpt", "last.ckpt.ckptaudit.json", "last.ckpt.quarantined", "last.ckpt.quarantined.ckptaudit.json"]
         # ckpt_path="last" (a copy of step 2 now) resumed both ranks at step 2.

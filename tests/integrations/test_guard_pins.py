@@ -136,7 +136,7 @@ def test_a_checkpoint_deleted_before_its_verdict_is_judged_and_leaves_no_report(
     # Judged from its pin (the run did write a bad checkpoint: stop mode stops), but nothing is left for it.
     assert verdict.ok is False and verdict.note.startswith("deleted before its verdict") and guard.should_stop()
     assert verdict.report is None and verdict.quarantined_to is None
-    assert sorted(os.listdir(tmp_path)) == ["blocker.pt", "blocker.pt.ckptaudit.json"]
+    assert sorted(os.listdir(tmp_path)) == ["blocker.pt", "blocker.pt.ckptaudit.json", "blocker.pt.passport.json"]
 
 
 def test_reports_of_checkpoints_deleted_since_are_removed(tmp_path: Path) -> None:
@@ -147,7 +147,8 @@ def test_reports_of_checkpoints_deleted_since_are_removed(tmp_path: Path) -> Non
     first.unlink()  # a retention the guard does not run (Lightning's save_top_k, a user's script)
     guard.submit(str(second), step=4)
     assert guard.close(120)
-    assert sorted(os.listdir(tmp_path)) == ["step=4.ckpt", "step=4.ckpt.ckptaudit.json"]
+    # ... and its passport: none is left beside a checkpoint that is gone.
+    assert sorted(os.listdir(tmp_path)) == ["step=4.ckpt", "step=4.ckpt.ckptaudit.json", "step=4.ckpt.passport.json"]
 
 
 def test_a_save_beyond_max_unverified_waits_for_the_pending_verdict(tmp_path: Path) -> None:

@@ -508,7 +508,8 @@ def _verdict(v: Any) -> dict[str, Any]:
     return {"checkpoint": os.path.basename(v.checkpoint), "step": v.step, "ok": v.ok, "codes": list(v.codes),
             "report": os.path.basename(v.report) if v.report else None,
             "quarantined_to": os.path.basename(v.quarantined_to) if v.quarantined_to else None,
-            "summary": v.summary, "error": v.error, "contract": contract}
+            "summary": v.summary, "error": v.error, "contract": contract, "damage": v.damage,
+            "damaged_ancestor": v.damaged_ancestor}
 
 
 def _result(out: str, **facts: Any) -> None:

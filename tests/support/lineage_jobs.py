@@ -83,7 +83,7 @@ def _hf_story(out: str, damage: str) -> dict[str, Any]:
     finally:
         Late.go()
     audit.guard.close(120)
-    verdicts = [{**_verdict(v), "damage": v.damage, "advice": v.advice, "damaged_ancestor": v.damaged_ancestor,
+    verdicts = [{**_verdict(v), "advice": v.advice,
                  "passport": os.path.relpath(v.passport, out) if v.passport else None} for v in audit.verdicts]
     return dict(stopped_at=trainer.state.global_step, listing=sorted(os.listdir(out)), raised=raised,
                 verdicts=verdicts)

@@ -211,7 +211,7 @@ class Guard:
         self._kept: dict[str, tuple[pinning.Pin, int | None]] = {}
         """Checkpoint path -> the pin of its newest passing content (``submit(keep_pin=True)``), and its step."""
         self._placed: dict[str, str] = {}
-        """Report path -> the checkpoint it describes (to remove it when the checkpoint is deleted)."""
+        """Report (or passport) path -> the checkpoint it describes (to remove it when the checkpoint is deleted)."""
         self._thread: threading.Thread | None = None
         self._process = WorkerProcess()
         self._observed: LiveState | None = None
@@ -609,6 +609,9 @@ class Guard:
             if state == "same":
                 where = self._place(draft, job.report, job.checkpoint)
                 papers = place_passport(job.attested, job.checkpoint)
+                if papers is not None:
+                    with self._cond:  # swept with the report when the checkpoint is deleted
+                        self._placed[papers] = job.checkpoint
             if ancestor is not None:
                 good = self.lineage.last_passed()
                 log.warning("ckptaudit guard: %s passed its own audit, but its training state descends from the "
