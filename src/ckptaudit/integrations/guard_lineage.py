@@ -20,10 +20,11 @@ The guard runs beside the live job, so at each save it can look at the masters i
   in the save alone (an exporter that rounded what it wrote): later saves are not tainted.
 
 What the live check cannot see: masters the optimizer does not hold as float32 tensors in its param groups or
-DeepSpeed's flat partitions (a custom optimizer keeping its own copies elsewhere); damage other than 16-bit
-rounding (the audit still fails the file; the guard then says it could not tell and taints nothing); and damage
+DeepSpeed's flat partitions (a custom optimizer keeping its own copies elsewhere); with sharded masters, other ranks'
+shards (it runs on the process that audits); damage other than 16-bit rounding (the audit still fails the file; the guard then says it could not tell and taints nothing); and damage
 undone before the save point (rounded at step 5, then trained at full precision until the save at step 6: the
-values at step 6 no longer look rounded). A tensor the optimizer steps but that never changed since it was loaded
+values at step 6 no longer look rounded); and, the other way round, masters rounded in memory for the save and put
+back right after it look like a damaged state (the safe side: more checkpoints passed over, never fewer). A tensor the optimizer steps but that never changed since it was loaded
 from 16-bit weights counts as rounded: the audit says the same of the file.
 """
 
