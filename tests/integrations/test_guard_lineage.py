@@ -240,3 +240,22 @@ def test_a_run_that_restores_inherits_the_lineage_of_what_it_restored(tmp_path: 
         else:
             assert lineage.damaged_ancestor is not None and lineage.damaged_ancestor.checkpoint == "step-6.pt"
             assert v.damaged_ancestor == "step-6.pt"
+
+
+def test_a_path_saved_again_loses_the_passport_of_its_old_bytes(tmp_path: Path) -> None:
+    """Lightning's last.ckpt is rewritten at every save: the passport of the bytes it held before never stays
+    beside new bytes, even while their audit waits."""
+    from concurrent.futures import Future
+
+    model, opt = _trained()
+    last = _save(model, opt, tmp_path / "last.ckpt")
+    guard = Guard(background="thread")
+    guard.submit(str(last), step=2)
+    assert guard.wait(120) and Path(passport_path(str(last))).exists()
+    held: Future[None] = Future()  # an earlier save still writing: the next audit waits behind it
+    guard.submit(str(_save(model, opt, tmp_path / "other.ckpt")), step=3, ready=held)
+    _save(model, opt, last, export_rounded=True)
+    guard.submit(str(last), step=4)
+    assert guard.status(str(last)) == "pending" and not Path(passport_path(str(last))).exists()
+    held.set_result(None)
+    assert guard.close(120) and guard.verdicts[-1].ok is False
