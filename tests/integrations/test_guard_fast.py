@@ -206,10 +206,12 @@ def test_torchtitan_keep_latest_k_never_purges_the_last_good_checkpoint(tmp_path
                                      ("step-8", 8, True), ("step-10", 10, True)]
     # The job rounds the live masters in place around the save of step 4 (put back after it): at that save point
     # the training state held only bf16 values, so the guard counts steps 6 to 10 as descending from that damage,
-    # and step 2 stays, the last good one (what `ckptaudit latest` names).
+    # and step 2 stays, the last good one (what `ckptaudit latest` names). The purge runs after each save and on a
+    # pass; no pass came after the held audits (they descend from the damage), so step 6 waits for the next one.
     assert [v["damaged_ancestor"] for v in r["verdicts"]] == [None, None, "step-4", "step-4", "step-4"]
-    assert r["listing"] == ["quarantined-step_4", "quarantined-step_4.ckptaudit.json", "step-10", "step-2", "step-8",
-                            "step_10.ckptaudit.json", "step_2.ckptaudit.json", "step_8.ckptaudit.json"]
+    assert r["listing"] == ["quarantined-step_4", "quarantined-step_4.ckptaudit.json", "step-10", "step-2", "step-6",
+                            "step-8", "step_10.ckptaudit.json", "step_2.ckptaudit.json", "step_6.ckptaudit.json",
+                            "step_8.ckptaudit.json"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
