@@ -44,8 +44,9 @@ to every worker request's ``"options"``, to :func:`~ckptaudit.integrations.guard
 Cut by concept, every name importable from here: the records (:mod:`.guard_records`: :class:`Verdict`,
 :class:`SaveWait`, :class:`Kept`, :class:`CheckpointAuditFailed`), the collectives every rank calls
 (:mod:`.guard_collective`), the worker process's client (:mod:`.guard_process`) and the process itself
-(:mod:`.guard_worker`); this module holds the :class:`Guard`: its queue, the bound on unverified saves, the
-verdicts and the quarantine.
+(:mod:`.guard_worker`, which also writes each passing checkpoint's passport), the quarantine
+(:mod:`.guard_quarantine`), the live check and the lineage (:mod:`.guard_lineage`); this module holds the
+:class:`Guard`: its queue, the bound on unverified saves and the verdicts.
 """
 
 from __future__ import annotations
@@ -63,12 +64,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptaudit.integrations import pinning
-from ckptaudit.integrations.guard_collective import (
-    ROUND_S,
-    before_save_everywhere,
-    stop_requested,
-    wait_everywhere,
-)
+from ckptaudit.integrations.guard_collective import ROUND_S, before_save_everywhere, stop_requested, wait_everywhere
 from ckptaudit.integrations.guard_lineage import (
     LiveState,
     RunLineage,
