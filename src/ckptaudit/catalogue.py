@@ -193,6 +193,11 @@ _RULES: tuple[Rule, ...] = (
     Rule("guard.quarantined", E, "A checkpoint the in-loop guard (ckptaudit.integrations) audited as it was saved "
          "and found failing: moved to a quarantined-<name> / <name>.quarantined name, which no resume path picks, "
          "with its report beside it (<name>.ckptaudit.json)."),
+    Rule("guard.descends-from-damage", E, "A checkpoint whose passport's lineage says its training state descends "
+         "from damage: an earlier save of its run failed its audit while the live masters were rounded in memory "
+         "(the guard saw it at that save), and every later save carries the damage until the run restores a "
+         "checkpoint that passed, even one that passes its own audit. `latest` passes over it (--allow-damaged-"
+         "lineage keeps the old choice); the message names the damaged ancestor."),
     Rule("store.pointer-stale", W, "The `latest` pointer names a checkpoint that is missing, not resumable, or "
          "older than the newest resumable one."),
     # ---- passport (ckptaudit attest / verify: a verdict bound to the bytes; docs/passport.md) ----

@@ -172,6 +172,9 @@ def _parser() -> argparse.ArgumentParser:
     lt.add_argument("--no-run-evidence", action="store_true",
                     help="judge each candidate alone: do not hold it to the master dtype its run's other checkpoints "
                     "establish (by default a candidate cast to bf16 beside float32 siblings is rejected)")
+    lt.add_argument("--allow-damaged-lineage", action="store_true",
+                    help="do not pass over a checkpoint whose passport says its training state descends from damage "
+                    "(an earlier save failed while the live masters were rounded in memory): the old choice")
     lt.add_argument("--all", action="store_true", help="validate every candidate, not only down to the latest")
     lt.add_argument("--verbose", "-v", action="store_true", help="list every finding")
     lt.add_argument("--fail-on", choices=FAIL_ON.choices,
@@ -563,7 +566,9 @@ def _cmd_latest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
     show = not args.no_progress and stderr.isatty()
     report = latest_report(args.root, verify=args.verify, require=_require(args.require, passport=True),
                            check_all=args.all,
-                           progress=progress if show else None, ignore=_ignore(args.ignore),
+                           progress=progress if show else None,
+                           ignore=_ignore(args.ignore) + (("guard.descends-from-damage",) if args.allow_damaged_lineage
+                                                          else ()),
                            master_dtype=args.master_dtype, run_evidence=not args.no_run_evidence)
     fail_on = args.fail_on
     args.fail_on = fail_on or "error"

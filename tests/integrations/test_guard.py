@@ -152,8 +152,8 @@ class _RewrittenDuringItsAudit(Guard):
         super().__init__(**options)
         self.how = how
 
-    def _run_audit(self, checkpoint: str, where: str, as_path: str) -> dict[str, Any]:
-        result = super()._run_audit(checkpoint, where, as_path)
+    def _run_audit(self, checkpoint: str, where: str, as_path: str, *passport: Any) -> dict[str, Any]:
+        result = super()._run_audit(checkpoint, where, as_path, *passport)
         if self.how == "in place":
             trained(Path(as_path))
         else:
@@ -261,7 +261,9 @@ def test_trainer_on_two_ranks_stops_on_both_after_the_lossy_save(tmp_path: Path)
                                 "quarantined-checkpoint-4.ckptaudit.json"]
         assert r["get_last_checkpoint"] == "checkpoint-2"
         assert (r["resumed_from_step"], r["resumed_to_step"]) == (2, 7)
-        assert r["files"]["quarantined-checkpoint-4"] == r["files"]["checkpoint-2"]
+        # The passport of the good one, inside it, is the only difference (the guard wrote it when it passed).
+        assert sorted([*r["files"]["quarantined-checkpoint-4"], "ckptaudit.passport.json"]) == sorted(
+            r["files"]["checkpoint-2"])
         assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(r["files"]["checkpoint-2"])
     # Both processes' train() raised CheckpointAuditFailed; the one that audited names the checkpoint.
     assert [r["raised"]["failed"] for r in ranks] == [["checkpoint-4"], []]
@@ -276,6 +278,17 @@ def lightning_story(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_job("lightning", str(tmp_path_factory.mktemp("guard-lightning")))
 
 
+def _without_passports(listing: list[str]) -> list[str]:
+    return [n for n in listing if not n.endswith(".passport.json")]
+
+
+def _passports_hold(story: dict[str, Any]) -> None:
+    """The good top-k file has its passport, and every passport beside a file attests that file's bytes (last.ckpt
+    keeps one only when its bytes are the ones attested: the guard drops it when the name is saved again)."""
+    assert "epoch=0-step=2.ckpt.passport.json" in story["listing"]
+    assert story["passports"] and all(story["passports"].values()), story["passports"]
+
+
 @pytest.mark.libs
 def test_lightning_stops_after_the_lossy_save_and_last_resumes_the_good_one(lightning_story: dict[str, Any]) -> None:
     verdicts = [(v["checkpoint"], v["step"], v["ok"]) for v in lightning_story["verdicts"]]
@@ -284,10 +297,11 @@ def test_lightning_stops_after_the_lossy_save_and_last_resumes_the_good_one(ligh
     assert all(set(v["codes"]) == {"precision.bf16-rounded"} for v in lightning_story["verdicts"][2:])
     live(lightning_story["verdicts"][0], "Lightning precision=")
     assert lightning_story["stopped_at"] == 5
-    assert lightning_story["listing"] == [
+    assert _without_passports(lightning_story["listing"]) == [
         "epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.ckptaudit.json",
         "epoch=0-step=4.ckpt.quarantined", "epoch=0-step=4.ckpt.quarantined.ckptaudit.json",
         "last.ckpt", "last.ckpt.ckptaudit.json", "last.ckpt.quarantined", "last.ckpt.quarantined.ckptaudit.json"]
+    _passports_hold(lightning_story)
     # last.ckpt was the failed step-4 state; it is now a real copy (not a link) of the step-2 checkpoint, and
     # Lightning's own ckpt_path="last" resumed from it.
     assert lightning_story["last_global_step"] == 2 and not lightning_story["last_is_link"]
@@ -308,10 +322,11 @@ def test_lightning_ddp_on_two_ranks_stops_on_both_after_the_lossy_save(tmp_path:
     assert one["verdicts"] == []  # only the global-zero process audits
     assert [r["stopped_at"] for r in ranks] == [5, 5]
     for r in ranks:
-        assert r["listing"] == [
+        assert _without_passports(r["listing"]) == [
             "epoch=0-step=2.ckpt", "epoch=0-step=2.ckpt.ckptaudit.json",
             "epoch=0-step=4.ckpt.quarantined", "epoch=0-step=4.ckpt.quarantined.ckptaudit.json",
             "last.ckpt", "last.ckpt.ckptaudit.json", "last.ckpt.quarantined", "last.ckpt.quarantined.ckptaudit.json"]
+        _passports_hold(r)
         # ckpt_path="last" (a copy of step 2 now) resumed both ranks at step 2.
         assert r["last_global_step"] == 2 and not r["last_is_link"]
         assert (r["resumed_from_step"], r["resumed_to_step"]) == (2, 7)

@@ -174,10 +174,11 @@ def test_lightning_rewritten_last_ckpt_gets_the_verdict_of_what_each_save_wrote(
     assert all("epoch=0-step=2.ckpt" in names for names in r["on_disk_at_each_step"][2:]), r["on_disk_at_each_step"]
     # ... and the removals of step 2 and of steps 4 and 6 (pending when asked) happened once newer ones had
     # passed, with their reports.
+    # Each good one keeps its passport beside it; step 2's went with it.
     assert r["listing"] == ["epoch=0-step=4.ckpt.quarantined", "epoch=0-step=4.ckpt.quarantined.ckptaudit.json",
-                            "epoch=0-step=8.ckpt", "epoch=0-step=8.ckpt.ckptaudit.json", "last.ckpt",
-                            "last.ckpt.ckptaudit.json", "last.ckpt.quarantined",
-                            "last.ckpt.quarantined.ckptaudit.json"]
+                            "epoch=0-step=8.ckpt", "epoch=0-step=8.ckpt.ckptaudit.json",
+                            "epoch=0-step=8.ckpt.passport.json", "last.ckpt", "last.ckpt.ckptaudit.json",
+                            "last.ckpt.passport.json", "last.ckpt.quarantined", "last.ckpt.quarantined.ckptaudit.json"]
 
 
 @pytest.mark.dist
@@ -203,8 +204,14 @@ def test_torchtitan_keep_latest_k_never_purges_the_last_good_checkpoint(tmp_path
     assert r["keep_latest_k"] == 0 and all("step-2" in names for names in r["on_disk_at_each_save"]), r
     assert _pairs(r["verdicts"]) == [("step-2", 2, True), ("step-4", 4, False), ("step-6", 6, True),
                                      ("step-8", 8, True), ("step-10", 10, True)]
-    assert r["listing"] == ["quarantined-step_4", "quarantined-step_4.ckptaudit.json", "step-10", "step-8",
-                            "step_10.ckptaudit.json", "step_8.ckptaudit.json"]
+    # The job rounds the live masters in place around the save of step 4 (put back after it): at that save point
+    # the training state held only bf16 values, so the guard counts steps 6 to 10 as descending from that damage,
+    # and step 2 stays, the last good one (what `ckptaudit latest` names). The purge runs after each save and on a
+    # pass; no pass came after the held audits (they descend from the damage), so step 6 waits for the next one.
+    assert [v["damaged_ancestor"] for v in r["verdicts"]] == [None, None, "step-4", "step-4", "step-4"]
+    assert r["listing"] == ["quarantined-step_4", "quarantined-step_4.ckptaudit.json", "step-10", "step-2", "step-6",
+                            "step-8", "step_10.ckptaudit.json", "step_2.ckptaudit.json", "step_6.ckptaudit.json",
+                            "step_8.ckptaudit.json"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,9 +241,16 @@ def test_accelerate_save_state_quarantines_a_bad_folder_and_load_state_resumes_t
     # total_limit=1: Accelerate's own rotation deletes the oldest folder before each save, checkpoint_0 at the
     # save of checkpoint_1; the guard kept it until a newer one had passed.
     assert zero["on_disk_at_each_save"][:2] == [["checkpoint_0"], ["checkpoint_0", "checkpoint_1"]]
+    # FSDP's job rounds the live masters in place: checkpoint_2 descends from that damage, so retention keeps
+    # checkpoint_0, the last good one (the exporter hook of DDP's job rounds only the file).
+    kept = [0, 2] if parallel == "fsdp" and good == 2 else [good]
+    if parallel == "fsdp" and good == 2:
+        assert zero["verdicts"][1]["damage"] == "state" and zero["verdicts"][2]["damaged_ancestor"] == "checkpoint_1"
+    elif len(zero["verdicts"]) > 1:
+        assert zero["verdicts"][1]["damage"] == ("state" if parallel == "fsdp" else "file")
     for r in (zero, one):
-        assert r["checkpoints"] == [f"checkpoint_{good}"]  # nothing of ckptaudit's in load_state's folder
-        assert r["home"] == [f"checkpoint_{good}.ckptaudit.json", "quarantined-checkpoint_1",
-                             "quarantined-checkpoint_1.ckptaudit.json"]
+        assert r["checkpoints"] == [f"checkpoint_{k}" for k in kept]  # nothing of ckptaudit's in load_state's folder
+        assert r["home"] == [f"checkpoint_{k}.ckptaudit.json" for k in kept] + [
+            "quarantined-checkpoint_1", "quarantined-checkpoint_1.ckptaudit.json"]
         assert r["loaded_iteration"] == [good]  # load_state() restored the weights saved in the good folder
     assert zero["raised"]["failed"] == ["checkpoint_1"] and one["raised"]["failed"] == []

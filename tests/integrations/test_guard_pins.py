@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from concurrent.futures import Future
@@ -135,7 +136,7 @@ def test_a_checkpoint_deleted_before_its_verdict_is_judged_and_leaves_no_report(
     # Judged from its pin (the run did write a bad checkpoint: stop mode stops), but nothing is left for it.
     assert verdict.ok is False and verdict.note.startswith("deleted before its verdict") and guard.should_stop()
     assert verdict.report is None and verdict.quarantined_to is None
-    assert sorted(os.listdir(tmp_path)) == ["blocker.pt", "blocker.pt.ckptaudit.json"]
+    assert sorted(os.listdir(tmp_path)) == ["blocker.pt", "blocker.pt.ckptaudit.json", "blocker.pt.passport.json"]
 
 
 def test_reports_of_checkpoints_deleted_since_are_removed(tmp_path: Path) -> None:
@@ -146,7 +147,8 @@ def test_reports_of_checkpoints_deleted_since_are_removed(tmp_path: Path) -> Non
     first.unlink()  # a retention the guard does not run (Lightning's save_top_k, a user's script)
     guard.submit(str(second), step=4)
     assert guard.close(120)
-    assert sorted(os.listdir(tmp_path)) == ["step=4.ckpt", "step=4.ckpt.ckptaudit.json"]
+    # ... and its passport: none is left beside a checkpoint that is gone.
+    assert sorted(os.listdir(tmp_path)) == ["step=4.ckpt", "step=4.ckpt.ckptaudit.json", "step=4.ckpt.passport.json"]
 
 
 def test_a_save_beyond_max_unverified_waits_for_the_pending_verdict(tmp_path: Path) -> None:
@@ -171,6 +173,27 @@ def test_a_save_beyond_max_unverified_waits_for_the_pending_verdict(tmp_path: Pa
     (wait,) = guard.waits
     assert (wait.step, wait.unverified) == (4, 1) and wait.seconds > 0
     assert guard.close(120) and guard.verdicts[-1].ok is True
+
+
+@pytest.mark.parametrize(("warn_after_s", "level"), [(30.0, logging.INFO), (0.0, logging.WARNING)])
+def test_a_wait_within_the_bound_is_info_and_a_stall_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch, warn_after_s: float,
+                                                                level: int) -> None:
+    """A healthy run whose save waits for the rest of an audit (the bound at work) logs it as INFO; only a wait
+    beyond WAIT_WARN_S (a stall) is a WARNING."""
+    from ckptaudit.integrations import guard as guard_module
+
+    monkeypatch.setattr(guard_module, "WAIT_WARN_S", warn_after_s)
+    guard = Guard(on_failure="stop", background="thread")
+    held: Future[None] = Future()
+    guard.submit(str(trained(tmp_path / "step=2.ckpt")), step=2, ready=held)
+    threading.Timer(0.3, held.set_result, (None,)).start()
+    with caplog.at_level(logging.DEBUG, logger="ckptaudit.guard"):
+        waited = guard.before_save(4)
+    assert waited is not None and waited > 0
+    (record,) = [r for r in caplog.records if "waited" in r.getMessage()]
+    assert record.levelno == level and "the save at step 4 waited" in record.getMessage()
+    assert guard.close(120)
 
 
 def test_warn_mode_has_no_bound_unless_asked(tmp_path: Path) -> None:

@@ -187,12 +187,14 @@ def _lightning_story(out: str, ddp: bool = False) -> dict[str, Any]:
     raised = _raised(lambda: first.fit(LitGPT(), loader()))
     stopped_at = first.global_step
     listing = sorted(os.listdir(os.path.join(out, "ckpts")))
+    passports = _passports_hold(os.path.join(out, "ckpts"), listing)  # before the resumed run rewrites last.ckpt
     last = os.path.join(out, "ckpts", "last.ckpt")
     last_state = torch.load(last, map_location="cpu", weights_only=True)
     second = trainer(stopped_at + 2, Seen())
     second.fit(LitGPT(), loader(), ckpt_path="last")
     guard.guard.close(120)
-    return dict(stopped_at=stopped_at, listing=listing, last_is_link=os.path.islink(last), raised=raised,
+    return dict(stopped_at=stopped_at, listing=listing, passports=passports, last_is_link=os.path.islink(last),
+                raised=raised,
                 last_global_step=last_state["global_step"], resumed_from_step=Seen.start_step,
                 resumed_to_step=second.global_step, verdicts=[_verdict(v) for v in guard.verdicts])
 
@@ -489,6 +491,15 @@ def _torchtitan_story(out: str, async_mode: str) -> dict[str, Any]:
                 saves_still_writing_when_save_returned=pending_saves, verdicts=[_verdict(v) for v in guard.verdicts])
 
 
+def _passports_hold(folder: str, listing: list[str]) -> dict[str, bool]:
+    """Each passport the guard left beside a checkpoint file -> whether it attests that file's bytes now, with a
+    passing verdict (``ckptaudit.passport.verify``)."""
+    from ckptaudit.passport import verify
+
+    return {n: verify(os.path.join(folder, n.removesuffix(".passport.json"))).ok
+            for n in listing if n.endswith(".passport.json")}
+
+
 def _raised(train: Any) -> dict[str, Any] | None:
     """Run ``train()``; what :class:`CheckpointAuditFailed` it raised at the end (``None`` if it returned)."""
     from ckptaudit.integrations.guard import CheckpointAuditFailed
@@ -508,7 +519,8 @@ def _verdict(v: Any) -> dict[str, Any]:
     return {"checkpoint": os.path.basename(v.checkpoint), "step": v.step, "ok": v.ok, "codes": list(v.codes),
             "report": os.path.basename(v.report) if v.report else None,
             "quarantined_to": os.path.basename(v.quarantined_to) if v.quarantined_to else None,
-            "summary": v.summary, "error": v.error, "contract": contract}
+            "summary": v.summary, "error": v.error, "contract": contract, "damage": v.damage,
+            "damaged_ancestor": v.damaged_ancestor}
 
 
 def _result(out: str, **facts: Any) -> None:

@@ -40,107 +40,75 @@ a verdict that is *not judged*: logged, nothing quarantined, training not stoppe
 The audit options flow unchanged from the integration's constructor (``AuditCallback(quick=True, ...)``) to
 ``Guard(**audit_options)`` (checked there, :data:`ckptaudit.options.AUDIT_OPTIONS`), to :attr:`Guard.audit_options`,
 to every worker request's ``"options"``, to :func:`~ckptaudit.integrations.guard_worker.audit_to_file`, to :func:`ckptaudit.audit`.
+
+Cut by concept, every name importable from here: the records (:mod:`.guard_records`: :class:`Verdict`,
+:class:`SaveWait`, :class:`Kept`, :class:`CheckpointAuditFailed`), the collectives every rank calls
+(:mod:`.guard_collective`), the worker process's client (:mod:`.guard_process`) and the process itself
+(:mod:`.guard_worker`, which also writes each passing checkpoint's passport), the quarantine
+(:mod:`.guard_quarantine`), the live check and the lineage (:mod:`.guard_lineage`); this module holds the
+:class:`Guard`: its queue, the bound on unverified saves and the verdicts.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
 import shutil
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptaudit.integrations import pinning
+from ckptaudit.integrations.guard_collective import ROUND_S, before_save_everywhere, stop_requested, wait_everywhere
+from ckptaudit.integrations.guard_lineage import (
+    LiveState,
+    RunLineage,
+    SaveRecord,
+    classify,
+    drop_stale_passport,
+    failure_advice,
+    observe_live,
+    passport_drafts,
+    passport_request,
+    place_passport,
+)
+from ckptaudit.integrations.guard_process import WORKER_ONE_THREAD, WorkerProcess, worker_env
+from ckptaudit.integrations.guard_quarantine import failure_message, quarantine
+from ckptaudit.integrations.guard_records import (
+    BACKGROUNDS,
+    ON_FAILURE,
+    CheckpointAuditFailed,
+    Kept,
+    SaveWait,
+    Verdict,
+    report_path,
+)
 from ckptaudit.ondisk.quarantine import REPORT_SUFFIX, is_quarantined, quarantine_name
 
-__all__ = ["BACKGROUNDS", "ON_FAILURE", "REPORT_SUFFIX", "CheckpointAuditFailed", "Guard", "Kept", "SaveWait", "Verdict",
-           "before_save_everywhere", "is_quarantined", "quarantine_name", "report_path", "stop_requested",
-           "wait_everywhere"]
+if TYPE_CHECKING:
+    import subprocess
+
+__all__ = ["BACKGROUNDS", "ON_FAILURE", "REPORT_SUFFIX", "ROUND_S", "WAIT_WARN_S", "WORKER_ONE_THREAD", "CheckpointAuditFailed", "Guard",
+           "Kept", "SaveWait", "Verdict", "before_save_everywhere", "is_quarantined", "quarantine_name", "report_path",
+           "stop_requested", "wait_everywhere", "worker_env"]
 
 log = logging.getLogger("ckptaudit.guard")
 
-ON_FAILURE = ("warn", "stop")
-BACKGROUNDS = ("thread", "process")
 _BY_MODE = object()
 """``max_unverified``'s default: 1 with ``on_failure="stop"``, no bound with ``"warn"``."""
-
-
-def report_path(checkpoint: str) -> str:
-    """Where the guard writes the report of ``checkpoint``: beside it, ``<checkpoint>.ckptaudit.json``."""
-    return os.path.normpath(checkpoint) + REPORT_SUFFIX
+WAIT_WARN_S = 30.0
+"""A save that waited longer than this for an earlier verdict (:meth:`Guard.before_save`) is logged as a WARNING: a
+stall of the training loop, no longer the bound at work. A shorter wait is INFO: the documented behaviour of
+``max_unverified`` in a loop whose saves come faster than an audit."""
 
 
 def _key(path: str) -> str:
     return os.path.normpath(os.path.abspath(path))
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """The outcome of one checkpoint's audit in the loop."""
-
-    checkpoint: str
-    """The path audited (where the library saved it)."""
-    step: int | None
-    ok: bool | None
-    """``True`` passed, ``False`` failed, ``None`` not judged (the audit could not run, or the bytes it read may
-    not be the bytes saved: see ``error``)."""
-    summary: str
-    codes: tuple[str, ...]
-    """The codes of the findings at or above ``fail_on``."""
-    report: str | None
-    """Where the JSON report lies (after any quarantine), or ``None``."""
-    quarantined_to: str | None
-    seconds: float
-    """Wall time of the audit on the worker."""
-    queued_s: float
-    """Time between the save and the start of its audit (waiting behind earlier audits)."""
-    error: str = ""
-    note: str = ""
-    """What happened to the checkpoint's path between the save and the verdict, when anything did: replaced by
-    newer content (the verdict is the saved content's) or deleted (no report is left behind)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SaveWait:
-    """A save that waited at :meth:`Guard.before_save` because ``max_unverified`` save points were unverified."""
-
-    step: int | None
-    seconds: float
-    unverified: int
-    """Save points waiting for a verdict when the wait began."""
-
-
-@dataclass(frozen=True, slots=True)
-class Kept:
-    """A checkpoint's newest passing content, kept by the guard (:meth:`Guard.kept`)."""
-
-    path: str
-    """The pinned copy (the guard's hard link; copy it, never write to it)."""
-    step: int | None
-    report: str
-    """A copy of its JSON report."""
-
-
-class CheckpointAuditFailed(RuntimeError):
-    """Raised at the end of training, with ``on_failure="stop"``, when a checkpoint saved during it failed its audit.
-
-    Raised on every rank, after the last audit has finished and every failing checkpoint is quarantined (the
-    library's own resume path skips it): by the Trainer and Lightning callbacks at the end of ``train()`` /
-    ``fit()``, and by :meth:`Guard.finish` in the loops that call it. ``failed`` holds the failing verdicts on
-    the rank that audited (empty on the others).
-    """
-
-    def __init__(self, message: str, failed: tuple[Verdict, ...] = ()) -> None:
-        super().__init__(message)
-        self.failed = failed
 
 
 @dataclass(eq=False, slots=True)
@@ -161,6 +129,10 @@ class _Job:
     """The checkpoint's files as saved (pinned at submit; for an asynchronous save, when its future completes)."""
     ready: Future[Any] | None = None
     """An asynchronous save's future: the worker waits for it (never the training loop) before the audit."""
+    live: LiveState | None = None
+    """The live check at its save point (:meth:`Guard.observe`), or ``None`` when the guard saw no optimizer."""
+    attested: dict[str, Any] | None = None
+    """(worker) The worker's answer about its passport: ``file``, ``digest``, ``root_digest``, or ``error``."""
 
 
 def _likely_owner() -> bool:
@@ -192,7 +164,8 @@ class Guard:
     """
 
     def __init__(self, *, on_failure: str = "warn", background: str = "process",
-                 max_unverified: int | object | None = _BY_MODE, **audit_options: Any) -> None:
+                 max_unverified: int | object | None = _BY_MODE, passport: bool = True,
+                 passport_key: str | os.PathLike[str] | None = None, **audit_options: Any) -> None:
         from ckptaudit.options import AUDIT_OPTIONS, resolve
 
         if on_failure not in ON_FAILURE:
@@ -208,6 +181,13 @@ class Guard:
             raise ValueError(f"ckptaudit guard: max_unverified={max_unverified!r} is not valid; pass an int of at "
                              "least 1 (the most saves waiting for a verdict) or None (no bound)")
         resolve("ckptaudit guard", audit_options, AUDIT_OPTIONS)
+        if passport_key is not None and not (passport and os.path.isfile(passport_key)):
+            raise ValueError(f"ckptaudit guard: passport_key={os.fspath(passport_key)!r} is not valid; pass the path "
+                             "of a PEM private key file (and passport=True) to sign each passport, or None for "
+                             "digest-only passports")
+        self.passport = bool(passport)
+        """Write a passport beside (inside) each checkpoint that passes (:mod:`ckptaudit.passport`)."""
+        self.passport_key = None if passport_key is None else os.fspath(passport_key)
         self.on_failure = on_failure
         self.background = background
         self.max_unverified: int | None = max_unverified  # type: ignore[assignment]
@@ -227,9 +207,13 @@ class Guard:
         self._kept: dict[str, tuple[pinning.Pin, int | None]] = {}
         """Checkpoint path -> the pin of its newest passing content (``submit(keep_pin=True)``), and its step."""
         self._placed: dict[str, str] = {}
-        """Report path -> the checkpoint it describes (to remove it when the checkpoint is deleted)."""
+        """Report (or passport) path -> the checkpoint it describes (to remove it when the checkpoint is deleted)."""
         self._thread: threading.Thread | None = None
-        self._child: subprocess.Popen[str] | None = None
+        self._process = WorkerProcess()
+        self._observed: LiveState | None = None
+        """The live check of the save about to be submitted (:meth:`observe`)."""
+        self.lineage = RunLineage()
+        """(worker) The run's history: each save's parent, and the save that damaged the live state."""
         self._ready = threading.Event()
         self._closed = False
         if _likely_owner():
@@ -276,9 +260,13 @@ class Guard:
                 return 0.0
             waited = time.monotonic() - began[0]
             self._waits.append(SaveWait(step, waited, began[1]))
-        log.warning("ckptaudit guard: the save at step %s waited %.3f s for the verdict of an earlier save "
-                    "(max_unverified=%d): its audit took longer than the time between the saves", step, waited,
-                    limit)
+        if waited <= WAIT_WARN_S:  # the bound at work, as documented: at most the rest of an audit
+            log.info("ckptaudit guard: the save at step %s waited %.3f s for the verdict of an earlier save "
+                     "(max_unverified=%d)", step, waited, limit)
+        else:
+            log.warning("ckptaudit guard: the save at step %s waited %.3f s for the verdict of an earlier save "
+                        "(max_unverified=%d): its audit takes far longer than the time between the saves; pass "
+                        "quick=True, save less often, or raise max_unverified", step, waited, limit)
         return waited
 
     def submit(self, checkpoint: str, *, step: int | None = None,
@@ -306,14 +294,17 @@ class Guard:
         if self._closed:
             raise RuntimeError("ckptaudit guard: submit() after close(); create a new Guard")
         self.before_save(step)
+        if self.passport:
+            drop_stale_passport(checkpoint)
         pin: pinning.Pin | None = None
         if ready is None:
             try:
                 pin = pinning.pin(checkpoint, pins)
             except OSError:
                 pin = None  # it does not exist (the audit says so), or cannot be read
+        live, self._observed = self._observed, None
         job = _Job(checkpoint, step, step if step is not None else object(), quarantine_to, after_quarantine,
-                   on_pass, time.monotonic(), report or report_path(checkpoint), pins, keep_pin, pin, ready)
+                   on_pass, time.monotonic(), report or report_path(checkpoint), pins, keep_pin, pin, ready, live)
         with self._cond:
             ahead = len(self._live)
             self._live.append(job)
@@ -323,6 +314,29 @@ class Guard:
             log.info("ckptaudit guard: %s saved while %d audit(s) are pending; queued behind them", checkpoint, ahead)
         self.start()
         self._jobs.put(job)
+
+    def observe(self, optimizer: Any, step: int | None = None) -> LiveState | None:
+        """(owning process, training thread, after the library's save and before :meth:`submit`) The live check of
+        the masters ``optimizer`` steps (:func:`~ckptaudit.integrations.guard_lineage.observe_live`), given to the
+        next submitted checkpoint: its failure then says whether the training state or only the file is damaged.
+        The integrations call it through :func:`~ckptaudit.integrations.live_contract.declare_live_contract`.
+        A check that cannot run is logged and left out, never raised into training."""
+        try:
+            self._observed = observe_live(optimizer, step)
+        except Exception as exc:  # noqa: BLE001 - training goes on; the failure then says it could not tell
+            log.info("ckptaudit guard: the live check of the masters could not run (%s: %s)", type(exc).__name__,
+                     exc)
+            self._observed = None
+        return self._observed
+
+    def restored(self, checkpoint: str, step: int | None = None) -> None:
+        """(owning process, before the first save of a run that resumed) The run restored ``checkpoint``: the next
+        save descends from it, and from its damaged ancestor when its passport says it descends from damage."""
+        from ckptaudit.integrations.guard_lineage import restored_record
+
+        parent, damaged = restored_record(checkpoint, step)
+        with self._cond:
+            self.lineage.restored(parent, damaged)
 
     def detach(self, path: str) -> bool:
         """(training thread, just before the library writes ``path`` again in place) When a pin still needs the
@@ -363,6 +377,11 @@ class Guard:
         """Every save that waited for a verdict (:meth:`before_save`), in order."""
         with self._cond:
             return tuple(self._waits)
+
+    @property
+    def _child(self) -> subprocess.Popen[str] | None:
+        """The worker process, while it runs (``background="process"``)."""
+        return self._process.child
 
     @property
     def pending(self) -> int:
@@ -456,21 +475,7 @@ class Guard:
         that rank 0's guard found one (on the others)."""
         with self._cond:
             failed = tuple(v for v in self._verdicts if v.ok is False)
-        if not failed:
-            return CheckpointAuditFailed(
-                "ckptaudit guard (on_failure='stop'): a checkpoint saved during training failed its audit on the "
-                "process that audits (rank 0), and was quarantined; training stopped. Rank 0's log "
-                "(logger ckptaudit.guard) names it and its report")
-        lines = [f"ckptaudit guard (on_failure='stop'): {len(failed)} checkpoint(s) saved during training failed "
-                 "their audit; training stopped:"]
-        for v in failed:
-            where = f" -> quarantined to {v.quarantined_to}" if v.quarantined_to else " (not kept: " + v.note + ")"
-            lines.append(f"  {v.checkpoint}{f' (step {v.step})' if v.step is not None else ''}: "
-                         f"{', '.join(sorted(set(v.codes)))}{where}; report: {v.report}")
-        lines.append("The library's own resume path skips quarantined checkpoints; `ckptaudit latest DIR` names "
-                     "the newest that can be resumed. Fix the save (the report says what is wrong) before "
-                     "resuming.")
-        return CheckpointAuditFailed("\n".join(lines), failed)
+        return CheckpointAuditFailed(failure_message(failed), failed)
 
     # -- worker side ----------------------------------------------------------------------------------------
 
@@ -488,6 +493,7 @@ class Guard:
                 if job is None:
                     return
                 verdict = self._judge(job)
+                self._record(job, verdict)
                 self._sweep()  # before the verdict is published: wait() returns with the orphans gone
                 with self._cond:
                     self._verdicts.append(verdict)
@@ -498,14 +504,24 @@ class Guard:
                     if not self._open[job.point]:
                         del self._open[job.point]
                     self._cond.notify_all()
-                self._settle(job, verdict.ok, done=True)
+                self._settle(job, verdict.ok, done=True, descends=verdict.damaged_ancestor is not None)
         finally:
-            self._stop_child()
+            self._process.stop()
+
+    def _record(self, job: _Job, verdict: Verdict) -> None:
+        """(worker, after each verdict) The save joins the run's lineage: the next save's parent, and the damaged
+        ancestor of every later save when its failure damaged the live training state."""
+        attested = job.attested or {}
+        word = {True: "pass", False: "fail", None: "not-judged"}[verdict.ok]
+        saved = SaveRecord(self.lineage.name(job.checkpoint), attested.get("root_digest"), word,
+                           attested.get("digest") if verdict.passport else None, job.step)
+        with self._cond:
+            self.lineage.record(saved, verdict.damage or None)
 
     def _boot(self) -> None:
         """(worker thread, once) The worker process started and ready, or the audit engine imported."""
         if self.background == "process":
-            self._spawn()
+            self._process.spawn()
         else:
             from ckptaudit.integrations.guard_worker import warm
 
@@ -532,9 +548,11 @@ class Guard:
         target = pin.path if pin is not None else job.checkpoint
         draft = (os.path.join(pin.folder, "report" + REPORT_SUFFIX) if pin is not None and pin.folder
                  else f"{job.report}.tmp-{os.getpid()}-{threading.get_ident()}")
+        paper = None if not self.passport else passport_request(
+            self.lineage.lineage(), self.passport_key, pin.folder if pin is not None else None, job.checkpoint)
         try:
             try:
-                result = self._run_audit(target, draft, job.checkpoint)
+                result = self._run_audit(target, draft, job.checkpoint, paper)
             except Exception as exc:  # noqa: BLE001 - any failure of one audit is reported, never kills the loop
                 log.warning("ckptaudit guard: %s was not judged: the audit could not run (%s: %s); it stays "
                             "where it is", job.checkpoint, type(exc).__name__, exc)
@@ -553,8 +571,9 @@ class Guard:
                                f"replaced: {why}")
             return self._decide(job, result, state, draft, seconds, queued)
         finally:
-            if os.path.exists(draft):
-                os.remove(draft)
+            for left in (draft, *passport_drafts(paper)):
+                if os.path.exists(left):
+                    os.remove(left)
             if pin is not None and not (job.keep_pin and self._status_of_kept(job, pin)):
                 pin.release()
 
@@ -566,21 +585,37 @@ class Guard:
 
     def _decide(self, job: _Job, result: dict[str, Any], state: str, draft: str, seconds: float,
                 queued: float) -> Verdict:
-        """(worker) Record the verdict of what was saved: report, quarantine, the integration's hooks."""
+        """(worker) Record the verdict of what was saved: report, passport, quarantine, the integration's hooks."""
         ok, summary, codes = bool(result["ok"]), str(result["summary"]), tuple(result["codes"])
         pin = job.pin
         note = ""
         where: str | None = None
         moved: str | None = None
+        job.attested = result.get("passport")
+        damaged = self.lineage.damaged
+        ancestor = damaged.checkpoint if damaged is not None else None
         if state == "replaced":
             note = ("replaced since it was saved: this is the verdict of the content saved then; the new content "
                     "has its own audit")
         elif state == "gone":
             note = "deleted before its verdict (retention): judged from its pin; no report is left behind"
-        self._settle(job, ok)  # before the hooks: on_pass's retention must see this one as passed
+        self._settle(job, ok, descends=ancestor is not None)  # before the hooks: on_pass's retention sees it
         if ok:
+            papers = None
             if state == "same":
                 where = self._place(draft, job.report, job.checkpoint)
+                papers = place_passport(job.attested, job.checkpoint)
+                if papers is not None:
+                    with self._cond:  # swept with the report when the checkpoint is deleted
+                        self._placed[papers] = job.checkpoint
+            if ancestor is not None:
+                good = self.lineage.last_passed()
+                log.warning("ckptaudit guard: %s passed its own audit, but its training state descends from the "
+                            "damage at %s (its masters were rounded in memory there): not a checkpoint to resume "
+                            "from; restore %s and fix the training code", job.checkpoint, ancestor,
+                            good.checkpoint if good is not None else "a checkpoint from before that run")
+                return Verdict(job.checkpoint, job.step, True, summary, codes, where, None, seconds, queued, "",
+                               note, passport=papers, damaged_ancestor=ancestor)
             log.info("ckptaudit guard: %s passed (%.2f s): %s%s", job.checkpoint, seconds, summary,
                      f" ({note})" if note else "")
             if job.keep_pin and pin is not None and pin.folder is not None:
@@ -596,33 +631,30 @@ class Guard:
                 except Exception as exc:  # noqa: BLE001
                     log.error("ckptaudit guard: %s passed, but updating the library's pointer failed (%s: %s)",
                               job.checkpoint, type(exc).__name__, exc)
-            return Verdict(job.checkpoint, job.step, True, summary, codes, where, None, seconds, queued, "", note)
+            return Verdict(job.checkpoint, job.step, True, summary, codes, where, None, seconds, queued, "", note,
+                           passport=papers)
         source = job.checkpoint if state == "same" else (pin.path if state == "replaced" and pin is not None
                                                          else None)
         if source is not None:
-            try:
-                dest = (job.quarantine_to or quarantine_name)(job.checkpoint)
-                os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
-                shutil.move(source, dest)
-                moved = dest
-                where = self._place(draft, report_path(dest), dest)
-                if state == "same" and job.after_quarantine is not None:
-                    job.after_quarantine(job.checkpoint, dest)
-            except Exception as exc:  # noqa: BLE001
-                log.error("ckptaudit guard: %s failed its audit and could NOT be quarantined (%s: %s); do not "
-                          "resume from it", job.checkpoint, type(exc).__name__, exc)
-        log.warning("ckptaudit guard: %s FAILED its audit (%s)%s; report: %s%s%s", job.checkpoint,
+            moved = quarantine(job.checkpoint, source, job.quarantine_to, job.after_quarantine)
+            if moved is not None:
+                where = self._place(draft, report_path(moved), moved)
+        damage = classify(job.live)
+        advice = failure_advice(damage, job.live, self.lineage.last_passed())
+        log.warning("ckptaudit guard: %s FAILED its audit (%s)%s; report: %s%s: %s%s", job.checkpoint,
                     ", ".join(sorted(set(codes))), f", moved to {moved}" if moved else "", where,
-                    f" ({note})" if note else "",
+                    f" ({note})" if note else "", advice,
                     "; stopping training at the next step" if self.on_failure == "stop" else "")
-        return Verdict(job.checkpoint, job.step, False, summary, codes, where, moved, seconds, queued, "", note)
+        return Verdict(job.checkpoint, job.step, False, summary, codes, where, moved, seconds, queued, "", note,
+                       damage=damage, advice=advice, damaged_ancestor=ancestor)
 
-    def _settle(self, job: _Job, ok: bool | None, done: bool = False) -> None:
+    def _settle(self, job: _Job, ok: bool | None, done: bool = False, descends: bool = False) -> None:
         """(worker) :meth:`status` of ``job``'s checkpoint once it has a verdict, unless a newer save of the same
-        path still waits for one (``done``: ``job`` has left the pending list)."""
+        path still waits for one (``done``: ``job`` has left the pending list; ``descends``: from damage)."""
+        word = "descends from damage" if ok and descends else {True: "passed", False: "failed", None: "not judged"}[ok]
         with self._cond:
             if sum(j.checkpoint == job.checkpoint for j in self._live) <= (0 if done else 1):
-                self._status[_key(job.checkpoint)] = {True: "passed", False: "failed", None: "not judged"}[ok]
+                self._status[_key(job.checkpoint)] = word
 
     def _place(self, draft: str, where: str, checkpoint: str) -> str:
         """(worker) Move the report drafted in the pin (or beside) to ``where``, atomically."""
@@ -653,162 +685,11 @@ class Guard:
                 if self._placed.get(rep) == ckpt:
                     del self._placed[rep]
 
-    def _run_audit(self, checkpoint: str, where: str, as_path: str) -> dict[str, Any]:
+    def _run_audit(self, checkpoint: str, where: str, as_path: str,
+                   passport: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.background == "process":
-            return self._run_in_child(checkpoint, where, as_path)
+            return self._process.request({"checkpoint": checkpoint, "report": where, "as_path": as_path,
+                                          "options": self.audit_options, "passport": passport})
         from ckptaudit.integrations.guard_worker import audit_to_file
 
-        return audit_to_file(checkpoint, where, self.audit_options, as_path)
-
-    def _spawn(self) -> subprocess.Popen[str]:
-        """(worker thread) Start the worker process and wait for its ready line (priority lowered, engine
-        imported)."""
-        child = subprocess.Popen([sys.executable, "-m", "ckptaudit.integrations.guard_worker"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True, bufsize=1, env=worker_env())
-        self._child = child
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        if not line:
-            code = child.wait()
-            self._child = None
-            raise RuntimeError(f"the audit worker process exited with code {code} before it was ready")
-        return child
-
-    def _run_in_child(self, checkpoint: str, where: str, as_path: str) -> dict[str, Any]:
-        child = self._child
-        if child is None or child.poll() is not None:
-            child = self._spawn()
-        assert child.stdin is not None and child.stdout is not None
-        child.stdin.write(json.dumps({"checkpoint": checkpoint, "report": where, "as_path": as_path,
-                                      "options": self.audit_options}) + "\n")
-        child.stdin.flush()
-        line = child.stdout.readline()
-        if not line:
-            code = child.wait()
-            self._child = None
-            raise RuntimeError(f"the audit worker process exited with code {code}")
-        answer: dict[str, Any] = json.loads(line)
-        if "error" in answer:
-            raise RuntimeError(answer["error"])
-        return answer
-
-    def _stop_child(self) -> None:
-        child, self._child = self._child, None
-        if child is None:
-            return
-        try:
-            if child.stdin is not None:
-                # A quit line, not only EOF: a process forked from training (a DataLoader worker) may hold the
-                # pipe's write end open, and the worker would never see EOF.
-                try:
-                    child.stdin.write(json.dumps({"quit": True}) + "\n")
-                    child.stdin.flush()
-                except OSError:
-                    pass
-                child.stdin.close()
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-
-
-WORKER_ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
-"""Set to 1 in the worker process's environment: NumPy's BLAS would otherwise start a thread per core."""
-
-
-def worker_env() -> dict[str, str]:
-    """(training process) The audit worker's environment: this one, with one thread per numerical library (the
-    worker scans with one thread and lowers its own priority first thing: :mod:`ckptaudit.integrations.guard_worker`)."""
-    return {**os.environ, **dict.fromkeys(WORKER_ONE_THREAD, "1")}
-
-
-def stop_requested(guard: Guard) -> bool:
-    """(all ranks, collective when distributed) Whether rank 0's guard asks training to stop; every rank gets
-    the same answer (a one-element all-reduce of the default group), so all of them leave the loop at the same
-    step. Call it at the same point of every step on every rank. Its cost: one 4-byte all-reduce per call (a
-    latency, no bandwidth), on the current CUDA device under NCCL, on the CPU under gloo; none at all with
-    ``on_failure="warn"``, which never stops (every rank builds its guard with the same ``on_failure``, so no
-    rank enters the collective alone)."""
-    if guard.on_failure != "stop":
-        return False
-    import torch
-    import torch.distributed as dist
-
-    on = dist.is_available() and dist.is_initialized()
-    flag = guard.should_stop() if not on or dist.get_rank() == 0 else False
-    if not on or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-ROUND_S = 1.0
-"""How long the rank that audits waits between two all-reduces in :func:`before_save_everywhere` and
-:func:`wait_everywhere`."""
-
-
-def _any_rank_default() -> Callable[[bool], bool] | None:
-    """An "any rank says true" reduction over the default group (a 4-byte all-reduce), or ``None`` when this
-    process is alone."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-
-    def any_rank(flag: bool) -> bool:
-        import torch
-
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
-    return any_rank
-
-
-def before_save_everywhere(guard: Guard, step: int | None = None,
-                           any_rank: Callable[[bool], bool] | None = None) -> None:
-    """(all ranks, just before a collective save; collective when distributed and ``max_unverified`` is set)
-    :meth:`Guard.before_save` on the rank that audits, while the others wait beside it in rounds of at most
-    :data:`ROUND_S` seconds, one tiny all-reduce each (``any_rank``: the library's own "any rank true" reduction,
-    Lightning's ``reduce_boolean_decision``; default, the default group's all-reduce): no rank sits in the save's
-    first collective for as long as an audit takes, which its timeout (10 to 30 minutes) could end. Every rank
-    builds its guard with the same ``max_unverified``, so none enters the rounds alone; with no bound there are
-    none."""
-    if guard.max_unverified is None:
-        return
-    reduce = any_rank or _any_rank_default()
-    if reduce is None:
-        guard.before_save(step)
-        return
-    while reduce(guard.before_save(step, timeout=ROUND_S) is None):
-        pass
-
-
-def wait_everywhere(guard: Guard, timeout: float | None = None,
-                    any_rank: Callable[[bool], bool] | None = None) -> bool:
-    """(all ranks, at the end of training; collective when distributed) :meth:`Guard.wait` on the rank that
-    audits (up to ``timeout`` seconds), the others beside it in rounds of one tiny all-reduce (as in
-    :func:`before_save_everywhere`). Returns whether every audit finished (on the rank that audits; true on
-    the others)."""
-    reduce = any_rank or _any_rank_default()
-    if reduce is None:
-        return guard.wait(timeout)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        left = ROUND_S if deadline is None else max(0.0, min(ROUND_S, deadline - time.monotonic()))
-        done = guard.wait(left)
-        expired = deadline is not None and time.monotonic() >= deadline
-        if not reduce(not done and not expired):
-            return done
-
-
-def _collective_device() -> Any:
-    """The device a collective's tensor must live on for the default group's backend: NCCL needs this process's
-    current CUDA device (``torch.cuda.current_device()``, set by the launcher per local rank; a bare ``"cuda"``
-    would be device 0 on every rank); gloo takes CPU tensors."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        return audit_to_file(checkpoint, where, self.audit_options, as_path, passport)

@@ -2,8 +2,9 @@
 per line on stdout, until stdin closes.
 
     (first, once started)                                  ->  {"ready": true, "priority": {...}}
-    {"checkpoint": PATH, "report": PATH, "as_path": PATH, "options": {...}}
-                                                           ->  {"ok": bool, "summary": str, "codes": [...]}
+    {"checkpoint": PATH, "report": PATH, "as_path": PATH, "options": {...}, "passport": {...} | null}
+                                                           ->  {"ok": bool, "summary": str, "codes": [...],
+                                                                "passport": {...}}
                                                                or {"error": "Type: message"}
     {"quit": true}                                         ->  (exits)
 
@@ -38,9 +39,13 @@ _IOPRIO_SYSCALLS = {"x86_64": (251, 252), "aarch64": (30, 31), "ppc64le": (273, 
 """(ioprio_set, ioprio_get) by ``platform.machine()``."""
 
 
-def audit_to_file(checkpoint: str, where: str, options: dict[str, Any], as_path: str | None = None) -> dict[str, Any]:
+def audit_to_file(checkpoint: str, where: str, options: dict[str, Any], as_path: str | None = None,
+                  passport: dict[str, Any] | None = None) -> dict[str, Any]:
     """(worker) Audit ``checkpoint``, write its JSON report to ``where`` atomically, return the gist. ``as_path``:
-    the path the report names (the checkpoint's own, when ``checkpoint`` is its pinned copy)."""
+    the path the report names (the checkpoint's own, when ``checkpoint`` is its pinned copy). ``passport``:
+    ``{"output": PATH, "key": PATH | None, "lineage": {...}}`` also writes the checkpoint's passport there, of the
+    same bytes, with this audit's report (:func:`ckptaudit.passport.attest`); the answer's ``"passport"`` then
+    holds its ``file``, ``digest`` and ``root_digest`` (or an ``error``: the verdict stands without a passport)."""
     from ckptaudit.api import audit
 
     report = audit(checkpoint, **options)
@@ -51,7 +56,28 @@ def audit_to_file(checkpoint: str, where: str, options: dict[str, Any], as_path:
         fh.write(report.to_json())
         fh.write("\n")
     os.replace(tmp, where)
-    return {"ok": report.ok, "summary": report.summary, "codes": [f.code for f in report.failing]}
+    answer: dict[str, Any] = {"ok": report.ok, "summary": report.summary,
+                              "codes": [f.code for f in report.failing]}
+    if passport is not None:
+        answer["passport"] = _attest(checkpoint, report.raw, options, passport)
+    return answer
+
+
+def _attest(checkpoint: str, raw: Any, options: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """(worker) The passport of the bytes just audited (``raw``: their audit), written to ``spec["output"]``."""
+    from ckptaudit.api import audit_options
+    from ckptaudit.options import AUDIT_OPTIONS, resolve
+    from ckptaudit.passport import attest
+    from ckptaudit.passport.document import lineage_from_json
+
+    try:
+        lineage = lineage_from_json(spec.get("lineage"), "the guard's lineage")
+        opts = audit_options(resolve("ckptaudit guard", options, AUDIT_OPTIONS))
+        made = attest(checkpoint, key=spec.get("key"), output=spec["output"], lineage=lineage, report=raw,
+                      options=opts, jobs=opts.jobs)
+    except Exception as exc:  # noqa: BLE001 - the verdict stands; the guard says why there is no passport
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"file": made.file, "digest": made.digest, "root_digest": made.root_digest, "signed": made.signed}
 
 
 def _ioprio_syscall(index: int, *args: int) -> int:
@@ -137,7 +163,8 @@ def main() -> int:
             req = json.loads(line)
             if req.get("quit"):
                 break
-            answer = audit_to_file(req["checkpoint"], req["report"], req.get("options", {}), req.get("as_path"))
+            answer = audit_to_file(req["checkpoint"], req["report"], req.get("options", {}), req.get("as_path"),
+                                   req.get("passport"))
         except Exception as exc:  # noqa: BLE001 - reported to the guard, which logs it as "not judged"
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         sys.stdout.write(json.dumps(answer) + "\n")

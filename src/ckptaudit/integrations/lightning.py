@@ -251,6 +251,9 @@ class AuditCallback(pl.Callback):  # type: ignore[misc]
 
 
 def _remove_report(path: str) -> None:
-    report = report_path(path)
-    if os.path.exists(report):
-        os.remove(report)
+    """The guard's files beside a checkpoint file that is removed: its report and its passport."""
+    from ckptaudit.ondisk.passport import passport_path, signature_path
+
+    for beside in (report_path(path), passport_path(path, is_dir=False), signature_path(path, is_dir=False)):
+        if os.path.exists(beside):
+            os.remove(beside)

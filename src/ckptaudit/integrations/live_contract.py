@@ -19,23 +19,25 @@ from typing import Any
 
 from ckptaudit.integrations.guard import Guard
 
-__all__ = ["declare_live_contract", "live_master_dtype"]
+__all__ = ["FLAT_MASTERS", "declare_live_contract", "live_master_dtype", "param_groups"]
 
 log = logging.getLogger("ckptaudit.guard")
 
 _CONTRACT_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-_FLAT_MASTERS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
+FLAT_MASTERS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
 """Where DeepSpeed's optimizers keep their master partitions (ZeRO-1/2, ZeRO-3, ``BF16_Optimizer``): ZeRO-3 empties
 its ``param_groups`` between steps, so they are read here when the groups hold no parameter."""
 
 
-def _param_groups(optimizer: Any) -> list[Any]:
+def param_groups(optimizer: Any) -> list[Any]:
+    """The param groups ``optimizer`` steps (a plain torch optimizer's, a wrapper's that forwards them, or every inner
+    optimizer's of a container such as torchtitan's ``OptimizersContainer``)."""
     groups = getattr(optimizer, "param_groups", None)
     if isinstance(groups, list):
         return groups
     inner = getattr(optimizer, "optimizers", None)  # torchtitan's OptimizersContainer, lists of optimizers
     if isinstance(inner, list | tuple):
-        return [g for o in inner for g in _param_groups(o)]
+        return [g for o in inner for g in param_groups(o)]
     return []
 
 
@@ -45,7 +47,7 @@ def live_master_dtype(optimizer: Any) -> tuple[str, str] | None:
     import torch
 
     counts: Counter[str] = Counter()
-    for group in _param_groups(optimizer):
+    for group in param_groups(optimizer):
         params = group.get("params", []) if isinstance(group, dict) else []
         for p in params:
             if isinstance(p, torch.Tensor) and p.is_floating_point():
@@ -56,7 +58,7 @@ def live_master_dtype(optimizer: Any) -> tuple[str, str] | None:
         return None
     what = "parameter tensor(s)"
     if not counts:
-        for attr in _FLAT_MASTERS:
+        for attr in FLAT_MASTERS:
             flat = getattr(optimizer, attr, None)
             if isinstance(flat, list | tuple) and flat:
                 counts.update(str(t.dtype).removeprefix("torch.") for t in flat
@@ -73,9 +75,12 @@ def live_master_dtype(optimizer: Any) -> tuple[str, str] | None:
 
 
 def declare_live_contract(guard: Guard, optimizer: Any, run: str = "") -> None:
-    """(owning process, before :meth:`Guard.submit`) Give ``guard``'s audits the running job's master dtype
-    (:func:`live_master_dtype`; ``run``: more about the run, e.g. its precision setting), unless the user passed
-    a ``master_dtype`` of their own. Once set, later calls leave it as it is."""
+    """(owning process, after the library's save and before :meth:`Guard.submit`) Give ``guard``'s audits the
+    running job's master dtype (:func:`live_master_dtype`; ``run``: more about the run, e.g. its precision
+    setting), unless the user passed a ``master_dtype`` of their own (once set, later calls leave it as it is);
+    and give the next submitted checkpoint the live check of its masters (:meth:`Guard.observe`: did the training
+    state itself lose its bits, or only the file?)."""
+    guard.observe(optimizer)
     if guard.audit_options.get("master_dtype", "auto") != "auto":
         return
     found = live_master_dtype(optimizer)

@@ -90,6 +90,9 @@ class AuditCallback(TrainerCallback):  # type: ignore[misc]
         if not state.is_world_process_zero:
             return
         self.guard.start()
+        resumed = os.path.join(args.output_dir or ".", f"checkpoint-{state.global_step}")
+        if state.global_step > 0 and os.path.isdir(resumed):
+            self.guard.restored(resumed, state.global_step)  # the lineage's parent (and its damage, if any)
         limit = args.save_total_limit
         if limit is not None and limit > 0:
             self._limit = int(limit)

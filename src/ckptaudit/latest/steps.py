@@ -18,6 +18,7 @@ from ckptaudit.catalogue import finding
 from ckptaudit.findings import ComponentKind, Finding, Severity
 from ckptaudit.latest.candidates import Candidate
 from ckptaudit.latest.evidence import RunEvidence
+from ckptaudit.latest.lineage import damaged_lineage
 from ckptaudit.ondisk import layout, quarantine
 from ckptaudit.ondisk import manifest as mf
 
@@ -166,7 +167,8 @@ def passport(c: Candidate, ctx: StepContext) -> None:
     require_passport_step(c, ctx)
 
 
-CANDIDATE_STEPS: list[CandidateStep] = [uncommitted, quarantined, empty, content, commit_marker, passport]
+CANDIDATE_STEPS: list[CandidateStep] = [uncommitted, quarantined, empty, damaged_lineage, content, commit_marker,
+                                       passport]
 """The steps every candidate goes through, in order (add one line here for a new one)."""
 
 

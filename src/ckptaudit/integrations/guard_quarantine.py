@@ -1,0 +1,65 @@
+"""The guard's quarantine: a failing checkpoint moved where no resume path picks it, and the error that ends the run.
+
+Which thread runs what: :func:`quarantine` on the guard's worker thread, after a failing verdict;
+:func:`failure_message` wherever :meth:`Guard.failure <ckptaudit.integrations.guard.Guard.failure>` is asked.
+Importable from :mod:`ckptaudit.integrations.guard` (``quarantine_name``, ``is_quarantined``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable, Sequence
+
+from ckptaudit.integrations.guard_records import Verdict
+from ckptaudit.ondisk.quarantine import quarantine_name
+
+__all__ = ["failure_message", "quarantine"]
+
+log = logging.getLogger("ckptaudit.guard")
+
+
+def quarantine(checkpoint: str, source: str, quarantine_to: Callable[[str], str] | None,
+               after_quarantine: Callable[[str, str], None] | None) -> str | None:
+    """(worker) Move ``source`` (the checkpoint, or its pinned bytes when the path was replaced since) to
+    ``quarantine_to(checkpoint)`` (default :func:`quarantine_name`, beside it), then let the integration repair its
+    pointers (``after_quarantine``, only when ``source`` is the checkpoint itself). Returns where it went, or
+    ``None`` when it could not be moved (logged as an error: do not resume from it)."""
+    try:
+        dest = (quarantine_to or quarantine_name)(checkpoint)
+        os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+        shutil.move(source, dest)
+    except Exception as exc:  # noqa: BLE001
+        log.error("ckptaudit guard: %s failed its audit and could NOT be quarantined (%s: %s); do not resume from "
+                  "it", checkpoint, type(exc).__name__, exc)
+        return None
+    if source == checkpoint and after_quarantine is not None:
+        try:
+            after_quarantine(checkpoint, dest)
+        except Exception as exc:  # noqa: BLE001
+            log.error("ckptaudit guard: %s was quarantined to %s, but repairing the library's pointer failed (%s: "
+                      "%s)", checkpoint, dest, type(exc).__name__, exc)
+    return dest
+
+
+def failure_message(failed: Sequence[Verdict]) -> str:
+    """The text of :class:`~ckptaudit.integrations.guard.CheckpointAuditFailed`: each failing checkpoint, where it
+    went, and which way to go (fix the save, or restore and fix the training code)."""
+    if not failed:
+        return ("ckptaudit guard (on_failure='stop'): a checkpoint saved during training failed its audit on the "
+                "process that audits (rank 0), and was quarantined; training stopped. Rank 0's log (logger "
+                "ckptaudit.guard) names it and its report")
+    lines = [f"ckptaudit guard (on_failure='stop'): {len(failed)} checkpoint(s) saved during training failed their "
+             "audit; training stopped:"]
+    for v in failed:
+        where = f" -> quarantined to {v.quarantined_to}" if v.quarantined_to else " (not kept: " + v.note + ")"
+        lines.append(f"  {v.checkpoint}{f' (step {v.step})' if v.step is not None else ''}: "
+                     f"{', '.join(sorted(set(v.codes)))}{where}; report: {v.report}")
+        if v.advice:
+            lines.append(f"    {v.advice}")
+    lines.append("The library's own resume path skips quarantined checkpoints; `ckptaudit latest DIR` names the "
+                 "newest that can be resumed (passing over checkpoints that descend from a damaged training state). "
+                 + ("Each failure above says which way to go before resuming." if any(v.advice for v in failed)
+                    else "Fix the save (the report says what is wrong) before resuming."))
+    return "\n".join(lines)
