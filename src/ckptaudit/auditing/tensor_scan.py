@@ -36,6 +36,7 @@ from ckptaudit.formats.io.tensors import (
     TensorData,
     iter_chunks,
     read_exact,
+    row_major_runs,
     small_read_plan,
 )
 
@@ -224,7 +225,7 @@ def scan_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHU
     h = xxhash.xxh3_128()
     dtype = data.dtype
     state = _Fp32State() if dtype.name == "float32" else None
-    spans = _spans(data)
+    spans = row_major_runs(data)
     if spans is not None:
         for span in spans:
             _scan_span(span, data.dtype.itemsize, maps, chunk_bytes, buffer, h, state)
@@ -258,7 +259,7 @@ def hash_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHU
     import numpy as np
 
     h = xxhash.xxh3_128()
-    spans = _spans(data)
+    spans = row_major_runs(data)
     if spans is not None:
         for span in spans:
             _scan_span(span, data.dtype.itemsize, maps, chunk_bytes, None, h, None)
@@ -275,28 +276,6 @@ MAPPED_CHUNK_BYTES = 8 << 20
 """A window of a tensor's bytes read through a leased map (:mod:`ckptaudit.formats.io.leased`) at a time: one lease
 and two ``madvise`` calls per window, the precision's chunks (``chunk_bytes``) visited inside it while each is in
 cache. Resident memory: this much mapped per thread, at most (docs/performance.md, "The per-byte path")."""
-
-
-def _spans(data: TensorData) -> list[tuple[str, int, int]] | None:
-    """``(file, offset of the first byte, bytes)`` of the runs of bytes whose concatenation is the tensor in
-    row-major order, in the order :func:`~ckptaudit.formats.io.tensors.iter_chunks` reads them: one run for a tensor
-    stored whole and contiguous (nearly every tensor of a ``torch.save`` or safetensors file), one per shard for a
-    tensor split along its first dimension into contiguous shards (DCP saves of FSDP/DDP). ``None`` for anything
-    else (strided or re-assembled pieces, pieces that do not tile the tensor: ``iter_chunks`` reads and judges
-    those), or on a big-endian host (the chunks are read as little-endian words)."""
-    if sys.byteorder != "little":
-        return None
-    size = data.dtype.itemsize
-    whole = data.whole_piece()
-    if whole is not None:
-        return [(whole.file, whole.data_offset + whole.storage_offset * size, data.nbytes)] if (
-            whole.is_contiguous()) else None
-    if not data.shape or not data.pieces or data.coverage_error() is not None:
-        return None
-    slabs = data.row_slabs()  # iter_chunks' order and its condition for reading pieces one after the other
-    if slabs is None or not all(p.is_contiguous() for p in slabs):
-        return None
-    return [(p.file, p.data_offset + p.storage_offset * size, p.numel * size) for p in slabs if p.numel]
 
 
 def _visit(data: memoryview, step: int, h: xxhash.xxh3_128, state: _Fp32State | None) -> None:
@@ -319,7 +298,7 @@ def _visit(data: memoryview, step: int, h: xxhash.xxh3_128, state: _Fp32State | 
 
 def _scan_span(span: tuple[str, int, int], itemsize: int, maps: FileMaps, chunk_bytes: int,
                buffer: np.ndarray | None, h: xxhash.xxh3_128, state: _Fp32State | None) -> None:
-    """:func:`scan_tensor`'s pass over one run of a tensor's bytes (:func:`_spans`): the chunks
+    """:func:`scan_tensor`'s pass over one run of a tensor's bytes (:func:`~ckptaudit.formats.io.tensors.row_major_runs`): the chunks
     :func:`~ckptaudit.formats.io.tensors.iter_chunks` yields (``chunk_bytes // itemsize`` elements each), without its
     per-tensor and per-chunk set-up: a checkpoint of a thousand small tensors spends more on that than on their bytes.
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+from ckptaudit.formats.io.tensors import row_major_runs
 from ckptaudit.ondisk.passport import PASSPORT_NAME, SIGNATURE_NAME, is_passport_name
 from ckptaudit.passport.model import FileDigest, PassportError, TensorDigest
 
@@ -185,27 +186,6 @@ def digest_files(files: Sequence[tuple[str, str, int]], algorithm: str, *, jobs:
     return [FileDigest(files[i][0], results[i][0], results[i][1]) for i in range(len(files))]
 
 
-def _spans(data: Any) -> list[tuple[str, int, int]] | None:
-    """``(file, offset, bytes)`` of the runs whose concatenation is the tensor in row-major order (a tensor stored
-    whole and contiguous, or in contiguous row slabs: DCP's FSDP shards), as the audit's scan reads them; ``None``
-    for anything else (read through ``iter_chunks``)."""
-    import sys
-
-    if sys.byteorder != "little":
-        return None
-    size = data.dtype.itemsize
-    whole = data.whole_piece()
-    if whole is not None:
-        return [(whole.file, whole.data_offset + whole.storage_offset * size, data.nbytes)] if (
-            whole.is_contiguous()) else None
-    if not data.shape or not data.pieces or data.coverage_error() is not None:
-        return None
-    slabs = data.row_slabs()
-    if slabs is None or not all(p.is_contiguous() for p in slabs):
-        return None
-    return [(p.file, p.data_offset + p.storage_offset * size, p.numel * size) for p in slabs if p.numel]
-
-
 def _hash_span(maps: Any, span: tuple[str, int, int], h: Hasher, buffer: Any) -> None:
     """Hash one run where its bytes lie in the page cache (the scan's lease-guarded map), else by positional reads
     into ``buffer``; the short-read error the scan gives."""
@@ -248,7 +228,7 @@ def tensor_digests(refs: Sequence[Any], maps: Any, *, jobs: int = 1, algorithm: 
         if buffer is None:
             buffer = local.buffer = scratch_buffer(chunk_bytes)
         try:
-            spans = _spans(data)
+            spans = row_major_runs(data)
             if spans is not None:  # the common case: contiguous runs, hashed in place
                 for span in spans:
                     _hash_span(maps, span, h, buffer)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["DTYPES", "SMALL_TENSOR_BYTES", "DType", "FileMaps", "Piece", "TensorData", "iter_chunks", "read_exact",
-           "scratch_buffer", "small_read_plan", "tiling_error"]
+           "row_major_runs", "scratch_buffer", "small_read_plan", "tiling_error"]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 """1 MiB: the chunk stays in cache between the hash and the OR-reduction that read it (measured: 4 MiB chunks
@@ -505,3 +506,25 @@ def read_exact(maps: FileMaps, piece: Piece, pos: int, nbytes: int) -> bytes:
         raise ValueError(f"{piece.file}: {got} of {nbytes} bytes at offset {pos}: the file ends early "
                          "(truncated, or changed while being read)")
     return bytes(buf)
+
+
+def row_major_runs(data: TensorData) -> list[tuple[str, int, int]] | None:
+    """``(file, offset of the first byte, bytes)`` of the runs of bytes whose concatenation is the tensor in
+    row-major order, in the order :func:`iter_chunks` reads them: one run for a tensor
+    stored whole and contiguous (nearly every tensor of a ``torch.save`` or safetensors file), one per shard for a
+    tensor split along its first dimension into contiguous shards (DCP saves of FSDP/DDP). ``None`` for anything
+    else (strided or re-assembled pieces, pieces that do not tile the tensor: ``iter_chunks`` reads and judges
+    those), or on a big-endian host (the chunks are read as little-endian words)."""
+    if sys.byteorder != "little":
+        return None
+    size = data.dtype.itemsize
+    whole = data.whole_piece()
+    if whole is not None:
+        return [(whole.file, whole.data_offset + whole.storage_offset * size, data.nbytes)] if (
+            whole.is_contiguous()) else None
+    if not data.shape or not data.pieces or data.coverage_error() is not None:
+        return None
+    slabs = data.row_slabs()  # iter_chunks' order and its condition for reading pieces one after the other
+    if slabs is None or not all(p.is_contiguous() for p in slabs):
+        return None
+    return [(p.file, p.data_offset + p.storage_offset * size, p.numel * size) for p in slabs if p.numel]
