@@ -34,7 +34,11 @@ def test_a_healthy_run_passes_every_checkpoint(tmp_path: Path, capsys: pytest.Ca
     out = tmp_path / "own-loop-run"
     assert _example().main(["--out", str(out)]) == 0
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted([f"step-{s}.pt" for s in (2, 4, 6, 8)] + [f"step-{s}.pt.ckptaudit.json" for s in (2, 4, 6, 8)])
+    assert names == sorted([f"step-{s}.pt{end}" for s in (2, 4, 6, 8) for end in ("", ".ckptaudit.json", ".passport.json")])
+    # each passing checkpoint's passport (written by the guard, digest-only) verifies against its bytes
+    from ckptaudit.passport import verify
+
+    assert all(verify(str(out / f"step-{s}.pt")).ok for s in (2, 4, 6, 8))
     report = json.loads((out / "step-8.pt.ckptaudit.json").read_text())
     assert report["counts"]["error"] == 0 and report["contract"]["source"] == "live"
     assert capsys.readouterr().out.count(": passed: resumable") == 4
@@ -43,7 +47,8 @@ def test_a_healthy_run_passes_every_checkpoint(tmp_path: Path, capsys: pytest.Ca
 def test_a_rounded_save_is_quarantined_and_stops_training(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "own-loop-bad"
     assert _example().main(["--out", str(out), "--bad-from", "4"]) == 1
-    assert sorted(p.name for p in out.iterdir()) == ["step-2.pt", "step-2.pt.ckptaudit.json", "step-4.pt.quarantined",
-                                                     "step-4.pt.quarantined.ckptaudit.json"]
+    # the failing checkpoint gets no passport: only step 2, which passed
+    assert sorted(p.name for p in out.iterdir()) == ["step-2.pt", "step-2.pt.ckptaudit.json", "step-2.pt.passport.json",
+                                                     "step-4.pt.quarantined", "step-4.pt.quarantined.ckptaudit.json"]
     err = capsys.readouterr().err
     assert "step-4.pt (step 4): precision.bf16-rounded -> quarantined to" in err
