@@ -8,35 +8,18 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from ckptaudit.launch import RankContext
 from ckptaudit.ondisk.passport import PASSPORT_NAME, passport_path
 from ckptaudit.passport import attest, read_passport
-from ckptaudit.recipes import Job
 from ckptaudit.recipes.tinygpt import plain_recipe
 from ckptaudit.store import CheckpointLoadError, load_checkpoint, save_checkpoint
 from ckptaudit.testing import PassportFailed, assert_passport_verifies
+from store_jobs import CTX, one_thread, trained  # noqa: F401  (one_thread: the fixture pytestmark uses)
 
-CTX = RankContext(rank=0, world_size=1, backend="gloo", shared_dir="")
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def trained(steps: int) -> Job:
-    job = plain_recipe.setup(CTX)
-    for _ in range(steps):
-        plain_recipe.step(job)
-    return job
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _flip(path: Path) -> None:

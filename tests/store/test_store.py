@@ -34,24 +34,9 @@ from ckptaudit.store import (
     save_checkpoint,
 )
 from ckptaudit.store.faults import parse_fault
+from store_jobs import CTX, one_thread, trained  # noqa: F401  (one_thread: the fixture pytestmark uses)
 
-CTX = RankContext(rank=0, world_size=1, backend="gloo", shared_dir="")
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Any:
-    """A tiny model on a shared 2-core machine: one intra-op thread is ~50x faster than two spinning ones."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def trained(steps: int) -> Job:
-    job = plain_recipe.setup(CTX)
-    for _ in range(steps):
-        plain_recipe.step(job)
-    return job
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def codes(findings: Any, severity: Severity | None = None) -> set[str]:

@@ -3,16 +3,44 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 from ckptaudit.exporters import full_model_state
 from ckptaudit.launch import RankContext
-from ckptaudit.recipes.tinygpt import GPTConfig, recipe
+from ckptaudit.recipes import Job
+from ckptaudit.recipes.tinygpt import GPTConfig, plain_recipe, recipe
 from ckptaudit.store import load_checkpoint, save_checkpoint
 
 SMALL = dataclasses.replace(recipe, name="tinygpt-small", batch_size=2, total_steps=16,
                             cfg=GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=1))
 """FSDP2 with a bf16 MixedPrecisionPolicy and fp32 masters, small enough for 8 ranks on 2 cores."""
+
+
+CTX = RankContext(rank=0, world_size=1, backend="gloo", shared_dir="")
+"""One process, no process group: the in-process store tests' rank."""
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """A tiny model on a shared 2-core machine: one intra-op thread is ~50x faster than two spinning ones (a test
+    module uses it with ``pytestmark = pytest.mark.usefixtures("one_thread")`` after importing it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def trained(steps: int) -> Job:
+    """The plain (single-process) tiny GPT after ``steps`` steps."""
+    job = plain_recipe.setup(CTX)
+    for _ in range(steps):
+        plain_recipe.step(job)
+    return job
 
 
 def train_and_save(ctx: RankContext, root: str, total: int, save_at: list[int], keep_last: int | None = None
