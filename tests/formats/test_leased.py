@@ -101,7 +101,7 @@ def test_mapped_chunks_hash_and_judge_as_positional_reads_do(fixture: str, reque
     monkeypatch.setenv("CKPTAUDIT_MAPPED_READS", "0")
     plain, n_plain = _scans(path, jobs=2)
     assert n_plain == 0
-    monkeypatch.setattr(records, "_spans", lambda data: None)  # iter_chunks' general path: the reference
+    monkeypatch.setattr(records, "row_major_runs", lambda data: None)  # iter_chunks' general path: the reference
     general, _ = _scans(path, jobs=1)
     assert mapped == plain == general
     assert {s.precision for s in mapped.values()} >= {Precision.EXACT, Precision.BF16}
