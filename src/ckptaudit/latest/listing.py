@@ -129,15 +129,10 @@ def remote_survey(url: str, *, max_listings: int = MAX_REMOTE_LISTINGS, max_keys
     """The survey of the object-store prefix ``url``. Raises ``FileNotFoundError`` when nothing is there and
     :class:`~ckptaudit.formats.remote.errors.RemoteError` when the store cannot be reached."""
     from ckptaudit.formats.remote.errors import RemoteError
-    from ckptaudit.formats.remote.objects import filesystem
+    from ckptaudit.formats.remote.objects import filesystem, info_of
 
     fs, path = filesystem(url)
-    try:
-        info = fs.info(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(2, "no such object or prefix", url) from None
-    except Exception as exc:  # noqa: BLE001 - credentials, endpoint, network: the storage library's own words
-        raise RemoteError(f"{url}: cannot reach it ({type(exc).__name__}: {exc})") from None
+    info = info_of(fs, path, url)
     lister = RemoteLister(fs, path, max_listings=max_listings, max_keys=max_keys, deadline_s=deadline_s)
     url = url.rstrip("/")
     name = os.path.basename(path.rstrip("/")) or url

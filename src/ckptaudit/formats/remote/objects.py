@@ -43,6 +43,7 @@ __all__ = [
     "RemoteObject",
     "filesystem",
     "fill",
+    "info_of",
 ]
 
 READ_AHEAD = 2
@@ -256,6 +257,18 @@ class RemoteFiles:
         self.on_close = []
         shutil.rmtree(self.root, ignore_errors=True)
 
+
+def info_of(fs: Any, path: str, url: str) -> dict[str, Any]:
+    """``fs.info(path)`` of the object or prefix ``url`` names. Raises ``FileNotFoundError`` when nothing is there
+    and :class:`RemoteError` when the store cannot be reached (credentials, endpoint, network), in one line naming
+    ``url``."""
+    try:
+        info: dict[str, Any] = fs.info(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(2, "no such object or prefix", url) from None
+    except Exception as exc:  # noqa: BLE001 - credentials, endpoint, network: the storage library's own words
+        raise RemoteError(f"{url}: cannot reach it ({type(exc).__name__}: {exc})") from None
+    return info
 
 def filesystem(url: str) -> tuple[Any, str]:
     """The filesystem of ``url`` (HTTP: a private instance holding this checkpoint's pins) and the

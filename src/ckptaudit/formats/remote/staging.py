@@ -36,6 +36,7 @@ from ckptaudit.formats.remote.objects import (
     RemoteObject,
     filesystem,
     fill,
+    info_of,
 )
 
 __all__ = ["MAX_STAGED_BYTES", "RemoteFiles", "ShareReader", "is_url", "local_path", "object_name", "request_url",
@@ -91,12 +92,7 @@ def stage(url: str) -> tuple[str, RemoteFiles]:
     said in one line naming the URL.
     """
     fs, root = filesystem(request_url(url))
-    try:
-        info = fs.info(root)
-    except FileNotFoundError:
-        raise FileNotFoundError(2, "no such object or prefix", url) from None
-    except Exception as exc:  # noqa: BLE001 - credentials, endpoint, network: the storage library's own words
-        raise RemoteError(f"{url}: cannot reach it ({type(exc).__name__}: {exc})") from None
+    info = info_of(fs, root, url)
     import tempfile  # here: only an audit of a URL needs it
 
     tmp = tempfile.mkdtemp(prefix="ckptaudit-remote-")
