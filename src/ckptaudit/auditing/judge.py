@@ -85,11 +85,9 @@ def run_audit(path: str, options: AuditOptions | None = None, *, progress: Progr
     scanned = scan_checkpoint(path, chunk_bytes=options.chunk_bytes, progress=progress, jobs=options.jobs,
                               quick=options.quick)
     try:
-        if options.run_evidence:
-            from ckptaudit.auditing.run_evidence import audit_evidence, judge_with_run
+        from ckptaudit.auditing.run_evidence import judge_audit
 
-            return judge_with_run(scanned, options, audit_evidence(path))
-        return judge_scan(scanned, options)
+        return judge_audit(scanned, options, path)
     finally:
         scanned.close()
 

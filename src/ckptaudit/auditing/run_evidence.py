@@ -12,7 +12,9 @@ Cheap by construction: the siblings are read (headers and metadata, never tensor
 the checkpoint's own contract came out as 16-bit masters inferred from its tensors (:func:`judge_with_run`), the one
 case the evidence can change, and at most :data:`MAX_SIBLINGS` of them. For ``ckptaudit audit``, the siblings are
 the entries beside the checkpoint whose names differ from its name only in their numbers (``ckpt-0006.pt`` beside
-``ckpt-0008.pt``; ``checkpoint-6/`` beside ``checkpoint-8/``): :func:`siblings_of`.
+``ckpt-0008.pt``; ``checkpoint-6/`` beside ``checkpoint-8/``): :func:`siblings_of`; read by the process that
+judges (:func:`judge_audit`: the single-process audit, and rank 0 of the distributed one, once every rank's records
+are gathered: the siblings lie on the filesystem every rank sees, and only their headers are read).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ if TYPE_CHECKING:
     from ckptaudit.auditing.scan import ScannedCheckpoint
     from ckptaudit.findings import RawReport
 
-__all__ = ["MAX_LISTED", "MAX_SIBLINGS", "Masters", "Sibling", "audit_evidence", "judge_with_run", "masters_of",
-           "nearest", "run_record", "siblings_of", "steps_text"]
+__all__ = ["MAX_LISTED", "MAX_SIBLINGS", "Masters", "Sibling", "audit_evidence", "judge_audit", "judge_with_run",
+           "masters_of", "nearest", "run_record", "siblings_of", "steps_text"]
 
 MAX_SIBLINGS = 4
 """Siblings read per judged checkpoint at most (each: its headers and metadata, the cost of ``--verify sizes``)."""
@@ -200,3 +202,15 @@ def audit_evidence(path: str) -> Callable[[], ContractRecord | None]:
         step = int(label.split()[-1]) if label else None
         return run_record(label, [masters_of(x) for x in nearest(step, sibs)])
     return read
+
+
+def judge_audit(s: ScannedCheckpoint, options: AuditOptions, path: str) -> RawReport:
+    """The judgement of ``ckptaudit audit PATH`` on its scanned checkpoint, one function for the single-process
+    audit (:func:`~ckptaudit.auditing.judge.run_audit`) and rank 0 of the distributed one
+    (:func:`~ckptaudit.auditing.distributed.audit_distributed`), so the two reports are the same: the checks, and
+    the run's evidence (:func:`audit_evidence`) where ``options.run_evidence`` asks for it."""
+    if options.run_evidence:
+        return judge_with_run(s, options, audit_evidence(path))
+    from ckptaudit.auditing.judge import judge_scan
+
+    return judge_scan(s, options)
