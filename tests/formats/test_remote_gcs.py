@@ -3,7 +3,8 @@ on 127.0.0.1 and a free port, reaped at the end) read through gcsfs, as a user's
 
 What the ``s3://`` tests hold, on ``gs://``: ``ckptaudit audit`` of a real ``torch.save`` file and a real DCP folder
 gives its local copy's report, and ``ckptaudit.audit(url)`` the CLI's; ``ckptaudit latest gs://bucket/run/`` names
-the newest good checkpoint (and judges each like its local copy); a checkpoint attested here and copied to the
+the newest good checkpoint of a run of ``.pt`` files and of DCP ``step-N/`` folders (each judged like its local
+copy); a checkpoint attested here and copied to the
 bucket verifies there, and a byte flipped in the bucket fails it, naming the file. A store that refuses a request
 is one line on stderr, exit 2 (gcsfs's logged traceback kept out).
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -39,7 +41,8 @@ BUCKET = "gcs-ckpts"
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The emulator holding a torch.save file, a DCP folder (attested here first: it carries its passport), a run of
-    three ``.pt`` checkpoints (the newest rounded to bf16) beside a note; this process pointed at it."""
+    three ``.pt`` checkpoints (the newest rounded to bf16) beside a note, a run of two DCP ``step-N/`` folders; this
+    process pointed at it."""
     local = tmp_path_factory.mktemp("gcs")
     pt = rc.torch_save_checkpoint(local / "ckpt.pt")
     dcp = rc.dcp_checkpoint(local / "dcp")
@@ -50,6 +53,8 @@ def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     trained(run / "ckpt-0002.pt")
     trained(run / "ckpt-0004.pt")
     trained(run / "ckpt-0006.pt", rounded=True)
+    for step in (2, 4):
+        shutil.copytree(dcp, local / "steps" / f"step-{step}", ignore=shutil.ignore_patterns("ckptaudit.passport.*"))
     with gcs_server() as env, gcs_environment(env) as fs:
         fs.mkdir(BUCKET)
         fs.put(str(pt), f"{BUCKET}/ckpt.pt")
@@ -57,6 +62,7 @@ def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         for p in sorted(run.iterdir()):
             fs.put(str(p), f"{BUCKET}/run/{p.name}")
         fs.pipe(f"{BUCKET}/run/notes.txt", b"loss 1.0\n")
+        fs.put(str(local / "steps"), f"{BUCKET}/steps", recursive=True)
         yield {"local": local, "fs": fs, "env": env}
 
 
@@ -98,6 +104,17 @@ def test_latest_on_a_gs_root_names_the_newest_good_checkpoint(gcs: dict[str, Any
     _, here, _ = _json("latest", str(gcs["local"] / "run"))
     for c in here["candidates"]:
         assert [f["code"] for f in rows[c["name"]]["findings"]] == [f["code"] for f in c["findings"]], c["name"]
+
+
+def test_latest_on_a_gs_root_of_dcp_step_folders_judges_them_like_their_local_copies(gcs: dict[str, Any]) -> None:
+    code, doc, err = _json("latest", f"gs://{BUCKET}/steps", "--all")
+    _, here, _ = _json("latest", str(gcs["local"] / "steps"), "--all")
+    assert code == 0 and doc["latest"] == f"gs://{BUCKET}/steps/step-4" and doc["skipped"] == [], err
+
+    def rows(d: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
+        return [(c["name"], c["layout"], [f["code"] for f in c["findings"]]) for c in d["candidates"]]
+
+    assert rows(doc) == rows(here) and [r[0] for r in rows(doc)] == ["step-4", "step-2"]
 
 
 def test_a_gs_copy_verifies_against_its_passport_and_a_flipped_byte_names_the_file(gcs: dict[str, Any]) -> None:
