@@ -4,9 +4,9 @@ on 127.0.0.1 and a free port, reaped at the end) read through gcsfs, as a user's
 What the ``s3://`` tests hold, on ``gs://``: ``ckptaudit audit`` of a real ``torch.save`` file and a real DCP folder
 gives its local copy's report, and ``ckptaudit.audit(url)`` the CLI's; ``ckptaudit latest gs://bucket/run/`` names
 the newest good checkpoint of a run of ``.pt`` files and of DCP ``step-N/`` folders (each judged like its local
-copy); a checkpoint attested here and copied to the
-bucket verifies there, and a byte flipped in the bucket fails it, naming the file. A store that refuses a request
-is one line on stderr, exit 2 (gcsfs's logged traceback kept out).
+copy); a checkpoint attested here and copied to the bucket verifies there, and a byte flipped in the bucket fails
+it, naming the file. A store that refuses a request is one line on stderr, exit 2 (gcsfs's logged traceback kept
+out).
 
 Run: ``.venv/bin/python -m pytest -q tests/formats/test_remote_gcs.py``
 """
