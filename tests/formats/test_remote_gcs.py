@@ -169,3 +169,25 @@ def test_a_store_that_refuses_is_one_line_on_stderr_and_exit_2(tmp_path: Path) -
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.count("\n") == 1 and "gs://refused/ckpt.pt" in proc.stderr, proc.stderr[-3000:]
     assert "the store refuses this request" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_stalled_gs_read_is_bounded_by_the_remote_timeout(gcs: dict[str, Any], tmp_path: Path) -> None:
+    """A store that never answers one ranged read: gcsfs alone waits for ever (aiohttp without a timeout); with
+    ``$CKPTAUDIT_REMOTE_TIMEOUT`` applied the read gives up after a second, gcsfs retries it, and the audit ends with
+    its local copy's report (a fresh process, as a user runs it)."""
+    from local_gcs import StallingProxy
+
+    with StallingProxy(gcs["env"]["STORAGE_EMULATOR_HOST"]) as proxy:
+        env = {**os.environ, **gcs["env"], "STORAGE_EMULATOR_HOST": proxy.url, "CKPTAUDIT_REMOTE_TIMEOUT": "1",
+               "PYTHONPATH": str(SRC)}
+        try:
+            proc = subprocess.run([sys.executable, "-m", "ckptaudit", "audit", f"gs://{BUCKET}/ckpt.pt", "--format",
+                                   "json", "--no-progress"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                                  timeout=60, check=False)
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"the audit waited on the stalled read past 60 s:\n{str(exc.stderr)[-3000:]}")
+    assert proxy.stalled
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, local, _ = _json("audit", str(gcs["local"] / "ckpt.pt"))
+    remote = json.loads(proc.stdout)
+    assert {k: v for k, v in remote.items() if k != "path"} == {k: v for k, v in local.items() if k != "path"}

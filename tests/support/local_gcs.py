@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -103,3 +104,63 @@ def gcs_environment(env: dict[str, str]) -> Iterator[Any]:
             fsspec.config.conf.pop("gs", None)
         else:
             fsspec.config.conf["gs"] = saved
+
+
+class StallingProxy:
+    """A proxy in front of the emulator at ``upstream`` (``GET`` only: what a reader sends) that holds the first
+    ranged read (a ``Range`` header) without answering until :meth:`close`, as a stalled store does, and forwards
+    every other request. ``stalled``: whether it held one. A context manager (its thread and sockets closed)."""
+
+    def __init__(self, upstream: str) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        proxy = self
+        self.upstream = upstream
+        self.stalled = False
+        self.release = threading.Event()
+        self._lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                with proxy._lock:
+                    hold = "Range" in self.headers and not proxy.stalled
+                    proxy.stalled = proxy.stalled or hold
+                if hold:
+                    proxy.release.wait(120)
+                    self.close_connection = True
+                    return
+                request = urllib.request.Request(proxy.upstream + self.path, headers={
+                    k: v for k, v in self.headers.items() if k.lower() in ("range", "accept", "accept-encoding")})
+                try:
+                    with urllib.request.urlopen(request, timeout=30) as reply:
+                        status, headers, body = reply.status, reply.headers, reply.read()
+                except urllib.error.HTTPError as exc:
+                    status, headers, body = exc.code, exc.headers, exc.read()
+                self.send_response(status)
+                for k, v in headers.items():
+                    if k.lower() in ("content-type", "content-range", "etag", "content-encoding"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> StallingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(timeout=10)

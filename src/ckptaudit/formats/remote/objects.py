@@ -7,7 +7,8 @@ replies: a replacement of the same length is reported, never read as the staged 
 that times out or breaks the protocol fails every later read of the checkpoint at once (a misbehaving server
 costs one deadline, not one per request). ``http(s)://`` requests are bounded one by one
 (:mod:`ckptaudit.formats.remote.http`: a deadline per request, the reply capped to the range asked); S3 requests
-by the client's connect and read timeouts. ``$CKPTAUDIT_REMOTE_TIMEOUT`` (seconds, default 30) sets both.
+by the client's connect and read timeouts, GCS requests by gcsfs's ``requests_timeout`` (the same two bounds,
+unless fsspec's configuration sets it). ``$CKPTAUDIT_REMOTE_TIMEOUT`` (seconds, default 30) sets them.
 
 Credentials and endpoints come from fsspec's and the storage library's usual configuration (for S3:
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles; ``FSSPEC_S3_*`` where the
@@ -290,6 +291,13 @@ def filesystem(url: str) -> tuple[Any, str]:
         options: dict[str, Any] = {}
         if protocol in ("gs", "gcs"):
             _quiet_library_logger("gcsfs")
+            configured = {**fsspec.config.conf.get("gs", {}), **fsspec.config.conf.get("gcs", {})}
+            if "requests_timeout" not in configured:
+                # gcsfs sends no timeout of its own (aiohttp then waits for ever on a stalled server): S3's bounds,
+                # to connect and for each wait for bytes (gcsfs retries a timed-out request, then gives up)
+                import aiohttp
+
+                options["requests_timeout"] = aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout)
         if protocol in ("s3", "s3a") and "config_kwargs" not in fsspec.config.conf.get("s3", {}):
             # botocore's own per-request bounds (connect, and each wait for bytes), few retries
             options["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout,
