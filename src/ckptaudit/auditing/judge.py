@@ -18,7 +18,14 @@ from ckptaudit.checks.components import check_components
 from ckptaudit.checks.integrity import check_indexes
 from ckptaudit.checks.manifest import check_manifest
 from ckptaudit.checks.optimizer import check_steps
-from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract, judged_params, masters_not_saved
+from ckptaudit.checks.precision import (
+    MASTER_DTYPES,
+    check_precision,
+    infer_contract,
+    judged_params,
+    masters_not_saved,
+    per_parameter,
+)
 from ckptaudit.checks.updates import (
     FROZEN_WHY,
     NOT_JUDGED_WHY,
@@ -130,12 +137,16 @@ def judge_scan(s: ScannedCheckpoint, options: AuditOptions) -> RawReport:
                   and r.precision not in (Precision.NOT_FLOAT, Precision.UNREAD)]
         if not masters_not_saved(view, contract):
             master = contract.master_dtype
+            per_param = per_parameter(contract, params, moments, s.attachment.status)
+            findings += per_param.findings
+            # The parameters the contract judges; those their own state decides are judged by check_precision.
+            held = [r for r in params if r.param not in per_param.masters and r.param not in per_param.undecided]
             findings += check_precision(
                 params, contract, frozen=frozen, frozen_why=FROZEN_WHY.get(s.attachment.status, ""),
                 before_first_update=before_first_update(view, s.ckpt, s.records, s.refs, s.steps),
-                not_judged=maybe_frozen(view, s.attachment, params, master),
+                not_judged=maybe_frozen(view, s.attachment, held, master),
                 not_judged_why=NOT_JUDGED_WHY.get(s.attachment.status, ""),
-                never_updated=never_updated_params(view, s.ckpt, s.attachment, params, master))
+                never_updated=never_updated_params(view, s.ckpt, s.attachment, held, master), per_param=per_param)
     findings = mark_ignored(findings, options.ignore)
     findings.sort(key=finding_order)
     summary = _summary(s, findings, contract.master_dtype, options)
