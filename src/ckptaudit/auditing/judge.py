@@ -137,7 +137,8 @@ def judge_scan(s: ScannedCheckpoint, options: AuditOptions) -> RawReport:
                   and r.precision not in (Precision.NOT_FLOAT, Precision.UNREAD)]
         if not masters_not_saved(view, contract):
             master = contract.master_dtype
-            per_param = per_parameter(contract, params, moments, s.attachment.status)
+            per_param = per_parameter(contract, params, moments, s.attachment.status,
+                                      [*view.contract_records, *options.run_records])
             findings += per_param.findings
             # The parameters the contract judges; those their own state decides are judged by check_precision.
             held = [r for r in params if r.param not in per_param.masters and r.param not in per_param.undecided]

@@ -60,6 +60,9 @@ class Masters:
     sibling: Sibling
     dtype: str | None
     how: str
+    sixteen_bit: tuple[tuple[str, str], ...] = ()
+    """(parameter, dtype) of the parameters whose own optimizer state is 16-bit beside others' float32 state: a
+    model holding those in 16 bits by design (:func:`~ckptaudit.checks.precision.per_parameter`)."""
 
 
 def masters_of(s: Sibling) -> Masters:
@@ -67,7 +70,7 @@ def masters_of(s: Sibling) -> Masters:
     record, else float32 optimizer moments (float32 masters), or 16-bit parameters beside 16-bit moments."""
     from ckptaudit.formats import open_checkpoint
     from ckptaudit.layouts import interpret
-    from ckptaudit.layouts.attachment import ELEMENTWISE_STATE
+    from ckptaudit.layouts.attachment import ELEMENTWISE_STATE, attach
     from ckptaudit.layouts.view import TensorRef
 
     try:
@@ -84,13 +87,23 @@ def masters_of(s: Sibling) -> Masters:
     params = Counter(ref.data.dtype.name for ref in (view.model.params.values() if view.model else ())
                      if isinstance(ref, TensorRef) and hasattr(ref.data, "dtype") and ref.data.dtype.is_float)
     moments: Counter[str] = Counter()
+    own: dict[str, set[str]] = {}
     if view.optimizer is not None:
-        for state in view.optimizer.state.values():
+        mapping = attach(view).mapping
+        for pkey, state in view.optimizer.state.items():
             for key, ref in state.items():
                 if key in ELEMENTWISE_STATE and isinstance(ref, TensorRef) and hasattr(ref.data, "dtype"):
                     moments[ref.data.dtype.name] += 1
+                    if pkey in mapping:
+                        own.setdefault(mapping[pkey], set()).add(ref.data.dtype.name)
     param = params.most_common(1)[0][0] if params else None
     moment = moments.most_common(1)[0][0] if moments else None
+    wide = sum(1 for d in own.values() if d & set(_WIDE))
+    sixteen = tuple(sorted((p, min(d)) for p, d in own.items() if len(d) == 1 and d <= set(_NARROW)))
+    if wide and sixteen:  # each parameter's state in its own dtype: 16-bit ones by design, the others float32
+        dtypes = "/".join(sorted({d for _, d in sixteen}))
+        return Masters(s, "float32", f"float32 optimizer moments for {wide} parameter(s) and {dtypes} for "
+                       f"{len(sixteen)}, each in its parameter's dtype", sixteen)
     if moment in _WIDE and param is not None:
         return Masters(s, "float32", f"{param} parameters and {moment} optimizer moments")
     if moment in _NARROW and param in _NARROW:
@@ -127,9 +140,11 @@ def run_record(label: str, masters: Sequence[Masters]) -> ContractRecord | None:
     if not wide:
         return None
     sibs = [m.sibling for m in wide]
+    # A parameter 16-bit by design in the nearest sibling that shows any: held to that dtype, not to float32.
+    sixteen = next((m.sixteen_bit for m in wide if m.sixteen_bit), ())
     return ContractRecord("run", ", ".join(sorted(s.name for s in sibs)),
                           f"{steps_text(sibs)} hold float32 masters ({wide[0].sibling.name}: {wide[0].how})",
-                          "float32", label)
+                          "float32", label, sixteen_bit=sixteen)
 
 
 def _pattern(name: str) -> re.Pattern[str] | None:

@@ -153,7 +153,7 @@ class PerParameter:
 
 
 def per_parameter(contract: Contract, params: Sequence[TensorRecord], moments: Sequence[TensorRecord],
-                  attachment: str) -> PerParameter:
+                  attachment: str, records: Sequence[ContractRecord] = ()) -> PerParameter:
     """Each parameter's own master dtype, from its own optimizer state, where the checkpoint's moments are float32
     for some parameters and 16-bit for others (a model holding some parameters in bf16 by design: torch's
     optimizers create every parameter's state in that parameter's dtype). Only under a contract inferred from the
@@ -163,7 +163,12 @@ def per_parameter(contract: Contract, params: Sequence[TensorRecord], moments: S
     A 16-bit parameter whose own moments are 16-bit is a 16-bit master by design, unless the optimizer keeps
     16-bit state for float32 parameters too (then 16-bit moments show nothing: not judged); one whose entry cannot
     be told (``attachment``: the :class:`~ckptaudit.layouts.attachment.Attachment` status) is not judged either.
-    A 16-bit parameter whose own moments are float32 is judged by the contract (its master lost its bits)."""
+    A 16-bit parameter whose own moments are float32 is judged by the contract (its master lost its bits).
+    Under the run's contract (``records``: the run's other checkpoints, source ``run``), the parameters those
+    checkpoints show 16-bit by design (:attr:`~ckptaudit.layouts.view.ContractRecord.sixteen_bit`) are held to
+    that dtype."""
+    if contract.source == "run":
+        return _by_run(contract, params, records)
     if contract.source not in ("optimizer-state", "parameters") or contract.master_dtype not in _WIDE:
         return PerParameter()
     own = _own_dtypes(moments)
@@ -212,6 +217,31 @@ def per_parameter(contract: Contract, params: Sequence[TensorRecord], moments: S
         dtypes=dict(sorted(masters.items())),
     )
     return PerParameter(masters=masters, undecided=undecided, findings=(note,))
+
+
+def _by_run(contract: Contract, params: Sequence[TensorRecord], records: Sequence[ContractRecord]) -> PerParameter:
+    run = next((r for r in records if r.source == "run" and r.sixteen_bit), None)
+    if run is None:
+        return PerParameter()
+    design = dict(run.sixteen_bit)
+    masters = {r.param: design[r.param] for r in params
+               if r.param is not None and r.param in design and _narrow_valued(r)}
+    if not masters:
+        return PerParameter()
+    names = sorted(masters)
+    shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
+    dtypes = "/".join(sorted(set(masters.values())))
+    note = finding(
+        "contract.per-parameter",
+        "contract",
+        f"{contract.detail}, except {len(names)} parameter(s) whose own optimizer state there is {dtypes}, in "
+        f"their dtype: a model holding them in {dtypes} by design. Each parameter is held to its own master "
+        f"dtype: {shown} to {dtypes}, the others to float32",
+        params=names,
+        dtypes=dict(sorted(masters.items())),
+        evidence=run.where,
+    )
+    return PerParameter(masters=masters, findings=(note,))
 
 
 def _low(contract: Contract, why: str) -> list[Finding]:
