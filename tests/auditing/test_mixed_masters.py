@@ -5,6 +5,7 @@ bf16, the moments or not) is still caught, naming the parameters that lost their
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +171,30 @@ def test_where_the_state_does_not_decide_a_parameter_it_is_not_judged() -> None:
     assert loose.masters == {} and set(loose.undecided) == {"b"} and "16-bit state for float32" in loose.undecided["b"]
     # Declared or recorded contracts speak for every parameter: nothing per parameter.
     assert per_parameter(Contract("float32", "flag", "--master-dtype float32"), params, own, "by-name").masters == {}
+
+
+@pytest.mark.parametrize("cast_moments", [False, True])
+def test_the_guard_holds_each_parameter_to_its_live_dtype(tmp_path: Path, trained: Any, cast_moments: bool) -> None:
+    from ckptaudit.integrations.guard import Guard
+    from ckptaudit.integrations.live_contract import declare_live_contract
+
+    model, opt = trained
+    good = _torch_save(tmp_path / "good.pt", model, opt)
+    bad = _torch_save(tmp_path / "bad.pt", model, opt, cast_masters=True, cast_moments=cast_moments)
+    guard = Guard(background="thread", run_evidence=False)
+    try:
+        declare_live_contract(guard, opt, "a test loop")
+        assert guard.audit_options["master_dtypes"] == ["float32"] + ["bfloat16"] * 4 + ["float32"] * 4
+        guard.submit(str(good))
+        guard.submit(str(bad))
+    finally:
+        assert guard.close(60)
+    ok, failed = guard.verdicts
+    assert ok.ok is True, ok.codes
+    # Cast whole (moments too), the file alone would look like a bf16-masters run; the live optimizer says which
+    # parameters keep float32 masters, and exactly those are named.
+    assert failed.ok is False and "precision.low-precision-storage" in failed.codes
+    doc = json.loads(Path(failed.report or "").read_text())
+    assert {f["subject"] for f in doc["findings"] if f["code"] == "precision.low-precision-storage"} == {
+        f"model/{n}" for n in FP32}
+    assert doc["contract"]["source"] == "live" and "4 bfloat16 and 5 float32" in doc["contract"]["detail"]

@@ -23,8 +23,10 @@ from ckptaudit.checks.precision import (
     check_precision,
     infer_contract,
     judged_params,
+    live_per_parameter,
     masters_not_saved,
     per_parameter,
+    place_live_dtypes,
 )
 from ckptaudit.checks.updates import (
     FROZEN_WHY,
@@ -56,6 +58,10 @@ class AuditOptions:
     master_dtype_from: str = ""
     """Who declared ``master_dtype``, in words, when it was not the user: the guards pass the running job's evidence
     (``"the live run: the optimizer steps float32 parameters"``); the report's contract then says ``live``."""
+    master_dtypes: tuple[str, ...] = ()
+    """Each parameter's master dtype, in the order of the optimizer's param groups (the guards: the live optimizer's,
+    when its parameters have several dtypes; ``master_dtype_from`` says so): each parameter is held to its own
+    (:func:`~ckptaudit.checks.precision.live_per_parameter`). Ignored under a ``master_dtype`` other than auto."""
     ignore: tuple[str, ...] = ()
     """Finding codes or families acknowledged (:func:`ckptaudit.catalogue.parse_ignore`): kept in the report,
     marked ignored, counted toward nothing."""
@@ -81,8 +87,9 @@ class AuditOptions:
             )
         if self.expect not in ("training", "serving"):
             raise ValueError(f"expect must be 'training' or 'serving', not {self.expect!r}")
-        if self.master_dtype_from and self.master_dtype == "auto":
-            raise ValueError("master_dtype_from names who declared master_dtype; it needs a master_dtype, not auto")
+        if self.master_dtype_from and self.master_dtype == "auto" and not self.master_dtypes:
+            raise ValueError("master_dtype_from names who declared master_dtype; it needs a master_dtype (or "
+                             "master_dtypes), not auto")
         object.__setattr__(self, "ignore", parse_ignore(self.ignore))
 
 
@@ -122,9 +129,16 @@ def judge_scan(s: ScannedCheckpoint, options: AuditOptions) -> RawReport:
         contract_info = view.manifest.get("contract")
         if isinstance(contract_info, dict) and isinstance(contract_info.get("master_dtype"), str):
             manifest_dtype = contract_info["master_dtype"]
-    contract, contract_findings = infer_contract(options.master_dtype, params, moments, manifest_dtype,
+    flag = options.master_dtype
+    placed = (place_live_dtypes(options.master_dtypes, view, s.attachment.mapping)
+              if options.master_dtypes and flag == "auto" else None)
+    if placed is not None:  # the live optimizer's dtype per parameter: float32 where any master is
+        wide = [d for d in placed.values() if d not in ("bfloat16", "float16")]
+        flag = "float32" if wide or len(set(placed.values())) != 1 else next(iter(placed.values()))
+    contract, contract_findings = infer_contract(flag, params, moments, manifest_dtype,
                                                  records=[*view.contract_records, *options.run_records],
-                                                 flag_source="live" if options.master_dtype_from else "flag",
+                                                 flag_source="live" if options.master_dtype_from and flag != "auto"
+                                                 else "flag",
                                                  flag_detail=options.master_dtype_from)
     components: tuple[Any, ...] = ()
     if options.expect == "training":
@@ -137,8 +151,9 @@ def judge_scan(s: ScannedCheckpoint, options: AuditOptions) -> RawReport:
                   and r.precision not in (Precision.NOT_FLOAT, Precision.UNREAD)]
         if not masters_not_saved(view, contract):
             master = contract.master_dtype
-            per_param = per_parameter(contract, params, moments, s.attachment.status,
-                                      [*view.contract_records, *options.run_records])
+            per_param = (live_per_parameter(placed, params, contract.detail) if placed is not None else
+                         per_parameter(contract, params, moments, s.attachment.status,
+                                       [*view.contract_records, *options.run_records]))
             findings += per_param.findings
             # The parameters the contract judges; those their own state decides are judged by check_precision.
             held = [r for r in params if r.param not in per_param.masters and r.param not in per_param.undecided]

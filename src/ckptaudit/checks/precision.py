@@ -24,8 +24,8 @@ from ckptaudit.catalogue import finding
 from ckptaudit.findings import ComponentKind, Contract, Finding, Precision, TensorRecord
 from ckptaudit.layouts.view import ContractRecord, View
 
-__all__ = ["MASTER_DTYPES", "PerParameter", "check_precision", "infer_contract", "judged_params", "masters_not_saved",
-           "per_parameter"]
+__all__ = ["MASTER_DTYPES", "PerParameter", "check_precision", "infer_contract", "judged_params", "live_per_parameter",
+           "masters_not_saved", "per_parameter", "place_live_dtypes"]
 
 MASTER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _WIDE = ("float32", "float64")
@@ -213,6 +213,46 @@ def per_parameter(contract: Contract, params: Sequence[TensorRecord], moments: S
         f"some submodules, or FSDP2 modules under another MixedPrecisionPolicy). Each parameter is held to its own "
         f"master dtype: {shown} to {'/'.join(dtypes)}, the others to float32. Pass --master-dtype float32 if every "
         "parameter of this run had a float32 master",
+        params=names,
+        dtypes=dict(sorted(masters.items())),
+    )
+    return PerParameter(masters=masters, undecided=undecided, findings=(note,))
+
+
+def place_live_dtypes(dtypes: Sequence[str], view: View, mapping: Mapping[object, str]) -> dict[str, str] | None:
+    """Parameter -> master dtype, from ``dtypes`` (one per parameter the live optimizer steps, in the order of its
+    param groups) laid over the checkpoint's saved param groups (``mapping``: the attachment's state key ->
+    parameter); ``None`` when the saved groups do not hold as many parameters (another optimizer, or none)."""
+    groups = view.optimizer.groups if view.optimizer is not None else []
+    keys = [k for g in groups for k in (g.get("params", []) if isinstance(g, dict) else [])]
+    if not keys or len(keys) != len(dtypes):
+        return None
+    placed: dict[str, str] = {}
+    for key, dtype in zip(keys, dtypes, strict=True):
+        fqn = mapping.get(key, key if isinstance(key, str) else None)
+        if fqn is not None:
+            placed[fqn] = dtype
+    return placed
+
+
+def live_per_parameter(placed: Mapping[str, str], params: Sequence[TensorRecord], detail: str) -> PerParameter:
+    """The live optimizer's per-parameter contract (:func:`place_live_dtypes`): each parameter it steps in 16 bits
+    is held to that dtype; a 16-bit parameter whose place cannot be told is not judged."""
+    masters = {p: d for p, d in placed.items() if d in _NARROW}
+    if not masters:
+        return PerParameter()
+    undecided = {r.param: "the live optimizer steps parameters of several dtypes, and which of them this one is "
+                 "cannot be told from the saved param groups"
+                 for r in params if r.param is not None and r.param not in placed and _narrow_valued(r)}
+    names = sorted(p for p in masters if any(r.param == p for r in params))
+    shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
+    dtypes = "/".join(sorted(set(masters.values())))
+    note = finding(
+        "contract.per-parameter",
+        "contract",
+        f"{detail}: the live optimizer steps {len(masters)} parameter(s) in {dtypes} and the others in float32 "
+        f"(a model holding those in {dtypes} by design). Each parameter is held to its own master dtype: "
+        f"{shown} to {dtypes}, the others to float32",
         params=names,
         dtypes=dict(sorted(masters.items())),
     )
