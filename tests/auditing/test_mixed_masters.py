@@ -198,3 +198,20 @@ def test_the_guard_holds_each_parameter_to_its_live_dtype(tmp_path: Path, traine
     assert {f["subject"] for f in doc["findings"] if f["code"] == "precision.low-precision-storage"} == {
         f"model/{n}" for n in FP32}
     assert doc["contract"]["source"] == "live" and "4 bfloat16 and 5 float32" in doc["contract"]["detail"]
+
+
+def test_ckptaudits_own_writer_records_each_parameters_dtype(tmp_path: Path, trained: Any) -> None:
+    # The writer's manifest records the trainable parameters' dtypes ({bfloat16: 4, float32: 5}) and each tensor's:
+    # each parameter is held to the dtype it had live, not to the majority the manifest's master_dtype names.
+    from ckptaudit.recipes import Job
+    from ckptaudit.store import save_checkpoint
+
+    model, opt = trained
+    job = Job(model=model, optimizer=opt)
+    job.step = 3
+    saved = save_checkpoint(job, str(tmp_path / "run"), step=3)
+    report = run_audit(saved.path)
+    assert report.contract is not None and report.contract.source == "manifest"
+    assert precision_problems(report) == [], precision_problems(report)
+    (note,) = [f for f in report.findings if f.code == "contract.per-parameter"]
+    assert note.evidence["params"] == sorted(BF16)

@@ -24,6 +24,7 @@ from ckptaudit.checks.precision import (
     infer_contract,
     judged_params,
     live_per_parameter,
+    manifest_per_parameter,
     masters_not_saved,
     per_parameter,
     place_live_dtypes,
@@ -125,10 +126,14 @@ def judge_scan(s: ScannedCheckpoint, options: AuditOptions) -> RawReport:
                and r.precision not in (Precision.NOT_FLOAT, Precision.UNREAD)]
     params = judged_params(params, s.records, view)
     manifest_dtype = None
+    recorded = None  # the writer's per-parameter record, when it recorded parameters of several dtypes
     if view.manifest is not None:
         contract_info = view.manifest.get("contract")
         if isinstance(contract_info, dict) and isinstance(contract_info.get("master_dtype"), str):
             manifest_dtype = contract_info["master_dtype"]
+            recorded = manifest_per_parameter(view.manifest, params)
+            if recorded is not None:  # float32 where any master is (the writer records the majority)
+                manifest_dtype = "float32"
     flag = options.master_dtype
     placed = (place_live_dtypes(options.master_dtypes, view, s.attachment.mapping)
               if options.master_dtypes and flag == "auto" else None)
@@ -151,9 +156,13 @@ def judge_scan(s: ScannedCheckpoint, options: AuditOptions) -> RawReport:
                   and r.precision not in (Precision.NOT_FLOAT, Precision.UNREAD)]
         if not masters_not_saved(view, contract):
             master = contract.master_dtype
-            per_param = (live_per_parameter(placed, params, contract.detail) if placed is not None else
-                         per_parameter(contract, params, moments, s.attachment.status,
-                                       [*view.contract_records, *options.run_records]))
+            if placed is not None:
+                per_param = live_per_parameter(placed, params, contract.detail)
+            elif recorded is not None and contract.source == "manifest":
+                per_param = live_per_parameter(recorded, params, contract.detail, "the writer recorded")
+            else:
+                per_param = per_parameter(contract, params, moments, s.attachment.status,
+                                          [*view.contract_records, *options.run_records])
             findings += per_param.findings
             # The parameters the contract judges; those their own state decides are judged by check_precision.
             held = [r for r in params if r.param not in per_param.masters and r.param not in per_param.undecided]

@@ -25,7 +25,7 @@ from ckptaudit.findings import ComponentKind, Contract, Finding, Precision, Tens
 from ckptaudit.layouts.view import ContractRecord, View
 
 __all__ = ["MASTER_DTYPES", "PerParameter", "check_precision", "infer_contract", "judged_params", "live_per_parameter",
-           "masters_not_saved", "per_parameter", "place_live_dtypes"]
+           "manifest_per_parameter", "masters_not_saved", "per_parameter", "place_live_dtypes"]
 
 MASTER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _WIDE = ("float32", "float64")
@@ -235,14 +235,15 @@ def place_live_dtypes(dtypes: Sequence[str], view: View, mapping: Mapping[object
     return placed
 
 
-def live_per_parameter(placed: Mapping[str, str], params: Sequence[TensorRecord], detail: str) -> PerParameter:
-    """The live optimizer's per-parameter contract (:func:`place_live_dtypes`): each parameter it steps in 16 bits
-    is held to that dtype; a 16-bit parameter whose place cannot be told is not judged."""
+def live_per_parameter(placed: Mapping[str, str], params: Sequence[TensorRecord], detail: str,
+                       who: str = "the live optimizer steps") -> PerParameter:
+    """The declared per-parameter contract (:func:`place_live_dtypes`: the live optimizer's;
+    :func:`manifest_per_parameter`: the writer's record of it): each parameter it names 16-bit is held to that
+    dtype; a 16-bit parameter whose place cannot be told is not judged."""
     masters = {p: d for p, d in placed.items() if d in _NARROW}
     if not masters:
         return PerParameter()
-    undecided = {r.param: "the live optimizer steps parameters of several dtypes, and which of them this one is "
-                 "cannot be told from the saved param groups"
+    undecided = {r.param: f"{who} parameters of several dtypes, and which of them this one is cannot be told"
                  for r in params if r.param is not None and r.param not in placed and _narrow_valued(r)}
     names = sorted(p for p in masters if any(r.param == p for r in params))
     shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
@@ -250,13 +251,35 @@ def live_per_parameter(placed: Mapping[str, str], params: Sequence[TensorRecord]
     note = finding(
         "contract.per-parameter",
         "contract",
-        f"{detail}: the live optimizer steps {len(masters)} parameter(s) in {dtypes} and the others in float32 "
+        f"{detail}: {who} {len(masters)} parameter(s) in {dtypes} and the others in float32 "
         f"(a model holding those in {dtypes} by design). Each parameter is held to its own master dtype: "
         f"{shown} to {dtypes}, the others to float32",
         params=names,
         dtypes=dict(sorted(masters.items())),
     )
     return PerParameter(masters=masters, undecided=undecided, findings=(note,))
+
+
+def manifest_per_parameter(manifest: Mapping[str, object], params: Sequence[TensorRecord]) -> dict[str, str] | None:
+    """Parameter -> dtype, from ckptaudit's manifest, when its writer recorded trainable parameters of several float
+    dtypes (``contract.parameter_dtypes``): each parameter's dtype is then the live one its ``tensors`` entry
+    records (the writer saves the live state as it is); ``None`` when the manifest records one dtype."""
+    info = manifest.get("contract")
+    counts = info.get("parameter_dtypes") if isinstance(info, dict) else None
+    if not isinstance(counts, dict) or len([d for d in counts if d in (*_WIDE, *_NARROW)]) < 2:
+        return None
+    tensors = manifest.get("tensors")
+    components = manifest.get("components")
+    model = components.get("model") if isinstance(components, dict) else None
+    key = model.get("key") if isinstance(model, dict) else None
+    if not isinstance(tensors, dict) or not isinstance(key, str):
+        return None
+    placed: dict[str, str] = {}
+    for r in params:
+        entry = tensors.get(f"{key}.{r.param}") if r.param is not None else None
+        if r.param is not None and isinstance(entry, dict) and entry.get("dtype") in (*_WIDE, *_NARROW):
+            placed[r.param] = str(entry["dtype"])
+    return placed
 
 
 def _by_run(contract: Contract, params: Sequence[TensorRecord], records: Sequence[ContractRecord]) -> PerParameter:
