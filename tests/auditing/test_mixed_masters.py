@@ -215,3 +215,21 @@ def test_ckptaudits_own_writer_records_each_parameters_dtype(tmp_path: Path, tra
     assert precision_problems(report) == [], precision_problems(report)
     (note,) = [f for f in report.findings if f.code == "contract.per-parameter"]
     assert note.evidence["params"] == sorted(BF16)
+
+
+@pytest.mark.dist
+def test_fsdp2_units_of_two_dtypes_are_each_held_to_their_own(tmp_path: Path) -> None:
+    # A real 2-rank gloo run: the bf16 body its own fully_shard unit, the fp32 rest under the root's bf16 policy.
+    import fsdp_jobs
+    from configurations import fixture_launch
+
+    # The session's forkserver options (tests/conftest.py FSDP_FAST): one server for every FSDP launch.
+    fast: dict[str, Any] = {"start_method": "forkserver", "preload": ("torch", "torch.distributed.fsdp", "fsdp_jobs")}
+    dtypes = fixture_launch("fsdp_mixed", fsdp_jobs.write_mixed_masters, 2, (str(tmp_path), 3), timeout_s=180,
+                            **fast)[0]
+    assert {n for n, d in dtypes.items() if d == "bfloat16"} == set(BF16)
+    report = run_audit(str(tmp_path / "mixed"))
+    assert precision_problems(report) == [] and not report.fails(Severity.ERROR), precision_problems(report)
+    assert [f.evidence["params"] for f in report.findings if f.code == "contract.per-parameter"] == [sorted(BF16)]
+    cast = run_audit(str(tmp_path / "cast"))
+    assert subjects(cast, "precision.low-precision-storage") == {f"model/{n}" for n in FP32}
