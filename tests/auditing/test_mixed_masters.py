@@ -94,6 +94,7 @@ def test_a_model_with_bf16_parameters_by_design_is_clean_on_defaults(tmp_path: P
     assert note.severity is Severity.INFO and note.evidence["params"] == sorted(BF16)
     assert report.contract is not None and report.contract.master_dtype == "float32"
     assert "float32 for 5 parameter(s) and bfloat16 for 4" in report.contract.detail
+    assert "master dtype float32, bfloat16 for some parameters by design" in report.summary
 
 
 @pytest.mark.parametrize("save", ["torch.save", "dcp"])

@@ -174,7 +174,12 @@ def judge_scan(s: ScannedCheckpoint, options: AuditOptions) -> RawReport:
                 never_updated=never_updated_params(view, s.ckpt, s.attachment, held, master), per_param=per_param)
     findings = mark_ignored(findings, options.ignore)
     findings.sort(key=finding_order)
-    summary = _summary(s, findings, contract.master_dtype, options)
+    master = contract.master_dtype
+    sixteen = sorted({d for f in findings if f.code == "contract.per-parameter"
+                      for d in f.evidence.get("dtypes", {}).values()})
+    if sixteen:
+        master = f"{master}, {'/'.join(sixteen)} for some parameters by design"
+    summary = _summary(s, findings, master, options)
     if _nothing_recognised(s, components):
         findings, summary, components = _not_a_checkpoint(s, findings)
     return RawReport(
