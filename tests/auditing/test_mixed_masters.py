@@ -234,3 +234,27 @@ def test_fsdp2_units_of_two_dtypes_are_each_held_to_their_own(tmp_path: Path) ->
     assert [f.evidence["params"] for f in report.findings if f.code == "contract.per-parameter"] == [sorted(BF16)]
     cast = run_audit(str(tmp_path / "cast"))
     assert subjects(cast, "precision.low-precision-storage") == {f"model/{n}" for n in FP32}
+
+
+def test_a_parameter_the_run_keeps_in_fp32_cast_with_its_moments_is_caught_beside_the_run(tmp_path: Path,
+                                                                                           trained: Any) -> None:
+    # An exporter that casts only the head and its moments to bf16: alone, that looks like one more parameter held
+    # in bf16 by design; the run's earlier checkpoint keeps it in float32, its bf16 ones by design.
+    model, opt = trained
+    run = tmp_path / "run"
+    run.mkdir()
+    _torch_save(run / "ckpt-0002.pt", model, opt)
+    good = _torch_save(run / "ckpt-0003.pt", model, opt)
+    msd = {k: v.bfloat16() if k.startswith("head.") else v for k, v in model.state_dict().items()}
+    osd = opt.state_dict()
+    head = {i for i, (n, _) in enumerate(model.named_parameters()) if n.startswith("head.")}
+    state = {i: {k: v.bfloat16() if i in head and v.dim() else v for k, v in e.items()} for i, e in osd["state"].items()}
+    torch.save({"model": msd, "optimizer": {"state": state, "param_groups": osd["param_groups"]}, "step": 4},
+               run / "ckpt-0004.pt")
+    alone = run_audit(str(run / "ckpt-0004.pt"), AuditOptions(run_evidence=False))
+    assert precision_problems(alone) == []
+    beside = run_audit(str(run / "ckpt-0004.pt"), AuditOptions(run_evidence=True))
+    assert subjects(beside, "precision.low-precision-storage") == {"model/head.weight", "model/head.bias"}
+    assert beside.contract is not None and beside.contract.source == "run"
+    # A genuine checkpoint of the same run, beside the same siblings, stays clean.
+    assert precision_problems(run_audit(str(good), AuditOptions(run_evidence=True))) == []

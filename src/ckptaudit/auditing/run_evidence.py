@@ -1,5 +1,7 @@
 """The run's own evidence: the master dtype a checkpoint's siblings (the run's other checkpoints) establish, as one
-more source of the contract (a :class:`~ckptaudit.layouts.view.ContractRecord` of source ``run``).
+more source of the contract (a :class:`~ckptaudit.layouts.view.ContractRecord` of source ``run``), per parameter
+where a sibling's own optimizer state shows some parameters 16-bit by design (``sixteen_bit``): a parameter
+16-bit in this checkpoint that a sibling keeps a float32 master of lost it, whatever the rest.
 
 Judged alone, a checkpoint whose parameters and optimizer moments are all bf16 may be a genuine bf16-masters run
 (``contract.inferred``, a warning). Beside checkpoints of the same run that hold float32 masters, it is not: the
@@ -104,6 +106,8 @@ def masters_of(s: Sibling) -> Masters:
         dtypes = "/".join(sorted({d for _, d in sixteen}))
         return Masters(s, "float32", f"float32 optimizer moments for {wide} parameter(s) and {dtypes} for "
                        f"{len(sixteen)}, each in its parameter's dtype", sixteen)
+    if set(moments) & set(_WIDE) and set(moments) & set(_NARROW):
+        return Masters(s, None, "float32 and 16-bit optimizer moments whose parameters cannot be told apart")
     if moment in _WIDE and param is not None:
         return Masters(s, "float32", f"{param} parameters and {moment} optimizer moments")
     if moment in _NARROW and param in _NARROW:
@@ -198,8 +202,11 @@ def judge_with_run(s: ScannedCheckpoint, options: AuditOptions,
 
     report = judge_scan(s, options)
     contract = report.contract
-    if (options.master_dtype != "auto" or options.run_records or contract is None
-            or contract.source != "optimizer-state" or contract.master_dtype not in _NARROW):
+    # 16-bit masters inferred from the tensors: for the whole checkpoint, or for some parameters (their own
+    # moments 16-bit beside others' float32: contract.per-parameter), which the run's other checkpoints may contradict.
+    per_param = any(f.code == "contract.per-parameter" for f in report.findings)
+    if (options.master_dtype != "auto" or options.master_dtypes or options.run_records or contract is None
+            or contract.source != "optimizer-state" or (contract.master_dtype not in _NARROW and not per_param)):
         return report
     record = evidence()
     return report if record is None else judge_scan(s, replace(options, run_records=(record,)))
