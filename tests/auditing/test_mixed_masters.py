@@ -258,3 +258,14 @@ def test_a_parameter_the_run_keeps_in_fp32_cast_with_its_moments_is_caught_besid
     assert beside.contract is not None and beside.contract.source == "run"
     # A genuine checkpoint of the same run, beside the same siblings, stays clean.
     assert precision_problems(run_audit(str(good), AuditOptions(run_evidence=True))) == []
+
+
+def test_live_dtypes_that_do_not_fit_the_saved_groups_are_said(tmp_path: Path, trained: Any) -> None:
+    # Another optimizer's dtypes (one parameter fewer): the checkpoint's own state decides, and the contract says so.
+    model, opt = trained
+    path = _torch_save(tmp_path / "mixed.pt", model, opt)
+    live = ("float32",) + ("bfloat16",) * 4 + ("float32",) * 3
+    report = run_audit(str(path), AuditOptions(master_dtypes=live, master_dtype_from="the live run: a test"))
+    assert report.contract is not None and report.contract.source == "optimizer-state"
+    assert "(the live run: a test: 8) could not be laid over the 9 parameter(s)" in report.contract.detail
+    assert precision_problems(report) == []

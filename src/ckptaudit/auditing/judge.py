@@ -8,7 +8,7 @@ checks (:mod:`ckptaudit.checks`, :func:`judge_scan`) -> RawReport.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptaudit.auditing.scan import Progress, ScannedCheckpoint, scan_checkpoint
@@ -145,6 +145,12 @@ def judge_scan(s: ScannedCheckpoint, options: AuditOptions) -> RawReport:
                                                  flag_source="live" if options.master_dtype_from and flag != "auto"
                                                  else "flag",
                                                  flag_detail=options.master_dtype_from)
+    if options.master_dtypes and flag == "auto":  # said, not silent: the checkpoint's own evidence decides instead
+        saved = sum(len(g.get("params", [])) for g in (view.optimizer.groups if view.optimizer else [])
+                    if isinstance(g, dict))
+        contract = replace(contract, detail=f"{contract.detail}; the live run's dtype per parameter "
+                           f"({options.master_dtype_from or 'master_dtypes'}: {len(options.master_dtypes)}) could "
+                           f"not be laid over the {saved} parameter(s) of the saved param groups")
     components: tuple[Any, ...] = ()
     if options.expect == "training":
         findings += contract_findings
