@@ -170,6 +170,11 @@ def test_where_the_state_does_not_decide_a_parameter_it_is_not_judged() -> None:
                   _rec("optimizer/c", "float32", param="c", role="exp_avg")]
     loose = per_parameter(contract, params, bf16_state, "by-name")
     assert loose.masters == {} and set(loose.undecided) == {"b"} and "16-bit state for float32" in loose.undecided["b"]
+    # A float32 master copy kept in the optimizer state beside bf16 moments: that parameter has a float32 master,
+    # so its stored bf16 is held to float32, not excused as bf16 by design.
+    with_master = [*own, _rec("optimizer/c", "bfloat16", param="c", role="exp_avg"),
+                   _rec("optimizer/c.master", "float32", param="c", role="master_param")]
+    assert per_parameter(contract, params, with_master, "by-name").masters == {"b": "bfloat16"}
     # Declared or recorded contracts speak for every parameter: nothing per parameter.
     assert per_parameter(Contract("float32", "flag", "--master-dtype float32"), params, own, "by-name").masters == {}
 
