@@ -113,6 +113,9 @@ class ContractRecord:
     in_optimizer: bool = False
     """The masters live in the optimizer's state (DeepSpeed's partitions, Megatron's main params), so the model's
     16-bit tensors are compute copies, and without the optimizer state there is no master to judge."""
+    sixteen_bit: tuple[tuple[str, str], ...] = ()
+    """(parameter, dtype) pairs the record shows trained in 16 bits by design while ``master_dtype`` holds for the
+    others (the run's other checkpoints, whose own optimizer state is 16-bit for those parameters only)."""
 
     def text(self) -> str:
         return f"{self.where}: {self.says} ({self.why})"
