@@ -58,7 +58,7 @@ def _main(argv: Sequence[str] | None, stdout: Any, stderr: TextIO) -> int:
         old = torch_older_than_tested(f"ckptaudit {args.command}")
         if old is not None:
             stderr.write(f"warning: {old}\n")
-    args.diagnostics = stderr  # where _emit says the verdict when the report goes to --output
+    args.diagnostics = stderr  # where output.emit says the verdict when the report goes to --output
     try:
         return COMMANDS[args.command](args, stdout, stderr)
     except ModuleNotFoundError as exc:  # a path into torch not foreseen above (the audit under torchrun)
