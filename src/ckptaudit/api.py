@@ -17,7 +17,6 @@ raises ``TypeError`` / ``ValueError`` naming the option, the value and the fix.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -102,6 +101,8 @@ class Report:
 
     def to_json(self, indent: int | None = 2) -> str:
         """The JSON report (the same document as ``ckptaudit audit --format json``)."""
+        import json  # not at start-up: the command line writes its JSON through ckptaudit.report
+
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
 

@@ -20,6 +20,8 @@ E, W, INFO = Severity.ERROR, Severity.WARNING, Severity.INFO
 
 @dataclass(frozen=True, slots=True)
 class Rule:
+    """One finding code: its severity and what it means (docs/catalogue.md)."""
+
     code: str
     severity: Severity
     summary: str

@@ -13,6 +13,7 @@ it).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -189,6 +190,7 @@ def signature(positional: Iterable[tuple[str, str]], table: Mapping[str, Option]
     return inspect.Signature(params, return_annotation=returns)
 
 
+@functools.cache  # the API's two signatures are made at import: each annotation text compiled once
 def _type(text: str) -> Any:
     # Our own annotations (the table's constants), so that help() shows types rather than quoted strings.
     return eval(text, {"Literal": Literal, "Iterable": Iterable, "os": os})  # noqa: S307

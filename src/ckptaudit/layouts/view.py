@@ -65,6 +65,8 @@ class TensorRef:
 
 @dataclass
 class ModelView:
+    """The model's tensors, and where in the checkpoint they were found."""
+
     params: dict[str, TensorRef]
     """Model tensors by FQN, in the order the writer saw them (when ``order_known``)."""
     where: list[str]
@@ -77,6 +79,8 @@ class ModelView:
 
 @dataclass
 class OptimizerView:
+    """The optimizer's state and parameter groups, as saved, and where they were found."""
+
     where: str
     keyed: str
     """``fqn`` or ``index``."""
@@ -123,6 +127,8 @@ class ContractRecord:
 
 @dataclass
 class View:
+    """One checkpoint interpreted: its library layout, the model, the optimizer, where each component lives."""
+
     layout: str
     model: ModelView | None
     optimizer: OptimizerView | None
