@@ -88,13 +88,20 @@ def snapshot(url: str, skip: Callable[[str], bool] | None = None) -> Snapshot:
     fs, path = filesystem(url)
     path = path.rstrip("/")
     fs.invalidate_cache(path)  # a listing cached before the save must not stand for what was saved
-    info = info_of(fs, path, url)
+    try:
+        info = info_of(fs, path, url)
+    finally:
+        fs.invalidate_cache()
     if info.get("type") != "directory":
         return Snapshot(url, path, False, (ObjectVersion("", _size(info, url), _etag(info), _version(info)),))
     try:
         found: dict[str, dict[str, Any]] = fs.find(path, detail=True, maxdepth=None)
     except Exception as exc:  # noqa: BLE001 - the storage library's own words, one line
         raise RemoteError(f"{url}: cannot list it ({type(exc).__name__}: {exc})") from None
+    finally:
+        # Nothing of this listing stays cached: fsspec keeps one filesystem per thread, and a later reading of the
+        # checkpoint on this thread (ckptaudit verify, latest) must see the objects the guard writes beside it.
+        fs.invalidate_cache()
     if len(found) > MAX_OBJECTS:
         raise RemoteError(f"{url}: more than {MAX_OBJECTS} objects under the prefix")
     objects = []
