@@ -56,10 +56,10 @@ def _cli(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def _guarded(*urls: str, **submit: Any) -> list[Any]:
+def _guarded(*urls: str, background: str = "thread", **submit: Any) -> list[Any]:
     from ckptaudit.integrations.guard import Guard
 
-    guard = Guard(on_failure="warn", background="thread")
+    guard = Guard(on_failure="warn", background=background)
     for url in urls:
         guard.submit(url, **submit)
     assert guard.close(180)
@@ -71,7 +71,7 @@ def test_a_passing_dcp_folder_gets_its_report_and_passport_as_objects_and_verifi
     fs.put(str(s3["local"] / "step-2"), f"{BUCKET}/pass/step-2", recursive=True)
     saved = _objects(fs, f"{BUCKET}/pass/step-2")
     url = f"s3://{BUCKET}/pass/step-2/"
-    [verdict] = _guarded(url, step=2)
+    [verdict] = _guarded(url, step=2, background="process")  # the default: the audit in the worker process
     assert verdict.ok is True, verdict
     assert verdict.report == f"s3://{BUCKET}/pass/step-2.ckptaudit.json"
     assert verdict.passport == f"s3://{BUCKET}/pass/step-2/ckptaudit.passport.json"
@@ -153,10 +153,33 @@ def test_an_object_replaced_after_submit_is_not_judged(s3: dict[str, Any]) -> No
     assert guard.close(180)
     verdict = guard.verdicts[1]
     assert verdict.checkpoint == url and verdict.ok is None, verdict
-    assert "could not be read as they were saved" in verdict.error or "replaced" in verdict.error
+    # The copy's reads sent the ETag listed at submit: the store refused it (412).
+    assert verdict.error.startswith("replaced since it was saved, before its audit could read it"), verdict.error
     fs.invalidate_cache()
     assert not fs.exists(f"{BUCKET}/race/ckpt-0008.pt.ckptaudit-quarantine.json")
     assert not fs.exists(f"{BUCKET}/race/ckpt-0008.pt.passport.json")
+    assert not fs.exists(f"{BUCKET}/race/ckpt-0008.pt.ckptaudit.json")
+
+
+def test_an_object_replaced_while_it_is_audited_is_not_judged(s3: dict[str, Any]) -> None:
+    from ckptaudit.integrations.guard import Guard
+
+    fs = s3["fs"]
+    fs.put(str(s3["local"] / "ckpt-0004.pt"), f"{BUCKET}/during/ckpt-0004.pt")
+    guard = Guard(on_failure="warn", background="thread")
+    audit = guard._run_audit
+
+    def replaced_meanwhile(*args: Any) -> dict[str, Any]:  # the copy was read; a new save lands during the audit
+        fs.pipe(f"{BUCKET}/during/ckpt-0004.pt", (s3["local"] / "ckpt-0006.pt").read_bytes())
+        return audit(*args)
+
+    guard._run_audit = replaced_meanwhile  # type: ignore[method-assign]
+    guard.submit(f"s3://{BUCKET}/during/ckpt-0004.pt", step=4)
+    assert guard.close(180)
+    [verdict] = guard.verdicts
+    assert verdict.ok is None and verdict.error.startswith("replaced while it was audited (ckpt-0004.pt: "), verdict
+    fs.invalidate_cache()
+    assert fs.find(f"{BUCKET}/during") == [f"{BUCKET}/during/ckpt-0004.pt"]  # nothing written beside it
 
 
 def test_the_local_only_hooks_are_said_to_be_local_only(s3: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:

@@ -100,6 +100,7 @@ def judge_remote(job: Any, audit: Callable[[str, str, str, dict[str, Any] | None
                  lineage: RunLineage, *, passport: bool, key: str | None, on_failure: str) -> Verdict:
     """(worker) The verdict of the checkpoint behind ``job.checkpoint``'s URL (see the module docstring); ``audit``
     is the guard's own audit of a local path (``(checkpoint, report draft, as_path, passport request)``)."""
+    from ckptaudit.formats.remote.errors import ObjectChanged
     from ckptaudit.formats.remote.snapshot import changes, copy_pinned, snapshot
 
     url, pin = job.checkpoint, job.remote
@@ -123,7 +124,10 @@ def judge_remote(job: Any, audit: Callable[[str, str, str, dict[str, Any] | None
         _drop(url, [passport_path(url, is_dir=snap.is_dir), signature_path(url, is_dir=snap.is_dir)])
         try:
             local = copy_pinned(snap, folder)
-        except OSError as exc:  # ObjectChanged: replaced or deleted since submit; a read that failed
+        except ObjectChanged as exc:  # the store refused the ETag listed at submit
+            return _not_judged(job, f"replaced since it was saved, before its audit could read it ({exc})",
+                               time.monotonic() - start, queued)
+        except OSError as exc:  # deleted since submit (retention), the store unreachable, a read that failed
             return _not_judged(job, f"its objects could not be read as they were saved ({exc})",
                                time.monotonic() - start, queued)
         draft = os.path.join(folder, "report" + REPORT_SUFFIX)
@@ -136,8 +140,8 @@ def judge_remote(job: Any, audit: Callable[[str, str, str, dict[str, Any] | None
         seconds = time.monotonic() - start
         why = changes(snap, is_passport_name)
         if why:
-            return _not_judged(job, f"replaced: it changed while it waited for its audit ({why}), so the bytes "
-                               "judged may not be the bytes saved", seconds, queued)
+            return _not_judged(job, f"replaced while it was audited ({why}), so the bytes judged may not be the "
+                               "bytes saved", seconds, queued)
         return _decide(job, snap, result, draft, lineage, on_failure, seconds, queued)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
