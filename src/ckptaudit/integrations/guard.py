@@ -13,7 +13,8 @@ default group's rank 0, or ``RANK=0``, or a single process) or at the latest whe
 1. **At submit** (training thread) the checkpoint's files are pinned (:mod:`.pinning`: hard links in a private
    ``.ckptaudit-pins`` folder beside it, and each file's identity), so the audit judges the bytes that were
    saved even when the library replaces or deletes them before the audit's turn; a pinned file rewritten in
-   place makes the verdict *not judged*, never "passed".
+   place makes the verdict *not judged*, never "passed". A checkpoint behind an object-store URL is pinned by its
+   objects' versions and marked quarantined in place, never moved (:mod:`.guard_remote`).
 2. **Bounded unverified saves**: at most ``max_unverified`` save points (default 1 with ``on_failure="stop"``,
    no bound with ``"warn"``) are ever waiting for a verdict. The integration calls :meth:`Guard.before_save`
    just before the library writes the next checkpoint (:func:`before_save_everywhere` on every rank, which keeps
