@@ -148,10 +148,16 @@ def test_an_object_replaced_after_submit_is_not_judged(s3: dict[str, Any]) -> No
     guard.submit(f"s3://{BUCKET}/race/ckpt-0004.pt", ready=hold)  # holds the worker until the object is replaced
     url = f"s3://{BUCKET}/race/ckpt-0008.pt"
     guard.submit(url, step=8)  # pinned now: its ETag at submit
+    fs.put(str(s3["local"] / "ckpt-0004.pt"), f"{BUCKET}/race/ckpt-0010.pt")
+    guard.submit(f"s3://{BUCKET}/race/ckpt-0010.pt", step=10)
     fs.pipe(f"{BUCKET}/race/ckpt-0008.pt", (s3["local"] / "ckpt-0006.pt").read_bytes())  # a rounded one, in its place
+    fs.rm(f"{BUCKET}/race/ckpt-0010.pt")  # retention, before its audit: no hard link keeps it
     hold.set_result(None)
     assert guard.close(180)
-    verdict = guard.verdicts[1]
+    held, verdict, deleted = guard.verdicts
+    assert deleted.ok is None and deleted.error.startswith("its objects could not be copied as they were saved"), \
+        deleted
+    assert held.ok is True, held  # an asynchronous save: listed on the worker once its future completed
     assert verdict.checkpoint == url and verdict.ok is None, verdict
     # The copy's reads sent the ETag listed at submit: the store refused it (412).
     assert verdict.error.startswith("replaced since it was saved, before its audit could read it"), verdict.error

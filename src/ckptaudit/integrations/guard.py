@@ -63,7 +63,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptaudit.formats.remote import is_url
 from ckptaudit.integrations import pinning
 from ckptaudit.integrations.guard_collective import (
     ROUND_S,
@@ -287,6 +286,8 @@ class Guard:
         if self._closed:
             raise RuntimeError("ckptaudit guard: submit() after close(); create a new Guard")
         self.before_save(step)
+        from ckptaudit.formats.remote import is_url  # here: importing the readers is not the guard's start-up
+
         remote = None if not is_url(checkpoint) else pin_remote(checkpoint, listed=ready is None, pins=pins, local_only={
             "quarantine_to": quarantine_to, "after_quarantine": after_quarantine, "keep_pin": keep_pin})
         if self.passport and remote is None:

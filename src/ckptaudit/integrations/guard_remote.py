@@ -11,7 +11,8 @@ Which thread runs what, as for a local checkpoint (:mod:`ckptaudit.integrations.
    with ``passport=True``, the passport in the same pass) reads that copy, as for a local checkpoint; then the
    checkpoint is listed again. An object replaced, added or deleted since submit makes the verdict *not judged*
    (named, nothing written), never "passed". The copy is removed after the verdict.
-3. **The verdict, written as objects next to the checkpoint**: the JSON report at ``<checkpoint>.ckptaudit.json``;
+3. **The verdict, written as objects next to the checkpoint**: the JSON report at ``<checkpoint>.ckptaudit.json``
+   (or the URL ``submit(report=...)`` names);
    on a pass the passport where :mod:`ckptaudit.ondisk.passport` puts it (``DIR/ckptaudit.passport.json`` inside a
    folder, ``FILE.passport.json`` beside a file), so ``ckptaudit verify s3://...`` finds it; on a failure the
    quarantine marker, ``<checkpoint>.ckptaudit-quarantine.json``
@@ -119,7 +120,12 @@ def judge_remote(job: Any, audit: Callable[[str, str, str, dict[str, Any] | None
         except OSError as exc:
             return _not_judged(job, f"it could not be listed ({type(exc).__name__}: {exc})", 0.0, queued)
     start = time.monotonic()
-    folder = tempfile.mkdtemp(prefix="ckptaudit-guard-", dir=pin.folder)
+    try:
+        if pin.folder is not None:
+            os.makedirs(pin.folder, exist_ok=True)
+        folder = tempfile.mkdtemp(prefix="ckptaudit-guard-", dir=pin.folder)
+    except OSError as exc:
+        return _not_judged(job, f"no local folder for its copy ({type(exc).__name__}: {exc})", 0.0, queued)
     try:
         _drop(url, [passport_path(url, is_dir=snap.is_dir), signature_path(url, is_dir=snap.is_dir)])
         try:
@@ -127,9 +133,9 @@ def judge_remote(job: Any, audit: Callable[[str, str, str, dict[str, Any] | None
         except ObjectChanged as exc:  # the store refused the ETag listed at submit
             return _not_judged(job, f"replaced since it was saved, before its audit could read it ({exc})",
                                time.monotonic() - start, queued)
-        except OSError as exc:  # deleted since submit (retention), the store unreachable, a read that failed
-            return _not_judged(job, f"its objects could not be read as they were saved ({exc})",
-                               time.monotonic() - start, queued)
+        except OSError as exc:  # deleted since submit (retention), the store unreachable, the local disk full
+            return _not_judged(job, f"its objects could not be copied as they were saved ({type(exc).__name__}: "
+                               f"{exc})", time.monotonic() - start, queued)
         draft = os.path.join(folder, "report" + REPORT_SUFFIX)
         paper = passport_request(lineage.lineage(), key, folder, url) if passport else None
         try:
@@ -143,6 +149,8 @@ def judge_remote(job: Any, audit: Callable[[str, str, str, dict[str, Any] | None
             return _not_judged(job, f"replaced while it was audited ({why}), so the bytes judged may not be the "
                                "bytes saved", seconds, queued)
         return _decide(job, snap, result, draft, lineage, on_failure, seconds, queued)
+    except Exception as exc:  # noqa: BLE001 - the worker thread judges the next checkpoint whatever happens here
+        return _not_judged(job, f"{type(exc).__name__}: {exc}", time.monotonic() - start, queued)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -153,7 +161,9 @@ def _decide(job: Any, snap: Snapshot, result: dict[str, Any], draft: str, lineag
     url = job.checkpoint
     ok, summary, codes = bool(result["ok"]), str(result["summary"]), tuple(result["codes"])
     job.attested = result.get("passport")
-    report = _put(url, draft, remote_report(url))
+    from ckptaudit.formats.remote import is_url
+
+    report = _put(url, draft, job.report if is_url(job.report) else remote_report(url))
     ancestor = lineage.damaged.checkpoint if lineage.damaged is not None else None
     if ok:
         _drop(url, [marker_name(url)])  # an earlier save's marker: these bytes passed
