@@ -56,10 +56,11 @@ def _cli(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def _guarded(*urls: str, background: str = "thread", **submit: Any) -> list[Any]:
+def _guarded(*urls: str, background: str = "thread", options: dict[str, Any] | None = None,
+             **submit: Any) -> list[Any]:
     from ckptaudit.integrations.guard import Guard
 
-    guard = Guard(on_failure="warn", background=background)
+    guard = Guard(on_failure="warn", background=background, **(options or {}))
     for url in urls:
         guard.submit(url, **submit)
     assert guard.close(180)
@@ -135,6 +136,25 @@ def test_a_failing_checkpoint_is_marked_never_deleted_and_latest_passes_over_it(
                 stderr=io.StringIO()) == 0
     here = {c["name"]: c for c in json.loads(out.getvalue())["candidates"]}
     assert here["ckpt-0006.pt"]["layout"] == "quarantined"
+
+
+def test_a_failing_folder_is_marked_beside_it_and_latest_passes_over_it(s3: dict[str, Any]) -> None:
+    fs = s3["fs"]
+    fs.put(str(s3["local"] / "step-2"), f"{BUCKET}/dirs/step-2", recursive=True)
+    saved = _objects(fs, f"{BUCKET}/dirs")
+    [verdict] = _guarded(f"s3://{BUCKET}/dirs/step-2/", step=2, options={"fail_on": "warning"})  # its warnings fail
+    assert verdict.ok is False and verdict.quarantined_to == f"s3://{BUCKET}/dirs/step-2.ckptaudit-quarantine.json"
+    after = _objects(fs, f"{BUCKET}/dirs")
+    assert set(after) == {*saved, f"{BUCKET}/dirs/step-2.ckptaudit.json", f"{BUCKET}/dirs/step-2.ckptaudit-quarantine.json"}
+    assert all(after[k] == v for k, v in saved.items())
+    out = io.StringIO()
+    code = main(["latest", f"s3://{BUCKET}/dirs/", "--format", "json", "--no-progress"], stdout=out,
+                stderr=io.StringIO())
+    doc = json.loads(out.getvalue())
+    assert code == 1 and doc["latest"] is None, doc  # nothing resumable: the one checkpoint is quarantined
+    [row] = doc["candidates"]
+    assert row["name"] == "step-2" and row["layout"] == "quarantined"
+    assert [f["code"] for f in row["findings"]] == ["guard.quarantined"]
 
 
 def test_an_object_replaced_after_submit_is_not_judged(s3: dict[str, Any]) -> None:
