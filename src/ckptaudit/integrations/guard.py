@@ -13,7 +13,8 @@ default group's rank 0, or ``RANK=0``, or a single process) or at the latest whe
 1. **At submit** (training thread) the checkpoint's files are pinned (:mod:`.pinning`: hard links in a private
    ``.ckptaudit-pins`` folder beside it, and each file's identity), so the audit judges the bytes that were
    saved even when the library replaces or deletes them before the audit's turn; a pinned file rewritten in
-   place makes the verdict *not judged*, never "passed".
+   place makes the verdict *not judged*, never "passed". A checkpoint behind an object-store URL is pinned by its
+   objects' versions and marked quarantined in place, never moved (:mod:`.guard_remote`).
 2. **Bounded unverified saves**: at most ``max_unverified`` save points (default 1 with ``on_failure="stop"``,
    no bound with ``"warn"``) are ever waiting for a verdict. The integration calls :meth:`Guard.before_save`
    just before the library writes the next checkpoint (:func:`before_save_everywhere` on every rank, which keeps
@@ -55,7 +56,6 @@ import logging
 import os
 import queue
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -64,7 +64,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptaudit.integrations import pinning
-from ckptaudit.integrations.guard_collective import ROUND_S, before_save_everywhere, stop_requested, wait_everywhere
+from ckptaudit.integrations.guard_collective import (
+    ROUND_S,
+    before_save_everywhere,
+    likely_owner,
+    stop_requested,
+    wait_everywhere,
+)
 from ckptaudit.integrations.guard_lineage import (
     LiveState,
     RunLineage,
@@ -88,6 +94,7 @@ from ckptaudit.integrations.guard_records import (
     Verdict,
     report_path,
 )
+from ckptaudit.integrations.guard_remote import RemotePin, judge_remote, pin_remote
 from ckptaudit.ondisk.quarantine import REPORT_SUFFIX, is_quarantined, quarantine_name
 
 if TYPE_CHECKING:
@@ -133,23 +140,8 @@ class _Job:
     """The live check at its save point (:meth:`Guard.observe`), or ``None`` when the guard saw no optimizer."""
     attested: dict[str, Any] | None = None
     """(worker) The worker's answer about its passport: ``file``, ``digest``, ``root_digest``, or ``error``."""
-
-
-def _likely_owner() -> bool:
-    """Whether this process looks like the one that will audit (rank 0), before the integration knows: the
-    default group's rank when torch.distributed is already up, else ``RANK`` (torchrun, ...), else
-    ``LOCAL_RANK`` and ``NODE_RANK`` (Lightning's launcher sets no ``RANK`` in the processes it starts), else a
-    single process (yes)."""
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank()) == 0
-    except (AttributeError, RuntimeError):
-        pass
-    env = os.environ
-    if env.get("RANK", "").strip():
-        return env["RANK"].strip() == "0"
-    return all(env.get(name, "0").strip() in ("", "0") for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
+    remote: RemotePin | None = None
+    """A checkpoint behind a URL: its objects' versions at submit (:mod:`.guard_remote`), judged there."""
 
 
 class Guard:
@@ -216,7 +208,7 @@ class Guard:
         """(worker) The run's history: each save's parent, and the save that damaged the live state."""
         self._ready = threading.Event()
         self._closed = False
-        if _likely_owner():
+        if likely_owner():
             self.start()
 
     # -- training side (the owning process's main thread) ----------------------------------------------------
@@ -294,17 +286,22 @@ class Guard:
         if self._closed:
             raise RuntimeError("ckptaudit guard: submit() after close(); create a new Guard")
         self.before_save(step)
-        if self.passport:
+        from ckptaudit.formats.remote import is_url  # here: importing the readers is not the guard's start-up
+
+        remote = None if not is_url(checkpoint) else pin_remote(checkpoint, listed=ready is None, pins=pins, local_only={
+            "quarantine_to": quarantine_to, "after_quarantine": after_quarantine, "keep_pin": keep_pin})
+        if self.passport and remote is None:
             drop_stale_passport(checkpoint)
         pin: pinning.Pin | None = None
-        if ready is None:
+        if ready is None and remote is None:
             try:
                 pin = pinning.pin(checkpoint, pins)
             except OSError:
                 pin = None  # it does not exist (the audit says so), or cannot be read
         live, self._observed = self._observed, None
         job = _Job(checkpoint, step, step if step is not None else object(), quarantine_to, after_quarantine,
-                   on_pass, time.monotonic(), report or report_path(checkpoint), pins, keep_pin, pin, ready, live)
+                   on_pass, time.monotonic(), report or report_path(checkpoint), pins, keep_pin, pin, ready, live,
+                   remote=remote)
         with self._cond:
             ahead = len(self._live)
             self._live.append(job)
@@ -528,6 +525,9 @@ class Guard:
             warm()  # the engine's imports, paid here rather than by the first audit
 
     def _judge(self, job: _Job) -> Verdict:
+        if job.remote is not None:
+            return judge_remote(job, self._run_audit, self.lineage, passport=self.passport, key=self.passport_key,
+                                on_failure=self.on_failure)
         if job.ready is not None:
             try:
                 job.ready.result()

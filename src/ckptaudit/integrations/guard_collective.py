@@ -8,6 +8,7 @@ and ``max_unverified``, so no rank enters a collective alone); only the rank tha
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -16,7 +17,24 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ckptaudit.integrations.guard import Guard
 
-__all__ = ["ROUND_S", "before_save_everywhere", "stop_requested", "wait_everywhere"]
+__all__ = ["ROUND_S", "before_save_everywhere", "likely_owner", "stop_requested", "wait_everywhere"]
+
+
+def likely_owner() -> bool:
+    """Whether this process looks like the one that will audit (rank 0), before the integration knows: the
+    default group's rank when torch.distributed is already up, else ``RANK`` (torchrun, ...), else
+    ``LOCAL_RANK`` and ``NODE_RANK`` (Lightning's launcher sets no ``RANK`` in the processes it starts), else a
+    single process (yes)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank()) == 0
+    except (AttributeError, RuntimeError):
+        pass
+    env = os.environ
+    if env.get("RANK", "").strip():
+        return env["RANK"].strip() == "0"
+    return all(env.get(name, "0").strip() in ("", "0") for name in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
 
 
 def stop_requested(guard: Guard) -> bool:

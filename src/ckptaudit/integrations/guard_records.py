@@ -36,6 +36,7 @@ class Verdict:
     report: str | None
     """Where the JSON report lies (after any quarantine), or ``None``."""
     quarantined_to: str | None
+    """Where a failing checkpoint was moved; behind an object-store URL, its quarantine marker (left in place)."""
     seconds: float
     """Wall time of the audit on the worker."""
     queued_s: float

@@ -20,8 +20,9 @@ looking inside. Here every candidate, newest first, is validated until one passe
   ``verify="sizes"`` also skips the manifest's hashes, ``verify="full"`` runs the whole audit.
 
 A candidate is resumable when no finding is an error (findings acknowledged by ``ignore`` do not count). The
-root's pointer, when there is one (ours: ``latest``; Megatron-LM's ``latest_checkpointed_iteration.txt``), is
-compared with the newest resumable candidate.
+root's pointer, when there is one (ours and DeepSpeed's: ``latest``; Megatron-LM's
+``latest_checkpointed_iteration.txt``), is compared with the newest resumable candidate, on a local root as behind a
+URL (one bounded ranged read each).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def survey_root(root: str) -> tuple[list[Candidate], list[Skipped]]:
         if not os.path.exists(root):
             raise FileNotFoundError(root)
         found = local_survey(os.path.abspath(root))
-        found.candidates = [_step_from_file(c) for c in found.candidates]
+    found.candidates = [_step_from_file(c) for c in found.candidates]
     return newest_first(found.candidates), found.skipped
 
 
@@ -97,6 +98,11 @@ def _step_from_file(c: Candidate) -> Candidate:
     by our readers without executing anything."""
     if c.step is not None or c.layout not in ("lightning", "torch.save", "safetensors"):
         return c
+    if c.remote:
+        from ckptaudit.latest.listing import step_readable
+
+        if not step_readable(c.path):  # bounded: metadata only, or a small file (listing.STEP_PROBE_BYTES)
+            return c
     from ckptaudit.formats import open_checkpoint
     from ckptaudit.layouts import interpret
 
@@ -151,11 +157,7 @@ def find_latest(root: str, *, verify: str = DEFAULT_VERIFY, require: Collection[
     if not remote:
         root = os.path.abspath(local_path(root))
     candidates, skipped = survey_root(root)
-    pointer, pointer_file = None, ""
-    if not remote and os.path.isdir(root):
-        pointer, pointer_file = layout.read_pointer(root), layout.POINTER
-        if pointer is None:
-            pointer, pointer_file = _megatron_pointer(root), MEGATRON_TRACKER
+    pointer, pointer_file, raw = _read_pointers(root, remote)
     result = LatestResult(root.rstrip("/") if remote else root, None, [], pointer=pointer, skipped=skipped,
                           run_evidence=run_evidence)
     run = RunEvidence(candidates) if run_evidence else None
@@ -172,10 +174,13 @@ def find_latest(root: str, *, verify: str = DEFAULT_VERIFY, require: Collection[
                 break
     if result.pointer is not None and result.latest is not None and result.pointer != result.latest.name:
         state = {ch.candidate.name: ch for ch in result.checked}.get(result.pointer)
-        why = ("does not exist" if not os.path.exists(os.path.join(root, result.pointer)) else
+        exists = (any(c.name == result.pointer for c in candidates) or
+                  any(s.name == result.pointer for s in skipped)) if remote else \
+            os.path.exists(os.path.join(root, result.pointer))
+        why = ("does not exist" if not exists else
                "is not resumable" if state is not None and not state.resumable else
                "is older than the newest resumable checkpoint")
-        owner, fix = _pointer_owner(root, pointer_file, result.latest)
+        owner, fix = _pointer_owner(raw, pointer_file, result.latest)
         result.findings.append(finding("store.pointer-stale", pointer_file,
                                        f"{owner} names {result.pointer}, which {why}; the newest resumable "
                                        f"checkpoint is {result.latest.name}. {fix}",
@@ -183,15 +188,40 @@ def find_latest(root: str, *, verify: str = DEFAULT_VERIFY, require: Collection[
     return result
 
 
-def _pointer_owner(root: str, pointer_file: str, latest: Candidate) -> tuple[str, str]:
-    """Whose pointer ``pointer_file`` is, in words (with what it holds where that differs from the folder
+def _read_pointers(root: str, remote: bool) -> tuple[str | None, str, str]:
+    """The root's pointer: what it names, which file (ours / DeepSpeed's ``latest``, else Megatron's tracker) and
+    the text it holds; read locally as a regular file, behind a URL with one bounded ranged read each."""
+    if remote:
+        from ckptaudit.latest.listing import read_head
+
+        for name in (layout.POINTER, MEGATRON_TRACKER):
+            data = read_head(f"{root.rstrip('/')}/{name}", 256)
+            if data is None:
+                continue
+            text = data.decode("utf-8", "replace").strip()
+            named = (_megatron_folder(text) if name == MEGATRON_TRACKER else
+                     text if text and "/" not in text and text not in (".", "..") else None)
+            if named is not None:
+                return named, name, text
+        return None, "", ""
+    if not os.path.isdir(root):
+        return None, "", ""
+    pointer = layout.read_pointer(root)
+    if pointer is not None:
+        return pointer, layout.POINTER, pointer
+    try:
+        with open_regular(os.path.join(root, MEGATRON_TRACKER)) as fh:  # a FIFO must not hang `latest`
+            text = fh.read(64).decode("utf-8", "replace").strip()
+    except OSError:
+        return None, "", ""
+    named = _megatron_folder(text)
+    return (named, MEGATRON_TRACKER, text) if named is not None else (None, "", "")
+
+
+def _pointer_owner(raw: str, pointer_file: str, latest: Candidate) -> tuple[str, str]:
+    """Whose pointer ``pointer_file`` is, in words (with what it holds, ``raw``, where that differs from the folder
     name), and how to point it at ``latest``: DeepSpeed's tag file, Megatron's tracker, or ckptaudit's own."""
     if pointer_file == MEGATRON_TRACKER:
-        try:
-            with open_regular(os.path.join(root, pointer_file)) as fh:
-                raw = fh.read(64).decode("utf-8", "replace").strip()
-        except OSError:
-            raw = "?"
         step = latest.step if latest.step is not None else latest.name
         return (f"Megatron's {pointer_file} (it holds {raw!r}; Megatron's load_checkpoint resumes from the folder "
                 "it names)", f"Write '{step}' into {pointer_file} to resume from {latest.name}.")
@@ -204,14 +234,9 @@ def _pointer_owner(root: str, pointer_file: str, latest: Candidate) -> tuple[str
     return f"the {pointer_file} file", f"Resume from {latest.name}, the path `ckptaudit latest` prints."
 
 
-def _megatron_pointer(root: str) -> str | None:
-    """The folder Megatron-LM's ``latest_checkpointed_iteration.txt`` names (``iter_0000002`` for ``2``,
-    ``release`` for ``release``), or ``None`` (absent, unreadable, or neither)."""
-    try:
-        with open_regular(os.path.join(root, MEGATRON_TRACKER)) as fh:  # a FIFO must not hang `latest`
-            text = fh.read(64).decode("utf-8", "replace").strip()
-    except OSError:
-        return None
+def _megatron_folder(text: str) -> str | None:
+    """The folder Megatron-LM's ``latest_checkpointed_iteration.txt`` holding ``text`` names (``iter_0000002`` for
+    ``2``, ``release`` for ``release``), or ``None`` (neither)."""
     if text == "release":
         return text
     return f"iter_{int(text):07d}" if text.isdigit() and len(text) <= 12 else None

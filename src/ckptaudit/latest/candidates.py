@@ -9,11 +9,13 @@ time); the classifier decides by names alone, so a remote prefix is judged as it
   ``quarantined-<name>``;
 - single files: ``*.pt``, ``*.pth``, ``*.bin``, ``*.ckpt``, ``*.safetensors``, with the step read from the name
   (``ckpt-0004.pt``, ``model_step=4.pt``, ``epoch=1-step=40.ckpt``) or, where the name has none, from the file
-  (its ``step``/``global_step``/``iteration`` key, read by our readers: nothing is unpickled); a guard's
-  ``<name>.quarantined``;
+  (its ``step``/``global_step``/``iteration`` key, read by our readers: nothing is unpickled; behind a URL with
+  the staging's bounded ranged reads); a guard's ``<name>.quarantined``;
+- a checkpoint with the guard's quarantine marker beside it (``<name>.ckptaudit-quarantine.json``: an object-store
+  checkpoint that failed, left in place) is a ``quarantined`` candidate, never validated;
 - any other folder is searched, down to :data:`MAX_DEPTH` levels (a run root with one folder per stage).
 
-Skipped, with the reason: the guard's reports and pins, pointers, links leaving the root, files that are no
+Skipped, with the reason: the guard's reports, markers and pins, pointers (read by ``latest`` itself), links leaving the root, files that are no
 checkpoint, folders deeper than :data:`MAX_DEPTH`, and whatever lies past :data:`MAX_ENTRIES`.
 """
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ckptaudit.ondisk import layout, quarantine
 from ckptaudit.ondisk.passport import PASSPORT_SUFFIX, SIGNATURE_SUFFIX, is_passport_name
@@ -106,6 +108,8 @@ class Survey:
     candidates: list[Candidate] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     listed: int = 0
+    marked: set[str] = field(default_factory=set)
+    """Names (relative to the root) of checkpoints with the guard's quarantine marker beside them."""
 
 
 Lister = Callable[[str], list[Entry]]
@@ -165,6 +169,9 @@ def classify_dir(base: str, children: list[str]) -> tuple[str, int | None] | Non
 
 def classify_file(name: str) -> tuple[str, int | None] | str:
     """``(layout, step)`` of a single file, or why it is skipped."""
+    marked = quarantine.marked_original(name)
+    if marked is not None:
+        return f"the guard's quarantine marker of {marked}"
     original = quarantine.quarantined_original(name)
     if original is not None:
         return "quarantined", step_from_name(original)
@@ -176,7 +183,7 @@ def classify_file(name: str) -> tuple[str, int | None] | str:
                 return f"the passport{' signature' if suffix == SIGNATURE_SUFFIX else ''} of {name[: -len(suffix)]}"
         return "a passport"
     if name in POINTERS:
-        return "a pointer (read on local roots only)"
+        return "a pointer (read and compared with the newest resumable checkpoint at the root only)"
     lower = name.lower()
     if not lower.endswith(SINGLE_FILE_EXTENSIONS):
         return "not a checkpoint file (" + (os.path.splitext(name)[1] or "no extension") + ")"
@@ -220,6 +227,8 @@ def survey(root: str, lister: Lister, *, root_name: str, join: Callable[[str, st
         return out
     _walk(out, lister, join, "", top, 0)
     out.skipped.sort(key=lambda s: s.name)
+    # A checkpoint the guard marked (an object store's failing checkpoint, left in place) is quarantined.
+    out.candidates = [replace(c, layout="quarantined") if c.name in out.marked else c for c in out.candidates]
     if own is not None:
         # The root holds component files (optimizer.pt, training_args.bin...): its own files are the parts of one
         # checkpoint, the root, which is the candidate unless sub-folders hold checkpoints (a Trainer's output
@@ -252,9 +261,12 @@ def _walk(out: Survey, lister: Lister, join: Callable[[str, str], str], rel: str
             out.skipped.append(Skipped(name, "a link leading outside the root: never judged"))
             continue
         if e.kind == "file":
-            if e.name in POINTERS and not rel and not _remote(join):
+            if e.name in POINTERS and not rel:
                 continue  # read and compared with the newest resumable checkpoint (the report's `pointer`)
             kind = classify_file(e.name)
+            marked = quarantine.marked_original(e.name)
+            if marked is not None:
+                out.marked.add(f"{rel}/{marked}" if rel else marked)
             if isinstance(kind, str):
                 out.skipped.append(Skipped(name, kind))
             else:

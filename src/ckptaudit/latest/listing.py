@@ -1,6 +1,12 @@
 """Listing a root for :mod:`ckptaudit.latest.candidates`: a local folder, or an object-store prefix (``s3://``,
 ``gs://``) listed through fsspec with bounded requests.
 
+What the local survey reads of files, the remote one reads with one bounded ranged read each (:func:`read_head`):
+the root's pointer (``latest``, Megatron's ``latest_checkpointed_iteration.txt``), a guard's quarantine marker, and
+the step inside a single file whose name has none (:func:`step_readable`: the staging reads a ``torch.save``
+archive's metadata and a safetensors header, never the tensor data; a file in another container is read only when
+it is at most :data:`STEP_PROBE_BYTES`).
+
 A remote listing is bounded three ways, each said in the report's skipped entries when reached: at most
 :data:`MAX_REMOTE_LISTINGS` folder listings (one ``ls`` each: one request per 1,000 keys), at most
 :data:`MAX_REMOTE_KEYS` keys in all, and a deadline of :data:`REMOTE_DEADLINE_S` seconds for the whole listing
@@ -16,12 +22,15 @@ from typing import Any
 
 from ckptaudit.latest.candidates import Entry, Skipped, Survey, survey
 
-__all__ = ["MAX_REMOTE_KEYS", "MAX_REMOTE_LISTINGS", "REMOTE_DEADLINE_S", "RemoteLister", "local_survey",
-           "remote_survey"]
+__all__ = ["MAX_REMOTE_KEYS", "MAX_REMOTE_LISTINGS", "REMOTE_DEADLINE_S", "STEP_PROBE_BYTES", "RemoteLister",
+           "local_survey", "read_head", "remote_survey", "step_readable"]
 
 MAX_REMOTE_LISTINGS = 200
 MAX_REMOTE_KEYS = 20_000
 REMOTE_DEADLINE_S = 120.0
+STEP_PROBE_BYTES = 16 << 20
+"""A remote single file that is neither a zip archive (``torch.save``'s format) nor safetensors is staged whole to
+read its step; one larger than this is not (its step stays unknown: it sorts by time)."""
 
 
 def _mtime(path: str) -> float:
@@ -146,3 +155,37 @@ def remote_survey(url: str, *, max_listings: int = MAX_REMOTE_LISTINGS, max_keys
     out = survey(url, lister, root_name=name, join=_RemoteJoin(), root_mtime=_when(info))
     out.skipped += [Skipped(f"{folder}/...", f"listing cut at the bound of {max_keys} keys") for folder in lister.cut]
     return out
+
+
+def read_head(url: str, limit: int) -> bytes | None:
+    """The first ``limit`` bytes of the object at ``url`` (all of it when smaller), by one bounded ranged read
+    (:class:`~ckptaudit.formats.remote.objects.RemoteObject`: a deadline, exactly the range asked); ``None`` when
+    there is no such object or it cannot be read (a pointer or a marker that cannot be read is one not there)."""
+    from ckptaudit.formats.remote.objects import RemoteObject, filesystem, info_of
+
+    try:
+        fs, path = filesystem(url)
+        info = info_of(fs, path, url)
+        size = info.get("size")
+        if info.get("type") == "directory" or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return None
+        return RemoteObject(fs, path, size).read(0, min(size, limit))
+    except OSError:
+        return None
+
+
+def step_readable(url: str) -> bool:
+    """Whether the step inside the remote single file ``url`` is read (see the module docstring): safetensors
+    (its header), a zip archive (its metadata; the first 4 bytes tell), or at most :data:`STEP_PROBE_BYTES`."""
+    if url.lower().endswith(".safetensors"):
+        return True
+    from ckptaudit.formats.remote.objects import filesystem, info_of
+
+    try:
+        fs, path = filesystem(url)
+        size = info_of(fs, path, url).get("size")
+    except OSError:
+        return False
+    if isinstance(size, int) and not isinstance(size, bool) and 0 <= size <= STEP_PROBE_BYTES:
+        return True
+    return read_head(url, 4) == b"PK\x03\x04"

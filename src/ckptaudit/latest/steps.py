@@ -102,17 +102,58 @@ def uncommitted(c: Candidate, ctx: StepContext) -> None:
 
 
 def quarantined(c: Candidate, ctx: StepContext) -> None:
-    """Moved aside by the in-loop guard: never resumable."""
+    """Moved aside by the in-loop guard, or marked in place (an object store's checkpoint: the marker beside it
+    says why): never resumable."""
     if c.layout != "quarantined":
         return
     base = os.path.basename(c.path.rstrip("/"))
     report = base + quarantine.REPORT_SUFFIX
+    original = quarantine.quarantined_original(base)
+    if original is None:  # not renamed: its quarantine marker lies beside it
+        why = _marker_reason(quarantine.marker_name(c.path))
+        ctx.findings.append(finding(
+            "guard.quarantined", c.name,
+            f"{c.name}: failed its audit during training{why} and was marked quarantined by the guard, which left it "
+            f"in place (marker: {base}{quarantine.MARKER_SUFFIX}; report: {report})", original=base))
+        ctx.stop = True
+        return
     has_report = (os.path.isfile(os.path.normpath(c.path) + quarantine.REPORT_SUFFIX) if not c.remote else False)
     ctx.findings.append(finding(
         "guard.quarantined", c.name,
         f"{c.name}: failed its audit during training and was moved aside by the guard"
-        + (f" (report: {report})" if has_report else ""), original=quarantine.quarantined_original(base)))
+        + (f" (report: {report})" if has_report else ""), original=original))
     ctx.stop = True
+
+
+MAX_MARKER_BYTES = 64 << 10
+"""What is read of a quarantine marker (a small JSON document the guard writes): one bounded read."""
+
+
+def _marker_reason(path: str) -> str:
+    """`` (CODES)``, the failing codes a quarantine marker records, or ``""`` when it cannot be read."""
+    import json
+
+    from ckptaudit.formats.remote import is_url
+
+    if is_url(path):
+        from ckptaudit.latest.listing import read_head
+
+        data = read_head(path, MAX_MARKER_BYTES)
+    else:
+        from ckptaudit.formats.io.safeio import open_regular
+
+        try:
+            with open_regular(path) as fh:
+                data = fh.read(MAX_MARKER_BYTES)
+        except OSError:
+            data = None
+    try:
+        doc = json.loads(data or b"")
+        listed = doc.get("codes") if isinstance(doc, dict) else None
+        codes = [str(x)[:80] for x in listed[:5]] if isinstance(listed, list) else []
+    except (ValueError, AttributeError, TypeError):
+        return ""
+    return f" ({', '.join(codes)})" if codes else ""
 
 
 def empty(c: Candidate, ctx: StepContext) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["QUARANTINE_PREFIX", "QUARANTINE_SUFFIX", "REPORT_SUFFIX", "is_quarantined", "quarantine_name",
-           "quarantined_original"]
+__all__ = ["MARKER_SUFFIX", "QUARANTINE_PREFIX", "QUARANTINE_SUFFIX", "REPORT_SUFFIX", "is_quarantined", "marked_original",
+           "marker_name", "quarantine_name", "quarantined_original"]
 
 QUARANTINE_PREFIX = "quarantined-"
 """A directory the in-loop guard (:mod:`ckptaudit.integrations`) found failing becomes ``quarantined-<name>``:
@@ -20,6 +20,11 @@ QUARANTINE_SUFFIX = ".quarantined"
 """A failing file becomes ``<name>.quarantined`` (no longer ``*.ckpt``)."""
 REPORT_SUFFIX = ".ckptaudit.json"
 """The in-loop guard writes each checkpoint's JSON report beside it: ``<checkpoint>.ckptaudit.json``."""
+MARKER_SUFFIX = ".ckptaudit-quarantine.json"
+"""A checkpoint behind an object-store URL that the guard found failing stays where it is (a store has no rename;
+see :mod:`ckptaudit.integrations.guard_remote` for why nothing is copied or deleted) and gets a marker object beside
+it: ``<checkpoint>.ckptaudit-quarantine.json`` (the verdict, its codes, the report, the objects judged).
+``ckptaudit latest`` treats a checkpoint with a marker beside it as quarantined, on a local copy as on the store."""
 _QUARANTINED_DIR = re.compile(r"^quarantined-(?:\d+-)?(.+)$")
 
 
@@ -51,6 +56,17 @@ def quarantined_original(name: str) -> str | None:
     if QUARANTINE_SUFFIX in name:
         return name[: name.rindex(QUARANTINE_SUFFIX)]
     return None
+
+
+def marker_name(checkpoint: str) -> str:
+    """The quarantine marker of ``checkpoint`` (a path or URL; a folder's trailing ``/`` dropped)."""
+    return checkpoint.rstrip("/") + MARKER_SUFFIX
+
+
+def marked_original(name: str) -> str | None:
+    """The checkpoint a quarantine marker's name marks (``step-8.ckptaudit-quarantine.json`` -> ``step-8``), or
+    ``None`` when ``name`` is no marker."""
+    return (name[: -len(MARKER_SUFFIX)] or None) if name.endswith(MARKER_SUFFIX) else None
 
 
 def is_quarantined(name: str) -> bool:
