@@ -31,18 +31,40 @@ from ckptaudit.formats.dcp import metadata as dm
 from ckptaudit.formats.pickle.allowlist import DCP_METADATA_GLOBALS
 from ckptaudit.formats.pickle.scan import opcode_limit, scan
 
-_LENGTHS = [1] * 256
+_FIXED = [1] * 256
+"""Each opcode's length where its argument has a fixed size."""
+_PREFIX = [0] * 256
+"""Bytes of the length prefix of an opcode whose argument is length-prefixed (-1: up to a newline)."""
 for _op in pickletools.opcodes:
-    if _op.arg is not None and _op.arg.n > 0:
-        _LENGTHS[ord(_op.code)] = 1 + _op.arg.n
+    _n = 0 if _op.arg is None else _op.arg.n
+    if _n > 0:
+        _FIXED[ord(_op.code)] = 1 + _n
+    elif _n == pickletools.UP_TO_NEWLINE:
+        _PREFIX[ord(_op.code)] = -1
+    elif _n == pickletools.TAKEN_FROM_ARGUMENT1:
+        _PREFIX[ord(_op.code)] = 1
+    elif _n in (pickletools.TAKEN_FROM_ARGUMENT4, pickletools.TAKEN_FROM_ARGUMENT4U):
+        _PREFIX[ord(_op.code)] = 4
+    elif _n == pickletools.TAKEN_FROM_ARGUMENT8U:
+        _PREFIX[ord(_op.code)] = 8
 
 
 def bare_loop(buf: bytes) -> int:
-    """Step over the opcodes of a pickle ``pickle.dump`` wrote (protocol 4: short strings the only variable ones)."""
-    pos, n, end, lengths = 0, 0, len(buf), _LENGTHS
+    """Step over a pickle's opcodes (their lengths, nothing checked, nothing built): the loop any walk needs."""
+    pos, n, end, fixed, prefix = 0, 0, len(buf), _FIXED, _PREFIX
     while pos < end:
         c = buf[pos]
-        pos += 2 + buf[pos + 1] if c == 0x8C else lengths[c]
+        k = prefix[c]
+        if not k:
+            pos += fixed[c]
+        elif k == 1:
+            pos += 2 + buf[pos + 1]
+        elif k > 0:
+            pos += 1 + k + int.from_bytes(buf[pos + 1:pos + 1 + k], "little")
+        else:
+            pos = buf.index(b"\n", pos) + 1
+            if c in (0x63, 0x69):  # GLOBAL, INST: two lines
+                pos = buf.index(b"\n", pos) + 1
         n += 1
     return n
 
