@@ -197,3 +197,31 @@ def test_put_is_not_plain() -> None:
     result = _scan(b"\x80\x03]q\x00.")
     assert result.loadable and not result.plain
     assert _scan(b"\x80\x04]\x94.").plain
+
+
+def test_a_storage_entry_listed_twice_is_refused_both_ways(dcp_dir: Path, tmp_path: Path) -> None:
+    # The second entry for one (fqn, offsets) would decide where that item's bytes are: which one DCP reads depends
+    # on its dict. Both loads refuse the metadata, and the audit says so.
+    import shutil
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from ckptaudit.auditing.judge import run_audit
+
+    md = rc.read_dcp_metadata(dcp_dir)
+    (index, info), *_ = md.storage_data.items()
+    # torch's MetadataIndex hashes on (fqn, offset): a second key of another name, renamed in the bytes
+    stand_in = "#" * len(index.fqn.encode())
+    md.storage_data[MetadataIndex(stand_in, index.offset)] = info
+    data = pickle.dumps(md, protocol=4)
+    assert data.count(stand_in.encode()) == 1
+    data = data.replace(stand_in.encode(), index.fqn.encode())
+    assert _scan(data).plain, "the fast load must be the one tried"
+    fast = _outcome(data, True)
+    assert fast == _outcome(data, False)
+    assert isinstance(fast, tuple) and fast[0] == "MetadataShapeError" and "twice" in fast[1], fast
+    bad = tmp_path / "dcp"
+    shutil.copytree(dcp_dir, bad)
+    (bad / ".metadata").write_bytes(data)
+    report = run_audit(str(bad))
+    assert any(f.code == "integrity.corrupt" and "twice" in f.message for f in report.findings), report.findings

@@ -570,9 +570,10 @@ def rebuild(raw: Any) -> DcpMetadata:
         if type(offset) is list:  # torch cannot even hash that key: its unpickling of .metadata fails
             raise MetadataShapeError(f"storage_data has a key of {_short(fqn)} whose offset is a list, not torch.Size")
         key = IndexKey(fqn, None if offset is None else _sizes(offset, "MetadataIndex.offset"))
-        if key in storage:
+        before = len(storage)
+        storage[key] = _storage(info, seen)  # hashed once (thousands of entries); a repeat leaves the size as it was
+        if len(storage) == before:
             raise MetadataShapeError(f"storage_data lists item {key.fqn} at offsets {key.offset} twice")
-        storage[key] = _storage(info, seen)
     version = raw.get("version")
     plans = raw.get("all_local_plans")
     save_plans = (sum(1 for p in plans if type(p) is _SavePlan) if type(plans) is list else 0)

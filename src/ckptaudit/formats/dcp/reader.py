@@ -299,19 +299,22 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
 
     # Locate every storage item once: file inside the directory, a regular file, range inside the file, and
     # no two items sharing bytes (a hostile metadata could point a million items at one range).
-    located: dict[IndexKey, tuple[str, int, int] | Unreadable] = {}
+    # Keyed by (fqn, offsets), plain tuples: looked up once per shard (thousands), hashed and compared in C.
+    located: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int] | Unreadable] = {}
     missing_files: dict[str, list[str]] = {}
     short_files: dict[str, tuple[int, int]] = {}
-    by_file: dict[str, list[tuple[int, int, IndexKey]]] = {}
+    by_file: dict[str, list[tuple[int, int, tuple[str, tuple[int, ...] | None]]]] = {}
     # Thousands of items share a few data files: each file's path is vetted and stat'ed once.
     path_problems: dict[str, str | None] = {}
     stats: dict[str, tuple[str | None, int] | None] = {}
     irregular: set[str] = set()
+    fulls: dict[str, tuple[str, str]] = {}  # a data file's path and name, joined once
     for index, info in storage.items():
         fqn = index.fqn
+        key = (fqn, index.offset)
         where = _item_range(info)
         if isinstance(where, str):
-            located[index] = Unreadable(where)
+            located[key] = Unreadable(where)
             findings.append(finding("integrity.corrupt", meta_subject, f"{METADATA}: item {fqn}: {where}",
                                     item=fqn))
             continue
@@ -327,14 +330,16 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
                 finding("integrity.path-escape", meta_subject, f"{METADATA} {problem_path} (item {fqn}); not read",
                         item=fqn, file=str(rel))
             )
-            located[index] = Unreadable(problem_path, str(rel))
+            located[key] = Unreadable(problem_path, str(rel))
             continue
-        full = os.path.join(path, rel)
-        rel_name = os.path.join(name, rel) if name else rel
+        joined = fulls.get(rel)
+        if joined is None:
+            joined = fulls[rel] = (os.path.join(path, rel), os.path.join(name, rel) if name else rel)
+        full, rel_name = joined
         if info.transform_descriptors:
             # torch.distributed.checkpoint.load reads such an item through its transforms (zstd, ...), which
             # ckptaudit does not: the two readings differ, so the item is refused rather than left unjudged.
-            located[index] = Unreadable(
+            located[key] = Unreadable(
                 f"storage transforms {info.transform_descriptors} are not supported", rel_name
             )
             if isinstance(sd_meta.get(fqn), BytesMeta):
@@ -361,7 +366,7 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
             kind, size = st
         else:
             missing_files.setdefault(rel_name, []).append(fqn)
-            located[index] = Unreadable(f"data file {rel_name} is missing", rel_name)
+            located[key] = Unreadable(f"data file {rel_name} is missing", rel_name)
             continue
         if kind is not None:
             if rel_name not in irregular:  # once per file (a set: the items naming it may be millions)
@@ -369,35 +374,35 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
                 findings.append(finding("integrity.corrupt", rel_name,
                                         f"data file {rel_name} is {kind}, not a regular file; not opened",
                                         file=rel_name))
-            located[index] = Unreadable(f"{rel_name} is {kind}", rel_name)
+            located[key] = Unreadable(f"{rel_name} is {kind}", rel_name)
             continue
         files.setdefault(rel_name, size)
         if offset + length > size:
             need = max(offset + length, short_files.get(rel_name, (0, 0))[0])
             short_files[rel_name] = (need, size)
-            located[index] = Unreadable(
+            located[key] = Unreadable(
                 f"{rel_name} has {size} bytes, item needs bytes {offset}..{offset + length}", rel_name
             )
             continue
-        located[index] = (full, offset, length)
-        by_file.setdefault(full, []).append((offset, length, index))
+        located[key] = (full, offset, length)
+        by_file.setdefault(full, []).append((offset, length, key))
     for full, ranges in by_file.items():
         ranges.sort(key=lambda r: (r[0], r[1]))
         prev_end = 0
-        prev_index: IndexKey | None = None
-        for offset, length, index in ranges:
+        prev_fqn: str | None = None
+        for offset, length, key in ranges:
             if length and offset < prev_end:
                 rel_name = os.path.relpath(full, path)
                 rel_name = os.path.join(name, rel_name) if name else rel_name
-                fqn = index.fqn
+                fqn = key[0]
                 findings.append(finding(
                     "integrity.corrupt", rel_name,
                     f"{METADATA} puts item {fqn} at bytes {offset}..{offset + length} of {rel_name}, overlapping "
-                    f"item {prev_index.fqn if prev_index else '?'}; torch.distributed.checkpoint never shares bytes "
+                    f"item {prev_fqn or '?'}; torch.distributed.checkpoint never shares bytes "
                     "between items", offset=offset, item=fqn))
-                located[index] = Unreadable("overlaps another item", rel_name)
+                located[key] = Unreadable("overlaps another item", rel_name)
                 continue
-            prev_end, prev_index = max(prev_end, offset + length), index
+            prev_end, prev_fqn = max(prev_end, offset + length), key[0]
     for rel_name, fqns in missing_files.items():
         findings.append(
             finding(
@@ -455,7 +460,7 @@ def read_dcp(path: str, name: str = "") -> DcpRead:
 def _tensor_item(
     fqn: str,
     item: TensorMeta,
-    located: dict[IndexKey, tuple[str, int, int] | Unreadable],
+    located: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int] | Unreadable],
     corrupt: list[tuple[str, str, str, int | None]],
     archives: TorchZipFiles,
 ) -> TensorData | Unreadable:
@@ -468,7 +473,7 @@ def _tensor_item(
     pieces: list[Piece] = []
     for chunk in item.chunks:
         offsets, sizes = chunk.offsets, chunk.sizes
-        where = located.get(IndexKey(fqn, offsets))
+        where = located.get((fqn, offsets))
         if where is None:
             corrupt.append(("integrity.corrupt", fqn, f"no storage entry for the shard at offsets {list(offsets)}",
                             None))
@@ -510,11 +515,11 @@ def _tensor_item(
 
 def _bytes_item(
     fqn: str,
-    located: dict[IndexKey, tuple[str, int, int] | Unreadable],
+    located: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int] | Unreadable],
     corrupt: list[tuple[str, str, str, int | None]],
     archives: TorchZipFiles,
 ) -> Any:
-    where = located.get(IndexKey(fqn, None))
+    where = located.get((fqn, None))
     if where is None:
         corrupt.append(("integrity.corrupt", fqn, "no storage entry", None))
         return Unreadable("no storage entry")
