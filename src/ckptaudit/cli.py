@@ -190,6 +190,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="where to write the passport (default: DIR/ckptaudit.passport.json, FILE.passport.json)")
     at.add_argument("--key", metavar="PRIVATE_KEY",
                     help="PEM EC private key to sign with (the [sign] extra); without it the passport is digest-only")
+    at.add_argument("--cert", metavar="CERT", help="PEM signing certificate issued for --key: sign under it (model-"
+                    "signing's certificate mode; the passport carries the certificate and --cert-chain)")
+    at.add_argument("--cert-chain", metavar="CERT", action="append", default=[],
+                    help="PEM file of certificates linking --cert to your CA (repeatable)")
     at.add_argument("--expect", default="training", choices=["training", "serving"],
                     help="what the checkpoint is: a resumable training checkpoint (default) or a serving export")
     at.add_argument("--digest", default=None, choices=["sha256", "blake3"],
@@ -207,6 +211,9 @@ def _parser() -> argparse.ArgumentParser:
     ve.add_argument("--passport", metavar="FILE", help="the passport (default: the one the checkpoint carries)")
     ve.add_argument("--key", metavar="PUBLIC_KEY",
                     help="the signer's PEM public key: the signature must verify (a digest-only passport is refused)")
+    ve.add_argument("--cert-chain", metavar="CERT", action="append", default=[],
+                    help="PEM file of the certificates you trust (your CA; repeatable): the passport must be signed "
+                    "under a certificate that chains to them (attest --cert); instead of --key")
     ve.add_argument("--expect", default="training", choices=["training", "serving"],
                     help="what the checkpoint is used as; its recorded verdict must be a pass for that")
     ve.add_argument("--jobs", "-j", type=_jobs, default=None, metavar="N", help="files read at once")
@@ -590,7 +597,7 @@ def _cmd_attest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
     try:
         options = AuditOptions(master_dtype=args.master_dtype, ignore=_ignore(args.ignore))
         p = attest(args.path, key=args.key, output=args.output, artifact=args.expect, options=options,
-                   jobs=args.jobs, algorithm=args.digest)
+                   jobs=args.jobs, algorithm=args.digest, certificate=args.cert, cert_chain=args.cert_chain)
     except PassportError as exc:
         raise UsageError(str(exc)) from None
     stdout.write(dumps(attest_json(p, args.path)) if args.format == "json" else attest_text(p, args.path))
@@ -602,7 +609,8 @@ def _cmd_verify(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
     from ckptaudit.passport.render import dumps, verify_json, verify_text
 
     try:
-        result = verify(args.path, args.passport, key=args.key, expect=args.expect, jobs=args.jobs)
+        result = verify(args.path, args.passport, key=args.key, expect=args.expect, jobs=args.jobs,
+                        cert_chain=args.cert_chain)
     except PassportError as exc:  # the passport itself is unreadable, or the key: one line, exit 2
         raise UsageError(" ".join(str(exc).split())) from None
     stdout.write(dumps(verify_json(result)) if args.format == "json" else verify_text(result, args.verbose))

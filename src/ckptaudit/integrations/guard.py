@@ -75,6 +75,7 @@ from ckptaudit.integrations.guard_lineage import (
     observe_live,
     passport_drafts,
     passport_request,
+    passport_signing,
     place_passport,
 )
 from ckptaudit.integrations.guard_process import WORKER_ONE_THREAD, WorkerProcess, worker_env
@@ -165,7 +166,9 @@ class Guard:
 
     def __init__(self, *, on_failure: str = "warn", background: str = "process",
                  max_unverified: int | object | None = _BY_MODE, passport: bool = True,
-                 passport_key: str | os.PathLike[str] | None = None, **audit_options: Any) -> None:
+                 passport_key: str | os.PathLike[str] | None = None,
+                 passport_certificate: str | os.PathLike[str] | None = None,
+                 passport_cert_chain: Sequence[str | os.PathLike[str]] = (), **audit_options: Any) -> None:
         from ckptaudit.options import AUDIT_OPTIONS, resolve
 
         if on_failure not in ON_FAILURE:
@@ -181,13 +184,11 @@ class Guard:
             raise ValueError(f"ckptaudit guard: max_unverified={max_unverified!r} is not valid; pass an int of at "
                              "least 1 (the most saves waiting for a verdict) or None (no bound)")
         resolve("ckptaudit guard", audit_options, AUDIT_OPTIONS)
-        if passport_key is not None and not (passport and os.path.isfile(passport_key)):
-            raise ValueError(f"ckptaudit guard: passport_key={os.fspath(passport_key)!r} is not valid; pass the path "
-                             "of a PEM private key file (and passport=True) to sign each passport, or None for "
-                             "digest-only passports")
         self.passport = bool(passport)
         """Write a passport beside (inside) each checkpoint that passes (:mod:`ckptaudit.passport`)."""
-        self.passport_key = None if passport_key is None else os.fspath(passport_key)
+        self.signing = passport_signing(passport, passport_key, passport_certificate, passport_cert_chain)
+        """How each passport is signed (key, certificate, chain; all ``None`` for digest-only passports)."""
+        self.passport_key = self.signing["key"]
         self.on_failure = on_failure
         self.background = background
         self.max_unverified: int | None = max_unverified  # type: ignore[assignment]
@@ -549,7 +550,7 @@ class Guard:
         draft = (os.path.join(pin.folder, "report" + REPORT_SUFFIX) if pin is not None and pin.folder
                  else f"{job.report}.tmp-{os.getpid()}-{threading.get_ident()}")
         paper = None if not self.passport else passport_request(
-            self.lineage.lineage(), self.passport_key, pin.folder if pin is not None else None, job.checkpoint)
+            self.lineage.lineage(), self.signing, pin.folder if pin is not None else None, job.checkpoint)
         try:
             try:
                 result = self._run_audit(target, draft, job.checkpoint, paper)

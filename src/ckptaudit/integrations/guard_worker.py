@@ -43,7 +43,7 @@ def audit_to_file(checkpoint: str, where: str, options: dict[str, Any], as_path:
                   passport: dict[str, Any] | None = None) -> dict[str, Any]:
     """(worker) Audit ``checkpoint``, write its JSON report to ``where`` atomically, return the gist. ``as_path``:
     the path the report names (the checkpoint's own, when ``checkpoint`` is its pinned copy). ``passport``:
-    ``{"output": PATH, "key": PATH | None, "lineage": {...}}`` also writes the checkpoint's passport there, of the
+    ``{"output": PATH, "key": PATH | None, "certificate": PATH | None, "cert_chain": [PATH], "lineage": {...}}`` also writes the checkpoint's passport there, of the
     same bytes, with this audit's report (:func:`ckptaudit.passport.attest`); the answer's ``"passport"`` then
     holds its ``file``, ``digest`` and ``root_digest`` (or an ``error``: the verdict stands without a passport)."""
     from ckptaudit.api import audit
@@ -74,7 +74,8 @@ def _attest(checkpoint: str, raw: Any, options: dict[str, Any], spec: dict[str, 
         lineage = lineage_from_json(spec.get("lineage"), "the guard's lineage")
         opts = audit_options(resolve("ckptaudit guard", options, AUDIT_OPTIONS))
         made = attest(checkpoint, key=spec.get("key"), output=spec["output"], lineage=lineage, report=raw,
-                      options=opts, jobs=opts.jobs)
+                      options=opts, jobs=opts.jobs,
+                      certificate=spec.get("certificate"), cert_chain=spec.get("cert_chain") or ())
     except Exception as exc:  # noqa: BLE001 - the verdict stands; the guard says why there is no passport
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"file": made.file, "digest": made.digest, "root_digest": made.root_digest, "signed": made.signed}

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ckptaudit.findings import RawReport, Severity
 from ckptaudit.ondisk.passport import PASSPORT_VERSION, is_url, passport_path, signature_path
+from ckptaudit.passport.certificates import signer_chain
 from ckptaudit.passport.digests import (
     FILE_ALGORITHMS,
     digest_files,
@@ -122,13 +124,16 @@ def _predicate(name: str, report: RawReport, options: dict[str, Any], artifact: 
 def attest(path: str, *, key: str | None = None, key_password: str | None = None, output: str | None = None,
            lineage: Lineage | None = None, report: RawReport | None = None, artifact: Artifact = "training",
            serving: ServingInfo | None = None, options: AuditOptions | None = None, jobs: int | None = None,
-           algorithm: str | None = None) -> Passport:
+           algorithm: str | None = None, certificate: str | None = None,
+           cert_chain: Sequence[str] = ()) -> Passport:
     """Audit the checkpoint at ``path`` (unless ``report`` is the audit of these bytes, from the same pass) and
     write its passport to ``output`` (default: :func:`~ckptaudit.ondisk.passport.passport_path`; a signed one also
     writes model-signing's bundle at :func:`~ckptaudit.ondisk.passport.signature_path`).
 
     ``key``: a PEM private key (EC P-256/384/521) to sign with (the ``[sign]`` extra: model-signing signs its
-    statement); without one the passport is digest-only and says so. ``lineage``: which checkpoint this one
+    statement); without one the passport is digest-only and says so. ``certificate``: the signing certificate
+    (PEM) issued for ``key``, with ``cert_chain`` the files of its issuers: the bundles then carry the chain
+    (model-signing's certificate mode) and a verifier checks it against the CA it trusts. ``lineage``: which checkpoint this one
     descends from (the guards fill it). ``artifact``: ``training`` (a resumable checkpoint) or ``serving`` (an
     inference export; ``serving`` then holds its gate results and the training checkpoint's passport digest).
     ``options``: the audit's :class:`~ckptaudit.auditing.judge.AuditOptions` (its ``expect`` is set from
@@ -151,6 +156,12 @@ def attest(path: str, *, key: str | None = None, key_password: str | None = None
     if artifact not in ("training", "serving"):
         raise PassportError(f"artifact must be training or serving, not {artifact!r}")
     private = load_private_key(key, key_password.encode() if key_password else None) if key else None
+    chain = None
+    if certificate is not None or cert_chain:
+        if private is None or certificate is None:
+            raise PassportError("signing with a certificate needs the private key (--key) and its certificate (--cert); "
+                                "--cert-chain adds the certificates that link it to the CA")
+        chain = signer_chain(private, certificate, cert_chain)
     if not os.path.lexists(path):
         raise FileNotFoundError(2, "no such file or directory", path)
     is_dir = os.path.isdir(path)
@@ -182,11 +193,11 @@ def attest(path: str, *, key: str | None = None, key_password: str | None = None
     out = output or passport_path(path, is_dir=is_dir)
     if private is not None:
         assert key is not None
-        ms_text = model_signing_bundle(ms_stmt, key, key_password)
+        ms_text = model_signing_bundle(ms_stmt, key, key_password, certificate, cert_chain)
         import json
 
         ms_part: dict[str, Any] = json.loads(ms_text)
-        au_part = sign_statement(au_stmt, private)
+        au_part = sign_statement(au_stmt, private, chain)
         sig = signature_path(path, is_dir=is_dir) if output is None else out.removesuffix(".json") + ".sig"
         _write(sig, ms_text.encode())
     else:
