@@ -6,6 +6,7 @@ test_guard_lineage_runs.py."""
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,12 @@ def test_rounded_live_masters_damage_the_state_and_every_later_save_descends_fro
     assert "fix the training code that rounds the masters" in v6.advice
     assert v8.damaged_ancestor == "step-6.pt" and guard.status(str(saved[8])) == "descends from damage"
     assert "descends from the damage at step-6.pt" in caplog.text
+    # Step 8 passed its own audit, but it is moved aside as a failure is: a resume by name never picks it.
+    assert v8.quarantined_to == f"{saved[8]}.quarantined" and not saved[8].exists()
+    assert Path(v8.quarantined_to).is_file() and v8.report == f"{v8.quarantined_to}.ckptaudit.json"
+    assert "its training state descends from the damage at step-6.pt" in v8.advice
+    assert "Restore step-4.pt (step 4), the last checkpoint that passed," in v8.advice
+    assert v8.passport == passport_path(v8.quarantined_to)
     # The passports: one beside each passing checkpoint, bound to its bytes, with its lineage.
     assert v6.passport is None and not Path(passport_path(str(saved[6]))).exists()
     p4, p8 = read_passport(v4.passport or ""), read_passport(v8.passport or "")
@@ -155,6 +162,8 @@ def test_the_failure_says_which_way_to_go(tmp_path: Path) -> None:
     text = str(caught.value)
     assert "TRAINING STATE itself is damaged" in text and "Restore step-4.pt (step 4)" in text
     assert "Each failure above says which way to go" in text
+    assert "1 later checkpoint(s) passed their own audit but descend from the damaged training state" in text
+    assert f"step-8.pt (step 8): descends from step-6.pt -> quarantined to {tmp_path}/step-8.pt.quarantined" in text
 
 
 def test_a_guard_without_the_live_optimizer_says_it_cannot_tell(tmp_path: Path) -> None:
@@ -202,6 +211,16 @@ def test_latest_passes_over_the_descendants_of_a_damaged_state_and_says_why(tmp_
     code, text = _latest(tmp_path)
     doc = json.loads(text)
     assert code == 0 and doc["latest"] == str(tmp_path / "step-4.pt"), doc["latest"]
+    # The guard moved step 8 aside: latest says it passed its own audit but descends from the damage.
+    (aside,) = [f for f in doc["findings"] if f["subject"] == "step-8.pt.quarantined"]
+    assert aside["code"] == "guard.quarantined" and aside["evidence"]["damaged_ancestor"] == "step-6.pt"
+    assert "descends from the damage at step-6.pt" in aside["message"]
+    # Moved back by hand (with its passport): latest passes over it by its lineage, unless told otherwise.
+    shutil.move(f"{tmp_path}/step-8.pt.quarantined", tmp_path / "step-8.pt")
+    shutil.move(passport_path(f"{tmp_path}/step-8.pt.quarantined"), passport_path(str(tmp_path / "step-8.pt")))
+    code, text = _latest(tmp_path)
+    doc = json.loads(text)
+    assert code == 0 and doc["latest"] == str(tmp_path / "step-4.pt"), doc["latest"]
     (why,) = [f for f in doc["findings"] if f["code"] == "guard.descends-from-damage"]
     assert why["subject"] == "step-8.pt" and "descends from damage at step-6.pt" in why["message"]
     assert "Resume from a checkpoint saved before step-6.pt" in why["message"]
@@ -223,11 +242,12 @@ def test_latest_names_the_newest_passing_save_after_a_file_only_failure(tmp_path
 def test_a_run_that_restores_inherits_the_lineage_of_what_it_restored(tmp_path: Path) -> None:
     guard, saved = _run(tmp_path, damage="state")
     assert guard.close(120)
-    for restored, state in ((saved[8], "descends-from-damage"), (saved[4], "clean")):
+    aside = Path(guard.verdicts[-1].quarantined_to or "")  # step 8, moved aside: restored from there by hand
+    for restored, step, state in ((aside, 8, "descends-from-damage"), (saved[4], 4, "clean")):
         model, opt = _trained()
         resumed = Guard(background="thread")
-        resumed.restored(str(restored), step=int(restored.stem.split("-")[1]))
-        later = _save(model, opt, tmp_path / f"after-{restored.stem}.pt")
+        resumed.restored(str(restored), step=step)
+        later = _save(model, opt, tmp_path / f"after-{step}.pt")
         resumed.observe(opt)
         resumed.submit(str(later), step=10)
         assert resumed.close(120)

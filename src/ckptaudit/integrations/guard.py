@@ -79,7 +79,7 @@ from ckptaudit.integrations.guard_lineage import (
     place_passport,
 )
 from ckptaudit.integrations.guard_process import WORKER_ONE_THREAD, WorkerProcess, worker_env
-from ckptaudit.integrations.guard_quarantine import failure_message, quarantine
+from ckptaudit.integrations.guard_quarantine import descendant_advice, descends_why, failure_message, quarantine
 from ckptaudit.integrations.guard_records import (
     BACKGROUNDS,
     ON_FAILURE,
@@ -476,7 +476,8 @@ class Guard:
         that rank 0's guard found one (on the others)."""
         with self._cond:
             failed = tuple(v for v in self._verdicts if v.ok is False)
-        return CheckpointAuditFailed(failure_message(failed), failed)
+            aside = tuple(v for v in self._verdicts if v.ok and v.damaged_ancestor is not None)
+        return CheckpointAuditFailed(failure_message(failed, aside), failed)
 
     # -- worker side ----------------------------------------------------------------------------------------
 
@@ -603,20 +604,21 @@ class Guard:
         self._settle(job, ok, descends=ancestor is not None)  # before the hooks: on_pass's retention sees it
         if ok:
             papers = None
+            if ancestor is not None and state == "same":  # moved aside as a failure is: its report, passport follow
+                moved = quarantine(job.checkpoint, job.checkpoint, job.quarantine_to, job.after_quarantine,
+                                   descends_why(ancestor))
             if state == "same":
-                where = self._place(draft, job.report, job.checkpoint)
-                papers = place_passport(job.attested, job.checkpoint)
+                home = moved or job.checkpoint
+                where = self._place(draft, report_path(moved) if moved else job.report, home)
+                papers = place_passport(job.attested, home)
                 if papers is not None:
                     with self._cond:  # swept with the report when the checkpoint is deleted
-                        self._placed[papers] = job.checkpoint
+                        self._placed[papers] = home
             if ancestor is not None:
-                good = self.lineage.last_passed()
-                log.warning("ckptaudit guard: %s passed its own audit, but its training state descends from the "
-                            "damage at %s (its masters were rounded in memory there): not a checkpoint to resume "
-                            "from; restore %s and fix the training code", job.checkpoint, ancestor,
-                            good.checkpoint if good is not None else "a checkpoint from before that run")
-                return Verdict(job.checkpoint, job.step, True, summary, codes, where, None, seconds, queued, "",
-                               note, passport=papers, damaged_ancestor=ancestor)
+                advice = descendant_advice(ancestor, moved, self.lineage.last_passed())
+                log.warning("ckptaudit guard: %s passed its own audit, but %s", job.checkpoint, advice)
+                return Verdict(job.checkpoint, job.step, True, summary, codes, where, moved, seconds, queued, "",
+                               note, advice=advice, passport=papers, damaged_ancestor=ancestor)
             log.info("ckptaudit guard: %s passed (%.2f s): %s%s", job.checkpoint, seconds, summary,
                      f" ({note})" if note else "")
             if job.keep_pin and pin is not None and pin.folder is not None:
