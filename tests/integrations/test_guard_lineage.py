@@ -279,3 +279,24 @@ def test_a_path_saved_again_loses_the_passport_of_its_old_bytes(tmp_path: Path) 
     assert guard.status(str(last)) == "pending" and not Path(passport_path(str(last))).exists()
     held.set_result(None)
     assert guard.close(120) and guard.verdicts[-1].ok is False
+
+
+def test_the_guards_passport_is_written_whole_without_an_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fsync right after a save would force the save's own data out with it (ext4's ordered journal), on the
+    training's disk, for a passport no more durable than the unsynced checkpoint and report beside it; a passport
+    written by ``ckptaudit attest`` is fsynced."""
+    import os
+
+    from ckptaudit.passport import attest
+
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    good = _save(*_trained(), tmp_path / "good.pt")
+    guard = Guard(background="thread")
+    guard.submit(str(good), step=2)
+    assert guard.close(120)
+    (v,) = guard.verdicts
+    assert v.ok and read_passport(v.passport or "").verdict == "pass" and synced == []
+    attest(str(good))
+    assert len(synced) == 1

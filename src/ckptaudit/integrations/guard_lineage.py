@@ -311,7 +311,9 @@ def passport_request(lineage: dict[str, Any], signing: dict[str, Any], folder: s
     checkpoint: never inside it, where it would be one of the files it digests)."""
     where = (os.path.join(folder, "passport.json") if folder is not None
              else f"{os.path.normpath(checkpoint)}.passport-draft-{os.getpid()}.json")
-    return {"output": where, **signing, "lineage": lineage}
+    # Not fsynced: no more durable than the checkpoint and the report beside it (neither is fsynced), and an fsync
+    # of a file written just after a save forces the save's own data out with it (ext4's ordered journal).
+    return {"output": where, **signing, "lineage": lineage, "durable": False}
 
 
 def passport_drafts(request: dict[str, Any] | None) -> tuple[str, ...]:

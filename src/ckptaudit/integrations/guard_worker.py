@@ -75,7 +75,8 @@ def _attest(checkpoint: str, raw: Any, options: dict[str, Any], spec: dict[str, 
         opts = audit_options(resolve("ckptaudit guard", options, AUDIT_OPTIONS))
         made = attest(checkpoint, key=spec.get("key"), output=spec["output"], lineage=lineage, report=raw,
                       options=opts, jobs=opts.jobs,
-                      certificate=spec.get("certificate"), cert_chain=spec.get("cert_chain") or ())
+                      certificate=spec.get("certificate"), cert_chain=spec.get("cert_chain") or (),
+                      durable=bool(spec.get("durable", True)))
     except Exception as exc:  # noqa: BLE001 - the verdict stands; the guard says why there is no passport
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"file": made.file, "digest": made.digest, "root_digest": made.root_digest, "signed": made.signed}

@@ -125,7 +125,7 @@ def attest(path: str, *, key: str | None = None, key_password: str | None = None
            lineage: Lineage | None = None, report: RawReport | None = None, artifact: Artifact = "training",
            serving: ServingInfo | None = None, options: AuditOptions | None = None, jobs: int | None = None,
            algorithm: str | None = None, certificate: str | None = None,
-           cert_chain: Sequence[str] = ()) -> Passport:
+           cert_chain: Sequence[str] = (), durable: bool = True) -> Passport:
     """Audit the checkpoint at ``path`` (unless ``report`` is the audit of these bytes, from the same pass) and
     write its passport to ``output`` (default: :func:`~ckptaudit.ondisk.passport.passport_path`; a signed one also
     writes model-signing's bundle at :func:`~ckptaudit.ondisk.passport.signature_path`).
@@ -133,7 +133,9 @@ def attest(path: str, *, key: str | None = None, key_password: str | None = None
     ``key``: a PEM private key (EC P-256/384/521) to sign with (the ``[sign]`` extra: model-signing signs its
     statement); without one the passport is digest-only and says so. ``certificate``: the signing certificate
     (PEM) issued for ``key``, with ``cert_chain`` the files of its issuers: the bundles then carry the chain
-    (model-signing's certificate mode) and a verifier checks it against the CA it trusts. ``lineage``: which checkpoint this one
+    (model-signing's certificate mode) and a verifier checks it against the CA it trusts. ``durable=False``: no
+    fsync of the passport (still written whole or not at all): the guard's, as durable as the checkpoint and the
+    report beside it, which the library and the guard do not fsync either. ``lineage``: which checkpoint this one
     descends from (the guards fill it). ``artifact``: ``training`` (a resumable checkpoint) or ``serving`` (an
     inference export; ``serving`` then holds its gate results and the training checkpoint's passport digest).
     ``options``: the audit's :class:`~ckptaudit.auditing.judge.AuditOptions` (its ``expect`` is set from
@@ -199,7 +201,7 @@ def attest(path: str, *, key: str | None = None, key_password: str | None = None
         ms_part: dict[str, Any] = json.loads(ms_text)
         au_part = sign_statement(au_stmt, private, chain)
         sig = signature_path(path, is_dir=is_dir) if output is None else out.removesuffix(".json") + ".sig"
-        _write(sig, ms_text.encode())
+        _write(sig, ms_text.encode(), durable)
     else:
         ms_part = {"dsseEnvelope": envelope(canonical(ms_stmt))}
         au_part = {"dsseEnvelope": envelope(canonical(au_stmt))}
@@ -207,15 +209,16 @@ def attest(path: str, *, key: str | None = None, key_password: str | None = None
         if os.path.isfile(stale) and not os.path.islink(stale):
             os.remove(stale)  # an earlier signed passport's bundle: it signs another statement than this one
     raw = dump_passport(private is not None, ms_part, au_part)
-    _write(out, raw)
+    _write(out, raw, durable)
     return parse_passport(raw, out).passport
 
 
-def _write(path: str, data: bytes) -> None:
-    """Write ``path`` whole or not at all (a reader never sees half a passport)."""
+def _write(path: str, data: bytes, durable: bool = True) -> None:
+    """Write ``path`` whole or not at all (a reader never sees half a passport); ``durable``: fsync it first."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as fh:
         fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
