@@ -109,13 +109,15 @@ def quarantined(c: Candidate, ctx: StepContext) -> None:
     report = base + quarantine.REPORT_SUFFIX
     has_report = (os.path.isfile(os.path.normpath(c.path) + quarantine.REPORT_SUFFIX) if not c.remote else False)
     bad = damaged_ancestor(c)  # passed its own audit, but set aside as a descendant of a damaged training state
+    evidence: dict[str, Any] = {"original": quarantine.quarantined_original(base)}
+    if bad is not None:
+        evidence["damaged_ancestor"] = bad.checkpoint
     ctx.findings.append(finding(
         "guard.quarantined", c.name,
         f"{c.name}: " + (f"passed its own audit, but its training state descends from the damage at "
                          f"{bad.checkpoint} (the lineage in its passport), so the guard moved it aside"
                          if bad is not None else "failed its audit during training and was moved aside by the guard")
-        + (f" (report: {report})" if has_report else ""), original=quarantine.quarantined_original(base),
-        **({"damaged_ancestor": bad.checkpoint} if bad is not None else {})))
+        + (f" (report: {report})" if has_report else ""), **evidence))
     ctx.stop = True
 
 
