@@ -255,11 +255,12 @@ def test_a_run_that_restores_inherits_the_lineage_of_what_it_restored(tmp_path: 
         lineage = read_passport(v.passport or "").lineage
         assert lineage.parent is not None and lineage.parent.checkpoint == str(restored)
         assert lineage.parent.verdict == "pass" and lineage.state == state
-        if state == "clean":
+        if state == "clean":  # restoring a passed checkpoint ends the setting aside
             assert lineage.damaged_ancestor is None and v.damaged_ancestor is None
+            assert v.quarantined_to is None and later.exists()
         else:
             assert lineage.damaged_ancestor is not None and lineage.damaged_ancestor.checkpoint == "step-6.pt"
-            assert v.damaged_ancestor == "step-6.pt"
+            assert v.damaged_ancestor == "step-6.pt" and v.quarantined_to is not None and not later.exists()
 
 
 def test_a_path_saved_again_loses_the_passport_of_its_old_bytes(tmp_path: Path) -> None:
