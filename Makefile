@@ -17,7 +17,7 @@ $(DEMO_STAMP): pyproject.toml constraints.txt
 	touch $(DEMO_STAMP)
 
 $(STAMP): $(DEMO_STAMP)
-	@echo "== [1/4] the test stack: transformers, accelerate, Lightning, PEFT, Megatron-Core, moto, pytest, ruff, mypy"
+	@echo "== [1/4] the test stack: transformers, accelerate, Lightning, PEFT, Megatron-Core, moto, a GCS emulator, pytest, ruff, mypy"
 	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e '.[test]'
 	# The training stacks the tests write real checkpoints with. DeepSpeed is an sdist whose build imports torch
 	# (no build isolation, no prebuilt ops: it JIT-builds one small op with g++ at first use); torchtitan 0.3.0

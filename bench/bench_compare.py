@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_compare.py                  # 2 x 2 GiB: DCP reference, torch.save candidates
     .venv/bin/python bench/bench_compare.py --gib 4 --repeat 5 --ref-format torch --threads 1
+    .venv/bin/python bench/bench_compare.py --realistic 1.0 --dir scratch --before scratch/before/src --repeat 5
 
 Writes into a temporary directory on /tmp (deleted at the end) a reference checkpoint of many fp32 tensors
 (16 MiB each; a ``torch.distributed.checkpoint`` directory by default, the common case) and candidates of the
@@ -17,6 +18,13 @@ Both read from the page cache (the files were just written), so the ratio compar
 Prints throughput over the bytes of both checkpoints, the ratio, and the growth of peak RSS (``VmHWM``) and of
 anonymous memory (``RssAnon``, sampled every 5 ms: mapped file pages are reclaimable, anonymous ones are not)
 over the child's footprint before the timed call.
+
+``--realistic SCALE`` measures issue 39's goal instead: the realistic training state of ``bench_realistic.py``
+(4.26 GB at scale 1) as one-file DCP (the reference) and as ``torch.save`` (the candidate), identical values,
+written once into ``--dir`` and kept. Each round: ``bench_realistic.py``'s 2-thread mapped read of each
+checkpoint (their sum: reading both), then the compare on 2 threads of this checkout and, with ``--before SRC``
+(``git archive REV src | tar -x -C scratch/before``), of that tree, in alternating order, each in a fresh child
+process; the ratio is the median of the rounds' own (read both / compare), with the load average.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ import time
 from typing import Any
 
 from common import AnonPeak, proc_status
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 TENSOR_MIB = 16
 
@@ -113,11 +123,53 @@ def child_compare(ref: str, cand: str, threads: int) -> dict[str, Any]:
             "counts": report.extra["pair_counts"]}
 
 
-def run_child(kind: str, ref: str, cand: str, threads: int = 2) -> dict[str, Any]:
+def run_child(kind: str, ref: str, cand: str, threads: int = 2, src: str | None = None) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(src)} if src else None
     out = subprocess.run([sys.executable, __file__, "--child", kind, ref, cand, "--threads", str(threads)],
-                         check=True, capture_output=True, text=True)
+                         check=True, capture_output=True, text=True, env=env)
     result: dict[str, Any] = json.loads(out.stdout)
     return result
+
+
+def realistic(scale: float, directory: str, before: str | None, rounds: int) -> None:
+    """Issue 39's measurement (the module's doc): read both, then compare, per round, before and after alternated."""
+    import statistics
+
+    from bench_realistic import write as write_realistic  # this directory: the realistic state
+
+    ref, cand = os.path.join(directory, f"compare-scale-{scale}", "dcp-1"), os.path.join(
+        directory, f"compare-scale-{scale}", "ckpt.pt")
+    for fmt, path in (("dcp-1", ref), ("torch.save", cand)):
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            write_realistic(fmt, path + ".part", scale)
+            os.replace(path + ".part", path)
+
+    def read(path: str) -> float:
+        out = subprocess.run([sys.executable, os.path.join(HERE, "bench_realistic.py"), "--child", "read", path, "2"],
+                             check=True, capture_output=True, text=True)
+        seconds: float = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])["seconds"]
+        return seconds
+
+    trees = {"after": os.path.join(HERE, "..", "src"), **({"before": before} if before else {})}
+    runs: dict[str, list[float]] = {"read both": [], **{k: [] for k in trees}}
+    read(ref), read(cand)  # not counted: the first read after a write pays for the fresh pages
+    loads = []
+    for r in range(rounds):
+        loads.append(os.getloadavg()[0])
+        runs["read both"].append(read(ref) + read(cand))
+        for which in sorted(trees, reverse=r % 2 == 1):
+            runs[which].append(run_child("compare", ref, cand, 2, trees[which])["seconds"])
+    total = size(ref) + size(cand)
+    print(f"compare, realistic --scale {scale}: one-file DCP against torch.save, identical values, "
+          f"{total / 1e9:.2f} GB in all, 2 threads, {rounds} rounds, load average {min(loads):.1f}-{max(loads):.1f}")
+    for name, secs in runs.items():
+        print(f"  {name:9s} median {statistics.median(secs):.3f} s ({total / statistics.median(secs) / 1e9:.1f} GB/s)"
+              f", best {min(secs):.3f} s")
+    for which in trees:
+        ratios = [rd / c for rd, c in zip(runs["read both"], runs[which], strict=True)]
+        print(f"  {which}: compare speed / speed of reading both, median of rounds {statistics.median(ratios):.2f}x "
+              f"({min(ratios):.2f}-{max(ratios):.2f})")
 
 
 def main() -> None:
@@ -128,11 +180,20 @@ def main() -> None:
     ap.add_argument("--scenario", choices=["bf16-rounded", "identical", "both"], default="both")
     ap.add_argument("--threads", type=int, choices=[1, 2], default=2,
                     help="compare's threads (2: hashing overlaps the comparison; 1: all inline)")
+    ap.add_argument("--realistic", type=float, metavar="SCALE",
+                    help="instead: the realistic state, one-file DCP against torch.save (the module's doc)")
+    ap.add_argument("--dir", help="with --realistic: where its checkpoints are written once and kept")
+    ap.add_argument("--before", metavar="SRC", help="with --realistic: also compare with this src tree, alternated")
     ap.add_argument("--child", nargs=3, metavar=("KIND", "REF", "CAND"))
     args = ap.parse_args()
     if args.child:
         kind, ref, cand = args.child
         print(json.dumps(child_read(ref, cand) if kind == "read" else child_compare(ref, cand, args.threads)))
+        return
+    if args.realistic is not None:
+        if not args.dir:
+            ap.error("--realistic needs --dir (its checkpoints are written once and kept there)")
+        realistic(args.realistic, args.dir, args.before, args.repeat)
         return
     tmp = tempfile.mkdtemp(prefix="ckptaudit-bench-compare-", dir="/tmp")
     try:

@@ -1,5 +1,5 @@
 """Defaults that had no test (each was broken on purpose once and the suite stayed green): a scheduler step is an
-update for plain SGD, a live optimizer over two float dtypes declares no majority contract, empty items spread
+update for plain SGD, a live optimizer over two float dtypes declares each parameter's, not the majority's, empty items spread
 evenly over auditing ranks, and the coalesced remote read stops at its size cap."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_plain_sgd_whose_scheduler_stepped_once_is_past_the_first_update(tmp_pat
 
 def test_a_live_optimizer_over_two_float_dtypes_declares_no_majority_contract() -> None:
     from ckptaudit.integrations.guard import Guard
-    from ckptaudit.integrations.live_contract import declare_live_contract, live_master_dtype
+    from ckptaudit.integrations.live_contract import declare_live_contract, live_master_dtype, live_master_dtypes
 
     def optimizer(fp32: int, bf16: int) -> Any:
         params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(fp32)]
@@ -49,16 +49,20 @@ def test_a_live_optimizer_over_two_float_dtypes_declares_no_majority_contract() 
         return torch.optim.AdamW(params)
 
     # Each parameter's master is its own dtype: a single contract for all of them (the majority's) would call the
-    # minority's masters wrong, or excuse them; the checkpoint's own record decides instead.
+    # minority's masters wrong, or excuse them; each parameter's dtype is declared instead, in the groups' order.
     assert live_master_dtype(optimizer(3, 1)) is None
     assert live_master_dtype(optimizer(1, 3)) is None
     assert live_master_dtype(optimizer(2, 0)) == ("float32", "AdamW steps 2 float32 parameter tensor(s)")
     assert live_master_dtype(optimizer(0, 2)) == ("bfloat16", "AdamW steps 2 bfloat16 parameter tensor(s)")
+    assert live_master_dtypes(optimizer(2, 0)) is None
+    assert live_master_dtypes(optimizer(1, 2)) == (("float32", "bfloat16", "bfloat16"),
+                                                   "AdamW steps 2 bfloat16 and 1 float32 parameter tensor(s)")
     guard = Guard(background="thread")
     try:
         declare_live_contract(guard, optimizer(3, 1))
         assert guard.audit_options.get("master_dtype", "auto") == "auto"
-        assert "master_dtype_from" not in guard.audit_options
+        assert guard.audit_options["master_dtypes"] == ["float32"] * 3 + ["bfloat16"]
+        assert guard.audit_options["master_dtype_from"].startswith("the live run: AdamW steps 1 bfloat16 and 3")
     finally:
         guard.close()
 

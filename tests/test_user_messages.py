@@ -41,6 +41,42 @@ def test_no_page_installs_ckptaudit_from_an_index() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_every_install_line_a_message_gives_is_the_one_the_docs_give(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The messages that tell a user to install an extra give README's command (from a clone), never the package's
+    name on an index; and no message in the source names one."""
+    import sys
+
+    from ckptaudit.extras import install_line, torch_missing
+    from ckptaudit.formats.remote.errors import RemoteError
+    from ckptaudit.formats.remote.objects import filesystem
+    from ckptaudit.passport.model import PassportError
+    from ckptaudit.passport.statements import load_private_key
+
+    readme = (ROOT / "README.md").read_text()
+    setup = readme[readme.index("## Set-up"):readme.index("## The demo")]
+    assert "from a clone" in setup
+    docs = "\n".join(p.read_text() for p in PAGES)
+    for extra, page in [("torch", setup), ("remote", setup), ("sign", docs)]:
+        command = install_line(extra).split(" in a clone")[0]
+        assert f"`{command}`" in page, (extra, command)
+        assert "clone" in install_line(extra)
+
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    assert install_line("torch") in (torch_missing("ckptaudit demo") or "")
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # "import fsspec" raises ImportError
+    with pytest.raises(RemoteError, match=re.escape(install_line("remote"))):
+        filesystem("s3://bucket/ckpt.pt")
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives", None)
+    with pytest.raises(PassportError, match=re.escape(install_line("sign"))):
+        load_private_key("key.pem")
+
+    named = re.compile(r"pip install [^\n]*ckptaudit\[")
+    wrong = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in sorted((ROOT / "src" / "ckptaudit").rglob("*.py"))
+             for m in named.finditer(p.read_text())]
+    assert not wrong, wrong
+
+
 def test_a_report_written_to_a_file_still_says_its_verdict(tmp_path: Path) -> None:
     bad = trained(tmp_path / "bad.pt", rounded=True)
     for fmt in ("html", "json", "table"):

@@ -18,6 +18,7 @@ def audit(
     expect: Literal["training", "serving"] = "training",
     require: str | Iterable[str] = (),
     master_dtype_from: str = "",
+    master_dtypes: Iterable[str] = (),
     fail_on: Literal["error", "warning", "info"] = "error",
     ignore: str | Iterable[str] = (),
     quick: bool = False,

@@ -17,7 +17,6 @@ raises ``TypeError`` / ``ValueError`` naming the option, the value and the fix.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -102,6 +101,8 @@ class Report:
 
     def to_json(self, indent: int | None = 2) -> str:
         """The JSON report (the same document as ``ckptaudit audit --format json``)."""
+        import json  # not at start-up: the command line writes its JSON through ckptaudit.report
+
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
 
@@ -143,6 +144,9 @@ def audit(path: str | os.PathLike[str], **options: Any) -> Report:
       (``["scheduler", "rng", "data-progress"]`` or ``"scheduler,rng"``);
     - ``master_dtype_from``: who declared ``master_dtype`` when it was not you, in words (the guards pass the
       running job's evidence); the report's contract then says ``live``;
+    - ``master_dtypes``: each parameter's master dtype, one per parameter the optimizer steps, in the order of its
+      param groups (the guards pass the live optimizer's when its parameters have several dtypes, with
+      ``master_dtype_from``): each parameter is held to its own;
     - ``fail_on``: ``"error"`` (default), ``"warning"`` or ``"info"``: the level at which ``Report.ok`` is false;
     - ``ignore``: finding codes or families to acknowledge (``["security.not-loaded", "optimizer"]`` or
       ``"security.not-loaded,optimizer"``): kept in the report, marked ``ignored``, counted toward nothing;
@@ -180,6 +184,7 @@ def audit_options(opts: Mapping[str, Any]) -> AuditOptions:
                         require=frozenset(ComponentKind(str(s).strip()) for s in require),
                         chunk_bytes=opts["chunk_bytes"], quick=opts["quick"],
                         jobs=opts["jobs"] or default_jobs(), master_dtype_from=opts["master_dtype_from"],
+                        master_dtypes=tuple(opts["master_dtypes"]),
                         ignore=_ignored(opts["ignore"]), run_evidence=opts["run_evidence"])
 
 

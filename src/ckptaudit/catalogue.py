@@ -20,6 +20,8 @@ E, W, INFO = Severity.ERROR, Severity.WARNING, Severity.INFO
 
 @dataclass(frozen=True, slots=True)
 class Rule:
+    """One finding code: its severity and what it means (docs/catalogue.md)."""
+
     code: str
     severity: Severity
     summary: str
@@ -43,7 +45,8 @@ _RULES: tuple[Rule, ...] = (
          "stored or rounded below the master dtype: no full-precision master is due for what is never updated."),
     Rule("precision.not-judged", W, "Parameters stored or rounded below the master dtype that index-keyed optimizer "
          "state may leave without an entry (frozen parameters owe no master; trainable ones would have lost bits): "
-         "which they are cannot be told offline."),
+         "which they are cannot be told offline. Also a 16-bit parameter whose own master dtype the evidence does "
+         "not decide in a checkpoint whose parameters have masters of different dtypes."),
     Rule("precision.never-updated", INFO, "Parameters stored or rounded below the master dtype whose every recorded "
          "learning rate is 0 (their param group's lr and initial_lr, the scheduler's base_lrs): no update was ever "
          "applied to them, so they are what was loaded (e.g. a bf16 release) and are judged like frozen parameters."),
@@ -61,6 +64,10 @@ _RULES: tuple[Rule, ...] = (
     Rule("contract.run-mismatch", E, "The run's other checkpoints (`ckptaudit latest`, or `audit` beside its "
          "siblings) hold full-precision masters, but this one's parameters and optimizer state are 16-bit: judged "
          "alone a bf16-masters run, beside its own run the masters were not saved. The message names the siblings."),
+    Rule("contract.per-parameter", INFO, "The optimizer keeps float32 state for some parameters and 16-bit state "
+         "for others, each in its parameter's dtype (as torch's optimizers create it): a model holding those "
+         "parameters in 16 bits by design. Each parameter is held to its own master dtype; a 16-bit parameter "
+         "whose own state is float32 still lost its master's bits."),
     Rule("contract.unknown", W, "The master dtype could not be inferred (no optimizer state, mixed dtypes); pass "
          "--master-dtype."),
     # components

@@ -7,7 +7,6 @@ of ckptaudit's own, so every other module may import it.
 from __future__ import annotations
 
 import enum
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +51,8 @@ def _int_text(value: int) -> str:
         return int.__repr__(value)
     # Named by a digest of its bytes as well as its size: two such keys never share a name (one must not hide
     # the other where names key a table).
+    import hashlib  # here, not at the top: OpenSSL's import is ~4 ms of every start-up, for a 5,000-digit key
+
     digest = hashlib.blake2b(value.to_bytes(bits // 8 + 1, "little", signed=True), digest_size=16).hexdigest()
     return f"{_about(value)} (blake2b {digest})"
 

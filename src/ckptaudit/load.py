@@ -15,7 +15,7 @@ pickle's globals against the allowlist, its limits, DCP's ``.metadata`` and ever
 the descriptor that was checked, never read again by path. What torch would run (a pickle calling anything but
 tensor and container constructors, a DCP directory whose metadata leaves it, ...) is refused with
 :class:`UnsafeCheckpointError`, whose message names the file and the audit's finding. Needs torch
-(``pip install 'ckptaudit[torch]'``).
+(``pip install '.[torch]'`` in a clone of ckptaudit).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ it).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -89,6 +90,10 @@ def _component_names() -> str:
         repr(k.value) for k in ComponentKind)
 
 
+def _dtypes(v: Any) -> bool:
+    return isinstance(v, list | tuple) and all(isinstance(d, str) and d in MASTER_DTYPES[1:] for d in v)
+
+
 def _int_at_least(low: int, high: int | None = None) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
 
@@ -120,6 +125,10 @@ AUDIT_OPTIONS: Mapping[str, Option] = {o.name: o for o in (
     Option("master_dtype_from", "", "str", lambda v: isinstance(v, str), "a string: who declared master_dtype",
            "who declared master_dtype when it was not you, in words (the guards pass the live run's evidence)",
            cli=False),
+    Option("master_dtypes", (), "Iterable[str]", _dtypes, "an iterable of 'float32', 'bfloat16', 'float16': one per "
+           "parameter the optimizer steps, in the order of its param groups",
+           "each parameter's master dtype, in the order of the optimizer's param groups (the guards pass the live "
+           "optimizer's when its parameters have several dtypes)", cli=False),
     FAIL_ON,
     IGNORE,
     Option("quick", False, "bool", lambda v: isinstance(v, bool), "True or False",
@@ -181,6 +190,7 @@ def signature(positional: Iterable[tuple[str, str]], table: Mapping[str, Option]
     return inspect.Signature(params, return_annotation=returns)
 
 
+@functools.cache  # the API's two signatures are made at import: each annotation text compiled once
 def _type(text: str) -> Any:
     # Our own annotations (the table's constants), so that help() shows types rather than quoted strings.
     return eval(text, {"Literal": Literal, "Iterable": Iterable, "os": os})  # noqa: S307

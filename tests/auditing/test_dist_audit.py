@@ -1,5 +1,6 @@
 """The distributed audit: ``torchrun -m ckptaudit audit`` on 2 and 4 local ranks prints one report, equal to
-the single-process one; a rank that cannot read the path makes one error, not a hang."""
+the single-process one (the run's evidence included: a checkpoint cast to bf16 beside float32 siblings is
+``contract.run-mismatch`` under torchrun too); a rank that cannot read the path makes one error, not a hang."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from ckptaudit.auditing.distributed import partition, shares_of, torchrun_rank
 from ckptaudit.cli import main
+from real_checkpoints import trained
 from runs import torchrun
 
 
@@ -40,6 +42,31 @@ def test_torchrun_prints_the_single_process_report(scale_checkpoints: dict[str, 
     assert {"bf16", "fp16", "exact"} <= {t["precision"] for t in got["tensors"]}
     # torchrun prints its own ChildFailedError traceback for exit code 1; no frame of ours may appear.
     assert not re.search(r'File ".*ckptaudit', run.stderr), run.stderr[-3000:]
+
+
+def test_torchrun_holds_a_checkpoint_to_its_runs_evidence_as_one_process_does(tmp_path: Path) -> None:
+    """Steps 2-6 hold float32 masters, step 8 was cast to bf16 (model and moments): 2 gloo ranks give the
+    single-process report, ``contract.run-mismatch`` naming the siblings, read by rank 0."""
+    import torch
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for step in (2, 4, 6, 8):
+        trained(run_dir / f"ckpt-{step:04d}.pt")
+    cast = run_dir / "ckpt-0008.pt"
+    doc = torch.load(cast, weights_only=True)
+    doc["model"] = {k: v.bfloat16() for k, v in doc["model"].items()}
+    for state in doc["optimizer"]["state"].values():
+        state.update({k: v.bfloat16() for k, v in state.items() if v.is_floating_point() and v.dim() > 0})
+    torch.save(doc, cast)
+    expected = _single(cast)
+    (mismatch,) = [f for f in expected["findings"] if f["code"] == "contract.run-mismatch"]
+    assert mismatch["message"].startswith("steps 2-6 hold float32 masters"), mismatch
+    run = torchrun(2, "audit", str(cast), "--format", "json", "--no-progress", cwd=tmp_path)
+    assert run.returncode == 1, run.stderr[-3000:]
+    got = json.loads(run.stdout)
+    assert [f["code"] for f in got["findings"]] == [f["code"] for f in expected["findings"]], run.stderr[-3000:]
+    assert got == expected
 
 
 def test_torchrun_on_a_missing_path_fails_once_with_the_path(tmp_path: Path) -> None:

@@ -19,11 +19,13 @@ from real_checkpoints import safetensors_file
 def _run_cli(*argv: str) -> tuple[set[str], str]:
     """Run ``ckptaudit.cli.main(argv)`` in a fresh interpreter as a user would (without the suite's report
     validation, which imports jsonschema): the modules imported by the end, and its stdout."""
-    code = ("import io, json, sys\n"
+    code = ("import io, sys\n"
             "from ckptaudit.cli import main\n"
             "out = io.StringIO()\n"
             f"rc = main({list(argv)!r}, stdout=out, stderr=io.StringIO())\n"
-            "print(json.dumps([rc, sorted(sys.modules), out.getvalue()]))\n")
+            "modules = sorted(sys.modules)\n"
+            "import json\n"  # after the modules are listed: whether the command imported json is tested
+            "print(json.dumps([rc, modules, out.getvalue()]))\n")
     env = {k: v for k, v in os.environ.items() if k != VALIDATE_ENV}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
                          env=env)
@@ -88,6 +90,8 @@ def test_compare_of_torch_save_and_dcp_does_not_import_torch(scale_checkpoints: 
 # formats the checkpoint is not in.
 
 ALWAYS_LAZY = {"numpy", "rich", "concurrent.futures", "logging", "tempfile", "shutil", "difflib",
+               # OpenSSL (~4 ms: only a 5,000-digit key's name is hashed), the leased map's signal (nothing mapped)
+               "hashlib", "_hashlib", "signal",
                "ckptaudit.layouts.megatron.layout", "ckptaudit.layouts.deepspeed.layout",
                # the distributed audit (only under torchrun) and the remote machinery (only for a URL)
                "ckptaudit.auditing.distributed", "ckptaudit.auditing.share", "ckptaudit.formats.remote.staging",
@@ -133,6 +137,8 @@ def test_small_audit_imports_only_what_the_checkpoint_needs(small_training_state
     lazy = ALWAYS_LAZY | (LAZY_FOR_FILES if fmt != "dcp" else set())
     if fmt == "safetensors":  # a JSON header: no pickle reader at all
         lazy |= {"ckptaudit.formats.pickle.unpickler", "ckptaudit.formats.zip.archive"}
+    if fmt == "torch.save":  # no JSON read (a manifest or a serving artifact's gate is read where it exists)
+        lazy |= {"ckptaudit.formats.io.safejson"}
     assert {m.split(".")[0] if m.split(".")[0] in ("numpy", "rich") else m for m in modules} & lazy == set()
     # The same report as the audit in this process, where NumPy is imported and every tensor takes its path.
     assert "numpy" in sys.modules
@@ -150,4 +156,30 @@ def test_a_small_audit_printed_as_a_table_into_a_pipe_imports_no_rich(small_trai
     was about a third of the start-up), with rich's characters (``tests/report/test_table_plain.py``)."""
     modules, stdout = _run_cli("audit", str(small_training_state["torch.save"]))
     assert not {m for m in modules if m == "rich" or m.startswith("rich.")}
+    assert not {m for m in modules if m == "json" or m.startswith("json.")}  # nor json: no JSON read or written
     assert "findings" in stdout and "━" in stdout
+
+
+def test_the_running_command_alone_gets_the_flags_the_whole_parser_gives_it() -> None:
+    """``main`` builds the parser of the command that runs (``build_parser(command)``): its flags, defaults, choices
+    and help are those of the same command in the whole parser (which ``--help`` and tests/test_docs.py read)."""
+    import argparse
+
+    from ckptaudit.cli.parser import build_parser
+
+    def commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return dict(sub.choices)
+
+    def flags(parser: argparse.ArgumentParser) -> list[tuple[object, ...]]:
+        return [(a.option_strings, a.dest, a.default, a.choices, a.help, a.metavar, a.nargs, a.type, type(a).__name__)
+                for a in parser._actions]
+
+    whole = commands(build_parser())
+    assert len(whole) == 9
+    for name, parser in whole.items():
+        alone = commands(build_parser(name))
+        assert list(alone) == [name]
+        assert flags(alone[name]) == flags(parser), name
+        assert alone[name].format_help() == parser.format_help()
+    assert list(commands(build_parser("no-such-command"))) == list(whole)  # argparse's "invalid choice" lists them

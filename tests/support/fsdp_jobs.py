@@ -122,3 +122,51 @@ def snapshot_gather_equals_full_tensor(ctx: RankContext) -> bool:
         mine, theirs = _full(p.detach()), p.detach().full_tensor()
         same = same and mine.shape == theirs.shape and torch.equal(mine, theirs)
     return same
+
+
+def mixed_model() -> Any:
+    """A model holding its MLP body in bf16 by design and its embedding, norm and head in fp32."""
+    import torch
+    from torch import nn
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).to(torch.bfloat16)
+            self.norm = nn.LayerNorm(16)
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # Each part computes in its own weights' dtype (under FSDP2: the unsharded ones, its policy's).
+            h = self.body(self.emb(x).to(self.body[0].weight.dtype))
+            return self.head(self.norm(h.to(self.norm.weight.dtype)))
+
+    return Mixed()
+
+
+def write_mixed_masters(ctx: RankContext, out_dir: str, steps: int) -> dict[str, Any]:
+    """(2 ranks) FSDP2 over a model with bf16 parameters by design: the bf16 body its own ``fully_shard`` unit, the
+    fp32 rest under the root's bf16 ``MixedPrecisionPolicy`` (fp32 masters); AdamW; saved the documented way
+    (``mixed``), and through an exporter that casts every model tensor to bf16 (``cast``)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = mixed_model()
+    fully_shard(model.body, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    for _ in range(steps):
+        model(torch.randint(0, 32, (8,), generator=gen)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "train_state": {"step": steps}},
+             checkpoint_id=os.path.join(out_dir, "mixed"))
+    cast = {k: v.to(torch.bfloat16) for k, v in msd.items()}
+    dcp.save({"model": cast, "optim": osd, "train_state": {"step": steps}}, checkpoint_id=os.path.join(out_dir, "cast"))
+    return {n: str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters()}

@@ -21,7 +21,9 @@ Order of events (every rank runs the same command on the same path, on a filesys
    their scan opens must be the version rank 0 read (a file replaced after the check leaves its tensors unread);
 5. (all ranks) gather every rank's outcomes (kilobytes: hashes and precision evidence, JSON-encoded, never
    pickled) to rank 0; a rank that failed sends its error instead, so no rank waits for one that died;
-6. (rank 0) assembles the records in the checkpoint's order and runs the checks: the report equals the
+6. (rank 0) assembles the records in the checkpoint's order and runs the checks, and where the checkpoint alone
+   looks like 16-bit masters reads its siblings' headers for the run's evidence
+   (:func:`ckptaudit.auditing.run_evidence.judge_audit`, the single-process audit's judgement): the report equals the
    single-process one. A file some rank found changed is an ``integrity.changed`` finding, and the tensors of
    that rank's share are left unread (nothing is judged from bytes nobody vetted). Other ranks return ``None``
    (print nothing).
@@ -43,8 +45,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptaudit.auditing.judge import AuditOptions, judge_scan
+from ckptaudit.auditing.judge import AuditOptions
 from ckptaudit.auditing.plan import ScanPlan, plan_scan
+from ckptaudit.auditing.run_evidence import judge_audit
 from ckptaudit.auditing.scan import ScanOutcome, assemble, scan_datas, scan_items
 from ckptaudit.auditing.share import (
     checkpoint_root,
@@ -292,7 +295,7 @@ def audit_distributed(path: str, options: AuditOptions | None = None, *, rank: i
     try:
         seen = {(f.code, f.subject) for f in scanned.findings}
         scanned.findings += [f for f in _changed_findings(gathered, shares) if (f.code, f.subject) not in seen]
-        report = judge_scan(scanned, options)
+        report = judge_audit(scanned, options, path)  # as in one process: the run's evidence read here, on rank 0
         clock.mark("judge")
         return report
     finally:

@@ -8,7 +8,7 @@ checks (:mod:`ckptaudit.checks`, :func:`judge_scan`) -> RawReport.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptaudit.auditing.digesting import ScanDigests
@@ -19,7 +19,17 @@ from ckptaudit.checks.components import check_components
 from ckptaudit.checks.integrity import check_indexes
 from ckptaudit.checks.manifest import check_manifest
 from ckptaudit.checks.optimizer import check_steps
-from ckptaudit.checks.precision import MASTER_DTYPES, check_precision, infer_contract, judged_params, masters_not_saved
+from ckptaudit.checks.precision import (
+    MASTER_DTYPES,
+    check_precision,
+    infer_contract,
+    judged_params,
+    live_per_parameter,
+    manifest_per_parameter,
+    masters_not_saved,
+    per_parameter,
+    place_live_dtypes,
+)
 from ckptaudit.checks.updates import (
     FROZEN_WHY,
     NOT_JUDGED_WHY,
@@ -50,6 +60,10 @@ class AuditOptions:
     master_dtype_from: str = ""
     """Who declared ``master_dtype``, in words, when it was not the user: the guards pass the running job's evidence
     (``"the live run: the optimizer steps float32 parameters"``); the report's contract then says ``live``."""
+    master_dtypes: tuple[str, ...] = ()
+    """Each parameter's master dtype, in the order of the optimizer's param groups (the guards: the live optimizer's,
+    when its parameters have several dtypes; ``master_dtype_from`` says so): each parameter is held to its own
+    (:func:`~ckptaudit.checks.precision.live_per_parameter`). Ignored under a ``master_dtype`` other than auto."""
     ignore: tuple[str, ...] = ()
     """Finding codes or families acknowledged (:func:`ckptaudit.catalogue.parse_ignore`): kept in the report,
     marked ignored, counted toward nothing."""
@@ -75,8 +89,9 @@ class AuditOptions:
             )
         if self.expect not in ("training", "serving"):
             raise ValueError(f"expect must be 'training' or 'serving', not {self.expect!r}")
-        if self.master_dtype_from and self.master_dtype == "auto":
-            raise ValueError("master_dtype_from names who declared master_dtype; it needs a master_dtype, not auto")
+        if self.master_dtype_from and self.master_dtype == "auto" and not self.master_dtypes:
+            raise ValueError("master_dtype_from names who declared master_dtype; it needs a master_dtype (or "
+                             "master_dtypes), not auto")
         object.__setattr__(self, "ignore", parse_ignore(self.ignore))
 
 
@@ -89,11 +104,9 @@ def run_audit(path: str, options: AuditOptions | None = None, *, progress: Progr
     scanned = scan_checkpoint(path, chunk_bytes=options.chunk_bytes, progress=progress, jobs=options.jobs,
                               quick=options.quick, digests=digests)
     try:
-        if options.run_evidence:
-            from ckptaudit.auditing.run_evidence import audit_evidence, judge_with_run
+        from ckptaudit.auditing.run_evidence import judge_audit
 
-            return judge_with_run(scanned, options, audit_evidence(path))
-        return judge_scan(scanned, options)
+        return judge_audit(scanned, options, path)
     finally:
         scanned.close()
 
@@ -115,14 +128,31 @@ def judge_scan(s: ScannedCheckpoint, options: AuditOptions) -> RawReport:
                and r.precision not in (Precision.NOT_FLOAT, Precision.UNREAD)]
     params = judged_params(params, s.records, view)
     manifest_dtype = None
+    recorded = None  # the writer's per-parameter record, when it recorded parameters of several dtypes
     if view.manifest is not None:
         contract_info = view.manifest.get("contract")
         if isinstance(contract_info, dict) and isinstance(contract_info.get("master_dtype"), str):
             manifest_dtype = contract_info["master_dtype"]
-    contract, contract_findings = infer_contract(options.master_dtype, params, moments, manifest_dtype,
+            recorded = manifest_per_parameter(view.manifest, params)
+            if recorded is not None:  # float32 where any master is (the writer records the majority)
+                manifest_dtype = "float32"
+    flag = options.master_dtype
+    placed = (place_live_dtypes(options.master_dtypes, view, s.attachment.mapping)
+              if options.master_dtypes and flag == "auto" else None)
+    if placed is not None:  # the live optimizer's dtype per parameter: float32 where any master is
+        wide = [d for d in placed.values() if d not in ("bfloat16", "float16")]
+        flag = "float32" if wide or len(set(placed.values())) != 1 else next(iter(placed.values()))
+    contract, contract_findings = infer_contract(flag, params, moments, manifest_dtype,
                                                  records=[*view.contract_records, *options.run_records],
-                                                 flag_source="live" if options.master_dtype_from else "flag",
+                                                 flag_source="live" if options.master_dtype_from and flag != "auto"
+                                                 else "flag",
                                                  flag_detail=options.master_dtype_from)
+    if options.master_dtypes and flag == "auto":  # said, not silent: the checkpoint's own evidence decides instead
+        saved = sum(len(g.get("params", [])) for g in (view.optimizer.groups if view.optimizer else [])
+                    if isinstance(g, dict))
+        contract = replace(contract, detail=f"{contract.detail}; the live run's dtype per parameter "
+                           f"({options.master_dtype_from or 'master_dtypes'}: {len(options.master_dtypes)}) could "
+                           f"not be laid over the {saved} parameter(s) of the saved param groups")
     components: tuple[Any, ...] = ()
     if options.expect == "training":
         findings += contract_findings
@@ -134,15 +164,30 @@ def judge_scan(s: ScannedCheckpoint, options: AuditOptions) -> RawReport:
                   and r.precision not in (Precision.NOT_FLOAT, Precision.UNREAD)]
         if not masters_not_saved(view, contract):
             master = contract.master_dtype
+            if placed is not None:
+                per_param = live_per_parameter(placed, params, contract.detail)
+            elif recorded is not None and contract.source == "manifest":
+                per_param = live_per_parameter(recorded, params, contract.detail, "the writer recorded")
+            else:
+                per_param = per_parameter(contract, params, moments, s.attachment.status,
+                                          [*view.contract_records, *options.run_records])
+            findings += per_param.findings
+            # The parameters the contract judges; those their own state decides are judged by check_precision.
+            held = [r for r in params if r.param not in per_param.masters and r.param not in per_param.undecided]
             findings += check_precision(
                 params, contract, frozen=frozen, frozen_why=FROZEN_WHY.get(s.attachment.status, ""),
                 before_first_update=before_first_update(view, s.ckpt, s.records, s.refs, s.steps),
-                not_judged=maybe_frozen(view, s.attachment, params, master),
+                not_judged=maybe_frozen(view, s.attachment, held, master),
                 not_judged_why=NOT_JUDGED_WHY.get(s.attachment.status, ""),
-                never_updated=never_updated_params(view, s.ckpt, s.attachment, params, master))
+                never_updated=never_updated_params(view, s.ckpt, s.attachment, held, master), per_param=per_param)
     findings = mark_ignored(findings, options.ignore)
     findings.sort(key=finding_order)
-    summary = _summary(s, findings, contract.master_dtype, options)
+    master = contract.master_dtype
+    sixteen = sorted({d for f in findings if f.code == "contract.per-parameter"
+                      for d in f.evidence.get("dtypes", {}).values()})
+    if sixteen:
+        master = f"{master}, {'/'.join(sixteen)} for some parameters by design"
+    summary = _summary(s, findings, master, options)
     if _nothing_recognised(s, components):
         findings, summary, components = _not_a_checkpoint(s, findings)
     return RawReport(

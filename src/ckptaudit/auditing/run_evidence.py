@@ -1,5 +1,7 @@
 """The run's own evidence: the master dtype a checkpoint's siblings (the run's other checkpoints) establish, as one
-more source of the contract (a :class:`~ckptaudit.layouts.view.ContractRecord` of source ``run``).
+more source of the contract (a :class:`~ckptaudit.layouts.view.ContractRecord` of source ``run``), per parameter
+where a sibling's own optimizer state shows some parameters 16-bit by design (``sixteen_bit``): a parameter
+16-bit in this checkpoint that a sibling keeps a float32 master of lost it, whatever the rest.
 
 Judged alone, a checkpoint whose parameters and optimizer moments are all bf16 may be a genuine bf16-masters run
 (``contract.inferred``, a warning). Beside checkpoints of the same run that hold float32 masters, it is not: the
@@ -12,7 +14,9 @@ Cheap by construction: the siblings are read (headers and metadata, never tensor
 the checkpoint's own contract came out as 16-bit masters inferred from its tensors (:func:`judge_with_run`), the one
 case the evidence can change, and at most :data:`MAX_SIBLINGS` of them. For ``ckptaudit audit``, the siblings are
 the entries beside the checkpoint whose names differ from its name only in their numbers (``ckpt-0006.pt`` beside
-``ckpt-0008.pt``; ``checkpoint-6/`` beside ``checkpoint-8/``): :func:`siblings_of`.
+``ckpt-0008.pt``; ``checkpoint-6/`` beside ``checkpoint-8/``): :func:`siblings_of`; read by the process that
+judges (:func:`judge_audit`: the single-process audit, and rank 0 of the distributed one, once every rank's records
+are gathered: the siblings lie on the filesystem every rank sees, and only their headers are read).
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ if TYPE_CHECKING:
     from ckptaudit.auditing.scan import ScannedCheckpoint
     from ckptaudit.findings import RawReport
 
-__all__ = ["MAX_LISTED", "MAX_SIBLINGS", "Masters", "Sibling", "audit_evidence", "judge_with_run", "masters_of",
-           "nearest", "run_record", "siblings_of", "steps_text"]
+__all__ = ["MAX_LISTED", "MAX_SIBLINGS", "Masters", "Sibling", "audit_evidence", "judge_audit", "judge_with_run",
+           "masters_of", "nearest", "run_record", "siblings_of", "steps_text"]
 
 MAX_SIBLINGS = 4
 """Siblings read per judged checkpoint at most (each: its headers and metadata, the cost of ``--verify sizes``)."""
@@ -60,6 +64,9 @@ class Masters:
     sibling: Sibling
     dtype: str | None
     how: str
+    sixteen_bit: tuple[tuple[str, str], ...] = ()
+    """(parameter, dtype) of the parameters whose own optimizer state is 16-bit beside others' float32 state: a
+    model holding those in 16 bits by design (:func:`~ckptaudit.checks.precision.per_parameter`)."""
 
 
 def masters_of(s: Sibling) -> Masters:
@@ -67,7 +74,7 @@ def masters_of(s: Sibling) -> Masters:
     record, else float32 optimizer moments (float32 masters), or 16-bit parameters beside 16-bit moments."""
     from ckptaudit.formats import open_checkpoint
     from ckptaudit.layouts import interpret
-    from ckptaudit.layouts.attachment import ELEMENTWISE_STATE
+    from ckptaudit.layouts.attachment import ELEMENTWISE_STATE, attach
     from ckptaudit.layouts.view import TensorRef
 
     try:
@@ -84,13 +91,25 @@ def masters_of(s: Sibling) -> Masters:
     params = Counter(ref.data.dtype.name for ref in (view.model.params.values() if view.model else ())
                      if isinstance(ref, TensorRef) and hasattr(ref.data, "dtype") and ref.data.dtype.is_float)
     moments: Counter[str] = Counter()
+    own: dict[str, set[str]] = {}
     if view.optimizer is not None:
-        for state in view.optimizer.state.values():
+        mapping = attach(view).mapping
+        for pkey, state in view.optimizer.state.items():
             for key, ref in state.items():
                 if key in ELEMENTWISE_STATE and isinstance(ref, TensorRef) and hasattr(ref.data, "dtype"):
                     moments[ref.data.dtype.name] += 1
+                    if pkey in mapping:
+                        own.setdefault(mapping[pkey], set()).add(ref.data.dtype.name)
     param = params.most_common(1)[0][0] if params else None
     moment = moments.most_common(1)[0][0] if moments else None
+    wide = sum(1 for d in own.values() if d & set(_WIDE))
+    sixteen = tuple(sorted((p, min(d)) for p, d in own.items() if len(d) == 1 and d <= set(_NARROW)))
+    if wide and sixteen:  # each parameter's state in its own dtype: 16-bit ones by design, the others float32
+        dtypes = "/".join(sorted({d for _, d in sixteen}))
+        return Masters(s, "float32", f"float32 optimizer moments for {wide} parameter(s) and {dtypes} for "
+                       f"{len(sixteen)}, each in its parameter's dtype", sixteen)
+    if set(moments) & set(_WIDE) and set(moments) & set(_NARROW):
+        return Masters(s, None, "float32 and 16-bit optimizer moments whose parameters cannot be told apart")
     if moment in _WIDE and param is not None:
         return Masters(s, "float32", f"{param} parameters and {moment} optimizer moments")
     if moment in _NARROW and param in _NARROW:
@@ -127,9 +146,11 @@ def run_record(label: str, masters: Sequence[Masters]) -> ContractRecord | None:
     if not wide:
         return None
     sibs = [m.sibling for m in wide]
+    # A parameter 16-bit by design in the nearest sibling that shows any: held to that dtype, not to float32.
+    sixteen = next((m.sixteen_bit for m in wide if m.sixteen_bit), ())
     return ContractRecord("run", ", ".join(sorted(s.name for s in sibs)),
                           f"{steps_text(sibs)} hold float32 masters ({wide[0].sibling.name}: {wide[0].how})",
-                          "float32", label)
+                          "float32", label, sixteen_bit=sixteen)
 
 
 def _pattern(name: str) -> re.Pattern[str] | None:
@@ -183,8 +204,11 @@ def judge_with_run(s: ScannedCheckpoint, options: AuditOptions,
 
     report = judge_scan(s, options)
     contract = report.contract
-    if (options.master_dtype != "auto" or options.run_records or contract is None
-            or contract.source != "optimizer-state" or contract.master_dtype not in _NARROW):
+    # 16-bit masters inferred from the tensors: for the whole checkpoint, or for some parameters (their own
+    # moments 16-bit beside others' float32: contract.per-parameter), which the run's other checkpoints may contradict.
+    per_param = any(f.code == "contract.per-parameter" for f in report.findings)
+    if (options.master_dtype != "auto" or options.master_dtypes or options.run_records or contract is None
+            or contract.source != "optimizer-state" or (contract.master_dtype not in _NARROW and not per_param)):
         return report
     record = evidence()
     return report if record is None else judge_scan(s, replace(options, run_records=(record,)))
@@ -200,3 +224,15 @@ def audit_evidence(path: str) -> Callable[[], ContractRecord | None]:
         step = int(label.split()[-1]) if label else None
         return run_record(label, [masters_of(x) for x in nearest(step, sibs)])
     return read
+
+
+def judge_audit(s: ScannedCheckpoint, options: AuditOptions, path: str) -> RawReport:
+    """The judgement of ``ckptaudit audit PATH`` on its scanned checkpoint, one function for the single-process
+    audit (:func:`~ckptaudit.auditing.judge.run_audit`) and rank 0 of the distributed one
+    (:func:`~ckptaudit.auditing.distributed.audit_distributed`), so the two reports are the same: the checks, and
+    the run's evidence (:func:`audit_evidence`) where ``options.run_evidence`` asks for it."""
+    if options.run_evidence:
+        return judge_with_run(s, options, audit_evidence(path))
+    from ckptaudit.auditing.judge import judge_scan
+
+    return judge_scan(s, options)

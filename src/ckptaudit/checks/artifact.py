@@ -21,7 +21,6 @@ import xxhash
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import ComponentKind, Finding, TensorRecord
 from ckptaudit.formats.base import Checkpoint
-from ckptaudit.formats.io.safejson import loads_limited
 from ckptaudit.layouts import View
 
 __all__ = ["HASH_PREFIX", "SERVING_KEYS", "check_artifact", "manifest_hash"]
@@ -105,6 +104,8 @@ def check_artifact(view: View, expect: str, *, ckpt: Checkpoint | None = None,
             )
         )
         return findings, True
+    from ckptaudit.formats.io.safejson import loads_limited  # here: only a serving artifact's metadata is JSON
+
     try:
         gate = loads_limited(gate_raw, "quality_gate metadata")
     except ValueError:  # not JSON, digits past Python's limit, nesting or containers past the limits

@@ -6,22 +6,32 @@ GradScaler: :class:`~ckptaudit.layouts.view.ContractRecord`), else from the tens
 the parameters mean fp32 masters; 16-bit moments beside 16-bit (or 16-bit-valued) parameters look like a run
 that trains with low-precision masters, which the file alone cannot tell from a mixed-precision run's state cast
 to 16 bits: that inference is a warning (``contract.inferred``) naming the flag that settles it.
+
+The contract is per parameter where the evidence is (:func:`per_parameter`): torch's optimizers create each
+parameter's state in that parameter's dtype (``torch.zeros_like(p)``), so a checkpoint whose moments are float32
+for some parameters and 16-bit for others holds a model with 16-bit parameters by design (``.to(torch.bfloat16)``
+on some submodules, FSDP2 modules under another ``MixedPrecisionPolicy``): each parameter is held to its own
+moments' dtype. A 16-bit parameter whose own moments are float32 still lost its master's bits.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import ComponentKind, Contract, Finding, Precision, TensorRecord
 from ckptaudit.layouts.view import ContractRecord, View
 
-__all__ = ["MASTER_DTYPES", "check_precision", "infer_contract", "judged_params", "masters_not_saved"]
+__all__ = ["MASTER_DTYPES", "PerParameter", "check_precision", "infer_contract", "judged_params", "live_per_parameter",
+           "manifest_per_parameter", "masters_not_saved", "per_parameter", "place_live_dtypes"]
 
 MASTER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _WIDE = ("float32", "float64")
 _NARROW = ("bfloat16", "float16")
+_ATTACHED = ("by-name", "by-param-names", "unique-order")
+"""Attachment statuses that tell every optimizer entry's parameter (:class:`~ckptaudit.layouts.attachment.Attachment`)."""
 
 
 def _majority(records: Sequence[TensorRecord]) -> str | None:
@@ -92,6 +102,13 @@ def _from_tensors(params: Sequence[TensorRecord], moments: Sequence[TensorRecord
     moment_dtype = _majority(moments)
     param_dtype = _majority(params)
     if moment_dtype is not None:
+        own = _own_dtypes(moments)
+        wide = sum(1 for d in own.values() if d & set(_WIDE))
+        narrow = Counter(min(d) for d in own.values() if d and d <= set(_NARROW))
+        if wide and narrow:  # per parameter: each is held to its own moments' dtype (per_parameter)
+            sixteen = ", ".join(f"{dt} for {n}" for dt, n in sorted(narrow.items()))
+            return Contract("float32", "optimizer-state", f"optimizer moments are float32 for {wide} parameter(s) "
+                            f"and {sixteen}: each parameter is held to its own moments' dtype")
         if moment_dtype in _WIDE:
             return Contract("float32", "optimizer-state", f"optimizer moments are {moment_dtype}")
         effectively_narrow = bool(params) and all(
@@ -107,6 +124,187 @@ def _from_tensors(params: Sequence[TensorRecord], moments: Sequence[TensorRecord
     if param_dtype in _WIDE:
         return Contract("float32", "parameters", f"parameters are {param_dtype} (no optimizer state)")
     return Contract("unknown", "none", f"parameters are {param_dtype} and there is no optimizer state")
+
+
+def _own_dtypes(moments: Sequence[TensorRecord]) -> dict[str, set[str]]:
+    """Parameter -> the float dtypes of the optimizer state attached to it (its moments, its master copy)."""
+    own: dict[str, set[str]] = {}
+    for m in moments:
+        if m.param is not None and m.dtype in (*_WIDE, *_NARROW):
+            own.setdefault(m.param, set()).add(m.dtype)
+    return own
+
+
+def _narrow_valued(r: TensorRecord) -> bool:
+    """Stored in 16 bits, or wide with every value 16-bit-representable (or too few informative values to tell)."""
+    return r.dtype in _NARROW or r.precision in (Precision.BF16, Precision.FP16, Precision.INCONCLUSIVE)
+
+
+@dataclass(frozen=True, slots=True)
+class PerParameter:
+    """Where a parameter's own optimizer state decides its master dtype apart from the checkpoint's contract."""
+
+    masters: Mapping[str, str] = field(default_factory=dict)
+    """Parameter -> the 16-bit dtype it is trained in by design (its own moments are that dtype, beside other
+    parameters' float32 moments): held to that dtype, not to the contract's."""
+    undecided: Mapping[str, str] = field(default_factory=dict)
+    """Parameter -> why the evidence does not decide its master dtype (``precision.not-judged``)."""
+    findings: tuple[Finding, ...] = ()
+
+
+def per_parameter(contract: Contract, params: Sequence[TensorRecord], moments: Sequence[TensorRecord],
+                  attachment: str, records: Sequence[ContractRecord] = ()) -> PerParameter:
+    """Each parameter's own master dtype, from its own optimizer state, where the checkpoint's moments are float32
+    for some parameters and 16-bit for others (a model holding some parameters in bf16 by design: torch's
+    optimizers create every parameter's state in that parameter's dtype). Only under a contract inferred from the
+    tensors: a declared one (``--master-dtype``, the live run, the manifest) or the stack's record speaks for
+    every parameter.
+
+    A 16-bit parameter whose own moments are 16-bit is a 16-bit master by design, unless the optimizer keeps
+    16-bit state for float32 parameters too (then 16-bit moments show nothing: not judged); one whose entry cannot
+    be told (``attachment``: the :class:`~ckptaudit.layouts.attachment.Attachment` status) is not judged either.
+    A 16-bit parameter whose own moments are float32 is judged by the contract (its master lost its bits).
+    Under the run's contract (``records``: the run's other checkpoints, source ``run``), the parameters those
+    checkpoints show 16-bit by design (:attr:`~ckptaudit.layouts.view.ContractRecord.sixteen_bit`) are held to
+    that dtype."""
+    if contract.source == "run":
+        return _by_run(contract, params, records)
+    if contract.source not in ("optimizer-state", "parameters") or contract.master_dtype not in _WIDE:
+        return PerParameter()
+    own = _own_dtypes(moments)
+    wide = {p for p, d in own.items() if d & set(_WIDE)}
+    narrow = {p: d for p, d in own.items() if d and d <= set(_NARROW)}
+    loose = {m.dtype for m in moments if m.param is None and m.dtype in (*_WIDE, *_NARROW)}
+    mixed_state = bool(wide or loose & set(_WIDE)) and bool(narrow or loose & set(_NARROW))
+    if not mixed_state:
+        return PerParameter()  # one dtype of state for every parameter: the checkpoint's contract says it
+    by_param = {r.param: r for r in params if r.param is not None}
+    # A float32 parameter with 16-bit moments: this optimizer keeps 16-bit state whatever the parameter's dtype.
+    wide_with_narrow = sorted(p for p in narrow if p in by_param and not _narrow_valued(by_param[p]))
+    masters: dict[str, str] = {}
+    undecided: dict[str, str] = {}
+    for r in params:
+        p = r.param
+        if p is None or not _narrow_valued(r):
+            continue
+        if p in narrow:
+            if wide_with_narrow:
+                undecided[p] = (f"its optimizer moments are {'/'.join(sorted(narrow[p]))}, but this optimizer keeps "
+                                f"16-bit state for float32 parameters too ({wide_with_narrow[0]}), so 16-bit moments "
+                                "do not show a 16-bit master")
+            elif len(narrow[p]) == 1:
+                masters[p] = next(iter(narrow[p]))
+            else:
+                undecided[p] = f"its optimizer moments are of two 16-bit dtypes ({', '.join(sorted(narrow[p]))})"
+        elif p not in own and attachment not in _ATTACHED:
+            undecided[p] = (f"the optimizer state holds float32 moments for some parameters and 16-bit ones for "
+                            f"others, and which entry is this parameter's cannot be told (attachment: {attachment})")
+    if not masters:
+        return PerParameter(undecided=undecided)
+    names = sorted(masters)
+    shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
+    dtypes = sorted(set(masters.values()))
+    note = finding(
+        "contract.per-parameter",
+        "contract",
+        f"the optimizer keeps float32 state for {len(wide)} parameter(s) and {'/'.join(dtypes)} state for "
+        f"{len(names)}, each in the dtype of the parameter it belongs to (as torch's optimizers create it): a model "
+        f"that holds those {len(names)} parameter(s) in {'/'.join(dtypes)} by design (e.g. .to(torch.bfloat16) on "
+        f"some submodules, or FSDP2 modules under another MixedPrecisionPolicy). Each parameter is held to its own "
+        f"master dtype: {shown} to {'/'.join(dtypes)}, the others to float32. Pass --master-dtype float32 if every "
+        "parameter of this run had a float32 master",
+        params=names,
+        dtypes=dict(sorted(masters.items())),
+    )
+    return PerParameter(masters=masters, undecided=undecided, findings=(note,))
+
+
+def place_live_dtypes(dtypes: Sequence[str], view: View, mapping: Mapping[object, str]) -> dict[str, str] | None:
+    """Parameter -> master dtype, from ``dtypes`` (one per parameter the live optimizer steps, in the order of its
+    param groups) laid over the checkpoint's saved param groups (``mapping``: the attachment's state key ->
+    parameter); ``None`` when the saved groups do not hold as many parameters (another optimizer, or none)."""
+    groups = view.optimizer.groups if view.optimizer is not None else []
+    keys = [k for g in groups for k in (g.get("params", []) if isinstance(g, dict) else [])]
+    if not keys or len(keys) != len(dtypes):
+        return None
+    placed: dict[str, str] = {}
+    for key, dtype in zip(keys, dtypes, strict=True):
+        fqn = mapping.get(key, key if isinstance(key, str) else None)
+        if fqn is not None:
+            placed[fqn] = dtype
+    return placed
+
+
+def live_per_parameter(placed: Mapping[str, str], params: Sequence[TensorRecord], detail: str,
+                       who: str = "the live optimizer steps") -> PerParameter:
+    """The declared per-parameter contract (:func:`place_live_dtypes`: the live optimizer's;
+    :func:`manifest_per_parameter`: the writer's record of it): each parameter it names 16-bit is held to that
+    dtype; a 16-bit parameter whose place cannot be told is not judged."""
+    masters = {p: d for p, d in placed.items() if d in _NARROW}
+    if not masters:
+        return PerParameter()
+    undecided = {r.param: f"{who} parameters of several dtypes, and which of them this one is cannot be told"
+                 for r in params if r.param is not None and r.param not in placed and _narrow_valued(r)}
+    names = sorted(p for p in masters if any(r.param == p for r in params))
+    shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
+    dtypes = "/".join(sorted(set(masters.values())))
+    note = finding(
+        "contract.per-parameter",
+        "contract",
+        f"{detail}: {who} {len(masters)} parameter(s) in {dtypes} and the others in float32 "
+        f"(a model holding those in {dtypes} by design). Each parameter is held to its own master dtype: "
+        f"{shown} to {dtypes}, the others to float32",
+        params=names,
+        dtypes=dict(sorted(masters.items())),
+    )
+    return PerParameter(masters=masters, undecided=undecided, findings=(note,))
+
+
+def manifest_per_parameter(manifest: Mapping[str, object], params: Sequence[TensorRecord]) -> dict[str, str] | None:
+    """Parameter -> dtype, from ckptaudit's manifest, when its writer recorded trainable parameters of several float
+    dtypes (``contract.parameter_dtypes``): each parameter's dtype is then the live one its ``tensors`` entry
+    records (the writer saves the live state as it is); ``None`` when the manifest records one dtype."""
+    info = manifest.get("contract")
+    counts = info.get("parameter_dtypes") if isinstance(info, dict) else None
+    if not isinstance(counts, dict) or len([d for d in counts if d in (*_WIDE, *_NARROW)]) < 2:
+        return None
+    tensors = manifest.get("tensors")
+    components = manifest.get("components")
+    model = components.get("model") if isinstance(components, dict) else None
+    key = model.get("key") if isinstance(model, dict) else None
+    if not isinstance(tensors, dict) or not isinstance(key, str):
+        return None
+    placed: dict[str, str] = {}
+    for r in params:
+        entry = tensors.get(f"{key}.{r.param}") if r.param is not None else None
+        if r.param is not None and isinstance(entry, dict) and entry.get("dtype") in (*_WIDE, *_NARROW):
+            placed[r.param] = str(entry["dtype"])
+    return placed
+
+
+def _by_run(contract: Contract, params: Sequence[TensorRecord], records: Sequence[ContractRecord]) -> PerParameter:
+    run = next((r for r in records if r.source == "run" and r.sixteen_bit), None)
+    if run is None:
+        return PerParameter()
+    design = dict(run.sixteen_bit)
+    masters = {r.param: design[r.param] for r in params
+               if r.param is not None and r.param in design and _narrow_valued(r)}
+    if not masters:
+        return PerParameter()
+    names = sorted(masters)
+    shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
+    dtypes = "/".join(sorted(set(masters.values())))
+    note = finding(
+        "contract.per-parameter",
+        "contract",
+        f"{contract.detail}, except {len(names)} parameter(s) whose own optimizer state there is {dtypes}, in "
+        f"their dtype: a model holding them in {dtypes} by design. Each parameter is held to its own master "
+        f"dtype: {shown} to {dtypes}, the others to float32",
+        params=names,
+        dtypes=dict(sorted(masters.items())),
+        evidence=run.where,
+    )
+    return PerParameter(masters=masters, findings=(note,))
 
 
 def _low(contract: Contract, why: str) -> list[Finding]:
@@ -197,6 +395,7 @@ def check_precision(
     not_judged: Collection[str] = (),
     not_judged_why: str = "",
     never_updated: Mapping[str, str] | None = None,
+    per_param: PerParameter | None = None,
 ) -> list[Finding]:
     """Per-parameter findings: stored or effectively rounded below the contract's master dtype.
 
@@ -209,6 +408,8 @@ def check_precision(
     (``not_judged_why``: how); frozen ones owe no master, trainable ones lost bits: a warning, not a verdict.
     ``never_updated``: FQNs whose every recorded learning rate is 0 -> that record in words: never updated, so
     judged like frozen parameters (``precision.never-updated``, info).
+    ``per_param``: the parameters whose own optimizer state decides their master dtype (:func:`per_parameter`):
+    each held to that dtype, or not judged where the evidence does not decide.
     Under an unknown contract nothing is judged per parameter (``contract.unknown`` says why).
     """
     findings: list[Finding] = []
@@ -221,7 +422,29 @@ def check_precision(
                 findings.append(_storage(r, contract))
         return findings
     never_updated = never_updated or {}
+    per_param = per_param or PerParameter()
     for r in params:
+        own = per_param.masters.get(r.param) if r.param is not None else None
+        if own is not None:  # a 16-bit master by design: only another 16-bit storage lost bits
+            if r.dtype in _NARROW and r.dtype != own:
+                findings.append(_storage(r, Contract(own, "optimizer-state", f"its own optimizer state is {own}")))
+            continue
+        why = per_param.undecided.get(r.param) if r.param is not None else None
+        if why is not None:
+            findings.append(
+                finding(
+                    "precision.not-judged",
+                    r.name,
+                    f"{r.name}: " + (f"stored as {r.dtype}" if r.dtype in _NARROW else
+                                     f"{r.dtype} with every value 16-bit-representable")
+                    + f", in a checkpoint whose parameters have masters of different dtypes; {why}. Not judged: "
+                    f"pass --master-dtype float32 if it had a float32 master, or compare against a reference "
+                    "(ckptaudit compare).",
+                    dtype=r.dtype,
+                    reason="per-parameter",
+                )
+            )
+            continue
         rounded = _rounded(r)
         lr0 = never_updated.get(r.param) if r.param is not None else None
         if lr0 is not None and (r.dtype in _NARROW or rounded is not None):

@@ -13,18 +13,21 @@ RNG tuples, optimizer hyperparameters) are compared directly.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
+from itertools import zip_longest
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ckptaudit.auditing.scan import scalar_value
-from ckptaudit.auditing.tensor_scan import hash_tensor
+from ckptaudit.auditing.tensor_scan import MAPPED_CHUNK_BYTES, hash_tensor
 from ckptaudit.comparing.elementwise import Classifier, DiffAccumulator, DiffStats, Pool, compare_streams, paired_chunks
 from ckptaudit.comparing.matching import Entry
 from ckptaudit.formats.base import Unreadable
-from ckptaudit.formats.io.tensors import FileMaps, TensorData, iter_chunks
+from ckptaudit.formats.io.leased import MIN_MAPPED_BYTES
+from ckptaudit.formats.io.tensors import FileMaps, TensorData, iter_chunks, row_major_runs
 
 __all__ = ["STATUSES", "Pair", "classify", "classify_tensors", "compare_values", "find_moment_sources", "hash_entry",
            "is_moment"]
@@ -108,17 +111,101 @@ def _first_pair(r: TensorData, c: TensorData, rmaps: FileMaps, cmaps: FileMaps, 
     return out[0], out[1]
 
 
+def _windows(maps: FileMaps, run: tuple[str, int, int], step: int,
+             buf: memoryview) -> Generator[memoryview, None, None]:
+    """One run of a tensor's bytes, in order: its first chunk (``step`` bytes), then windows of
+    :data:`~ckptaudit.auditing.tensor_scan.MAPPED_CHUNK_BYTES`, each a view of the file's leased map (handed back
+    when the next is asked for, or when the generator is closed), or, where the map cannot serve it (a small
+    tensor, no lease), ``step`` bytes read into ``buf``. Raises ``ValueError`` / ``OSError`` as :func:`iter_chunks`."""
+    path, pos, remaining = run
+    leased = maps.leased(path) if remaining >= MIN_MAPPED_BYTES else None
+    window = max(1, MAPPED_CHUNK_BYTES // step) * step
+    n = step  # the first chunk alone: a pair whose first chunks differ maps no more than that
+    while remaining:
+        n = min(n, remaining)
+        view = leased.view(pos, n) if leased is not None else None
+        if leased is not None and view is not None:
+            try:
+                yield view
+            finally:
+                leased.done(view, pos)
+        else:
+            n = min(step, remaining)
+            raw = buf[:n]
+            got = maps.read_into(path, raw, pos)
+            if got != n:  # iter_chunks' message
+                raise ValueError(f"{path}: {got} of {n} bytes at offset {pos}: the file ends early "
+                                 "(truncated, or changed while being read)")
+            yield raw
+        pos += n
+        remaining -= n
+        n = window
+
+
+def _local_runs(r: TensorData, c: TensorData, rmaps: FileMaps,
+                cmaps: FileMaps) -> tuple[tuple[str, int, int], tuple[str, int, int]] | None:
+    """The one run of bytes of each of two tensors of one dtype and size, each in a local file whose map can be
+    leased (every single-process save); ``None`` otherwise (shards, strides, behind a URL, mapped reads off)."""
+    if r.dtype.name != c.dtype.name or r.nbytes != c.nbytes or not r.nbytes:
+        return None
+    rruns, cruns = row_major_runs(r), row_major_runs(c)
+    if rruns is None or cruns is None or len(rruns) != 1 or len(cruns) != 1:
+        return None
+    if rmaps.leased(rruns[0][0]) is None or cmaps.leased(cruns[0][0]) is None:
+        return None
+    return rruns[0], cruns[0]
+
+
+def _hash_both(runs: tuple[tuple[str, int, int], tuple[str, int, int]], itemsize: int, rmaps: FileMaps,
+               cmaps: FileMaps, chunk_bytes: int, pool: Pool) -> tuple[str, str] | None:
+    """Both sides of a pair of :func:`_local_runs` in one pass, hashed as the audit hashes them (xxh3-128 of the
+    bytes in order: :func:`~ckptaudit.auditing.tensor_scan.hash_tensor`'s digests), window by window, each where
+    it lies in the page cache, the two sides in turn. The first chunk of each (``chunk_bytes``) is hashed first,
+    and its digests decide the route as a bitwise comparison of the two chunks would: ``None`` when they differ
+    (nothing more is read: the pair is classified), else both digests. Raises ``ValueError`` / ``OSError``."""
+    step = max(1, chunk_bytes // itemsize) * itemsize
+    rw = _windows(rmaps, runs[0], step, pool.get("raw-ref", np.uint8, step).data.cast("B"))
+    cw = _windows(cmaps, runs[1], step, pool.get("raw-cand", np.uint8, step).data.cast("B"))
+    rh, ch = xxhash.xxh3_128(), xxhash.xxh3_128()
+    try:
+        rh.update(next(rw))
+        ch.update(next(cw))
+        if rh.intdigest() != ch.intdigest():  # the first chunks differ
+            return None
+        for a, b in zip_longest(rw, cw):
+            if a is not None:
+                rh.update(a)
+            if b is not None:
+                ch.update(b)
+    finally:
+        rw.close()  # hands back a view still held
+        cw.close()
+    return rh.hexdigest(), ch.hexdigest()
+
+
 def _fused(r: TensorData, c: TensorData, rmaps: FileMaps, cmaps: FileMaps, chunk_bytes: int,
            pool: Pool) -> tuple[str, str | None, DiffStats | None, str | None, str | None]:
     """One pass over both tensors. Returns (status, rounding, stats, ref hash, cand hash).
 
     The first chunk decides the route. Bitwise equal: each side is then hashed whole, as the audit hashes it
     (:func:`~ckptaudit.auditing.tensor_scan.hash_tensor`: its bytes where they lie in the page cache), and equal
-    digests mean ``identical`` -- the common case of a faithful copy costs one hash pass per side. Otherwise the
+    digests mean ``identical`` -- the common case of a faithful copy costs one hash pass per side. Where both
+    tensors are one local run of bytes of one dtype, that is one pass over both, the first chunk's digests
+    deciding the route (:func:`_hash_both`: no copy, no second look at the first chunk). Otherwise the
     rest is classified without hashing (the digests would not change the verdict; they are ``None``), and a
     pair that turns out *different* is measured from that chunk on in the same pass.
     """
-    first = _first_pair(r, c, rmaps, cmaps, chunk_bytes, pool)
+    runs = _local_runs(r, c, rmaps, cmaps)
+    both = None if runs is None else _hash_both(runs, r.dtype.itemsize, rmaps, cmaps, chunk_bytes, pool)
+    if both is not None:
+        ref_hash, cand_hash = both
+        if ref_hash == cand_hash:
+            return "identical", None, None, ref_hash, cand_hash
+        # Equal first chunks, different digests: classify from the start (rare).
+        status, rounding, stats = classify_tensors(r, c, rmaps, cmaps, chunk_bytes, pool=pool)
+        return status, rounding, stats, ref_hash, cand_hash
+    # First chunks that differ (runs found) are classified from the start, without a probe.
+    first = _first_pair(r, c, rmaps, cmaps, chunk_bytes, pool) if runs is None else None
     if first is not None:
         probe = Classifier(r.dtype, c.dtype, pool=pool)
         if probe.update(*first) and probe.bitwise:  # the route the loop's first chunk would take: hash only

@@ -71,6 +71,8 @@ MAX_DP_STATES = 200_000
 
 @dataclass
 class Attachment:
+    """Which model parameter each optimizer state entry belongs to, and how that was established."""
+
     mapping: dict[Any, str] = field(default_factory=dict)
     """State key -> model FQN, where it is known (by name, or pinned by every order-consistent assignment)."""
     status: str = "none"

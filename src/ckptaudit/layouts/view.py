@@ -65,6 +65,8 @@ class TensorRef:
 
 @dataclass
 class ModelView:
+    """The model's tensors, and where in the checkpoint they were found."""
+
     params: dict[str, TensorRef]
     """Model tensors by FQN, in the order the writer saw them (when ``order_known``)."""
     where: list[str]
@@ -77,6 +79,8 @@ class ModelView:
 
 @dataclass
 class OptimizerView:
+    """The optimizer's state and parameter groups, as saved, and where they were found."""
+
     where: str
     keyed: str
     """``fqn`` or ``index``."""
@@ -113,6 +117,9 @@ class ContractRecord:
     in_optimizer: bool = False
     """The masters live in the optimizer's state (DeepSpeed's partitions, Megatron's main params), so the model's
     16-bit tensors are compute copies, and without the optimizer state there is no master to judge."""
+    sixteen_bit: tuple[tuple[str, str], ...] = ()
+    """(parameter, dtype) pairs the record shows trained in 16 bits by design while ``master_dtype`` holds for the
+    others (the run's other checkpoints, whose own optimizer state is 16-bit for those parameters only)."""
 
     def text(self) -> str:
         return f"{self.where}: {self.says} ({self.why})"
@@ -120,6 +127,8 @@ class ContractRecord:
 
 @dataclass
 class View:
+    """One checkpoint interpreted: its library layout, the model, the optimizer, where each component lives."""
+
     layout: str
     model: ModelView | None
     optimizer: OptimizerView | None

@@ -32,7 +32,6 @@ import xxhash
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import HASH_ALGORITHM, Finding
 from ckptaudit.formats.io.safeio import LimitExceeded, open_regular
-from ckptaudit.formats.io.safejson import read_json_limited
 
 ReadInto = Callable[[str, memoryview, int], int]
 """``read_into(path, buf, offset) -> bytes read``: a positional reader of files by path."""
@@ -152,6 +151,8 @@ def is_manifest(value: Any) -> bool:
 
 def read_manifest(path: str) -> dict[str, Any]:
     """Read and check ``path`` (a ``manifest.json``); :class:`ManifestError` says what is wrong."""
+    from ckptaudit.formats.io.safejson import read_json_limited  # here: an audit without a manifest reads no JSON
+
     try:
         # Regular files only, opened without blocking (a FIFO or /dev/zero as manifest.json never hangs `latest`),
         # size and shape bounded before parsing.

@@ -59,8 +59,10 @@ def file_hasher(algorithm: str, threads: int = 1) -> Hasher:
         try:
             import blake3
         except ImportError:
-            raise PassportError("digest algorithm blake3 needs the blake3 package: pip install 'ckptaudit[sign]' "
-                                "(or use --digest sha256)") from None
+            from ckptaudit.extras import install_line
+
+            raise PassportError(f"digest algorithm blake3 needs the blake3 package: {install_line('sign')} (or use "
+                                "--digest sha256)") from None
         h: Hasher = blake3.blake3(max_threads=max(1, threads))
         return h
     raise PassportError(f"digest algorithm {algorithm!r} is not one model-signing verifies; use one of "

@@ -23,6 +23,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ckptaudit.extras import install_line
 from ckptaudit.ondisk.passport import PREDICATE_TYPE
 from ckptaudit.passport.model import FileDigest, PassportError
 
@@ -102,7 +103,7 @@ def _crypto() -> Any:
         from cryptography.hazmat.primitives import serialization
     except ImportError:
         raise PassportError("signing and verifying a passport with a key needs the [sign] extra: "
-                            "pip install 'ckptaudit[sign]'") from None
+                            f"{install_line('sign')}") from None
     return serialization
 
 
@@ -225,8 +226,8 @@ def model_signing_bundle(statement: Mapping[str, Any], key_path: str, password: 
         from model_signing._hashing import hashing as ms_hashing
         from model_signing._signing import sign_certificate, sign_ec_key, signing
     except ImportError as exc:
-        raise PassportError(f"signing a passport needs the [sign] extra (model-signing, pyOpenSSL): pip install "
-                            f"'ckptaudit[sign]' ({exc})") from None
+        raise PassportError(f"signing a passport needs the [sign] extra (model-signing, pyOpenSSL): "
+                            f"{install_line('sign')} ({exc})") from None
     pred = statement["predicate"]
     serialization = ms_manifest.SerializationType.from_args(dict(pred["serialization"]))
     items = [serialization.new_item(r["name"], ms_hashing.Digest(r["algorithm"], bytes.fromhex(r["digest"])))

@@ -39,7 +39,6 @@ import errno
 import fcntl
 import mmap
 import os
-import signal
 import sys
 import threading
 from typing import Any
@@ -114,6 +113,8 @@ def mapped_reads_enabled() -> bool:
     off with ``CKPTAUDIT_MAPPED_READS=0``."""
     if sys.platform != "linux" or os.environ.get("CKPTAUDIT_MAPPED_READS", "1") == "0":
         return False
+    import signal  # here: a small audit maps nothing
+
     try:
         if signal.getsignal(signal.SIGURG) not in (signal.SIG_DFL, signal.SIG_IGN):
             return False
@@ -191,6 +192,8 @@ class LeasedFile:
                         self._address, self._held = found
                 # Before every lease, not once per map: the break signal belongs to the open file description,
                 # and one without it (a descriptor number re-opened or dup2'd over) would get SIGIO, which kills.
+                import signal  # imported by mapped_reads_enabled: a dictionary look-up here
+
                 fcntl.fcntl(fd, _F_SETSIG, int(signal.SIGURG))
                 fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_RDLCK)
             if fcntl.fcntl(fd, _F_GETLEASE) != fcntl.F_RDLCK:

@@ -32,6 +32,8 @@ class _Unknown:
 
 @dataclass(frozen=True, slots=True)
 class GlobalRef:
+    """A global the pickle names (``module.name``), as the scanner models it."""
+
     name: str
 
 

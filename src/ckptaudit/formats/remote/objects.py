@@ -7,7 +7,8 @@ replies: a replacement of the same length is reported, never read as the staged 
 that times out or breaks the protocol fails every later read of the checkpoint at once (a misbehaving server
 costs one deadline, not one per request). ``http(s)://`` requests are bounded one by one
 (:mod:`ckptaudit.formats.remote.http`: a deadline per request, the reply capped to the range asked); S3 requests
-by the client's connect and read timeouts. ``$CKPTAUDIT_REMOTE_TIMEOUT`` (seconds, default 30) sets both.
+by the client's connect and read timeouts, GCS requests by gcsfs's ``requests_timeout`` (the same two bounds,
+unless fsspec's configuration sets it). ``$CKPTAUDIT_REMOTE_TIMEOUT`` (seconds, default 30) sets them.
 
 Credentials and endpoints come from fsspec's and the storage library's usual configuration (for S3:
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles; ``FSSPEC_S3_*`` where the
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptaudit.extras import install_line
 from ckptaudit.formats.remote.errors import (
     ObjectChanged,
     ProtocolError,
@@ -276,8 +278,7 @@ def filesystem(url: str) -> tuple[Any, str]:
     try:
         import fsspec
     except ImportError:
-        raise RemoteError(f"{url}: reading URLs needs fsspec: pip install 'ckptaudit[remote]' (fsspec and s3fs; "
-                          "add gcsfs for gs://)") from None
+        raise RemoteError(f"{url}: reading URLs needs fsspec: {install_line('remote')} (fsspec, s3fs, gcsfs)") from None
     protocol = url.partition("://")[0].lower()
     timeout = request_timeout()
     try:
@@ -288,13 +289,22 @@ def filesystem(url: str) -> tuple[Any, str]:
             # into /) could change the bytes the server signed.
             return BoundedHTTPFileSystem(skip_instance_cache=True, encoded="?" in url), url
         options: dict[str, Any] = {}
+        if protocol in ("gs", "gcs"):
+            _quiet_library_logger("gcsfs")
+            configured = {**fsspec.config.conf.get("gs", {}), **fsspec.config.conf.get("gcs", {})}
+            if "requests_timeout" not in configured:
+                # gcsfs sends no timeout of its own (aiohttp then waits for ever on a stalled server): S3's bounds,
+                # to connect and for each wait for bytes (gcsfs retries a timed-out request, then gives up)
+                import aiohttp
+
+                options["requests_timeout"] = aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout)
         if protocol in ("s3", "s3a") and "config_kwargs" not in fsspec.config.conf.get("s3", {}):
             # botocore's own per-request bounds (connect, and each wait for bytes), few retries
             options["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout,
                                         "retries": {"max_attempts": 2}}
         fs, path = fsspec.core.url_to_fs(url, **options)
-    except ImportError as exc:
-        raise RemoteError(f"{url}: {exc}") from None
+    except ImportError as exc:  # fsspec's own words name the library (gcsfs, s3fs) the protocol needs
+        raise RemoteError(f"{url}: {exc} ({install_line('remote')})") from None
     except Exception as exc:  # noqa: BLE001 - the storage library refused its configuration: say so in one line
         hint = ""
         if "endpoint_url" in str(exc):
@@ -303,6 +313,17 @@ def filesystem(url: str) -> tuple[Any, str]:
         raise RemoteError(f"{url}: the {protocol} filesystem refused its configuration{hint}: "
                           f"{type(exc).__name__}: {exc}") from None
     return fs, path
+
+
+def _quiet_library_logger(name: str) -> None:
+    """Give the storage library's logger a ``NullHandler`` (once): gcsfs logs every failed request with its
+    traceback (``logger.exception``), which Python's last-resort handler prints to stderr beside our one-line
+    error when the program configured no logging. Where it did, the records still reach its handlers."""
+    import logging
+
+    log = logging.getLogger(name)
+    if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
+        log.addHandler(logging.NullHandler())
 
 
 _S3_PINS: dict[tuple[str, str], tuple[str, int]] = {}
