@@ -75,9 +75,31 @@ class RssPeak:
         self._thread.join()
 
 
+def _child(guard: Any) -> Any:
+    """The guard's worker process (``subprocess.Popen``), or ``None`` (a thread worker, or not running)."""
+    return getattr(getattr(guard, "_process", None), "child", None)
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of a process (or one of its threads) from /proc; 0.0 where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat" if tid else f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def where_cpu(guard: Any) -> tuple[float, float]:
+    """(CPU seconds of the worker process, of the guard's thread in the training process) so far."""
+    child, thread = _child(guard), getattr(guard, "_thread", None)
+    return (cpu_seconds(child.pid) if child is not None else 0.0,
+            cpu_seconds(os.getpid(), thread.native_id) if thread is not None and thread.native_id else 0.0)
+
+
 def child_hwm(guard: Any) -> int:
     """The worker process's peak RSS (VmHWM), 0 without one."""
-    child = getattr(guard, "_child", None)
+    child = _child(guard)
     if child is None or child.poll() is not None:
         return 0
     with open(f"/proc/{child.pid}/status") as fh:
@@ -144,7 +166,8 @@ class Loop:
         self.x = torch.randn(args.batch, width)
         self.nbytes = sum(p.numel() * 4 for p in self.model.parameters())
         self.work = tempfile.mkdtemp(prefix="bench-guard-")
-        self.guard = Guard(on_failure="warn", background=args.background, quick=args.quick)
+        self.guard = Guard(on_failure="warn", background=args.background, quick=args.quick,
+                           passport=args.passport == "on")
         self.saved = 0
 
     def segment(self, guarded: bool, sc: Scenario) -> tuple[float, float, float, float]:
@@ -238,7 +261,8 @@ class Loop:
         cold: list[float] = []
         for _ in range(rounds):
             t0 = clock()
-            guard = Guard(on_failure="warn", background=self.args.background, quick=self.args.quick)
+            guard = Guard(on_failure="warn", background=self.args.background, quick=self.args.quick,
+                          passport=self.args.passport == "on")
             guard.started()
             up.append(clock() - t0)
             for into in (first, later):
@@ -247,7 +271,8 @@ class Loop:
                 guard.wait()
                 into.append(clock() - t0)
             guard.close()
-            guard = Guard(on_failure="warn", background=self.args.background, quick=self.args.quick)
+            guard = Guard(on_failure="warn", background=self.args.background, quick=self.args.quick,
+                          passport=self.args.passport == "on")
             t0 = clock()
             guard.submit(path)
             guard.wait()
@@ -267,7 +292,8 @@ class Loop:
         from ckptaudit.integrations.guard import Guard
 
         torch, clock = self.torch, time.perf_counter
-        guard = Guard(on_failure="stop", background=self.args.background, quick=self.args.quick)
+        guard = Guard(on_failure="stop", background=self.args.background, quick=self.args.quick,
+                      passport=self.args.passport == "on")
         guard.started()
         gaps: list[float] = []
         try:
@@ -315,7 +341,7 @@ def report(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target: 
     out = [f"bench_guard: {loop.layers} x Linear(1024, 1024), {loop.nbytes / 2**20:.0f} MiB fp32 parameters; a "
            f"{3 * loop.nbytes / 2**20:.0f} MiB checkpoint (model + AdamW) per segment of {args.steps} steps; "
            f"{', '.join(str(len(sc.order)) for sc in scenarios)} ABBA blocks; worker: {args.background}, "
-           f"{'quick' if args.quick else 'full'} audit; {meta['cores']} cores; load average {meta['load0']} at "
+           f"{'quick' if args.quick else 'full'} audit, passport {args.passport}; {meta['cores']} cores; load average {meta['load0']} at "
            f"the start, {meta['load1']} at the end"]
     for sc in scenarios:
         assert sc.wall is not None and sc.cpu is not None and sc.run is not None and sc.steps is not None
@@ -341,6 +367,9 @@ def report(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target: 
     out += [f"stop mode, a save every {w['every']} step(s) ({1e3 * w['gap']:.0f} ms of steps between saves, audits "
             f"of {1e3 * w['audit']:.0f} ms): {w['waited']} of {w['saves']} saves waited at the save, median "
             f"{1e3 * w['median']:.0f} ms, at most {1e3 * w['max']:.0f} ms" for w in meta["save_waits"]]
+    out += [f"where the CPU goes per audit (passport {args.passport}): the worker process "
+            f"{1e3 * meta['worker_cpu']:.1f} ms (nice 19, SCHED_IDLE), the guard's thread in the training process "
+            f"{1e3 * meta['thread_cpu']:.2f} ms (/proc, {1e3 / os.sysconf('SC_CLK_TCK'):.0f} ms ticks)"]
     out += [f"audits: {meta['audits']}, median {meta['audit_s'] * 1e3:.0f} ms each, {meta['failed']} not passed; "
             + (f"worker process peak RSS {meta['worker_rss'] / 2**20:.1f} MiB" if meta["worker_rss"]
                else "thread worker: no worker process (its memory is in the training process's RSS)")]
@@ -371,7 +400,7 @@ def markdown(loop: Loop, scenarios: list[Scenario], meta: dict[str, Any], target
         f"{loop.layers} x `Linear(1024, 1024)` ({loop.nbytes / 2**20:.0f} MiB of fp32 parameters), a "
         f"{3 * loop.nbytes / 2**20:.0f} MiB checkpoint of model + AdamW per segment of {loop.args.steps} steps, "
         f"{' and '.join(str(len(sc.order)) for sc in scenarios)} ABBA blocks, {loop.args.background} worker, "
-        f"{'quick' if loop.args.quick else 'full'} audit (median {meta['audit_s'] * 1e3:.0f} ms per checkpoint); "
+        f"{'quick' if loop.args.quick else 'full'} audit, passport {loop.args.passport} (median {meta['audit_s'] * 1e3:.0f} ms per checkpoint); "
         + (f"the worker process's peak RSS: {meta['worker_rss'] / 2**20:.0f} MiB." if meta["worker_rss"] else
            "a thread worker (its memory is in the training process's RSS).") + " Overheads are means of the blocks' "
         "paired differences with their 95% intervals; the verdict is on the upper bound (each guarded segment "
@@ -448,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenario", choices=[*SCENARIOS, "both"], default="both")
     p.add_argument("--background", choices=["thread", "process"], default="process")
     p.add_argument("--quick", action="store_true", help="the quick audit (first chunk, no hashes)")
+    p.add_argument("--passport", choices=["on", "off"], default="on",
+                   help="the guard writes a passport beside each passing checkpoint (its default) or not")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--target", type=float, default=1.0, help="the overhead to resolve, in percent")
     p.add_argument("--write-docs", nargs="+", metavar="FILE.md",
@@ -469,9 +500,12 @@ def main(argv: list[str] | None = None) -> int:
         meta["first_verdict"] = loop.first_verdict(args.first_rounds)
         meta["save_waits"] = [loop.save_waits(args.wait_saves, every) for every in sorted({args.steps, 1},
                                                                                             reverse=True)]
+        cpu0, audits0 = where_cpu(loop.guard), len(loop.guard.verdicts)
         for sc in scenarios:
             loop.run(sc, args.rounds, args.budget_s / len(scenarios))
         verdicts = loop.guard.verdicts
+        cpu1, n = where_cpu(loop.guard), max(1, len(verdicts) - audits0)
+        meta["worker_cpu"], meta["thread_cpu"] = (cpu1[0] - cpu0[0]) / n, (cpu1[1] - cpu0[1]) / n
         meta["audits"] = len(verdicts)
         meta["audit_s"] = statistics.median(v.seconds for v in verdicts)
         meta["failed"] = sum(v.ok is not True for v in verdicts)

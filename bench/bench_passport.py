@@ -5,6 +5,8 @@ of the same folder, all measured in the same run on the realistic checkpoint.
     .venv/bin/python bench/bench_passport.py --scale 0.1          # ~0.43 GB per format (development)
     .venv/bin/python bench/bench_passport.py                      # full size: 355 M params + AdamW, ~4.26 GB
     .venv/bin/python bench/bench_passport.py --formats dcp-8 --jobs 2
+    git archive REV src | (mkdir -p scratch/before && tar -x -C scratch/before)    # REV: the code before a change
+    .venv/bin/python bench/bench_passport.py --scale 0.25 --before scratch/before/src --steps audit,attest
 
 The checkpoint is ``bench_realistic.py``'s (GPT-2 medium's 1168 tensors: fp32 parameters and one real AdamW step),
 written one format at a time (``dcp-1``: a single-process DCP folder, one ``.distcp`` file; ``dcp-8``: an 8-rank
@@ -27,6 +29,10 @@ Each figure is the best round's seconds; the ratios are the median of the rounds
 speed mostly cancels out of them). A second table gives each step's CPU seconds (all its threads): on a loaded
 machine the threads do not get the cores they would run on in parallel, and the wall-clock ratios drift towards
 the CPU ones. The load average is printed before and after.
+
+``--before SRC``: every round runs twice, in fresh processes, once with the package at ``SRC`` and once with this
+checkout's, in alternating order, so that both see the same machine; each table then has a row per tree.
+``--steps``: only these steps (the ratios need ``audit``, ``digest sha256`` and ``attest``; the others print ``-``).
 """
 
 from __future__ import annotations
@@ -62,8 +68,8 @@ def _keys(where: str) -> tuple[str, str]:
     return private, public
 
 
-def child(path: str, work: str, repeat: int, jobs: int) -> dict[str, Any]:
-    """(fresh process) ``repeat`` rounds of every step."""
+def child(path: str, work: str, repeat: int, jobs: int, names: list[str]) -> dict[str, Any]:
+    """(fresh process) ``repeat`` rounds of the steps ``names``."""
     import pathlib
 
     import model_signing.signing
@@ -102,7 +108,7 @@ def child(path: str, work: str, repeat: int, jobs: int) -> dict[str, Any]:
     rounds = []
     for _ in range(repeat):
         r: dict[str, float] = {}
-        for name in STEPS:
+        for name in names:
             if name in ("attest", "attest blake3", "ms sign"):
                 clean()
             if name in ("verify", "verify blake3"):  # verify the passport of that digest (untimed)
@@ -120,16 +126,24 @@ def child(path: str, work: str, repeat: int, jobs: int) -> dict[str, Any]:
     return {"rounds": rounds}
 
 
-def run(*argv: str) -> Any:
+def run(*argv: str, src: str | None = None) -> Any:
+    env = dict(os.environ) if src is None else {**os.environ, "PYTHONPATH": os.path.abspath(src)}
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *argv], capture_output=True,
-                         text=True, check=False)
+                         text=True, check=False, env=env)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-4000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _ratio(rs: list[dict[str, float]], f: Any) -> float:
-    return statistics.median(f(r) for r in rs)
+def _ratio(rs: list[dict[str, float]], f: Any) -> str:
+    try:
+        return f"{statistics.median(f(r) for r in rs):.2f}x"
+    except KeyError:
+        return "-"
+
+
+def _best(rs: list[dict[str, float]], key: str) -> str:
+    return f"{min(r[key] for r in rs):.2f} s" if key in rs[0] else "-"
 
 
 def main() -> None:
@@ -139,12 +153,17 @@ def main() -> None:
     ap.add_argument("--formats", default="dcp-1,dcp-8", help="of torch.save, dcp-1, dcp-8 (default dcp-1,dcp-8)")
     ap.add_argument("--jobs", type=int, default=0, help="threads (default: every core this process may use)")
     ap.add_argument("--dir", help="scratch directory (default: a new temporary one, removed)")
+    ap.add_argument("--before", help="the src directory of a package to compare this checkout's with, round by round")
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"of {', '.join(STEPS)} (default: all)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child[0], args.child[1], int(args.child[2]), int(args.child[3]))))
+        print(json.dumps(child(args.child[0], args.child[1], int(args.child[2]), int(args.child[3]),
+                               args.child[4].split(","))))
         return
+    steps = [s for s in STEPS if s in args.steps.split(",")]
     jobs = args.jobs or len(os.sched_getaffinity(0))
+    trees = {"before": args.before, "after": os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")}
     load_before = os.getloadavg()
     tmp = args.dir or tempfile.mkdtemp(prefix="ckptaudit-bench-passport-")
     rows = []
@@ -153,8 +172,17 @@ def main() -> None:
             path = os.path.join(tmp, NAMES[fmt])
             write(fmt, path, args.scale)
             work = tempfile.mkdtemp(dir=tmp)
-            rows.append({"format": fmt, "bytes": size_of(path), "files": len(os.listdir(path)) if os.path.isdir(
-                path) else 1, "rounds": run(path, work, str(args.repeat), str(jobs))["rounds"]})
+            files = len(os.listdir(path)) if os.path.isdir(path) else 1
+            if args.before is None:
+                rows.append({"format": fmt, "bytes": size_of(path), "files": files,
+                             "rounds": run(path, work, str(args.repeat), str(jobs), ",".join(steps))["rounds"]})
+            else:  # alternating trees, one round per process
+                got: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+                for r in range(args.repeat):
+                    for tree in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                        got[tree] += run(path, work, "1", str(jobs), ",".join(steps), src=trees[tree])["rounds"]
+                rows += [{"format": f"{fmt} ({tree})", "bytes": size_of(path), "files": files, "rounds": got[tree]}
+                         for tree in ("before", "after")]
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
             shutil.rmtree(work)
     finally:
@@ -163,28 +191,29 @@ def main() -> None:
     load_after = os.getloadavg()
     print(f"The passport on the realistic checkpoint (scale {args.scale}, {jobs} thread(s), best of {args.repeat} "
           f"rounds; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after)\n")
-    print("| format | size (files) | " + " | ".join(STEPS) + " | attest / max(audit, digest) | "
-          "verify / digest | attest / ms sign | verify / ms verify |")
-    print("|---|---|" + "---|" * len(STEPS) + "---|---|---|---|")
+    print("| format | size (files) | " + " | ".join(steps) + " | attest / max(audit, digest) | "
+          "attest blake3 / max(audit, digest blake3) | verify / digest | attest / ms sign | verify / ms verify |")
+    print("|---|---|" + "---|" * len(steps) + "---|---|---|---|---|")
     for row in rows:
         rs = row["rounds"]
-        cells = [f"{min(r[s] for r in rs):.2f} s" for s in STEPS]
+        cells = [_best(rs, s) for s in steps]
         ratios = [_ratio(rs, lambda r: r["attest"] / max(r["audit"], r["digest sha256"])),
+                  _ratio(rs, lambda r: r["attest blake3"] / max(r["audit"], r["digest blake3"])),
                   _ratio(rs, lambda r: r["verify"] / r["digest sha256"]),
                   _ratio(rs, lambda r: r["attest"] / r["ms sign"]),
                   _ratio(rs, lambda r: r["verify"] / r["ms verify"])]
         print(f"| {row['format']} | {row['bytes'] / 1e9:.2f} GB ({row['files']}) | " + " | ".join(cells) + " | "
-              + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
+              + " | ".join(ratios) + " |")
     print("\nCPU seconds (every thread of the process; what a busy machine charges, whatever the cores):\n")
-    print("| format | " + " | ".join(STEPS) + " | attest / (audit + digest) | attest / digest | verify / digest |")
-    print("|---|" + "---|" * len(STEPS) + "---|---|---|")
+    print("| format | " + " | ".join(steps) + " | attest / (audit + digest) | attest / digest | verify / digest |")
+    print("|---|" + "---|" * len(steps) + "---|---|---|")
     for row in rows:
         rs = row["rounds"]
-        cells = [f"{min(r[s + ' cpu'] for r in rs):.2f} s" for s in STEPS]
+        cells = [_best(rs, s + " cpu") for s in steps]
         ratios = [_ratio(rs, lambda r: r["attest cpu"] / (r["audit cpu"] + r["digest sha256 cpu"])),
                   _ratio(rs, lambda r: r["attest cpu"] / r["digest sha256 cpu"]),
                   _ratio(rs, lambda r: r["verify cpu"] / r["digest sha256 cpu"])]
-        print(f"| {row['format']} | " + " | ".join(cells) + " | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
+        print(f"| {row['format']} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
 
 
 if __name__ == "__main__":

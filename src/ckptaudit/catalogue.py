@@ -198,8 +198,9 @@ _RULES: tuple[Rule, ...] = (
     Rule("store.unverified", INFO, "A checkpoint without a ckptaudit manifest: `ckptaudit latest` judged its "
          "completeness from the format's commit marker and recorded sizes; its content was not verified."),
     Rule("guard.quarantined", E, "A checkpoint the in-loop guard (ckptaudit.integrations) audited as it was saved "
-         "and found failing: moved to a quarantined-<name> / <name>.quarantined name, which no resume path picks, "
-         "with its report beside it (<name>.ckptaudit.json)."),
+         "and found failing, or whose training state descends from an earlier save's damage (damaged_ancestor): "
+         "moved to a quarantined-<name> / <name>.quarantined name, which no resume path picks, with its report "
+         "beside it (<name>.ckptaudit.json)."),
     Rule("guard.descends-from-damage", E, "A checkpoint whose passport's lineage says its training state descends "
          "from damage: an earlier save of its run failed its audit while the live masters were rounded in memory "
          "(the guard saw it at that save), and every later save carries the damage until the run restores a "

@@ -205,13 +205,13 @@ def test_torchtitan_keep_latest_k_never_purges_the_last_good_checkpoint(tmp_path
     assert _pairs(r["verdicts"]) == [("step-2", 2, True), ("step-4", 4, False), ("step-6", 6, True),
                                      ("step-8", 8, True), ("step-10", 10, True)]
     # The job rounds the live masters in place around the save of step 4 (put back after it): at that save point
-    # the training state held only bf16 values, so the guard counts steps 6 to 10 as descending from that damage,
-    # and step 2 stays, the last good one (what `ckptaudit latest` names). The purge runs after each save and on a
-    # pass; no pass came after the held audits (they descend from the damage), so step 6 waits for the next one.
+    # the training state held only bf16 values, so the guard counts steps 6 to 10 as descending from that damage and
+    # moves them aside as it moves a failure (torchtitan's own load, the newest step-N, never picks one), and step 2
+    # stays, the last good one (what torchtitan loads and `ckptaudit latest` names).
     assert [v["damaged_ancestor"] for v in r["verdicts"]] == [None, None, "step-4", "step-4", "step-4"]
-    assert r["listing"] == ["quarantined-step_4", "quarantined-step_4.ckptaudit.json", "step-10", "step-2", "step-6",
-                            "step-8", "step_10.ckptaudit.json", "step_2.ckptaudit.json", "step_6.ckptaudit.json",
-                            "step_8.ckptaudit.json"]
+    assert r["listing"] == [n for s in (10, 4, 6, 8) for n in (f"quarantined-step_{s}",
+                                                               f"quarantined-step_{s}.ckptaudit.json")] + [
+        "step-2", "step_2.ckptaudit.json"], r["listing"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -241,16 +241,19 @@ def test_accelerate_save_state_quarantines_a_bad_folder_and_load_state_resumes_t
     # total_limit=1: Accelerate's own rotation deletes the oldest folder before each save, checkpoint_0 at the
     # save of checkpoint_1; the guard kept it until a newer one had passed.
     assert zero["on_disk_at_each_save"][:2] == [["checkpoint_0"], ["checkpoint_0", "checkpoint_1"]]
-    # FSDP's job rounds the live masters in place: checkpoint_2 descends from that damage, so retention keeps
-    # checkpoint_0, the last good one (the exporter hook of DDP's job rounds only the file).
-    kept = [0, 2] if parallel == "fsdp" and good == 2 else [good]
-    if parallel == "fsdp" and good == 2:
+    # FSDP's job rounds the live masters in place: checkpoint_2 descends from that damage, so the guard moves it aside
+    # as it moves a failure, and load_state() (the newest checkpoint_N) restores checkpoint_0, the last good one (the
+    # exporter hook of DDP's job rounds only the file: checkpoint_2 is good there).
+    aside = parallel == "fsdp" and good == 2
+    kept, restored = ([0], 0) if aside else ([good], good)
+    if aside:
         assert zero["verdicts"][1]["damage"] == "state" and zero["verdicts"][2]["damaged_ancestor"] == "checkpoint_1"
     elif len(zero["verdicts"]) > 1:
         assert zero["verdicts"][1]["damage"] == ("state" if parallel == "fsdp" else "file")
     for r in (zero, one):
         assert r["checkpoints"] == [f"checkpoint_{k}" for k in kept]  # nothing of ckptaudit's in load_state's folder
         assert r["home"] == [f"checkpoint_{k}.ckptaudit.json" for k in kept] + [
-            "quarantined-checkpoint_1", "quarantined-checkpoint_1.ckptaudit.json"]
-        assert r["loaded_iteration"] == [good]  # load_state() restored the weights saved in the good folder
+            n for k in ([1, 2] if aside else [1]) for n in (f"quarantined-checkpoint_{k}",
+                                                           f"quarantined-checkpoint_{k}.ckptaudit.json")], r["home"]
+        assert r["loaded_iteration"] == [restored]  # load_state() restored the weights saved in the good folder
     assert zero["raised"]["failed"] == ["checkpoint_1"] and one["raised"]["failed"] == []

@@ -6,6 +6,7 @@ test_guard_lineage_runs.py."""
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,12 @@ def test_rounded_live_masters_damage_the_state_and_every_later_save_descends_fro
     assert "fix the training code that rounds the masters" in v6.advice
     assert v8.damaged_ancestor == "step-6.pt" and guard.status(str(saved[8])) == "descends from damage"
     assert "descends from the damage at step-6.pt" in caplog.text
+    # Step 8 passed its own audit, but it is moved aside as a failure is: a resume by name never picks it.
+    assert v8.quarantined_to == f"{saved[8]}.quarantined" and not saved[8].exists()
+    assert Path(v8.quarantined_to).is_file() and v8.report == f"{v8.quarantined_to}.ckptaudit.json"
+    assert "its training state descends from the damage at step-6.pt" in v8.advice
+    assert "Restore step-4.pt (step 4), the last checkpoint that passed," in v8.advice
+    assert v8.passport == passport_path(v8.quarantined_to)
     # The passports: one beside each passing checkpoint, bound to its bytes, with its lineage.
     assert v6.passport is None and not Path(passport_path(str(saved[6]))).exists()
     p4, p8 = read_passport(v4.passport or ""), read_passport(v8.passport or "")
@@ -155,6 +162,8 @@ def test_the_failure_says_which_way_to_go(tmp_path: Path) -> None:
     text = str(caught.value)
     assert "TRAINING STATE itself is damaged" in text and "Restore step-4.pt (step 4)" in text
     assert "Each failure above says which way to go" in text
+    assert "1 later checkpoint(s) passed their own audit but descend from the damaged training state" in text
+    assert f"step-8.pt (step 8): descends from step-6.pt -> quarantined to {tmp_path}/step-8.pt.quarantined" in text
 
 
 def test_a_guard_without_the_live_optimizer_says_it_cannot_tell(tmp_path: Path) -> None:
@@ -202,6 +211,16 @@ def test_latest_passes_over_the_descendants_of_a_damaged_state_and_says_why(tmp_
     code, text = _latest(tmp_path)
     doc = json.loads(text)
     assert code == 0 and doc["latest"] == str(tmp_path / "step-4.pt"), doc["latest"]
+    # The guard moved step 8 aside: latest says it passed its own audit but descends from the damage.
+    (aside,) = [f for f in doc["findings"] if f["subject"] == "step-8.pt.quarantined"]
+    assert aside["code"] == "guard.quarantined" and aside["evidence"]["damaged_ancestor"] == "step-6.pt"
+    assert "descends from the damage at step-6.pt" in aside["message"]
+    # Moved back by hand (with its passport): latest passes over it by its lineage, unless told otherwise.
+    shutil.move(f"{tmp_path}/step-8.pt.quarantined", tmp_path / "step-8.pt")
+    shutil.move(passport_path(f"{tmp_path}/step-8.pt.quarantined"), passport_path(str(tmp_path / "step-8.pt")))
+    code, text = _latest(tmp_path)
+    doc = json.loads(text)
+    assert code == 0 and doc["latest"] == str(tmp_path / "step-4.pt"), doc["latest"]
     (why,) = [f for f in doc["findings"] if f["code"] == "guard.descends-from-damage"]
     assert why["subject"] == "step-8.pt" and "descends from damage at step-6.pt" in why["message"]
     assert "Resume from a checkpoint saved before step-6.pt" in why["message"]
@@ -223,11 +242,12 @@ def test_latest_names_the_newest_passing_save_after_a_file_only_failure(tmp_path
 def test_a_run_that_restores_inherits_the_lineage_of_what_it_restored(tmp_path: Path) -> None:
     guard, saved = _run(tmp_path, damage="state")
     assert guard.close(120)
-    for restored, state in ((saved[8], "descends-from-damage"), (saved[4], "clean")):
+    aside = Path(guard.verdicts[-1].quarantined_to or "")  # step 8, moved aside: restored from there by hand
+    for restored, step, state in ((aside, 8, "descends-from-damage"), (saved[4], 4, "clean")):
         model, opt = _trained()
         resumed = Guard(background="thread")
-        resumed.restored(str(restored), step=int(restored.stem.split("-")[1]))
-        later = _save(model, opt, tmp_path / f"after-{restored.stem}.pt")
+        resumed.restored(str(restored), step=step)
+        later = _save(model, opt, tmp_path / f"after-{step}.pt")
         resumed.observe(opt)
         resumed.submit(str(later), step=10)
         assert resumed.close(120)
@@ -235,11 +255,12 @@ def test_a_run_that_restores_inherits_the_lineage_of_what_it_restored(tmp_path: 
         lineage = read_passport(v.passport or "").lineage
         assert lineage.parent is not None and lineage.parent.checkpoint == str(restored)
         assert lineage.parent.verdict == "pass" and lineage.state == state
-        if state == "clean":
+        if state == "clean":  # restoring a passed checkpoint ends the setting aside
             assert lineage.damaged_ancestor is None and v.damaged_ancestor is None
+            assert v.quarantined_to is None and later.exists()
         else:
             assert lineage.damaged_ancestor is not None and lineage.damaged_ancestor.checkpoint == "step-6.pt"
-            assert v.damaged_ancestor == "step-6.pt"
+            assert v.damaged_ancestor == "step-6.pt" and v.quarantined_to is not None and not later.exists()
 
 
 def test_a_path_saved_again_loses_the_passport_of_its_old_bytes(tmp_path: Path) -> None:
@@ -259,3 +280,24 @@ def test_a_path_saved_again_loses_the_passport_of_its_old_bytes(tmp_path: Path) 
     assert guard.status(str(last)) == "pending" and not Path(passport_path(str(last))).exists()
     held.set_result(None)
     assert guard.close(120) and guard.verdicts[-1].ok is False
+
+
+def test_the_guards_passport_is_written_whole_without_an_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fsync right after a save would force the save's own data out with it (ext4's ordered journal), on the
+    training's disk, for a passport no more durable than the unsynced checkpoint and report beside it; a passport
+    written by ``ckptaudit attest`` is fsynced."""
+    import os
+
+    from ckptaudit.passport import attest
+
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    good = _save(*_trained(), tmp_path / "good.pt")
+    guard = Guard(background="thread")
+    guard.submit(str(good), step=2)
+    assert guard.close(120)
+    (v,) = guard.verdicts
+    assert v.ok and read_passport(v.passport or "").verdict == "pass" and synced == []
+    attest(str(good))
+    assert len(synced) == 1

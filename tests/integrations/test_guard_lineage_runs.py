@@ -1,5 +1,6 @@
 """The lineage with the real Trainer, guard on, in a fast loop: masters rounded IN PLACE at step 6 taint every later
-save (``ckptaudit latest`` names step 4 and says why it passed over the later ones); an exporter that rounds only
+save, which the guard moves aside (the Trainer's own resume by name and ``ckptaudit latest`` name step 4, and say
+why); an exporter that rounds only
 the saved file at step 6 taints nothing (``latest`` names the newest passing save). Jobs:
 ``tests/support/lineage_jobs.py``.
 
@@ -50,16 +51,24 @@ def test_trainer_masters_rounded_in_place_taint_every_later_save_and_latest_name
     assert "TRAINING STATE itself is damaged" in v[6]["advice"]
     assert "Restore checkpoint-4 (step 4)" in v[6]["advice"] and "fix the training code" in v[6]["advice"]
     assert "Restore checkpoint-4 (step 4)" in r["raised"]["message"]
-    # Step 8 passes its own audit; its passport says it descends from the damage at step 6.
-    assert v[8]["damaged_ancestor"] == "checkpoint-6" and v[8]["passport"] == "checkpoint-8/ckptaudit.passport.json"
+    # Step 8 passes its own audit; its passport says it descends from the damage at step 6, and the guard moved it
+    # aside as it moves a failure, so the Trainer's own resume by name (the newest checkpoint-N) never picks it.
+    assert v[8]["damaged_ancestor"] == "checkpoint-6" and v[8]["quarantined_to"] == "quarantined-checkpoint-8"
+    assert "descends from the damage at checkpoint-6" in v[8]["advice"]
+    assert "Restore checkpoint-4 (step 4)" in v[8]["advice"] and "fix the training code" in v[8]["advice"]
+    assert "quarantined-checkpoint-8" in r["raised"]["message"]  # the error names what was set aside
+    assert v[8]["passport"] == "quarantined-checkpoint-8/ckptaudit.passport.json"
     lineage = read_passport(str(tmp_path / v[8]["passport"])).lineage
     assert lineage.state == "descends-from-damage" and lineage.damaged_ancestor is not None
     assert (lineage.damaged_ancestor.checkpoint, lineage.damaged_ancestor.verdict) == ("checkpoint-6", "fail")
     assert read_passport(str(tmp_path / v[4]["passport"])).lineage.state == "clean"
+    from transformers.trainer_utils import get_last_checkpoint
+
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")  # resume_from_checkpoint=True's
     doc = _latest(tmp_path)
     assert doc["latest"] == str(tmp_path / "checkpoint-4"), doc["summary"]
-    (why,) = [f for f in doc["findings"] if f["code"] == "guard.descends-from-damage"]
-    assert why["subject"] == "checkpoint-8" and "descends from damage at checkpoint-6" in why["message"]
+    (why,) = [f for f in doc["findings"] if f["subject"] == "quarantined-checkpoint-8"]
+    assert why["code"] == "guard.quarantined" and "descends from the damage at checkpoint-6" in why["message"]
 
 
 def test_trainer_exporter_rounding_only_the_file_taints_nothing(tmp_path: Path) -> None:

@@ -240,9 +240,9 @@ def tiny(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_file_changed_while_attested_is_refused(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptaudit.passport.attesting as attesting
+    import ckptaudit.passport.digests as digests
 
-    real = attesting.digest_files
+    real = digests.digest_files
 
     def and_then_write(*a: Any, **k: Any) -> Any:
         out = real(*a, **k)
@@ -250,7 +250,7 @@ def test_a_file_changed_while_attested_is_refused(tiny: Path, monkeypatch: pytes
             fh.write(b"late")
         return out
 
-    monkeypatch.setattr(attesting, "digest_files", and_then_write)
+    monkeypatch.setattr(digests, "digest_files", and_then_write)
     with pytest.raises(PassportError, match="changed while it was attested"):
         attest(str(tiny))
 

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ckptaudit.auditing.digesting import ScanDigests
 from ckptaudit.auditing.scan import Progress, ScannedCheckpoint, scan_checkpoint
 from ckptaudit.catalogue import finding, finding_order, ignore_note, mark_ignored, parse_ignore
 from ckptaudit.checks.artifact import check_artifact
@@ -94,11 +95,14 @@ class AuditOptions:
         object.__setattr__(self, "ignore", parse_ignore(self.ignore))
 
 
-def run_audit(path: str, options: AuditOptions | None = None, *, progress: Progress | None = None) -> RawReport:
-    """Audit the checkpoint at ``path``. Raises ``FileNotFoundError`` when it does not exist."""
+def run_audit(path: str, options: AuditOptions | None = None, *, progress: Progress | None = None,
+              digests: ScanDigests | None = None) -> RawReport:
+    """Audit the checkpoint at ``path``. ``digests``: a request the scan fills with each tensor's digest from the
+    same pass over its bytes (:mod:`ckptaudit.auditing.digesting`; a passport's). Raises ``FileNotFoundError`` when
+    it does not exist."""
     options = options or AuditOptions()
     scanned = scan_checkpoint(path, chunk_bytes=options.chunk_bytes, progress=progress, jobs=options.jobs,
-                              quick=options.quick)
+                              quick=options.quick, digests=digests)
     try:
         from ckptaudit.auditing.run_evidence import judge_audit
 

@@ -20,6 +20,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+from ckptaudit.auditing.digesting import Hasher, ScanDigests
 from ckptaudit.auditing.plan import ScanPlan, plan_scan
 from ckptaudit.auditing.tensor_scan import SMALL_TENSOR_BYTES, TensorScan, scan_first_chunk, scan_tensor
 from ckptaudit.catalogue import finding
@@ -37,8 +38,8 @@ from ckptaudit.formats.io.tensors import (
 )
 from ckptaudit.layouts import TensorRef, View
 
-__all__ = ["BATCH_BYTES", "BATCH_COUNT", "SERIAL_BYTES", "Progress", "ScanOutcome", "ScannedCheckpoint", "assemble",
-           "default_jobs", "scalar_value", "scan_checkpoint", "scan_datas", "scan_items"]
+__all__ = ["BATCH_BYTES", "BATCH_COUNT", "SERIAL_BYTES", "Progress", "ScanDigests", "ScanOutcome", "ScannedCheckpoint",
+           "assemble", "default_jobs", "scalar_value", "scan_checkpoint", "scan_datas", "scan_items"]
 
 Progress = Callable[[int, int], None]
 """Called with (bytes scanned so far, total bytes) as the scan proceeds."""
@@ -85,6 +86,9 @@ class ScanOutcome:
     """The file found to be another version than the one the readers parsed (``scan`` is then ``None``): an
     absolute path of this process, or a name relative to the checkpoint's root (sent by a distributed audit's
     rank). :func:`assemble` makes one ``integrity.changed`` per such file."""
+    digest: str | None = None
+    """``algorithm:hex`` of the tensor's bytes by the scan's extra hasher (:class:`~ckptaudit.auditing.digesting.
+    ScanDigests`), when one was asked for and the tensor was read whole."""
 
 
 SERIAL_BYTES = 1 << 20
@@ -99,7 +103,8 @@ BATCH_COUNT = 256
 
 
 def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               progress: Progress | None = None, quick: bool = False) -> dict[int, ScanOutcome]:
+               progress: Progress | None = None, quick: bool = False,
+               digests: ScanDigests | None = None) -> dict[int, ScanOutcome]:
     """Scan the tensors ``plan.items[i]`` for ``i`` in ``indices`` on ``jobs`` threads.
 
     Each tensor is streamed in order by one thread (its hash is the sequential xxh3-128 of its bytes, whatever
@@ -109,7 +114,9 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
     turning to the other queue when its own is empty. Memory: one chunk buffer per thread. ``progress`` is
     called from the scanning threads, one call at a time; an exception it raises (or any but the
     ``ValueError``/``OSError`` of an unreadable tensor, which is that tensor's outcome) stops every thread after
-    its current tensor and is raised here.
+    its current tensor and is raised here. ``digests``: each tensor's bytes also given to a new
+    :attr:`~ckptaudit.auditing.digesting.ScanDigests.new_hasher` from the same chunks (:attr:`ScanOutcome.digest`;
+    a quick scan reads too little for one).
     """
     datas: dict[int, TensorData] = {}
     for i in indices:
@@ -117,12 +124,12 @@ def scan_items(plan: ScanPlan, indices: Sequence[int], *, jobs: int = 1, chunk_b
         assert isinstance(data, TensorData)
         datas[i] = data
     return scan_datas(datas, plan.ckpt.maps, step_items=plan.step_items, jobs=jobs, chunk_bytes=chunk_bytes,
-                      progress=progress, quick=quick)
+                      progress=progress, quick=quick, digests=digests)
 
 
 def scan_datas(datas: Mapping[int, TensorData], maps: FileMaps, *, step_items: Collection[int] = frozenset(),
                jobs: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Progress | None = None,
-               quick: bool = False) -> dict[int, ScanOutcome]:
+               quick: bool = False, digests: ScanDigests | None = None) -> dict[int, ScanOutcome]:
     """:func:`scan_items` on tensors given by index (``datas``) and the files they lie in (``maps``), without a
     plan: what a rank of a distributed audit scans from the share it was sent (:mod:`ckptaudit.auditing.distributed`).
     ``step_items``: the indices whose one-element value is also read (:attr:`ScanPlan.step_items`)."""
@@ -132,9 +139,11 @@ def scan_datas(datas: Mapping[int, TensorData], maps: FileMaps, *, step_items: C
     total = sum(sizes.values())
     out: dict[int, ScanOutcome] = {}
     local = threading.local()  # one read buffer per scanning thread, reused across its tensors
+    new_hasher = digests.new_hasher if digests is not None and not quick else None
 
     def one(index: int) -> ScanOutcome:
         data = datas[index]
+        extra: Hasher | None = None
         try:
             if quick:
                 scanned = scan_first_chunk(data, maps, chunk_bytes)
@@ -143,13 +152,15 @@ def scan_datas(datas: Mapping[int, TensorData], maps: FileMaps, *, step_items: C
                 if buffer is None and (sizes[index] > SMALL_TENSOR_BYTES or "numpy" in sys.modules):
                     # Not for a small tensor while NumPy is not loaded: scan_tensor may judge it without NumPy.
                     buffer = local.buffer = scratch_buffer(chunk_bytes)
-                scanned = scan_tensor(data, maps, chunk_bytes, buffer)
+                extra = new_hasher() if new_hasher is not None else None
+                scanned = scan_tensor(data, maps, chunk_bytes, buffer, extra)
         except FileChanged as exc:  # the bytes are another version's than the header read: none is judged
             return ScanOutcome(None, str(exc), changed=str(exc.filename))
         except (ValueError, OSError) as exc:
             return ScanOutcome(None, str(exc))
         step = scalar_value(data, maps) if index in step_items else None
-        return ScanOutcome(scanned, step=step)
+        digest = f"{digests.algorithm}:{extra.hexdigest()}" if digests is not None and extra is not None else None
+        return ScanOutcome(scanned, step=step, digest=digest)
 
     remote = maps.remote
 
@@ -298,16 +309,36 @@ def _changed_finding(name: str, whys: list[str]) -> Finding:
 
 
 def scan_checkpoint(path: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Progress | None = None,
-                    jobs: int = 1, quick: bool = False) -> ScannedCheckpoint:
+                    jobs: int = 1, quick: bool = False, digests: ScanDigests | None = None) -> ScannedCheckpoint:
     """Read ``path`` and scan every tensor once (hash + effective precision; with ``quick``, the precision of
-    the first chunk and no hash) on ``jobs`` threads. Raises ``FileNotFoundError``."""
-    plan = plan_scan(path)
+    the first chunk and no hash) on ``jobs`` threads. ``digests``: also fill this request with each tensor's
+    digest from the same pass, its :attr:`~ckptaudit.auditing.digesting.ScanDigests.beside` work running meanwhile
+    (the scan then on :meth:`~ckptaudit.auditing.digesting.ScanDigests.scan_jobs` threads). Raises
+    ``FileNotFoundError``."""
+    if digests is None:
+        plan = plan_scan(path)
+        try:
+            outcomes = scan_items(plan, plan.scannable(), jobs=jobs, chunk_bytes=chunk_bytes, progress=progress,
+                                  quick=quick)
+        except BaseException:
+            plan.close()
+            raise
+        return assemble(plan, outcomes)
+    digests.start()  # before the open: the file digests' reads start while the headers are parsed
     try:
-        outcomes = scan_items(plan, plan.scannable(), jobs=jobs, chunk_bytes=chunk_bytes, progress=progress,
-                              quick=quick)
+        plan = plan_scan(path)
+    except BaseException:
+        digests.finish(failed=True)
+        raise
+    try:
+        outcomes = scan_items(plan, plan.scannable(), jobs=digests.scan_jobs(jobs), chunk_bytes=chunk_bytes,
+                              progress=progress, quick=quick, digests=digests)
     except BaseException:
         plan.close()
+        digests.finish(failed=True)
         raise
+    digests.finish()
+    digests.collect(plan, outcomes, quick=quick)
     return assemble(plan, outcomes)
 
 

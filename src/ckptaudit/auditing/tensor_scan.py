@@ -43,6 +43,8 @@ from ckptaudit.formats.io.tensors import (
 if TYPE_CHECKING:
     import numpy as np
 
+    from ckptaudit.auditing.digesting import Hasher
+
 __all__ = ["MIN_INFORMATIVE", "SMALL_TENSOR_BYTES", "TensorScan", "classify", "hash_tensor", "scan_first_chunk",
            "scan_tensor"]
 
@@ -209,15 +211,16 @@ def classify(stats: PrecisionStats) -> Precision:
 
 
 def scan_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                buffer: np.ndarray | None = None) -> TensorScan:
+                buffer: np.ndarray | None = None, extra: Hasher | None = None) -> TensorScan:
     """Hash every byte of ``data`` and work out its effective precision, streaming.
 
     ``buffer``: a :func:`~ckptaudit.formats.io.tensors.scratch_buffer` of this thread to read into (one per
-    thread, reused across tensors). Raises ``ValueError`` (bad shard layout) or ``OSError`` (unreadable file);
-    callers turn these into findings.
+    thread, reused across tensors). ``extra``: a second hasher (a passport's cryptographic one) given the same
+    bytes in the same order as the content hash, each chunk right after it, while it is in cache. Raises
+    ``ValueError`` (bad shard layout) or ``OSError`` (unreadable file); callers turn these into findings.
     """
     if "numpy" not in sys.modules:
-        small = scan_small(data, maps, chunk_bytes, budget=_PURE_BUDGET)
+        small = scan_small(data, maps, chunk_bytes, budget=_PURE_BUDGET, extra=extra)
         if small is not None:
             return small
     import numpy as np
@@ -228,11 +231,14 @@ def scan_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHU
     spans = row_major_runs(data)
     if spans is not None:
         for span in spans:
-            _scan_span(span, data.dtype.itemsize, maps, chunk_bytes, buffer, h, state)
+            _scan_span(span, data.dtype.itemsize, maps, chunk_bytes, buffer, h, state, extra)
     else:
         for chunk in iter_chunks(data, maps, chunk_bytes, buffer):
             # Chunks are C-contiguous (iter_chunks' promise): the hash reads them in place, as bytes.
-            h.update((chunk if chunk.flags.c_contiguous else np.ascontiguousarray(chunk)).data)
+            flat = chunk if chunk.flags.c_contiguous else np.ascontiguousarray(chunk)
+            h.update(flat.data)
+            if extra is not None:
+                extra.update(flat.view(np.uint8).data)  # as bytes: a complex chunk's buffer format is no byte one
             if state is not None and state.undecided:
                 state.update(chunk)
     if state is not None:
@@ -272,32 +278,48 @@ def hash_tensor(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHU
 REMOTE_PIECE_BYTES = 4 << 20
 """A ranged read of a large tensor behind a URL (:data:`ckptaudit.formats.remote.READ_AHEAD` of them in flight):
 object stores answer a request after a round trip, so 1 MiB reads spend more time waiting than reading."""
+EXTRA_PIECE_BYTES = 1 << 20
+"""Once a tensor's precision is decided, :func:`_visit` gives the content hash and an extra hasher (a passport's)
+its bytes this many at a time: each piece is read by the second hasher from the core's cache (2 MiB of L2 here),
+not from memory again."""
 MAPPED_CHUNK_BYTES = 8 << 20
 """A window of a tensor's bytes read through a leased map (:mod:`ckptaudit.formats.io.leased`) at a time: one lease
 and two ``madvise`` calls per window, the precision's chunks (``chunk_bytes``) visited inside it while each is in
 cache. Resident memory: this much mapped per thread, at most (docs/performance.md, "The per-byte path")."""
 
 
-def _visit(data: memoryview, step: int, h: xxhash.xxh3_128, state: _Fp32State | None) -> None:
+def _visit(data: memoryview, step: int, h: xxhash.xxh3_128, state: _Fp32State | None,
+           extra: Hasher | None = None) -> None:
     """The one place each of a tensor's bytes is visited on the fast path: ``data`` (a run of its bytes starting at a
     chunk boundary, its length a multiple of the element size) hashed and, while the precision is undecided, given
     to ``state`` chunk by chunk (``step`` bytes, :func:`~ckptaudit.formats.io.tensors.iter_chunks`' chunks), each
-    right after it was hashed, while it is in cache; once decided, the rest is hashed in one call."""
+    right after it was hashed, while it is in cache; once decided, the rest is hashed in one call. ``extra``
+    (:func:`scan_tensor`'s) gets each chunk right after the hash, while it is in cache: then the rest goes in
+    :data:`EXTRA_PIECE_BYTES` pieces, each hashed by both before the next is touched."""
     import numpy as np
 
     at, n = 0, len(data)
     while at < n:
         if state is None or not state.undecided:
-            h.update(data[at:] if at else data)
-            return
+            if extra is None:
+                h.update(data[at:] if at else data)
+                return
+            chunk = data[at : at + EXTRA_PIECE_BYTES]
+            h.update(chunk)
+            extra.update(chunk)
+            at += EXTRA_PIECE_BYTES
+            continue
         chunk = data[at : at + step]
         h.update(chunk)
+        if extra is not None:
+            extra.update(chunk)
         state.update(np.frombuffer(chunk, dtype=np.uint32))  # keeps no reference to it
         at += step
 
 
 def _scan_span(span: tuple[str, int, int], itemsize: int, maps: FileMaps, chunk_bytes: int,
-               buffer: np.ndarray | None, h: xxhash.xxh3_128, state: _Fp32State | None) -> None:
+               buffer: np.ndarray | None, h: xxhash.xxh3_128, state: _Fp32State | None,
+               extra: Hasher | None = None) -> None:
     """:func:`scan_tensor`'s pass over one run of a tensor's bytes (:func:`~ckptaudit.formats.io.tensors.row_major_runs`): the chunks
     :func:`~ckptaudit.formats.io.tensors.iter_chunks` yields (``chunk_bytes // itemsize`` elements each), without its
     per-tensor and per-chunk set-up: a checkpoint of a thousand small tensors spends more on that than on their bytes.
@@ -325,7 +347,7 @@ def _scan_span(span: tuple[str, int, int], itemsize: int, maps: FileMaps, chunk_
                 n = min(step, want - at)
                 raise ValueError(f"{path}: {len(data) - at} of {n} bytes at offset {pos + at}: the file ends "
                                  "early (truncated, or changed while being read)")
-            _visit(memoryview(data)[:want], step, h, state)
+            _visit(memoryview(data)[:want], step, h, state, extra)
             pos += want
             remaining -= want
         if remaining:  # the object is shorter than the stand-in: the reads ended early
@@ -341,7 +363,7 @@ def _scan_span(span: tuple[str, int, int], itemsize: int, maps: FileMaps, chunk_
             view = leased.view(pos, n)
             if view is not None:
                 try:
-                    _visit(view, step, h, state)
+                    _visit(view, step, h, state, extra)
                 finally:
                     leased.done(view, pos)
                 pos += n
@@ -355,7 +377,7 @@ def _scan_span(span: tuple[str, int, int], itemsize: int, maps: FileMaps, chunk_
         if got != n:  # iter_chunks' message
             raise ValueError(f"{path}: {got} of {n} bytes at offset {pos}: the file ends early "
                              "(truncated, or changed while being read)")
-        _visit(raw[:n], step, h, state)
+        _visit(raw[:n], step, h, state, extra)
         pos += n
         remaining -= n
 
@@ -424,7 +446,7 @@ _PURE_BUDGET = _Budget(SMALL_SCAN_BUDGET)
 
 
 def scan_small(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *,
-               budget: _Budget | None = None) -> TensorScan | None:
+               budget: _Budget | None = None, extra: Hasher | None = None) -> TensorScan | None:
     """:func:`scan_tensor` without NumPy, for a small tensor stored as contiguous pieces; ``None`` when the tensor
     does not qualify (over :data:`SMALL_TENSOR_BYTES`, strided, the budget spent, a big-endian host).
 
@@ -447,6 +469,8 @@ def scan_small(data: TensorData, maps: FileMaps, chunk_bytes: int = DEFAULT_CHUN
     for piece, pos in plan:
         raw = read_exact(maps, piece, pos, piece.numel * dtype.itemsize)
         h.update(raw)
+        if extra is not None:
+            extra.update(raw)
         if state is not None:
             chunks += [memoryview(raw)[lo : lo + step] for lo in range(0, len(raw), step)]
     if state is not None:

@@ -203,7 +203,7 @@ def _cmd_attest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
     try:
         options = AuditOptions(master_dtype=args.master_dtype, ignore=ignore_codes(args.ignore))
         p = attest(args.path, key=args.key, output=args.output, artifact=args.expect, options=options,
-                   jobs=args.jobs, algorithm=args.digest)
+                   jobs=args.jobs, algorithm=args.digest, certificate=args.cert, cert_chain=args.cert_chain)
     except PassportError as exc:
         raise UsageError(str(exc)) from None
     stdout.write(dumps(attest_json(p, args.path)) if args.format == "json" else attest_text(p, args.path))
@@ -215,7 +215,8 @@ def _cmd_verify(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
     from ckptaudit.passport.render import dumps, verify_json, verify_text
 
     try:
-        result = verify(args.path, args.passport, key=args.key, expect=args.expect, jobs=args.jobs)
+        result = verify(args.path, args.passport, key=args.key, expect=args.expect, jobs=args.jobs,
+                        cert_chain=args.cert_chain)
     except PassportError as exc:  # the passport itself is unreadable, or the key: one line, exit 2
         raise UsageError(" ".join(str(exc).split())) from None
     stdout.write(dumps(verify_json(result)) if args.format == "json" else verify_text(result, args.verbose))

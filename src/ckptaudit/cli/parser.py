@@ -221,6 +221,10 @@ def _attest_args(at: argparse.ArgumentParser) -> None:
                     help="where to write the passport (default: DIR/ckptaudit.passport.json, FILE.passport.json)")
     at.add_argument("--key", metavar="PRIVATE_KEY",
                     help="PEM EC private key to sign with (the [sign] extra); without it the passport is digest-only")
+    at.add_argument("--cert", metavar="CERT", help="PEM signing certificate issued for --key: sign under it (model-"
+                    "signing's certificate mode; the passport carries the certificate and --cert-chain)")
+    at.add_argument("--cert-chain", metavar="CERT", action="append", default=[],
+                    help="PEM file of certificates linking --cert to your CA (repeatable)")
     at.add_argument("--expect", default="training", choices=["training", "serving"],
                     help="what the checkpoint is: a resumable training checkpoint (default) or a serving export")
     at.add_argument("--digest", default=None, choices=["sha256", "blake3"],
@@ -238,6 +242,9 @@ def _verify_args(ve: argparse.ArgumentParser) -> None:
     ve.add_argument("--passport", metavar="FILE", help="the passport (default: the one the checkpoint carries)")
     ve.add_argument("--key", metavar="PUBLIC_KEY",
                     help="the signer's PEM public key: the signature must verify (a digest-only passport is refused)")
+    ve.add_argument("--cert-chain", metavar="CERT", action="append", default=[],
+                    help="PEM file of the certificates you trust (your CA; repeatable): the passport must be signed "
+                    "under a certificate that chains to them (attest --cert); instead of --key")
     ve.add_argument("--expect", default="training", choices=["training", "serving"],
                     help="what the checkpoint is used as; its recorded verdict must be a pass for that")
     ve.add_argument("--jobs", "-j", type=_jobs, default=None, metavar="N", help="files read at once")

@@ -81,10 +81,11 @@ from ckptaudit.integrations.guard_lineage import (
     observe_live,
     passport_drafts,
     passport_request,
+    passport_signing,
     place_passport,
 )
 from ckptaudit.integrations.guard_process import WORKER_ONE_THREAD, WorkerProcess, worker_env
-from ckptaudit.integrations.guard_quarantine import failure_message, quarantine
+from ckptaudit.integrations.guard_quarantine import descendant_advice, descends_why, failure_message, quarantine
 from ckptaudit.integrations.guard_records import (
     BACKGROUNDS,
     ON_FAILURE,
@@ -157,7 +158,9 @@ class Guard:
 
     def __init__(self, *, on_failure: str = "warn", background: str = "process",
                  max_unverified: int | object | None = _BY_MODE, passport: bool = True,
-                 passport_key: str | os.PathLike[str] | None = None, **audit_options: Any) -> None:
+                 passport_key: str | os.PathLike[str] | None = None,
+                 passport_certificate: str | os.PathLike[str] | None = None,
+                 passport_cert_chain: Sequence[str | os.PathLike[str]] = (), **audit_options: Any) -> None:
         from ckptaudit.options import AUDIT_OPTIONS, resolve
 
         if on_failure not in ON_FAILURE:
@@ -173,13 +176,11 @@ class Guard:
             raise ValueError(f"ckptaudit guard: max_unverified={max_unverified!r} is not valid; pass an int of at "
                              "least 1 (the most saves waiting for a verdict) or None (no bound)")
         resolve("ckptaudit guard", audit_options, AUDIT_OPTIONS)
-        if passport_key is not None and not (passport and os.path.isfile(passport_key)):
-            raise ValueError(f"ckptaudit guard: passport_key={os.fspath(passport_key)!r} is not valid; pass the path "
-                             "of a PEM private key file (and passport=True) to sign each passport, or None for "
-                             "digest-only passports")
         self.passport = bool(passport)
         """Write a passport beside (inside) each checkpoint that passes (:mod:`ckptaudit.passport`)."""
-        self.passport_key = None if passport_key is None else os.fspath(passport_key)
+        self.signing = passport_signing(passport, passport_key, passport_certificate, passport_cert_chain)
+        """How each passport is signed (key, certificate, chain; all ``None`` for digest-only passports)."""
+        self.passport_key = self.signing["key"]
         self.on_failure = on_failure
         self.background = background
         self.max_unverified: int | None = max_unverified  # type: ignore[assignment]
@@ -472,7 +473,8 @@ class Guard:
         that rank 0's guard found one (on the others)."""
         with self._cond:
             failed = tuple(v for v in self._verdicts if v.ok is False)
-        return CheckpointAuditFailed(failure_message(failed), failed)
+            aside = tuple(v for v in self._verdicts if v.ok and v.damaged_ancestor is not None)
+        return CheckpointAuditFailed(failure_message(failed, aside), failed)
 
     # -- worker side ----------------------------------------------------------------------------------------
 
@@ -549,7 +551,7 @@ class Guard:
         draft = (os.path.join(pin.folder, "report" + REPORT_SUFFIX) if pin is not None and pin.folder
                  else f"{job.report}.tmp-{os.getpid()}-{threading.get_ident()}")
         paper = None if not self.passport else passport_request(
-            self.lineage.lineage(), self.passport_key, pin.folder if pin is not None else None, job.checkpoint)
+            self.lineage.lineage(), self.signing, pin.folder if pin is not None else None, job.checkpoint)
         try:
             try:
                 result = self._run_audit(target, draft, job.checkpoint, paper)
@@ -602,20 +604,21 @@ class Guard:
         self._settle(job, ok, descends=ancestor is not None)  # before the hooks: on_pass's retention sees it
         if ok:
             papers = None
+            if ancestor is not None and state == "same":  # moved aside as a failure is: its report, passport follow
+                moved = quarantine(job.checkpoint, job.checkpoint, job.quarantine_to, job.after_quarantine,
+                                   descends_why(ancestor))
             if state == "same":
-                where = self._place(draft, job.report, job.checkpoint)
-                papers = place_passport(job.attested, job.checkpoint)
+                home = moved or job.checkpoint
+                where = self._place(draft, report_path(moved) if moved else job.report, home)
+                papers = place_passport(job.attested, home)
                 if papers is not None:
                     with self._cond:  # swept with the report when the checkpoint is deleted
-                        self._placed[papers] = job.checkpoint
+                        self._placed[papers] = home
             if ancestor is not None:
-                good = self.lineage.last_passed()
-                log.warning("ckptaudit guard: %s passed its own audit, but its training state descends from the "
-                            "damage at %s (its masters were rounded in memory there): not a checkpoint to resume "
-                            "from; restore %s and fix the training code", job.checkpoint, ancestor,
-                            good.checkpoint if good is not None else "a checkpoint from before that run")
-                return Verdict(job.checkpoint, job.step, True, summary, codes, where, None, seconds, queued, "",
-                               note, passport=papers, damaged_ancestor=ancestor)
+                advice = descendant_advice(ancestor, moved, self.lineage.last_passed())
+                log.warning("ckptaudit guard: %s passed its own audit, but %s", job.checkpoint, advice)
+                return Verdict(job.checkpoint, job.step, True, summary, codes, where, moved, seconds, queued, "",
+                               note, advice=advice, passport=papers, damaged_ancestor=ancestor)
             log.info("ckptaudit guard: %s passed (%.2f s): %s%s", job.checkpoint, seconds, summary,
                      f" ({note})" if note else "")
             if job.keep_pin and pin is not None and pin.folder is not None:

@@ -34,6 +34,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -283,13 +284,36 @@ def failure_advice(damage: Damage, live: LiveState | None, good: SaveRecord | No
             "whether the training state or only the file is damaged")
 
 
-def passport_request(lineage: dict[str, Any], key: str | None, folder: str | None, checkpoint: str) -> dict[str, Any]:
+def passport_signing(passport: bool, key: Any, certificate: Any, chain: Sequence[Any]) -> dict[str, Any]:
+    """(training thread, at construction) The guard's signing options checked before training starts: ``key`` a PEM
+    private key file; ``certificate`` (its signing certificate) and ``chain`` (its issuers' PEM files) need it.
+    Raises ``ValueError`` naming the option and the fix."""
+    paths = {"passport_key": key, "passport_certificate": certificate}
+    for i, c in enumerate(chain):
+        paths[f"passport_cert_chain[{i}]"] = c
+    for name, value in paths.items():
+        if value is not None and not (passport and os.path.isfile(value)):
+            raise ValueError(f"ckptaudit guard: {name}={os.fspath(value)!r} is not valid; pass the path of a PEM "
+                             f"{'private key' if name == 'passport_key' else 'certificate'} file (and passport=True) "
+                             "to sign each passport, or None for digest-only passports")
+    if key is None and (certificate is not None or chain):
+        raise ValueError("ckptaudit guard: passport_certificate / passport_cert_chain sign with a key: pass "
+                         "passport_key (the certificate's private key) too")
+    return {"key": None if key is None else os.fspath(key),
+            "certificate": None if certificate is None else os.fspath(certificate),
+            "cert_chain": [os.fspath(c) for c in chain]}
+
+
+def passport_request(lineage: dict[str, Any], signing: dict[str, Any], folder: str | None,
+                     checkpoint: str) -> dict[str, Any]:
     """(worker) What the audit worker needs to write a checkpoint's passport in the audit's pass: its lineage, the
-    key, and a draft path (in the pin's private folder, else beside the checkpoint: never inside it, where it
-    would be one of the files it digests)."""
+    signing options (:func:`passport_signing`), and a draft path (in the pin's private folder, else beside the
+    checkpoint: never inside it, where it would be one of the files it digests)."""
     where = (os.path.join(folder, "passport.json") if folder is not None
              else f"{os.path.normpath(checkpoint)}.passport-draft-{os.getpid()}.json")
-    return {"output": where, "key": key, "lineage": lineage}
+    # Not fsynced: no more durable than the checkpoint and the report beside it (neither is fsynced), and an fsync
+    # of a file written just after a save forces the save's own data out with it (ext4's ordered journal).
+    return {"output": where, **signing, "lineage": lineage, "durable": False}
 
 
 def passport_drafts(request: dict[str, Any] | None) -> tuple[str, ...]:

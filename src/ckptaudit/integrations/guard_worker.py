@@ -43,12 +43,15 @@ def audit_to_file(checkpoint: str, where: str, options: dict[str, Any], as_path:
                   passport: dict[str, Any] | None = None) -> dict[str, Any]:
     """(worker) Audit ``checkpoint``, write its JSON report to ``where`` atomically, return the gist. ``as_path``:
     the path the report names (the checkpoint's own, when ``checkpoint`` is its pinned copy). ``passport``:
-    ``{"output": PATH, "key": PATH | None, "lineage": {...}}`` also writes the checkpoint's passport there, of the
-    same bytes, with this audit's report (:func:`ckptaudit.passport.attest`); the answer's ``"passport"`` then
-    holds its ``file``, ``digest`` and ``root_digest`` (or an ``error``: the verdict stands without a passport)."""
+    ``{"output": PATH, "key": PATH | None, "certificate": PATH | None, "cert_chain": [PATH], "durable": bool,
+    "lineage": {...}}`` also writes the checkpoint's passport there, of the
+    same bytes, with this audit's report and the digests taken in its own pass (:func:`ckptaudit.passport.attest`,
+    :func:`~ckptaudit.passport.digests.audit_digests`: nothing read twice); the answer's ``"passport"`` then holds its
+    ``file``, ``digest`` and ``root_digest`` (or an ``error``: the verdict stands without a passport)."""
     from ckptaudit.api import audit
 
-    report = audit(checkpoint, **options)
+    report, digests = _audit_digesting(checkpoint, options) if passport is not None else (None, None)
+    report = report or audit(checkpoint, **options)
     if as_path is not None:
         report = replace(report, raw=replace(report.raw, path=as_path))
     tmp = f"{where}.tmp-{os.getpid()}-{threading.get_ident()}"
@@ -59,12 +62,37 @@ def audit_to_file(checkpoint: str, where: str, options: dict[str, Any], as_path:
     answer: dict[str, Any] = {"ok": report.ok, "summary": report.summary,
                               "codes": [f.code for f in report.failing]}
     if passport is not None:
-        answer["passport"] = _attest(checkpoint, report.raw, options, passport)
+        answer["passport"] = _attest(checkpoint, report.raw, options, passport, digests)
     return answer
 
 
-def _attest(checkpoint: str, raw: Any, options: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
-    """(worker) The passport of the bytes just audited (``raw``: their audit), written to ``spec["output"]``."""
+def _audit_digesting(checkpoint: str, options: dict[str, Any]) -> tuple[Any, Any]:
+    """(worker) :func:`ckptaudit.audit` of a local ``checkpoint`` whose passport is asked for, with the passport's
+    digests asked of the audit's own pass; ``(None, None)`` where they cannot be (a URL, a symbolic link inside:
+    the plain audit runs, and the passport says why there is none)."""
+    from ckptaudit.api import Report, audit_options
+    from ckptaudit.auditing.judge import run_audit
+    from ckptaudit.findings import Severity
+    from ckptaudit.ondisk.passport import is_url
+    from ckptaudit.options import AUDIT_OPTIONS, resolve
+    from ckptaudit.passport import PassportError
+    from ckptaudit.passport.digests import audit_digests
+
+    if is_url(checkpoint):
+        return None, None
+    opts = resolve("ckptaudit guard", options, AUDIT_OPTIONS)
+    engine = audit_options(opts)
+    try:
+        digests = audit_digests(checkpoint, jobs=engine.jobs)
+    except (PassportError, OSError):
+        return None, None
+    return Report(run_audit(checkpoint, engine, digests=digests.scan), Severity.parse(opts["fail_on"])), digests
+
+
+def _attest(checkpoint: str, raw: Any, options: dict[str, Any], spec: dict[str, Any],
+            digests: Any = None) -> dict[str, Any]:
+    """(worker) The passport of the bytes just audited (``raw``: their audit; ``digests``: the ones its pass
+    took), written to ``spec["output"]``."""
     from ckptaudit.api import audit_options
     from ckptaudit.options import AUDIT_OPTIONS, resolve
     from ckptaudit.passport import attest
@@ -74,7 +102,9 @@ def _attest(checkpoint: str, raw: Any, options: dict[str, Any], spec: dict[str, 
         lineage = lineage_from_json(spec.get("lineage"), "the guard's lineage")
         opts = audit_options(resolve("ckptaudit guard", options, AUDIT_OPTIONS))
         made = attest(checkpoint, key=spec.get("key"), output=spec["output"], lineage=lineage, report=raw,
-                      options=opts, jobs=opts.jobs)
+                      options=opts, jobs=opts.jobs, digests=digests,
+                      certificate=spec.get("certificate"), cert_chain=spec.get("cert_chain") or (),
+                      durable=bool(spec.get("durable", True)))
     except Exception as exc:  # noqa: BLE001 - the verdict stands; the guard says why there is no passport
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"file": made.file, "digest": made.digest, "root_digest": made.root_digest, "signed": made.signed}

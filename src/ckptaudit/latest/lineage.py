@@ -18,29 +18,36 @@ from ckptaudit.latest.candidates import Candidate
 
 if TYPE_CHECKING:
     from ckptaudit.latest.steps import StepContext
+    from ckptaudit.passport.model import Ancestor
 
-__all__ = ["DAMAGED_LINEAGE", "damaged_lineage"]
+__all__ = ["DAMAGED_LINEAGE", "damaged_ancestor", "damaged_lineage"]
 
 DAMAGED_LINEAGE = "guard.descends-from-damage"
+
+
+def damaged_ancestor(c: Candidate) -> Ancestor | None:
+    """The damaged ancestor a local candidate's passport says it descends from, else ``None`` (no passport, one that
+    cannot be read, a clean lineage, a remote candidate)."""
+    from ckptaudit.ondisk.passport import find_passport
+    from ckptaudit.passport import PassportError, read_passport
+
+    if c.remote:
+        return None
+    found = find_passport(c.path)
+    if found is None:
+        return None
+    try:
+        lineage = read_passport(found).lineage
+    except (OSError, PassportError):
+        return None
+    return lineage.damaged_ancestor if lineage.state == "descends-from-damage" else None
 
 
 def damaged_lineage(c: Candidate, ctx: StepContext) -> None:
     """Reject a local candidate whose passport's lineage is ``descends-from-damage`` (before the audit: nothing in
     its bytes can clear it)."""
-    from ckptaudit.ondisk.passport import find_passport
-    from ckptaudit.passport import PassportError, read_passport
-
-    if c.remote:
-        return
-    found = find_passport(c.path)
-    if found is None:
-        return
-    try:
-        lineage = read_passport(found).lineage
-    except (OSError, PassportError):
-        return
-    bad = lineage.damaged_ancestor
-    if lineage.state != "descends-from-damage" or bad is None:
+    bad = damaged_ancestor(c)
+    if bad is None:
         return
     ctx.findings.append(finding(
         DAMAGED_LINEAGE, c.name,

@@ -18,7 +18,7 @@ from ckptaudit.catalogue import finding
 from ckptaudit.findings import ComponentKind, Finding, Severity
 from ckptaudit.latest.candidates import Candidate
 from ckptaudit.latest.evidence import RunEvidence
-from ckptaudit.latest.lineage import damaged_lineage
+from ckptaudit.latest.lineage import damaged_ancestor, damaged_lineage
 from ckptaudit.ondisk import layout, quarantine
 from ckptaudit.ondisk import manifest as mf
 
@@ -102,8 +102,8 @@ def uncommitted(c: Candidate, ctx: StepContext) -> None:
 
 
 def quarantined(c: Candidate, ctx: StepContext) -> None:
-    """Moved aside by the in-loop guard, or marked in place (an object store's checkpoint: the marker beside it
-    says why): never resumable."""
+    """Moved aside by the in-loop guard (a failure, or a descendant of a damaged training state), or marked in
+    place (an object store's checkpoint: the marker beside it says why): never resumable."""
     if c.layout != "quarantined":
         return
     base = os.path.basename(c.path.rstrip("/"))
@@ -118,10 +118,16 @@ def quarantined(c: Candidate, ctx: StepContext) -> None:
         ctx.stop = True
         return
     has_report = (os.path.isfile(os.path.normpath(c.path) + quarantine.REPORT_SUFFIX) if not c.remote else False)
+    bad = damaged_ancestor(c)  # passed its own audit, but set aside as a descendant of a damaged training state
+    evidence: dict[str, Any] = {"original": original}
+    if bad is not None:
+        evidence["damaged_ancestor"] = bad.checkpoint
     ctx.findings.append(finding(
         "guard.quarantined", c.name,
-        f"{c.name}: failed its audit during training and was moved aside by the guard"
-        + (f" (report: {report})" if has_report else ""), original=original))
+        f"{c.name}: " + (f"passed its own audit, but its training state descends from the damage at "
+                         f"{bad.checkpoint} (the lineage in its passport), so the guard moved it aside"
+                         if bad is not None else "failed its audit during training and was moved aside by the guard")
+        + (f" (report: {report})" if has_report else ""), **evidence))
     ctx.stop = True
 
 

@@ -14,6 +14,12 @@ dtype's little-endian words, read through the same chunked reader the audit's sc
 the digest is the same whichever files, shards, offsets or strides hold it (a DCP folder and its consolidated
 ``torch.save`` give the same digests). BLAKE3 where the ``blake3`` package is installed (the ``[sign]`` extra
 brings it), else SHA-256; the algorithm is named in each digest.
+
+**In the audit's own pass.** :func:`audit_digests` asks an audit for both (:mod:`ckptaudit.auditing.digesting`):
+the tensors' digests from the scan's chunk loop, each chunk hashed by the audit and the digest while it is in
+cache; the files' digests on threads beside the scan, each file read once in order (SHA-256 is sequential). So
+``attest`` and the guards' passports read each byte from storage once and the tensor bytes from memory once;
+:func:`tensor_digests` (a pass of its own) is what ``verify`` uses when a copy's files differ.
 """
 
 from __future__ import annotations
@@ -24,14 +30,17 @@ import stat
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
+from ckptaudit.auditing.digesting import Hasher, ScanDigests
 from ckptaudit.formats.io.tensors import row_major_runs
 from ckptaudit.ondisk.passport import PASSPORT_NAME, SIGNATURE_NAME, is_passport_name
 from ckptaudit.passport.model import FileDigest, PassportError, TensorDigest
 
-__all__ = ["FILE_ALGORITHMS", "GIT_PATHS", "READ_BYTES", "Hasher", "digest_files", "file_hasher", "ignore_paths",
-           "list_files", "root_digest", "sort_key", "tensor_algorithm", "tensor_digests"]
+__all__ = ["FILE_ALGORITHMS", "GIT_PATHS", "READ_BYTES", "AuditDigests", "Hasher", "audit_digests", "digest_files",
+           "file_hasher", "ignore_paths", "list_files", "root_digest", "sort_key", "stat_files", "tensor_algorithm",
+           "tensor_digests"]
 
 FILE_ALGORITHMS = ("sha256", "blake3")
 """The file-digest algorithms model-signing's verifier accepts (its ``hash_type`` names)."""
@@ -39,11 +48,6 @@ GIT_PATHS = (".git", ".gitignore", ".gitattributes", ".github")
 """What model-signing always leaves out of a model's files (and records among its ``ignore_paths``)."""
 READ_BYTES = 8 << 20
 """One read of a file being digested: large enough that a read costs nothing beside hashing it."""
-
-
-class Hasher(Protocol):
-    def update(self, data: Any, /) -> Any: ...
-    def hexdigest(self) -> str: ...
 
 
 def file_hasher(algorithm: str, threads: int = 1) -> Hasher:
@@ -157,15 +161,16 @@ def _digest_one(path: str, algorithm: str, stop: threading.Event | None, threads
 
 
 def digest_files(files: Sequence[tuple[str, str, int]], algorithm: str, *, jobs: int = 1,
-                 progress: Callable[[int], None] | None = None) -> list[FileDigest]:
+                 progress: Callable[[int], None] | None = None,
+                 stop: threading.Event | None = None) -> list[FileDigest]:
     """The digest of each ``(name, local path, size)`` (one streaming read of each file; ``jobs`` files at once,
-    largest first). The size recorded is the bytes read."""
+    largest first). The size recorded is the bytes read. ``stop``: set, the reads end early (``InterruptedError``)."""
     file_hasher(algorithm)  # the algorithm's error before any thread starts
     order = sorted(range(len(files)), key=lambda i: -files[i][2])
-    stop = threading.Event()
+    stop = stop or threading.Event()
     results: dict[int, tuple[str, int]] = {}
 
-    big = sum(1 for f in files if f[2] >= 64 << 20) or 1
+    big = sum(1 for f in files if f[2] >= BIG_FILE_BYTES) or 1
     threads = max(1, jobs // big)  # BLAKE3: the cores the large files leave, spread over each of them
 
     def one(i: int) -> None:
@@ -186,6 +191,80 @@ def digest_files(files: Sequence[tuple[str, str, int]], algorithm: str, *, jobs:
                 stop.set()
                 raise
     return [FileDigest(files[i][0], results[i][0], results[i][1]) for i in range(len(files))]
+
+
+def stat_files(files: Sequence[tuple[str, str, int]]) -> list[tuple[str, int, int]]:
+    """``(name, size, mtime_ns)`` of each listed file now: taken before and after a passport's digests, a file
+    written meanwhile (a save still running) shows."""
+    out = []
+    for name, full, _ in files:
+        st = os.stat(full)
+        out.append((name, st.st_size, st.st_mtime_ns))
+    return out
+
+
+BIG_FILE_BYTES = 64 << 20
+"""A file this large keeps a core busy for a while: :func:`digest_files` spreads BLAKE3 over the cores the large
+files leave, and :func:`audit_digests` leaves one core to each large file's SHA-256 beside the scan."""
+
+
+@dataclass(frozen=True, slots=True)
+class AuditDigests:
+    """The digests of a local checkpoint's passport asked of its audit (:func:`audit_digests`): give
+    :attr:`scan` to :func:`~ckptaudit.auditing.judge.run_audit` (``digests=``), then this to
+    :func:`~ckptaudit.passport.attest` (``report=``, ``digests=``)."""
+
+    path: str
+    algorithm: str
+    """The files' digest algorithm (:data:`FILE_ALGORITHMS`)."""
+    files: tuple[tuple[str, str, int], ...]
+    """:func:`list_files` of :attr:`path` when it was asked."""
+    before: tuple[tuple[str, int, int], ...]
+    """:func:`stat_files` of them then."""
+    scan: ScanDigests
+    """What the audit fills: the tensors' digests, and the files' (its ``beside_result``)."""
+
+    def file_digests(self) -> list[FileDigest]:
+        """The files' digests, once the audit ran; raises what computing them raised, or :class:`PassportError`
+        when no audit filled :attr:`scan`."""
+        if not self.scan.done:
+            raise PassportError(f"{self.path}: the digests were asked of an audit that has not run; pass "
+                                "digests.scan to run_audit(..., digests=) first")
+        if self.scan.beside_error is not None:
+            raise self.scan.beside_error
+        result: list[FileDigest] = self.scan.beside_result
+        return result
+
+    def tensor_digests(self) -> list[TensorDigest]:
+        """The tensors' digests the audit's scan gave (none after a quick audit: :attr:`ScanDigests.skipped`)."""
+        return [TensorDigest(t.name, t.dtype, t.shape, t.digest) for t in self.scan.tensors]
+
+
+def audit_digests(path: str, algorithm: str | None = None, *, jobs: int = 1) -> AuditDigests:
+    """A request for the audit of the local checkpoint at ``path`` to give its passport's digests from its own pass
+    (see the module docstring): the files' in ``algorithm`` (``None``: :func:`tensor_algorithm`'s), the tensors' in
+    :func:`tensor_algorithm`'s. ``jobs``: the audit's threads; beside a file's SHA-256 the scan runs on one core
+    fewer per large file (at least one). Raises :class:`PassportError` (an algorithm model-signing does not verify,
+    a symbolic link inside) and ``FileNotFoundError``."""
+    algorithm = algorithm or tensor_algorithm()
+    if algorithm not in FILE_ALGORITHMS:
+        raise PassportError(f"--digest {algorithm!r}: model-signing verifies {', '.join(FILE_ALGORITHMS)}")
+    file_hasher(algorithm)
+    files = tuple(list_files(path))
+    before = tuple(stat_files(files))
+    tensors = tensor_algorithm()
+    big = sum(1 for f in files if f[2] >= BIG_FILE_BYTES)
+    # SHA-256 is sequential: each large file's digest is one core's work from start to end, the longest path;
+    # BLAKE3 spreads over whatever cores it finds.
+    reserve = min(big, jobs - 1) if algorithm == "sha256" else 0
+
+    def beside(stop: threading.Event) -> list[FileDigest]:
+        return digest_files(files, algorithm, jobs=jobs, stop=stop)
+
+    def new_hasher() -> Hasher:
+        return hashlib.sha256() if tensors == "sha256" else file_hasher(tensors)
+
+    return AuditDigests(path, algorithm, files, before, ScanDigests(tensors, new_hasher, beside, reserve))
 
 
 def _hash_span(maps: Any, span: tuple[str, int, int], h: Hasher, buffer: Any) -> None:

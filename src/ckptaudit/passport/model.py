@@ -188,6 +188,9 @@ class VerifyResult:
     compared (the files matched, or no tensor digests were recorded)."""
     signature: Literal["verified", "unsigned", "not-checked", "failed"] = "not-checked"
     summary: str = ""
+    certificate: str | None = None
+    """The signing certificate (subject, issuer, fingerprint) when the signature verified under a certificate chain
+    the caller trusts (``verify --cert-chain``)."""
 
     @property
     def exit_code(self) -> int:

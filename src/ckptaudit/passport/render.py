@@ -34,6 +34,7 @@ def verify_json(r: VerifyResult) -> dict[str, Any]:
     p = r.passport
     return {"command": "verify", "path": r.path, "ok": r.ok, "passport": r.passport_file,
             "passport_digest": None if p is None else p.digest, "signature": r.signature,
+            "certificate": r.certificate,
             "artifact": None if p is None else p.artifact, "verdict": None if p is None else p.verdict,
             "root_digest": None if p is None else p.root_digest, "changed": list(r.changed),
             "missing": list(r.missing), "extra": list(r.extra), "changed_tensors": list(r.changed_tensors),

@@ -2,8 +2,9 @@
 
 1. **model-signing's statement** (predicate type ``https://model_signing/signature/v1.0``): the files' digests
    and the serialization that made them, exactly as OpenSSF model-signing 1.1.1 writes it. When signed, it is
-   signed by model-signing's own key signer (``model_signing._signing.sign_ec_key``) and written as the sigstore
-   bundle its verifier reads (``model_signing verify key ... --signature``).
+   signed by model-signing's own key signer (``model_signing._signing.sign_ec_key``), or its certificate signer
+   when a signing certificate is given (:mod:`ckptaudit.passport.certificates`), and written as the sigstore
+   bundle its verifier reads (``model_signing verify key|certificate ... --signature``).
 2. **ckptaudit's statement** (predicate type :data:`~ckptaudit.ondisk.passport.PREDICATE_TYPE`): the audit, about the
    same subject (the root digest). Signed the same way (DSSE's pre-authentication encoding, ECDSA with the key's
    hash, the same sigstore bundle with the key's hint), but its payload is canonical JSON of our own rather than
@@ -20,15 +21,19 @@ import hashlib
 import json
 import pathlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptaudit.extras import install_line
 from ckptaudit.ondisk.passport import PREDICATE_TYPE
 from ckptaudit.passport.model import FileDigest, PassportError
 
+if TYPE_CHECKING:
+    from ckptaudit.passport.certificates import Chain
+
 __all__ = ["BUNDLE_MEDIA_TYPE", "MODEL_SIGNING_PREDICATE", "PAYLOAD_TYPE", "STATEMENT_TYPE", "Key", "audit_statement",
            "canonical", "envelope", "key_fingerprint", "load_private_key", "load_public_key", "model_signing_bundle",
-           "model_signing_statement", "open_envelope", "pae", "sign_statement", "verify_bundle"]
+           "model_signing_statement", "open_envelope", "pae", "sign_statement", "verify_bundle",
+           "verify_certificate_bundle"]
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -154,24 +159,23 @@ def _hash(key: Key) -> Any:
     return kinds[_CURVES[key.curve.name]]()
 
 
-def sign_statement(statement: Mapping[str, Any], key: Key) -> dict[str, Any]:
-    """A sigstore bundle (model-signing's key-signer layout) of ``statement`` signed by ``key``."""
+def sign_statement(statement: Mapping[str, Any], key: Key, chain: Chain | None = None) -> dict[str, Any]:
+    """A sigstore bundle (model-signing's key-signer layout, or its certificate-signer layout when ``chain`` is
+    given: the signing certificate and its chain instead of the key's hint) of ``statement`` signed by ``key``."""
     from cryptography.hazmat.primitives.asymmetric import ec
+
+    from ckptaudit.passport.certificates import certificate_material
 
     payload = canonical(statement)
     sig = key.sign(pae(payload), ec.ECDSA(_hash(key)))
-    return {"mediaType": BUNDLE_MEDIA_TYPE,
-            "verificationMaterial": {"publicKey": {"hint": key_fingerprint(key).removeprefix("sha256:")},
-                                     "tlogEntries": []},
-            "dsseEnvelope": envelope(payload, [sig])}
+    material = (certificate_material(chain) if chain is not None else
+                {"publicKey": {"hint": key_fingerprint(key).removeprefix("sha256:")}, "tlogEntries": []})
+    return {"mediaType": BUNDLE_MEDIA_TYPE, "verificationMaterial": material, "dsseEnvelope": envelope(payload, [sig])}
 
 
 def verify_bundle(bundle: Any, key: Key, what: str) -> bytes:
     """The payload of a sigstore bundle whose DSSE signature verifies with ``key``; :class:`PassportError` (a
     ``passport.signature`` finding for the caller) when it does not, naming ``what``."""
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives.asymmetric import ec
-
     if not isinstance(bundle, dict) or bundle.get("mediaType") != BUNDLE_MEDIA_TYPE:
         raise PassportError(f"{what}: not a signed sigstore bundle (digest-only, or not {BUNDLE_MEDIA_TYPE})")
     material = bundle.get("verificationMaterial")
@@ -180,24 +184,47 @@ def verify_bundle(bundle: Any, key: Key, what: str) -> bytes:
     if hint and hint != key_fingerprint(key).removeprefix("sha256:"):
         raise PassportError(f"{what}: signed by another key (hint sha256:{str(hint)[:16]}..., the key given is "
                             f"{key_fingerprint(key)[:23]}...)")
+    return _signed_payload(bundle, key, what, "the key given")
+
+
+def _signed_payload(bundle: dict[str, Any], key: Key, what: str, whose: str) -> bytes:
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     payload, sigs = open_envelope(bundle.get("dsseEnvelope"), what)
     if len(sigs) != 1:
         raise PassportError(f"{what}: {len(sigs)} signatures, expected one")
     try:
         key.verify(sigs[0], pae(payload), ec.ECDSA(_hash(key)))
     except InvalidSignature:
-        raise PassportError(f"{what}: the signature does not verify with the key given (the statement was "
+        raise PassportError(f"{what}: the signature does not verify with {whose} (the statement was "
                             "changed after signing, or another key signed it)") from None
     return payload
 
 
-def model_signing_bundle(statement: Mapping[str, Any], key_path: str, password: str | None = None) -> str:
-    """Sign model-signing's ``statement`` with model-signing's own key signer; the bundle's JSON text (what
-    ``model_signing verify key`` reads). Needs the ``[sign]`` extra."""
+def verify_certificate_bundle(bundle: Any, trusted: Sequence[Any], what: str) -> tuple[bytes, Chain]:
+    """The payload of a sigstore bundle signed under a certificate, and its chain: first the chain must lead to one
+    of ``trusted`` (:func:`~ckptaudit.passport.certificates.verify_chain`), then the DSSE signature must verify
+    with the signing certificate's key; :class:`PassportError` naming ``what`` otherwise."""
+    from ckptaudit.passport.certificates import verify_chain
+
+    if not isinstance(bundle, dict) or bundle.get("mediaType") != BUNDLE_MEDIA_TYPE:
+        raise PassportError(f"{what}: not a signed sigstore bundle (digest-only, or not {BUNDLE_MEDIA_TYPE})")
+    chain = verify_chain(bundle, trusted, what)
+    public = chain.leaf.public_key()
+    _check_curve(public, what)
+    return _signed_payload(bundle, public, what, f"its {chain.describe()}"), chain
+
+
+def model_signing_bundle(statement: Mapping[str, Any], key_path: str, password: str | None = None,
+                         certificate: str | None = None, chain: Sequence[str] = ()) -> str:
+    """Sign model-signing's ``statement`` with model-signing's own key signer (or its certificate signer, given the
+    signing ``certificate`` and the ``chain`` files); the bundle's JSON text (what ``model_signing verify key`` /
+    ``verify certificate`` reads). Needs the ``[sign]`` extra."""
     try:
         from model_signing import manifest as ms_manifest
         from model_signing._hashing import hashing as ms_hashing
-        from model_signing._signing import sign_ec_key, signing
+        from model_signing._signing import sign_certificate, sign_ec_key, signing
     except ImportError as exc:
         raise PassportError(f"signing a passport needs the [sign] extra (model-signing, pyOpenSSL): "
                             f"{install_line('sign')} ({exc})") from None
@@ -212,7 +239,12 @@ def model_signing_bundle(statement: Mapping[str, Any], key_path: str, password: 
     if ours != theirs:  # our serialization and model-signing's must agree, or its verifier would refuse it
         raise PassportError(f"internal: model-signing computes root digest {theirs}, ckptaudit {ours}")
     try:
-        signer = sign_ec_key.Signer(pathlib.Path(key_path), password)
+        signer: sign_ec_key.Signer  # the certificate signer is one
+        if certificate is not None:  # model-signing's certificate signer takes no password: loaded unencrypted
+            signer = sign_certificate.Signer(pathlib.Path(key_path), pathlib.Path(certificate),
+                                             [pathlib.Path(c) for c in chain])
+        else:
+            signer = sign_ec_key.Signer(pathlib.Path(key_path), password)
     except (ValueError, TypeError, OSError) as exc:
         raise PassportError(f"{key_path}: model-signing cannot sign with it ({exc})") from None
     text: str = signer.sign(payload).bundle.to_json()  # type: ignore[attr-defined]

@@ -42,7 +42,8 @@ def _result(path: str, file: str | None, parsed: Parsed | None, findings: list[F
         if parsed is not None:
             p = parsed.passport
             head += (f" ({len(p.files)} file(s), {p.artifact} checkpoint, verdict {p.verdict}, "
-                     + (f"signed by {p.signer}" if kw.get("signature") == "verified" else "digest-only, not signed"
+                     + (f"signed by {p.signer}" + (f" under its {kw['certificate']}" if kw.get("certificate") else "")
+                        if kw.get("signature") == "verified" else "digest-only, not signed"
                         if not p.signed else "signature not checked: no --key") + ")")
     else:
         errors = [f for f in findings if f.severity is Severity.ERROR]
@@ -79,6 +80,29 @@ def _check_signature(parsed: Parsed, key: str | None, file: str) -> tuple[list[F
     return [], "verified"
 
 
+def _check_certificates(parsed: Parsed, file: str,
+                        trusted: Sequence[Any]) -> tuple[list[Finding], str, str | None]:
+    """Both statements signed under a certificate that chains to ``trusted``, the same one, before anything else
+    (then the certificate's description is returned too)."""
+    from ckptaudit.passport.statements import verify_certificate_bundle
+
+    given = "--cert-chain " + ", ".join(c.subject.rfc4514_string() for c in trusted)
+    if parsed.signatures == 0:
+        return [finding("passport.signature", PASSPORT_NAME,
+                        f"{file}: a digest-only passport (no signature) where {given} was given; nothing in it can be "
+                        "trusted: attest the checkpoint again with --key and --cert", key=given)], "failed", None
+    try:
+        _, ms_chain = verify_certificate_bundle(parsed.model_signing, trusted, f"{file}: model-signing statement")
+        _, au_chain = verify_certificate_bundle(parsed.audit, trusted, f"{file}: audit statement")
+    except PassportError as exc:
+        return [finding("passport.signature", PASSPORT_NAME, str(exc), key=given)], "failed", None
+    if ms_chain.fingerprint != au_chain.fingerprint:
+        return [finding("passport.signature", PASSPORT_NAME,
+                        f"{file}: its two statements were signed under different certificates ({ms_chain.describe()}; "
+                        f"{au_chain.describe()}): pieced together from two passports", key=given)], "failed", None
+    return [], "verified", au_chain.describe()
+
+
 def _consistency(parsed: Parsed, file: str) -> list[Finding]:
     """The two statements must be about the same bytes."""
     p = parsed.passport
@@ -111,11 +135,13 @@ def _digest_remote(files: Sequence[tuple[str, str, int]], remote: Any, algorithm
 
 
 def verify(path: str, passport: str | None = None, *, key: str | None = None, expect: Artifact = "training",
-           jobs: int | None = None) -> VerifyResult:
+           jobs: int | None = None, cert_chain: Sequence[str] = ()) -> VerifyResult:
     """Verify the checkpoint at ``path`` (a local path or an ``s3://`` / ``gs://`` URL) against its passport
     (``passport``: the passport file; default: the one the checkpoint carries, :func:`passport_path`).
 
     ``key``: the signer's PEM public key; with it an unsigned (digest-only) or hand-edited passport is refused.
+    ``cert_chain``: PEM files of the certificates trusted (the CA's; model-signing's ``--certificate_chain``): the
+    passport must be signed under a certificate that chains to one of them (``attest --cert``); not with ``key``.
     ``expect``: what the checkpoint is used as; the recorded verdict must be a pass for it. Raises
     :class:`~ckptaudit.passport.model.PassportError` when the passport itself cannot be read (malformed, too large,
     an unknown version: exit 2 on the command line), or the key does not load; ``FileNotFoundError`` when nothing
@@ -124,6 +150,14 @@ def verify(path: str, passport: str | None = None, *, key: str | None = None, ex
 
     if expect not in ("training", "serving"):
         raise PassportError(f"--expect must be training or serving, not {expect!r}")
+    if key is not None and cert_chain:
+        raise PassportError("give --key (a passport signed with a bare key) or --cert-chain (one signed under a "
+                            "certificate), not both")
+    trusted = None
+    if cert_chain:
+        from ckptaudit.passport.certificates import load_certificates
+
+        trusted = load_certificates(cert_chain, "--cert-chain")
     jobs = jobs or default_jobs()
     if not is_url(path) and not os.path.lexists(path):
         raise FileNotFoundError(2, "no such file or directory", path)
@@ -152,23 +186,26 @@ def verify(path: str, passport: str | None = None, *, key: str | None = None, ex
                 f"{path}: no passport at {file}; `ckptaudit attest` writes one (a folder carries it inside, a file "
                 "beside it), or give --passport FILE")])
         parsed = parse_passport(raw, file)
-        findings, signature = _check_signature(parsed, key, file)
+        if trusted is not None:
+            findings, signature, certificate = _check_certificates(parsed, file, trusted)
+        else:
+            (findings, signature), certificate = _check_signature(parsed, key, file), None
         if signature == "failed":
-            return _result(path, file, parsed, findings, signature=signature)
+            return _result(path, file, parsed, findings, signature=signature, certificate=certificate)
         findings += _consistency(parsed, file)
         if any(f.code == "passport.signature" for f in findings):
-            return _result(path, file, parsed, findings, signature=signature)
+            return _result(path, file, parsed, findings, signature=signature, certificate=certificate)
         algorithm = parsed.passport.algorithm
         actual = (_digest_remote(files, remote, algorithm, jobs) if remote is not None
                   else digest_files(files, algorithm, jobs=jobs))
-        return _compare(path, file, parsed, findings, signature, actual, expect, jobs)
+        return _compare(path, file, parsed, findings, signature, actual, expect, jobs, certificate)
     finally:
         if remote is not None:
             remote.close()
 
 
 def _compare(path: str, file: str, parsed: Parsed, findings: list[Finding], signature: str,
-             actual: list[FileDigest], expect: Artifact, jobs: int) -> VerifyResult:
+             actual: list[FileDigest], expect: Artifact, jobs: int, certificate: str | None = None) -> VerifyResult:
     p = parsed.passport
     want = {f.name: f.digest for f in p.files}
     have = {f.name: f.digest for f in actual}
@@ -213,7 +250,8 @@ def _compare(path: str, file: str, parsed: Parsed, findings: list[Finding], sign
                                 " (never restored since): restore a checkpoint from before it and fix the training "
                                 "code", damaged_ancestor=p.lineage.damaged_ancestor.to_json()))
     return _result(path, file, parsed, findings, changed=tuple(changed), missing=tuple(missing), extra=tuple(extra),
-                   changed_tensors=tuple(changed_tensors), same_tensors=same_tensors, signature=signature)
+                   changed_tensors=tuple(changed_tensors), same_tensors=same_tensors, signature=signature,
+                   certificate=certificate)
 
 
 def _tensors(path: str, parsed: Parsed, jobs: int) -> tuple[bool, list[str], dict[str, list[str]]]:
