@@ -239,3 +239,53 @@ def test_latest_reads_a_remote_files_step_and_the_roots_pointer(s3: dict[str, An
     assert doc["pointer"] == "ckpt-0004.pt" and doc["skipped"] == []
     stale = [f for f in doc["findings"] if f["code"] == "store.pointer-stale"]
     assert stale and "older than the newest resumable checkpoint" in stale[0]["message"]
+
+
+def test_a_save_descending_from_a_damaged_state_is_marked_and_latest_names_the_last_good(s3: dict[str, Any]) -> None:
+    """A real loop whose live masters are rounded in memory at step 6, saved to the store: step 6 fails (the
+    training state itself), step 8 passes its own audit but descends from it, so it is marked quarantined in
+    place as a failure is (a resume by name over the store never picks it), and ``latest`` names step 4."""
+    import torch
+
+    from ckptaudit.integrations.guard import Guard
+
+    fs = s3["fs"]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = Guard(on_failure="warn", background="thread")
+    urls: dict[int, str] = {}
+    for step in range(1, 9):
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 6:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.bfloat16().float())
+        if step % 2 == 0:
+            local = s3["local"] / f"lineage-{step}.pt"
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, local)
+            fs.put(str(local), f"{BUCKET}/lineage/step-{step}.pt")
+            urls[step] = f"s3://{BUCKET}/lineage/step-{step}.pt"
+            guard.observe(opt, step)
+            guard.submit(urls[step], step=step)
+            assert guard.wait(120)
+    assert guard.close(120)
+    v2, v4, v6, v8 = guard.verdicts
+    assert (v2.ok, v4.ok, v6.ok, v8.ok) == (True, True, False, True), guard.verdicts
+    assert v6.damage == "state" and v8.damaged_ancestor is not None and "step-6.pt" in v8.damaged_ancestor
+    marker = urls[8] + ".ckptaudit-quarantine.json"
+    assert v8.quarantined_to == marker and "marked quarantined in place" in v8.advice
+    doc = json.loads(fs.cat_file(marker.removeprefix("s3://")))
+    assert doc["verdict"] == "descends-from-damage" and "step-6.pt" in doc["damaged_ancestor"]
+    assert fs.exists(f"{BUCKET}/lineage/step-8.pt")  # marked, never deleted
+
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["latest", f"s3://{BUCKET}/lineage/", "--all", "--format", "json", "--no-progress"], stdout=out,
+                stderr=err)
+    result = json.loads(out.getvalue())
+    assert code == 0 and result["latest"] == urls[4], err.getvalue()
+    rows = {c["name"]: c for c in result["candidates"]}
+    [found] = rows["step-8.pt"]["findings"]
+    assert found["code"] == "guard.quarantined" and "descends from the damage at" in found["message"]

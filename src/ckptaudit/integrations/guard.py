@@ -528,7 +528,7 @@ class Guard:
 
     def _judge(self, job: _Job) -> Verdict:
         if job.remote is not None:
-            return judge_remote(job, self._run_audit, self.lineage, passport=self.passport, key=self.passport_key,
+            return judge_remote(job, self._run_audit, self.lineage, passport=self.passport, signing=self.signing,
                                 on_failure=self.on_failure)
         if job.ready is not None:
             try:

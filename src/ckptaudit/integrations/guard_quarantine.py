@@ -53,13 +53,15 @@ def descends_why(ancestor: str) -> str:
             "were rounded in memory there)")
 
 
-def descendant_advice(ancestor: str, moved: str | None, good: SaveRecord | None) -> str:
+def descendant_advice(ancestor: str, moved: str | None, good: SaveRecord | None, *, marked: bool = False) -> str:
     """(worker) What a descendant of a damaged training state's verdict says: which failed ancestor it descends
-    from, where it went, and which way to go."""
+    from, where it went (``marked``: ``moved`` is the quarantine marker of an object left in place), and which way
+    to go."""
     back = (f"restore {good.checkpoint}" + (f" (step {good.step})" if good.step is not None else "")
             + ", the last checkpoint that passed," if good is not None else
             "restore a checkpoint saved before this run (none passed in it)")
-    where = (f"moved aside to {moved} so that no resume by name picks it" if moved is not None else
+    where = (f"marked quarantined in place by {moved} (an object store has no rename)" if marked and moved else
+             f"moved aside to {moved} so that no resume by name picks it" if moved is not None else
              "it could NOT be moved aside: do not resume from it")
     return (f"its training state descends from the damage at {ancestor} (that save failed its audit while the live "
             f"masters were rounded in memory; this one trained on from them): {where}. "

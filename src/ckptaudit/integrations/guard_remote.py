@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptaudit.integrations.guard_lineage import RunLineage, classify, failure_advice, passport_request
+from ckptaudit.integrations.guard_quarantine import descendant_advice
 from ckptaudit.integrations.guard_records import Verdict
 from ckptaudit.ondisk.passport import is_passport_name, passport_path, signature_path
 from ckptaudit.ondisk.quarantine import REPORT_SUFFIX, marker_name
@@ -98,7 +99,7 @@ def _not_judged(job: Any, why: str, seconds: float, queued: float) -> Verdict:
 
 
 def judge_remote(job: Any, audit: Callable[[str, str, str, dict[str, Any] | None], dict[str, Any]],
-                 lineage: RunLineage, *, passport: bool, key: str | None, on_failure: str) -> Verdict:
+                 lineage: RunLineage, *, passport: bool, signing: dict[str, Any], on_failure: str) -> Verdict:
     """(worker) The verdict of the checkpoint behind ``job.checkpoint``'s URL (see the module docstring); ``audit``
     is the guard's own audit of a local path (``(checkpoint, report draft, as_path, passport request)``)."""
     from ckptaudit.formats.remote.errors import ObjectChanged
@@ -137,7 +138,7 @@ def judge_remote(job: Any, audit: Callable[[str, str, str, dict[str, Any] | None
             return _not_judged(job, f"its objects could not be copied as they were saved ({type(exc).__name__}: "
                                f"{exc})", time.monotonic() - start, queued)
         draft = os.path.join(folder, "report" + REPORT_SUFFIX)
-        paper = passport_request(lineage.lineage(), key, folder, url) if passport else None
+        paper = passport_request(lineage.lineage(), signing, folder, url) if passport else None
         try:
             result = audit(local, draft, url, paper)
         except Exception as exc:  # noqa: BLE001 - any failure of one audit is reported, never kills the loop
@@ -165,21 +166,30 @@ def _decide(job: Any, snap: Snapshot, result: dict[str, Any], draft: str, lineag
 
     report = _put(url, draft, job.report if is_url(job.report) else remote_report(url))
     ancestor = lineage.damaged.checkpoint if lineage.damaged is not None else None
-    if ok:
+    if ok and ancestor is None:
         _drop(url, [marker_name(url)])  # an earlier save's marker: these bytes passed
         papers = _place_passport(url, snap, job.attested)
-        if ancestor is not None:
-            log.warning("ckptaudit guard: %s passed its own audit, but its training state descends from the damage "
-                        "at %s: not a checkpoint to resume from", url, ancestor)
-        else:
-            log.info("ckptaudit guard: %s passed (%.2f s): %s", url, seconds, summary)
-            if job.on_pass is not None:
-                try:
-                    job.on_pass(url)
-                except Exception as exc:  # noqa: BLE001
-                    log.error("ckptaudit guard: %s passed, but on_pass failed (%s: %s)", url, type(exc).__name__, exc)
+        log.info("ckptaudit guard: %s passed (%.2f s): %s", url, seconds, summary)
+        if job.on_pass is not None:
+            try:
+                job.on_pass(url)
+            except Exception as exc:  # noqa: BLE001
+                log.error("ckptaudit guard: %s passed, but on_pass failed (%s: %s)", url, type(exc).__name__, exc)
         return Verdict(url, job.step, True, summary, codes, report, None, seconds, queued, "", "", passport=papers,
-                       damaged_ancestor=ancestor)
+                       damaged_ancestor=None)
+    if ok and ancestor is not None:  # passed its own audit, but descends from a damaged training state: marked as a failure is (in place)
+        papers = _place_passport(url, snap, job.attested)  # its lineage says which ancestor it descends from
+        doc = {"checkpoint": url, "verdict": "descends-from-damage", "damaged_ancestor": ancestor,
+               "codes": ["guard.descends-from-damage"], "summary": summary, "report": report, "step": job.step,
+               "objects": [o.as_json() for o in snap.objects],
+               "marked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        marker = marker_name(url)
+        placed = _put_bytes(url, (json.dumps(doc, indent=1) + "\n").encode(), marker)
+        advice = descendant_advice(ancestor, marker if placed else None, lineage.last_passed(), marked=True)
+        log.warning("ckptaudit guard: %s passed its own audit, but %s", url, advice)
+        return Verdict(url, job.step, True, summary, codes, report, marker if placed else None, seconds, queued, "",
+                       f"left in place and marked quarantined (a descendant of the damage at {ancestor})",
+                       passport=papers, advice=advice, damaged_ancestor=ancestor)
     marker = marker_name(url)
     doc = {"checkpoint": url, "verdict": "fail", "codes": sorted(set(codes)), "summary": summary,
            "report": report, "step": job.step, "objects": [o.as_json() for o in snap.objects],

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptaudit.catalogue import finding
-from ckptaudit.findings import ComponentKind, Finding, Severity
+from ckptaudit.findings import ComponentKind, Finding, Severity, safe_str
 from ckptaudit.latest.candidates import Candidate
 from ckptaudit.latest.evidence import RunEvidence
 from ckptaudit.latest.lineage import damaged_ancestor, damaged_lineage
@@ -110,11 +110,16 @@ def quarantined(c: Candidate, ctx: StepContext) -> None:
     report = base + quarantine.REPORT_SUFFIX
     original = quarantine.quarantined_original(base)
     if original is None:  # not renamed: its quarantine marker lies beside it
-        why = _marker_reason(quarantine.marker_name(c.path))
+        why, ancestor = _marker_reason(quarantine.marker_name(c.path))
+        marked: dict[str, Any] = {"original": base}
+        if ancestor:
+            marked["damaged_ancestor"] = ancestor
+        what = (f"passed its own audit, but its training state descends from the damage at {ancestor}, so it"
+                if ancestor else f"failed its audit during training{why} and")
         ctx.findings.append(finding(
             "guard.quarantined", c.name,
-            f"{c.name}: failed its audit during training{why} and was marked quarantined by the guard, which left it "
-            f"in place (marker: {base}{quarantine.MARKER_SUFFIX}; report: {report})", original=base))
+            f"{c.name}: {what} was marked quarantined by the guard, which left it in place (marker: "
+            f"{base}{quarantine.MARKER_SUFFIX}; report: {report})", **marked))
         ctx.stop = True
         return
     has_report = (os.path.isfile(os.path.normpath(c.path) + quarantine.REPORT_SUFFIX) if not c.remote else False)
@@ -135,8 +140,9 @@ MAX_MARKER_BYTES = 64 << 10
 """What is read of a quarantine marker (a small JSON document the guard writes): one bounded read."""
 
 
-def _marker_reason(path: str) -> str:
-    """`` (CODES)``, the failing codes a quarantine marker records, or ``""`` when it cannot be read."""
+def _marker_reason(path: str) -> tuple[str, str | None]:
+    """`` (CODES)``, the failing codes a quarantine marker records (``""`` when it cannot be read), and the damaged
+    ancestor it names when the checkpoint passed but descends from a damaged training state."""
     import json
 
     from ckptaudit.formats.remote import is_url
@@ -157,9 +163,11 @@ def _marker_reason(path: str) -> str:
         doc = json.loads(data or b"")
         listed = doc.get("codes") if isinstance(doc, dict) else None
         codes = [str(x)[:80] for x in listed[:5]] if isinstance(listed, list) else []
+        ancestor = doc.get("damaged_ancestor") if isinstance(doc, dict) else None
     except (ValueError, AttributeError, TypeError):
-        return ""
-    return f" ({', '.join(codes)})" if codes else ""
+        return "", None
+    return (f" ({', '.join(codes)})" if codes else ""), (safe_str(ancestor)[:300] if isinstance(ancestor, str)
+                                                         else None)
 
 
 def empty(c: Candidate, ctx: StepContext) -> None:
