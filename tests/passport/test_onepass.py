@@ -127,3 +127,36 @@ def test_the_guards_passport_comes_from_its_audits_pass(tmp_path: Path, monkeypa
     made = attest(str(ckpt), output=str(tmp_path / "attest.json"))
     assert len(guarded.tensors) == len(made.tensors) >= 6
     assert guarded.tensors == made.tensors and guarded.files == made.files
+
+
+def test_a_quick_audit_gives_file_digests_and_says_why_no_tensor_digests(checkpoints: dict[str, Path],
+                                                                         tmp_path: Path) -> None:
+    """A quick scan reads each tensor's first chunk: no tensor digest comes from it (and the request says why);
+    ``attest`` of a quick audit still records them all, from a pass of their own."""
+    path = str(checkpoints["torch.save"])
+    asked = audit_digests(path, "sha256", jobs=2)
+    run_audit(path, AuditOptions(jobs=2, quick=True), digests=asked.scan)
+    assert asked.tensor_digests() == [] and "first chunk" in asked.scan.skipped
+    assert asked.file_digests() == digest_files(list_files(path), "sha256")
+    p = attest(path, output=str(tmp_path / "quick.json"), options=AuditOptions(quick=True), algorithm="sha256")
+    full = attest(path, output=str(tmp_path / "full.json"), algorithm="sha256")
+    assert p.verdict == "not-judged" and p.tensors == full.tensors and len(p.tensors) >= 7
+
+
+def test_a_failed_file_digest_leaves_the_audit_whole(checkpoints: dict[str, Path],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """What runs beside the scan never fails the audit: its error waits for the passport, which raises it."""
+    import ckptaudit.passport.digests as digests
+
+    def unreadable(*a: Any, **k: Any) -> Any:
+        raise PermissionError(13, "Permission denied", "model.pt")
+
+    path = str(checkpoints["torch.save"])
+    monkeypatch.setattr(digests, "digest_files", unreadable)
+    asked = audit_digests(path, "blake3", jobs=2)
+    report = run_audit(path, AuditOptions(jobs=2), digests=asked.scan)
+    assert report.tensors == run_audit(path, AuditOptions(jobs=2)).tensors and len(asked.tensor_digests()) >= 7
+    with pytest.raises(PermissionError, match="Permission denied"):
+        asked.file_digests()
+    with pytest.raises(RuntimeError, match="one audit"):  # a request is filled once
+        run_audit(path, AuditOptions(jobs=2), digests=asked.scan)
