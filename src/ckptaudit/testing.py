@@ -31,6 +31,7 @@ raises :class:`PassportFailed` (an ``AssertionError``; ``exc.result`` is the
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from ckptaudit.api import Report, audit
@@ -170,18 +171,24 @@ class PassportFailed(AssertionError):
 
 def assert_passport_verifies(path: str | os.PathLike[str], passport: str | os.PathLike[str] | None = None, *,
                              key: str | os.PathLike[str] | None = None,
-                             expect: Literal["training", "serving"] = "training") -> Any:
+                             expect: Literal["training", "serving"] = "training",
+                             cert_chain: Sequence[str | os.PathLike[str]] = ()) -> Any:
     """Verify the checkpoint at ``path`` (a local path or an ``s3://`` / ``gs://`` URL) against its passport
     (``passport``; default: the one it carries) and return the :class:`~ckptaudit.passport.VerifyResult`; raise
     :class:`PassportFailed` unless every byte is the attested one, the signature verifies with ``key`` (the
-    signer's PEM public key; with it a digest-only passport fails) and the recorded verdict is a pass for
-    ``expect`` (``training`` or ``serving``). A passport that cannot be read fails too (the message says why)."""
+    signer's PEM public key; with it a digest-only passport fails; a PEM file of CA certificates there is taken as
+    ``cert_chain``), or the signing certificate chains to ``cert_chain`` (PEM files of the CA certificates trusted:
+    ``attest --cert``), and the recorded verdict is a pass for ``expect`` (``training`` or ``serving``). A passport
+    that cannot be read fails too (the message says why)."""
     from ckptaudit.passport import PassportError, verify
     from ckptaudit.passport.render import verify_text
+    from ckptaudit.passport.verifying import trust_of
 
+    public, chain = trust_of(None if key is None else os.fspath(key))
+    chain = (*chain, *(os.fspath(c) for c in cert_chain))
     try:
         result = verify(os.fspath(path), None if passport is None else os.fspath(passport),
-                        key=None if key is None else os.fspath(key), expect=expect)
+                        key=public, expect=expect, cert_chain=chain)
     except PassportError as exc:
         raise PassportFailed(f"{os.fspath(path)}: its passport cannot be used: {exc}", None) from None
     if not result.ok:

@@ -177,3 +177,40 @@ def test_the_guard_signs_under_a_certificate(ckpt: Path, tmp_path: Path) -> None
     assert verify(str(good), cert_chain=[ours["root"]]).ok
     with pytest.raises(ValueError, match="passport_certificate"):
         Guard(passport_certificate=ours["leaf"])
+
+
+def test_requiring_a_passport_under_a_ca_file_in_latest_the_store_loader_and_the_testing_assertion(
+        ckpt: Path, tmp_path: Path) -> None:
+    """``latest --require passport=CA.pem``, the store loader's ``require_passport=CA.pem`` and the testing
+    assertion's ``key=CA.pem`` / ``cert_chain``: a CA file where a key goes means "signed under a certificate that
+    chains to it"; a passport of another CA's leaf, or a digest-only one, is refused by each."""
+    from ckptaudit.passport import passport_findings
+    from ckptaudit.testing import PassportFailed, assert_passport_verifies
+
+    ours, rival = _pki(tmp_path / "pki", "acme"), _pki(tmp_path / "pki", "rival")
+    run = tmp_path / "run"
+    good, bad = run / "step-2", run / "step-4"
+    shutil.copytree(ckpt, good)
+    shutil.copytree(ckpt, bad)
+    attest(str(good), key=ours["key"], certificate=ours["leaf"], cert_chain=[ours["mid"]])
+    attest(str(bad), key=rival["key"], certificate=rival["leaf"], cert_chain=[rival["mid"]])
+
+    code, out, err = _cli("latest", str(run), "--require", f"passport={ours['root']}", "--format", "json",
+                          "--no-progress", "--all")
+    doc = json.loads(out)
+    assert code == 0 and doc["latest"] == str(good), out + err
+    [row] = [c for c in doc["candidates"] if c["name"] == "step-4"]
+    assert row["resumable"] is False and any(f["code"] == "passport.signature" for f in row["findings"])
+
+    # The store loader's require_passport=CA.pem runs this step on the checkpoint it resolved.
+    assert passport_findings(str(good), "step-2", key=ours["root"]) == ()
+    [refused] = passport_findings(str(bad), "step-4", key=ours["root"])
+    assert refused.code == "passport.signature" and "CN=rival trainer" in refused.message
+
+    assert assert_passport_verifies(good, key=ours["root"]).ok
+    assert assert_passport_verifies(good, cert_chain=[ours["root"]]).ok
+    with pytest.raises(PassportFailed):
+        assert_passport_verifies(bad, cert_chain=[ours["root"]])
+    attest(str(good))  # digest-only now
+    with pytest.raises(PassportFailed):
+        assert_passport_verifies(good, key=ours["root"])

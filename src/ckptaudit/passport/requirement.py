@@ -2,8 +2,8 @@
 chosen, and how the requirement rides in ``require`` beside the components.
 
 ``require`` takes ``passport`` (any passport that verifies: the bytes are the attested ones and its verdict a
-pass) or ``passport=KEY`` (the signature must also verify with the signer's PEM public key ``KEY``; a digest-only
-passport is refused). :func:`split_require` takes it out before the components are judged.
+pass) or ``passport=KEY`` (the signature must also verify: ``KEY`` is the signer's PEM public key, or a PEM file of
+the CA certificates the passport's signing certificate must chain to; a digest-only passport is refused). :func:`split_require` takes it out before the components are judged.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ __all__ = ["PassportRequirement", "require_passport_step", "split_require"]
 @dataclass(frozen=True, slots=True)
 class PassportRequirement:
     key: str | None = None
-    """The signer's PEM public key, or ``None``: any passport that verifies."""
+    """The signer's PEM public key or the CA certificates' PEM file, or ``None``: any passport that verifies."""
 
     def findings(self, path: str, name: str) -> tuple[Finding, ...]:
         """The errors that keep the checkpoint at ``path`` from being chosen (empty: its passport verifies)."""

@@ -31,7 +31,7 @@ from ckptaudit.passport.document import Parsed, parse_passport, read_passport_by
 from ckptaudit.passport.model import Artifact, FileDigest, PassportError, VerifyResult
 from ckptaudit.passport.statements import load_public_key, verify_bundle
 
-__all__ = ["passport_findings", "verify"]
+__all__ = ["passport_findings", "trust_of", "verify"]
 
 
 def _result(path: str, file: str | None, parsed: Parsed | None, findings: list[Finding], **kw: Any) -> VerifyResult:
@@ -289,13 +289,31 @@ def _tensors(path: str, parsed: Parsed, jobs: int) -> tuple[bool, list[str], dic
     return same, changed, by_file
 
 
+def trust_of(key: str | None) -> tuple[str | None, tuple[str, ...]]:
+    """What a trust file given as ``KEY`` (``latest --require passport=KEY``, the store loader's
+    ``require_passport=KEY``, the testing assertion's ``key``) is: a PEM public key -> ``(key, ())``; a PEM file of
+    certificates (a CA or a bundle of them) -> ``(None, (key,))``, the chain the passport's certificate must chain
+    to. A file that cannot be read is left as a key (:func:`verify` then names it)."""
+    if key is None:
+        return None, ()
+    try:
+        with open(key, "rb") as fh:
+            head = fh.read(1 << 20)
+    except OSError:
+        return key, ()
+    return (None, (key,)) if b"-----BEGIN CERTIFICATE-----" in head else (key, ())
+
+
 def passport_findings(path: str, name: str, *, key: str | None = None,
                       expect: Artifact = "training") -> tuple[Finding, ...]:
     """``latest --require passport``'s and the store loader's step: the findings that keep the checkpoint at
     ``path`` (named ``name`` in messages) from being chosen: no passport, one that cannot be read or does not
-    verify, or one whose verdict was no pass. Empty when its passport verifies (one read of every byte)."""
+    verify, or one whose verdict was no pass. Empty when its passport verifies (one read of every byte). ``key``:
+    the signer's PEM public key, or a PEM file of the CA certificates its signing certificate must chain to
+    (:func:`trust_of`)."""
+    public, chain = trust_of(key)
     try:
-        result = verify(path, key=key, expect=expect)
+        result = verify(path, key=public, expect=expect, cert_chain=chain)
     except PassportError as exc:
         return (finding("passport.malformed", name, f"{name}: its passport cannot be used: {exc}"),)
     except OSError as exc:

@@ -111,7 +111,8 @@ def load_checkpoint(
 
     ``require_passport``: load only a checkpoint whose passport (``ckptaudit attest``, or a guard; see
     ``docs/passport.md``) verifies: ``True`` for any passport (a digest-only one: the bytes are the attested ones),
-    or the path of the signer's PEM public key (the signature must verify; a digest-only passport is refused).
+    or the path of the signer's PEM public key, or of a PEM file of the CA certificates its signing certificate
+    must chain to (``attest --cert``): the signature must verify; a digest-only passport is refused.
     Its recorded verdict must be a pass. Costs one read of every byte, on the coordinator.
 
     Order of events:
