@@ -16,30 +16,16 @@ from torch import nn
 from ckptaudit.auditing.judge import AuditOptions, run_audit
 from ckptaudit.checks.precision import per_parameter
 from ckptaudit.findings import Contract, Precision, RawReport, Severity, TensorRecord
+from fsdp_jobs import mixed_model
 
 BF16 = ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"]
 FP32 = ["emb.weight", "norm.weight", "norm.bias", "head.weight", "head.bias"]
 
 
-class Mixed(nn.Module):
-    """fp32 embedding, norm and head; a bf16 MLP body by design."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(32, 16)
-        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).to(torch.bfloat16)
-        self.norm = nn.LayerNorm(16)
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.body(self.emb(x).to(torch.bfloat16)).float()
-        return self.head(self.norm(h))
-
-
 @pytest.fixture(scope="module")
-def trained() -> tuple[Mixed, torch.optim.Optimizer]:
+def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = Mixed()
+    model = mixed_model()  # a bf16 MLP body by design; fp32 embedding, norm and head
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(3):
         model(torch.randint(0, 32, (8,))).pow(2).mean().backward()

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptaudit.catalogue import finding
 from ckptaudit.findings import ComponentKind, Contract, Finding, Precision, TensorRecord
@@ -246,18 +247,22 @@ def live_per_parameter(placed: Mapping[str, str], params: Sequence[TensorRecord]
     undecided = {r.param: f"{who} parameters of several dtypes, and which of them this one is cannot be told"
                  for r in params if r.param is not None and r.param not in placed and _narrow_valued(r)}
     names = sorted(p for p in masters if any(r.param == p for r in params))
+    dtypes = "/".join(sorted(set(masters.values())))
+    note = _per_parameter_note(f"{detail}: {who} {len(masters)} parameter(s) in {dtypes} and the others in float32 "
+                               f"(a model holding those in {dtypes} by design)", names, masters)
+    return PerParameter(masters=masters, undecided=undecided, findings=(note,))
+
+
+def _per_parameter_note(lead: str, names: Sequence[str], masters: Mapping[str, str], evidence: str | None = None) -> Finding:
+    """``contract.per-parameter``: ``lead`` (where the per-parameter contract comes from), then which parameters are
+    held to which master dtype."""
     shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
     dtypes = "/".join(sorted(set(masters.values())))
-    note = finding(
-        "contract.per-parameter",
-        "contract",
-        f"{detail}: {who} {len(masters)} parameter(s) in {dtypes} and the others in float32 "
-        f"(a model holding those in {dtypes} by design). Each parameter is held to its own master dtype: "
-        f"{shown} to {dtypes}, the others to float32",
-        params=names,
-        dtypes=dict(sorted(masters.items())),
-    )
-    return PerParameter(masters=masters, undecided=undecided, findings=(note,))
+    where: dict[str, Any] = {} if evidence is None else {"evidence": evidence}
+    return finding("contract.per-parameter", "contract",
+                   f"{lead}. Each parameter is held to its own master dtype: {shown} to {dtypes}, the others to "
+                   "float32", params=list(names), dtypes=dict(sorted(masters.items())),
+                   **where)
 
 
 def manifest_per_parameter(manifest: Mapping[str, object], params: Sequence[TensorRecord]) -> dict[str, str] | None:
@@ -292,18 +297,10 @@ def _by_run(contract: Contract, params: Sequence[TensorRecord], records: Sequenc
     if not masters:
         return PerParameter()
     names = sorted(masters)
-    shown = ", ".join(names[:8]) + (f" (+{len(names) - 8} more)" if len(names) > 8 else "")
     dtypes = "/".join(sorted(set(masters.values())))
-    note = finding(
-        "contract.per-parameter",
-        "contract",
-        f"{contract.detail}, except {len(names)} parameter(s) whose own optimizer state there is {dtypes}, in "
-        f"their dtype: a model holding them in {dtypes} by design. Each parameter is held to its own master "
-        f"dtype: {shown} to {dtypes}, the others to float32",
-        params=names,
-        dtypes=dict(sorted(masters.items())),
-        evidence=run.where,
-    )
+    note = _per_parameter_note(f"{contract.detail}, except {len(names)} parameter(s) whose own optimizer state there "
+                               f"is {dtypes}, in their dtype: a model holding them in {dtypes} by design", names,
+                               masters, evidence=run.where)
     return PerParameter(masters=masters, findings=(note,))
 
 
