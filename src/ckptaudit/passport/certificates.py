@@ -51,8 +51,10 @@ def _x509() -> Any:
     try:
         from cryptography import x509
     except ImportError:
+        from ckptaudit.extras import install_line
+
         raise PassportError("signing and verifying a passport with a certificate needs the [sign] extra: "
-                            "pip install 'ckptaudit[sign]'") from None
+                            f"{install_line('sign')}") from None
     return x509
 
 
