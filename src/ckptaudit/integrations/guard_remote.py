@@ -14,7 +14,8 @@ Which thread runs what, as for a local checkpoint (:mod:`ckptaudit.integrations.
 3. **The verdict, written as objects next to the checkpoint**: the JSON report at ``<checkpoint>.ckptaudit.json``
    (or the URL ``submit(report=...)`` names);
    on a pass the passport where :mod:`ckptaudit.ondisk.passport` puts it (``DIR/ckptaudit.passport.json`` inside a
-   folder, ``FILE.passport.json`` beside a file), so ``ckptaudit verify s3://...`` finds it; on a failure the
+   folder, ``FILE.passport.json`` beside a file), so ``ckptaudit verify s3://...`` finds it; on a failure (or a
+   pass whose training state descends from a damaged one: its passport too, its lineage saying so) the
    quarantine marker, ``<checkpoint>.ckptaudit-quarantine.json``
    (:data:`~ckptaudit.ondisk.quarantine.MARKER_SUFFIX`), naming the verdict, its codes, the report and the objects
    judged. ``ckptaudit latest`` passes over a marked checkpoint, saying why.
