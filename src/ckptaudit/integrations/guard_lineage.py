@@ -321,7 +321,25 @@ def passport_drafts(request: dict[str, Any] | None) -> tuple[str, ...]:
     if request is None:
         return ()
     out = str(request["output"])
-    return out, out.removesuffix(".json") + ".sig"
+    return out, _draft_signature(out)
+
+
+def drafted_passport(attested: dict[str, Any] | None, checkpoint: str) -> tuple[str, str] | None:
+    """(worker, after a pass) The drafted passport and the path its signature would have, or ``None`` when no
+    passport was drafted (none asked for; or it failed: logged)."""
+    if not attested:
+        return None
+    if "error" in attested or not attested.get("file"):
+        log.warning("ckptaudit guard: %s passed, but its passport could not be written (%s)", checkpoint,
+                    attested.get("error", "no file"))
+        return None
+    draft = str(attested["file"])
+    return draft, _draft_signature(draft)
+
+
+def _draft_signature(draft: str) -> str:
+    """Where ``attest`` writes the signature of a passport drafted at ``draft``."""
+    return draft.removesuffix(".json") + ".sig"
 
 
 def place_passport(attested: dict[str, Any] | None, checkpoint: str) -> str | None:
@@ -330,16 +348,12 @@ def place_passport(attested: dict[str, Any] | None, checkpoint: str) -> str | No
     ``None`` (no passport was written: logged)."""
     from ckptaudit.ondisk.passport import passport_path, signature_path
 
-    if not attested:
+    drafted = drafted_passport(attested, checkpoint)
+    if drafted is None:
         return None
-    if "error" in attested or not attested.get("file"):
-        log.warning("ckptaudit guard: %s passed, but its passport could not be written (%s)", checkpoint,
-                    attested.get("error", "no file"))
-        return None
-    draft = str(attested["file"])
+    draft, sig = drafted
     dest = passport_path(checkpoint)
     try:
-        sig = draft.removesuffix(".json") + ".sig"
         if os.path.exists(sig):
             os.replace(sig, signature_path(checkpoint))
         os.replace(draft, dest)

@@ -44,7 +44,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptaudit.integrations.guard_lineage import RunLineage, classify, failure_advice, passport_request
+from ckptaudit.integrations.guard_lineage import (
+    RunLineage,
+    classify,
+    drafted_passport,
+    failure_advice,
+    passport_request,
+)
 from ckptaudit.integrations.guard_quarantine import descendant_advice
 from ckptaudit.integrations.guard_records import Verdict
 from ckptaudit.ondisk.passport import is_passport_name, passport_path, signature_path
@@ -209,14 +215,10 @@ def _decide(job: Any, snap: Snapshot, result: dict[str, Any], draft: str, lineag
 
 def _place_passport(url: str, snap: Snapshot, attested: dict[str, Any] | None) -> str | None:
     """(worker, after a pass) Upload the drafted passport (and signature) where ``url``'s passport lives."""
-    if not attested:
+    drafted = drafted_passport(attested, url)
+    if drafted is None:
         return None
-    if "error" in attested or not attested.get("file"):
-        log.warning("ckptaudit guard: %s passed, but its passport could not be written (%s)", url,
-                    attested.get("error", "no file"))
-        return None
-    draft = str(attested["file"])
-    sig = draft.removesuffix(".json") + ".sig"
+    draft, sig = drafted
     if os.path.exists(sig) and _put(url, sig, signature_path(url, is_dir=snap.is_dir)) is None:
         return None
     return _put(url, draft, passport_path(url, is_dir=snap.is_dir))
