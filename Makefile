@@ -49,13 +49,19 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The suite runs its test files on TEST_WORKERS processes (pytest-xdist; a file's tests stay together, in order, on
+# one worker; library checkpoints are still written once per run: tests/support/shared_fixtures.py).
+# TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
+
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
 
 # The suite with its files in reversed order (CKPTAUDIT_TEST_ORDER=random or random:SEED shuffles them instead):
 # no test may pass only because another file ran first.
 unit-reversed: $(STAMP)
-	CKPTAUDIT_TEST_ORDER=reverse $(BIN)/python -m pytest -q
+	CKPTAUDIT_TEST_ORDER=reverse $(BIN)/python -m pytest -q $(XDIST)
 
 test: lint typecheck unit
 

@@ -11,6 +11,7 @@ import pytest
 
 import cpu_features
 from configurations import Written, fixture_launch
+from shared_fixtures import build_once, worker_id
 
 # CKPTAUDIT_TEST_CPU=avx2: this machine as a CPU without oneDNN's fp16/bf16 kernels (see cpu_features.py). Set
 # before anything in this process starts oneDNN; every process the tests start inherits it.
@@ -43,8 +44,8 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     Read-only: a test that damages a checkpoint copies it first (see ``copy_of``).
     """
-    out = tmp_path_factory.mktemp("fsdp")
-    info = fixture_launch("fsdp_run", _jobs().write_variants, 2, (str(out), 6), timeout_s=240, **FSDP_FAST)[0]
+    out, info = build_once(tmp_path_factory, "fsdp", lambda out: fixture_launch(
+        "fsdp_run", _jobs().write_variants, 2, (str(out), 6), timeout_s=240, **FSDP_FAST)[0], wait_s=WRITER_SETUP_S)
     return {"dir": out, **info}
 
 
@@ -52,8 +53,11 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def fsdp_low_precision(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real 2-rank FSDP2 run with bf16 masters by design (the model cast to bf16 before ``fully_shard``), saved
     the documented way: its own launch, so that neither run's failure takes the other's tests with it."""
-    out = tmp_path_factory.mktemp("fsdp-low-precision")
-    fixture_launch("fsdp_low_precision", _jobs().write_low_precision, 2, (str(out), 6), timeout_s=240, **FSDP_FAST)
+    def build(out: Path) -> None:
+        fixture_launch("fsdp_low_precision", _jobs().write_low_precision, 2, (str(out), 6), timeout_s=240,
+                       **FSDP_FAST)
+
+    out, _ = build_once(tmp_path_factory, "fsdp-low-precision", build, wait_s=WRITER_SETUP_S)
     return out / "low-precision-masters"
 
 
@@ -101,7 +105,10 @@ _ORDER = pytest.StashKey[tuple[str, "int | None"]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_ORDER] = _file_order()
+    mode, seed = config.stash[_ORDER] = _file_order()
+    if mode == "random" and not worker_id():
+        # pytest-xdist's workers (started after this, with this environment) must collect in the same order.
+        os.environ["CKPTAUDIT_TEST_ORDER"] = f"random:{seed}"
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -160,9 +167,9 @@ def ds(tmp_path_factory: pytest.TempPathFactory) -> Written:
     pytest.importorskip("deepspeed")
     import lib_writers
 
-    out = tmp_path_factory.mktemp("deepspeed")
-    written: Written = lib_writers.run_writer("deepspeed", str(out))
-    return written
+    out, _ = build_once(tmp_path_factory, "deepspeed", lambda out: str(lib_writers.run_writer("deepspeed", str(out))),
+                        wait_s=WRITER_SETUP_S)
+    return Written(out, "deepspeed")
 
 
 @pytest.fixture(scope="session")
@@ -171,7 +178,9 @@ def scale_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
     written once (see ``real_checkpoints.chunked_checkpoints``). Read-only."""
     from real_checkpoints import chunked_checkpoints
 
-    return chunked_checkpoints(tmp_path_factory.mktemp("chunked"))
+    _, paths = build_once(tmp_path_factory, "chunked",
+                          lambda out: {k: str(v) for k, v in chunked_checkpoints(out).items()}, wait_s=WRITER_SETUP_S)
+    return {k: Path(v) for k, v in paths.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
