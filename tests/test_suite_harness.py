@@ -3,6 +3,7 @@ fixtures whose failure names what failed (``cpu_features.py``, ``configurations.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -85,3 +86,52 @@ def test_a_session_fixtures_failure_names_the_fixture_job_and_configuration() ->
     assert "(rank 1 first)" in message and "killed by SIGABRT" in message
     assert "| configuration s2-fp16: writing" in message  # the dead rank's own last words
     assert "configuration 'faithful.pt' failed" in message  # the surviving rank's exception
+
+
+_SHARED = """
+import json, os, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from shared_fixtures import build_once
+
+class Factory:  # what build_once asks of pytest's TempPathFactory: this worker's base folder
+    def getbasetemp(self):
+        return Path(sys.argv[2]) / ("popen-" + os.environ["PYTEST_XDIST_WORKER"])
+
+def build(out):
+    (out / ("built-by-" + os.environ["PYTEST_XDIST_WORKER"])).write_text("")
+    time.sleep(1.0)  # the other worker asks meanwhile
+    if sys.argv[3] == "fail":
+        raise ValueError("the writer refused")
+    return {"paths": [str(out / "a")]}
+
+try:
+    out, got = build_once(Factory(), "thing", build, wait_s=120)
+    print(json.dumps({"out": str(out), "got": got}))
+except Exception as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+@pytest.mark.parametrize("outcome", ["ok", "fail"])
+def test_a_session_fixture_is_built_once_for_every_xdist_worker(tmp_path: Path, outcome: str) -> None:
+    procs = [subprocess.Popen([sys.executable, "-c", _SHARED, str(SUPPORT), str(tmp_path), outcome],
+                              env={**os.environ, "PYTEST_XDIST_WORKER": f"gw{i}"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, err
+        results.append(json.loads(out))
+    assert len(list((tmp_path / "shared-thing").glob("built-by-*"))) == 1  # one writer, whoever came first
+    if outcome == "ok":
+        assert results[0] == results[1] == {"out": str(tmp_path / "shared-thing"),
+                                            "got": {"paths": [str(tmp_path / "shared-thing" / "a")]}}
+    else:  # the builder's own error, and the other worker's naming the fixture with the builder's traceback
+        assert sorted(r["error"].splitlines()[0] for r in results) == [
+            "fixture thing failed in the worker that built it:", "the writer refused"]
+        assert all("ValueError: the writer refused" in r["error"] for r in results
+                   if r["error"].startswith("fixture"))
