@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from ckptaudit.findings import SCHEMA_VERSION
@@ -115,8 +116,10 @@ def test_json_reports_have_a_line_per_tensor_record_finding_and_pair(tmp_path: P
     assert one_line == doc["tensors"] + doc["findings"] + doc["pairs"]
 
 
-def test_table_prints_hostile_names_verbatim(tmp_path: Path) -> None:
-    # Tensor names come from the checkpoint: rich markup in them must be printed, not interpreted.
+def test_table_prints_hostile_names_verbatim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tensor names come from the checkpoint: rich markup in them must be printed, not interpreted. The width the
+    # output gets when it is no terminal (COLUMNS may be anything: pytest-xdist's workers have 80, which folds it).
+    monkeypatch.delenv("COLUMNS", raising=False)
     path = tmp_path / "markup.pt"
     torch.save({"model": {"[/]x[bold]:smile:": torch.ones(3).bfloat16()}}, path)
     code, out, err = cli("audit", str(path), "--verbose")
