@@ -56,9 +56,16 @@ def test_a_segfault_reports_the_function_it_happened_in() -> None:
 
 
 def test_a_hung_rank_is_killed_with_the_stack_it_hung_in() -> None:
-    # 30 s: long enough for both ranks to start on 2 loaded cores; rank 0 returns at once.
+    # The deadline must let both ranks start (rank 0 returns at once): 5x what a launch that returns at once took
+    # just now, from the same fork server (it also starts the server), between 10 s and the 30 s a cold start on
+    # 2 loaded cores was given: the test waits 10 s on a warm server, not 30.
+    import time
+
+    start = time.monotonic()
+    assert launch(launch_jobs.say, 2, ("warm",), timeout_s=120, **FAST) == [0, 1]
+    deadline = min(30.0, max(10.0, 5 * (time.monotonic() - start)))
     with pytest.raises(DistributedError) as err:
-        launch(launch_jobs.hang_on_rank_1, 2, (600.0,), timeout_s=30, **FAST)
+        launch(launch_jobs.hang_on_rank_1, 2, (600.0,), timeout_s=deadline, **FAST)
     (hung,) = err.value.failures
     assert hung.rank == 1 and hung.reason == "timeout"
     assert "_stuck_here" in hung.stderr and "hang_on_rank_1" in hung.stderr

@@ -49,12 +49,12 @@ def test_assert_checkpoint_ok_passes_a_good_checkpoint_and_names_each_finding_of
 def test_assert_resumes_faithfully_raises_drift_for_a_drifting_exporter(tmp_path: Path) -> None:
     recipe = "ckptaudit.recipes.tinygpt:recipe"
     with pytest.raises(CheckpointDrift) as info:
-        assert_resumes_faithfully(recipe, "ckptaudit.exporters:compute_copy", save_at=2, steps=2,
+        assert_resumes_faithfully(recipe, "ckptaudit.exporters:compute_copy", nproc=1, save_at=2, steps=2,
                                   workdir=str(tmp_path / "drift"))
     text = str(info.value)
     assert "\n  error resume.drift " in text and "parameters deviate from the uninterrupted run" in text
     assert info.value.report.raw.extra["resume"]["candidates"][0]["verdict"] == "drift"
-    report = assert_resumes_faithfully(recipe, "ckptaudit.exporters:documented", save_at=2, steps=2,
+    report = assert_resumes_faithfully(recipe, "ckptaudit.exporters:documented", nproc=1, save_at=2, steps=2,
                                        workdir=str(tmp_path / "faithful"))
     assert report.ok
 

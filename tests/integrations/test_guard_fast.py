@@ -184,14 +184,17 @@ def test_lightning_rewritten_last_ckpt_gets_the_verdict_of_what_each_save_wrote(
 @pytest.mark.dist
 def test_no_rank_waits_for_an_audit_inside_one_collective(tmp_path: Path) -> None:
     # Audits held 3x longer than the process group's timeout: the other rank waits beside the one that audits in
-    # rounds of one short all-reduce, at the save and at the end, so no collective times out.
-    from ckptaudit.launch import launch
+    # rounds of one short all-reduce (ROUND_S, 1 s), at the save and at the end, so no collective times out. The
+    # timeout is 5 s (4 s of slack over a round, on a loaded machine), the holds 15 s: 30 s of waiting, not 60.
+    # Both ranks are forked from one server that imported torch (no rank joins the group seconds after the other);
+    # ckptaudit's own preload list, since the first launch's list serves every later one in this process.
+    from ckptaudit.launch import fast, launch
     from real_checkpoints import trained
 
     for step in (2, 4):
         trained(tmp_path / f"step={step}.pt")
-    zero, one = launch(guard_fast_jobs.held_audit, 2, (str(tmp_path), 30.0), timeout_s=300, pg_timeout_s=10,
-                       backend="gloo")
+    zero, one = launch(guard_fast_jobs.held_audit, 2, (str(tmp_path), 15.0), timeout_s=300, pg_timeout_s=5,
+                       backend="gloo", **fast("guard_fast_jobs"))
     assert (zero["judged_before_the_save"], zero["waits"], zero["verdicts"], zero["done"]) == (1, [(4, 1)],
                                                                                                [True, True], True)
     assert (one["waits"], one["verdicts"], one["done"]) == ([], [], True)

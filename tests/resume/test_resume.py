@@ -4,16 +4,16 @@ user code loaded by path (tests/support/resume_user_code.py)."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from ckptaudit.cli import main
 from ckptaudit.findings import RawReport
 from ckptaudit.formats.torchload import vetted_torch_load
 from ckptaudit.report import OutputFormat, render
@@ -35,6 +35,10 @@ root's and a block's parameters unsharded bf16 tensors, and in the processes of 
 the export phases were isolated) nothing after it resharded them, so the reference trajectory started from
 bf16-rounded parameters (floor[0] 1.6e-3, no power, the healthy candidate not judged)."""
 EXPORT_TIMEOUT = 40.0
+"""The hung exporter's deadline at most (the 2 cores loaded) ..."""
+EXPORT_TIMEOUT_MIN = 15.0
+"""... and at least: ``export_timeout`` takes 5x the healthy exporter's own export phase in the ``alone`` run
+(the same phase, same exporter, just before), which no export phase of the run beside the failures may outlast."""
 
 
 @pytest.fixture(scope="module")
@@ -44,23 +48,41 @@ def experiment(tmp_path_factory: pytest.TempPathFactory) -> tuple[RawReport, Pat
     return run_resume_test(cfg), work
 
 
-def _unseeded(exporters: tuple[str, ...], work: Path) -> RawReport:
+def _unseeded(exporters: tuple[str, ...], work: Path, export_timeout: float,
+              log: Callable[[str], None] | None = None) -> RawReport:
     return run_resume_test(ResumeConfig(recipe=f"{USER}:unseeded", exporters=exporters, save_at=3, steps=3,
-                                        export_timeout_s=EXPORT_TIMEOUT, workdir=str(work)))
+                                        export_timeout_s=export_timeout, workdir=str(work)), log=log)
 
 
 @pytest.fixture(scope="module")
-def alone(tmp_path_factory: pytest.TempPathFactory) -> tuple[RawReport, Path]:
-    """The torch-RNG-only job and its complete exporter, alone."""
+def alone_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[RawReport, Path, float]:
+    """The torch-RNG-only job and its complete exporter, alone; and how long its export phase took (seconds: from
+    the driver's announcement of the export to that of the candidate's restore)."""
     work = tmp_path_factory.mktemp("alone")
-    return _unseeded((HEALTHY,), work), work
+    said: list[tuple[float, str]] = []
+    report = _unseeded((HEALTHY,), work, EXPORT_TIMEOUT, log=lambda msg: said.append((time.monotonic(), msg)))
+    (begin,) = (t for t, msg in said if msg.startswith("export candidate"))
+    (end,) = (t for t, msg in said if msg.startswith("restore candidate"))
+    return report, work, end - begin
 
 
 @pytest.fixture(scope="module")
-def beside_failures(tmp_path_factory: pytest.TempPathFactory) -> tuple[RawReport, Path]:
+def alone(alone_run: tuple[RawReport, Path, float]) -> tuple[RawReport, Path]:
+    return alone_run[0], alone_run[1]
+
+
+@pytest.fixture(scope="module")
+def export_timeout(alone_run: tuple[RawReport, Path, float]) -> float:
+    """The export deadline of the run beside the failures: what the hung exporter costs (it used to be a fixed
+    40 s, the bound for a loaded machine, waited in full even on a quiet one)."""
+    return min(EXPORT_TIMEOUT, max(EXPORT_TIMEOUT_MIN, 5 * alone_run[2]))
+
+
+@pytest.fixture(scope="module")
+def beside_failures(tmp_path_factory: pytest.TempPathFactory, export_timeout: float) -> tuple[RawReport, Path]:
     """The same, with the four failing exporters after it."""
     work = tmp_path_factory.mktemp("beside")
-    return _unseeded((HEALTHY, *FAILURES), work), work
+    return _unseeded((HEALTHY, *FAILURES), work, export_timeout), work
 
 
 def candidate(report: RawReport, attr: str) -> dict[str, Any]:
@@ -157,7 +179,7 @@ def test_failing_exporters_leave_the_reference_and_the_healthy_candidate_as_with
 
 
 def test_each_failing_exporter_is_its_own_finding_naming_what_happened(
-        beside_failures: tuple[RawReport, Path]) -> None:
+        beside_failures: tuple[RawReport, Path], export_timeout: float) -> None:
     report, _ = beside_failures
     failed = {f.subject: f.message for f in report.findings if f.code == "resume.candidate-failed"}
     assert set(failed) == set(FAILURES)
@@ -170,7 +192,7 @@ def test_each_failing_exporter_is_its_own_finding_naming_what_happened(
     assert RESUME_SRC not in disk and "launch.py" not in disk  # ... and not ckptaudit's
     assert "crashed while exporting" in failed[FAILURES[1]] and "exit code 3" in failed[FAILURES[1]]
     hung = failed[FAILURES[2]]
-    assert "hung while exporting" in hung and f"no result within {EXPORT_TIMEOUT:.0f} s" in hung
+    assert "hung while exporting" in hung and f"no result within {export_timeout:.0f} s" in hung
 
 
 def test_state_the_steps_never_use_is_info_and_a_torch_rng_only_job_resumes_faithfully(
@@ -213,29 +235,6 @@ def test_unused_by_steps_is_decided_per_generator_and_per_component() -> None:
                                                            "rng": ["rank0/torch"]}
 
 
-def test_borrowed_state_is_the_explicit_experiment(tmp_path: Path) -> None:
-    cfg = ResumeConfig(exporters=(f"{USER}:partial",), save_at=2, steps=2, borrow_state=True, nproc=1)
-    report = run_resume_test(cfg)
-    c = report.extra["resume"]["candidates"][0]
-    assert c["verdict"] == "faithful" and max(c["rel_l2"]) == 0.0
-    assert c["restore"]["rng"]["status"] == "borrowed" and c["restore"]["data position"]["status"] == "borrowed"
-    assert not subjects(report, "resume.not-restored")
-    borrowed = [f for f in report.findings if f.code == "resume.state-borrowed"]
-    assert len(borrowed) == 1 and "rng" in borrowed[0].message and "data position" in borrowed[0].message
-    assert "borrowed" in report.extra["sections"][0]["title"]
-
-
-def test_cli_exporter_failure_exits_1_with_frames_and_debug_shows_all(tmp_path: Path) -> None:
-    out, err = io.StringIO(), io.StringIO()
-    code = main(["resume-test", "--exporter", f"{USER}:full_disk", "--exporter", "ckptaudit.exporters:documented",
-                 "--nproc", "1", "--save-at", "2", "--steps", "2", "--format", "json", "--debug", "--no-progress"],
-                stdout=out, stderr=err)
-    assert code == 1, err.getvalue()
-    doc = json.loads(out.getvalue())
-    verdicts = {c["exporter"].rpartition(":")[2]: c["verdict"] for c in doc["resume"]["candidates"]}
-    assert verdicts == {"full_disk": "failed", "documented": "faithful"}
-    failed = next(f for f in doc["findings"] if f["code"] == "resume.candidate-failed")
-    assert RESUME_SRC in failed["message"]  # --debug: every frame, ckptaudit's too
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -328,24 +327,6 @@ def test_a_reference_that_does_not_restore_exactly_gives_no_power() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Across a world-size change
-
-
-@pytest.mark.parametrize("resume_nproc", [1, 4])
-def test_resume_on_another_world_size(resume_nproc: int) -> None:
-    cfg = ResumeConfig(exporters=("ckptaudit.exporters:compute_copy", "ckptaudit.exporters:documented"),
-                       nproc=2, resume_nproc=resume_nproc, save_at=2, steps=2)
-    report = run_resume_test(cfg)
-    doc = report.extra["resume"]
-    assert (doc["nproc"], doc["resume_nproc"]) == (2, resume_nproc) and doc["power"]
-    assert doc["floor"][0] == 0.0  # DCP reshards exactly; the steps differ by reduction order only
-    assert candidate(report, "documented")["verdict"] == "faithful"
-    assert all(candidate(report, "documented")["restore"][k]["status"] == "restored" for k in COMPONENTS)
-    assert candidate(report, "compute_copy")["verdict"] == "drift"
-    assert f"resumed on {resume_nproc}" in report.extra["sections"][0]["title"]
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Reports
 
 
@@ -416,21 +397,3 @@ def _check_plots(page: str) -> None:
         legend_x = [float(v) for v in re.findall(r"<line x1='([\d.]+)' x2='[\d.]+' y1='[\d.]+' y2='[\d.]+' stroke=",
                                                  svg)]
         assert max(legend_x) > x0 + w  # the legend is outside the plot area
-
-
-def test_low_precision_master_recipe_resumes_faithfully_through_its_own_checkpoint(tmp_path: Path) -> None:
-    cfg = ResumeConfig(recipe="ckptaudit.recipes.tinygpt:low_precision_recipe",
-                       exporters=("ckptaudit.exporters:documented",), save_at=3, steps=3, workdir=str(tmp_path))
-    report = run_resume_test(cfg)
-    assert report.findings == ()
-    assert candidate(report, "documented")["rel_l2"] == [0.0] * 4
-    assert "one ulp" in report.extra["resume"]["control"]["what"]  # the masters are bf16 already
-
-
-def test_demo_tells_the_whole_story(tmp_path: Path) -> None:
-    out, err = io.StringIO(), io.StringIO()
-    code = main(["demo", "--out", str(tmp_path / "demo"), "--steps", "4"], stdout=out, stderr=err)
-    text = out.getvalue()
-    assert code == 0, text + err.getvalue()
-    assert "precision.bf16-rounded" in text and "DRIFT" in text and "bit-identical" in text
-    assert (tmp_path / "demo" / "report.html").read_text().count("<svg") == 2
