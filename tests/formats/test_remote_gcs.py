@@ -191,3 +191,85 @@ def test_a_stalled_gs_read_is_bounded_by_the_remote_timeout(gcs: dict[str, Any],
     _, local, _ = _json("audit", str(gcs["local"] / "ckpt.pt"))
     remote = json.loads(proc.stdout)
     assert {k: v for k, v in remote.items() if k != "path"} == {k: v for k, v in local.items() if k != "path"}
+
+
+def _replaceable(fs: Any, name: str, tmp_path: Path) -> bytes:
+    """A torch.save file of 4 tensors of 256 KiB put at ``BUCKET/name`` (each test its own object); its bytes."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    torch.save({"model": {f"w{i}": torch.randn(1 << 16, generator=g) for i in range(4)}, "step": 3},
+               tmp_path / "ckpt.pt")
+    data = (tmp_path / "ckpt.pt").read_bytes()
+    fs.pipe(f"{BUCKET}/{name}", data)
+    return data
+
+
+def _altered(data: bytes) -> bytes:
+    altered = bytearray(data)
+    altered[len(data) // 2] ^= 0xFF  # inside a tensor's data, same length
+    return bytes(altered)
+
+
+def _scan(plan: Any) -> Any:
+    from ckptaudit.auditing.scan import assemble, scan_items
+
+    try:
+        return assemble(plan, scan_items(plan, plan.scannable()))
+    finally:
+        plan.close()
+
+
+def test_a_gs_object_replaced_after_its_only_staging_is_refused_by_its_generation(gcs: dict[str, Any],
+                                                                                tmp_path: Path) -> None:
+    """Every read asks for the generation listed at staging; once the object is replaced, Cloud Storage answers 404
+    for that generation (the emulator does not: a proxy in front of it answers as the store does), and its tensors
+    are ``integrity.corrupt`` "changed since it was staged", never the new bytes."""
+    from gcsfs import GCSFileSystem
+
+    from ckptaudit.auditing.plan import plan_scan
+    from local_gcs import GenerationProxy
+
+    # gcsfs reads STORAGE_EMULATOR_HOST at each request: the writer is bound to the emulator itself
+    fs = GCSFileSystem(token="anon", endpoint_url=gcs["env"]["STORAGE_EMULATOR_HOST"], skip_instance_cache=True)
+    data = _replaceable(fs, "replaced-once.pt", tmp_path)
+    listed = str(fs.info(f"{BUCKET}/replaced-once.pt")["generation"])
+    with GenerationProxy(gcs["env"]["STORAGE_EMULATOR_HOST"]) as proxy, \
+            gcs_environment({**gcs["env"], "STORAGE_EMULATOR_HOST": proxy.url}):
+        plan = plan_scan(f"gs://{BUCKET}/replaced-once.pt")
+        staged = len(proxy.asked)
+        fs.pipe(f"{BUCKET}/replaced-once.pt", _altered(data))
+        assert str(fs.info(f"{BUCKET}/replaced-once.pt", refresh=True)["generation"]) != listed
+        scanned = _scan(plan)
+    assert staged and len(proxy.asked) > staged  # staging and tensor reads both went through the proxy
+    assert proxy.asked == [(f"{BUCKET}/replaced-once.pt".partition("/")[2], listed)] * len(proxy.asked)
+    changed = [f for f in scanned.findings if f.code == "integrity.corrupt"]
+    assert len(changed) == 4 and all("replaced-once.pt changed since it was staged (generation " + listed in f.message
+                                     for f in changed), [(f.code, f.message) for f in scanned.findings]
+    assert [r.hash for r in scanned.records] == [None] * 4  # nothing of the new bytes hashed
+
+
+def test_a_gs_object_replaced_then_staged_again_fails_the_first_audit_and_not_the_second(gcs: dict[str, Any],
+                                                                                        tmp_path: Path) -> None:
+    """Staged, replaced by bytes of the same length, staged again by a second audit in the same process (on the
+    emulator itself, which serves any generation asked): the first audit's reads are refused before they are sent
+    (its generation is no longer the one listed), the second reads the new object as it staged it."""
+    from ckptaudit.auditing.plan import plan_scan
+
+    fs = gcs["fs"]
+    data = _replaceable(fs, "replaced-twice.pt", tmp_path)
+    url = f"gs://{BUCKET}/replaced-twice.pt"
+    first = plan_scan(url)
+    try:
+        fs.pipe(f"{BUCKET}/replaced-twice.pt", _altered(data))
+        second = plan_scan(url)
+    except BaseException:
+        first.close()
+        raise
+    scanned, again = _scan(first), _scan(second)
+    changed = [f for f in scanned.findings if f.code == "integrity.corrupt"]
+    assert changed and all("changed since it was staged (generation " in f.message and "when staged again since"
+                           in f.message for f in changed), [(f.code, f.message) for f in scanned.findings]
+    assert not [f for f in again.findings if f.code.startswith("integrity")]
+    assert None not in [r.hash for r in again.records]
+    assert [r.hash for r in again.records] != [r.hash for r in scanned.records]
