@@ -13,8 +13,8 @@ by the client's connect and read timeouts, GCS requests by gcsfs's ``requests_ti
 unless fsspec's configuration sets it). ``$CKPTAUDIT_REMOTE_TIMEOUT`` (seconds, default 30) sets them.
 
 Credentials and endpoints come from fsspec's and the storage library's usual configuration (for S3:
-``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles; ``FSSPEC_S3_*`` where the
-installed s3fs takes the option). A configuration the storage library rejects, or credentials it cannot find or
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles; ``FSSPEC_S3_*`` for s3fs's own
+options, ``endpoint_url`` among them since the aiobotocore-based s3fs the ``[remote]`` extra asks for). A configuration the storage library rejects, or credentials it cannot find or
 use, is a :class:`RemoteError` naming the URL: one line, exit code 2.
 """
 
