@@ -22,7 +22,7 @@ from ckptaudit.auditing.plan import plan_scan
 from ckptaudit.auditing.scan import assemble, scan_items
 from ckptaudit.cli import main
 from http_servers import ObjectServer
-from local_s3 import CREDENTIALS, environment, s3_server
+from local_s3 import CREDENTIALS, local_s3
 from runs import SRC
 
 TENSORS = 4
@@ -118,19 +118,9 @@ def test_an_http_object_replaced_during_the_audit_is_reported_not_read(mode: str
 
 @pytest.fixture(scope="module")
 def s3(big_pt: Path) -> Iterator[dict[str, Any]]:
-    pytest.importorskip("moto.server")
-    s3fs = pytest.importorskip("s3fs")
-    # ckptaudit reads through fsspec's cached S3 filesystem, whose client keeps the endpoint it was made with:
-    # another module's server (tests/formats/test_remote.py) must not be the one reached here, nor ours there.
-    s3fs.S3FileSystem.clear_instance_cache()
-    try:
-        with s3_server() as env, environment(env):
-            fs = s3fs.S3FileSystem(skip_instance_cache=True)
-            fs.mkdir("hostile")
-            fs.put(str(big_pt), "hostile/ckpt.pt")
-            yield {"fs": fs, "endpoint": env["AWS_ENDPOINT_URL"], "env": dict(CREDENTIALS)}
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
+    with local_s3("hostile") as s3:
+        s3.fs.put(str(big_pt), "hostile/ckpt.pt")
+        yield {"fs": s3.fs, "endpoint": s3.endpoint, "env": dict(CREDENTIALS)}
 
 
 def test_an_s3_object_replaced_during_the_audit_is_reported_not_read(s3: dict[str, Any], big_pt: Path) -> None:

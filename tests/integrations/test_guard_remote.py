@@ -27,22 +27,14 @@ BUCKET = "guard-remote"
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    pytest.importorskip("moto.server")
-    s3fs = pytest.importorskip("s3fs")
-    from local_s3 import environment, s3_server
+    from local_s3 import local_s3
 
     local = tmp_path_factory.mktemp("guard-remote")
     dcp_checkpoint(local / "step-2")
     trained(local / "ckpt-0004.pt")
     trained(local / "ckpt-0006.pt", rounded=True)
-    with s3_server() as env, environment(env):
-        s3fs.S3FileSystem.clear_instance_cache()  # ckptaudit's cached client must not outlive the server
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir(BUCKET)
-        try:
-            yield {"local": local, "fs": fs}
-        finally:
-            s3fs.S3FileSystem.clear_instance_cache()
+    with local_s3(BUCKET) as s3:
+        yield {"local": local, "fs": s3.fs}
 
 
 def _objects(fs: Any, prefix: str) -> dict[str, bytes]:
