@@ -273,3 +273,29 @@ def test_a_gs_object_replaced_then_staged_again_fails_the_first_audit_and_not_th
     assert not [f for f in again.findings if f.code.startswith("integrity")]
     assert None not in [r.hash for r in again.records]
     assert [r.hash for r in again.records] != [r.hash for r in scanned.records]
+
+
+def test_the_guards_pinned_copy_of_a_gs_object_is_its_listed_generation_or_refused(gcs: dict[str, Any],
+                                                                                  tmp_path: Path) -> None:
+    """The guard's pin of a ``gs://`` checkpoint (:mod:`ckptaudit.formats.remote.snapshot`): the snapshot records the
+    generation, the copy asks for it (the bytes saved); replaced after the snapshot, the copy is refused."""
+    from gcsfs import GCSFileSystem
+
+    from ckptaudit.formats.remote.errors import ObjectChanged
+    from ckptaudit.formats.remote.snapshot import copy_pinned, snapshot
+    from local_gcs import GenerationProxy
+
+    fs = GCSFileSystem(token="anon", endpoint_url=gcs["env"]["STORAGE_EMULATOR_HOST"], skip_instance_cache=True)
+    data = _replaceable(fs, "guarded.pt", tmp_path)
+    with GenerationProxy(gcs["env"]["STORAGE_EMULATOR_HOST"]) as proxy, \
+            gcs_environment({**gcs["env"], "STORAGE_EMULATOR_HOST": proxy.url}):
+        was = snapshot(f"gs://{BUCKET}/guarded.pt")
+        [listed] = [o.version for o in was.objects]
+        (tmp_path / "first").mkdir()
+        (tmp_path / "second").mkdir()
+        copy = copy_pinned(was, str(tmp_path / "first"))
+        fs.pipe(f"{BUCKET}/guarded.pt", _altered(data))
+        with pytest.raises(ObjectChanged, match=f"generation {listed}"):
+            copy_pinned(was, str(tmp_path / "second"))
+    assert Path(copy).read_bytes() == data
+    assert listed and {g for _, g in proxy.asked} == {listed}
