@@ -299,3 +299,54 @@ def test_the_guards_pinned_copy_of_a_gs_object_is_its_listed_generation_or_refus
             copy_pinned(was, str(tmp_path / "second"))
     assert Path(copy).read_bytes() == data
     assert listed and {g for _, g in proxy.asked} == {listed}
+
+
+def test_another_ranks_share_of_a_gs_checkpoint_reads_the_generation_it_listed(gcs: dict[str, Any],
+                                                                               tmp_path: Path) -> None:
+    """A distributed audit's other rank (:class:`~ckptaudit.formats.remote.staging.ShareReader`) behind ``gs://``:
+    rank 0's share carries each data file's ETag, this rank's reads ask for the generation it listed; an object
+    replaced after it listed is refused (the store's 404 for that generation), and its view then names the object
+    as another than rank 0 read."""
+    from gcsfs import GCSFileSystem
+
+    from ckptaudit.auditing.plan import plan_scan
+    from ckptaudit.auditing.share import decode_share, encode_share, vetted_file_problems
+    from ckptaudit.formats.remote.errors import ObjectChanged
+    from ckptaudit.formats.remote.staging import ShareReader
+    from local_gcs import GenerationProxy
+
+    fs = GCSFileSystem(token="anon", endpoint_url=gcs["env"]["STORAGE_EMULATOR_HOST"], skip_instance_cache=True)
+    fs.put(str(gcs["local"] / "dcp"), f"{BUCKET}/shared", recursive=True)
+    url = f"gs://{BUCKET}/shared"
+    with GenerationProxy(gcs["env"]["STORAGE_EMULATOR_HOST"]) as proxy, \
+            gcs_environment({**gcs["env"], "STORAGE_EMULATOR_HOST": proxy.url}):
+        plan = plan_scan(url)
+        try:
+            raw = decode_share(encode_share(plan, plan.scannable()))
+        finally:
+            plan.close()
+        assert raw.data_files and all(v.etag for v in raw.vetted if v.name in raw.data_files)
+
+        def problems() -> list[tuple[str, str]]:
+            reader = ShareReader(url, single_file=raw.single_file)
+            try:
+                view = reader.view([v.name for v in raw.vetted], digest={v.name for v in raw.vetted if v.digest})
+            finally:
+                reader.close()
+            return [p for v in raw.vetted for p in ([(v.name, view[v.name])] if isinstance(view[v.name], str) else
+                                                     vetted_file_problems(v, *view[v.name]))]
+
+        assert problems() == []
+        reader = ShareReader(url, single_file=raw.single_file)
+        reader.view([v.name for v in raw.vetted], digest=set())
+        root, remote = reader.stand_in(raw.data_files)
+        name = sorted(raw.data_files)[0]
+        try:
+            body = bytearray(fs.cat_file(f"{BUCKET}/shared/{name}"))
+            body[len(body) // 2] ^= 0x01  # same size, other bytes
+            fs.pipe_file(f"{BUCKET}/shared/{name}", bytes(body))
+            with pytest.raises(ObjectChanged, match="changed since it was staged \\(generation "):
+                remote.read_into(os.path.join(root, name), memoryview(bytearray(4096)), len(body) // 2 - 100)
+        finally:
+            remote.close()
+        assert [n for n, what in problems() if what.startswith("is another object than rank 0 read (ETag ")] == [name]
