@@ -15,7 +15,7 @@ import pytest
 import ckptaudit
 from ckptaudit.cli import main
 from ckptaudit.testing import AuditFailed, assert_checkpoint_ok
-from local_s3 import environment, s3_server
+from local_s3 import local_s3
 from real_checkpoints import trained
 
 BUCKET = "parity-ckpts"
@@ -36,13 +36,9 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def s3(local: dict[str, Path]) -> Iterator[str]:
-    pytest.importorskip("moto.server")
-    s3fs = pytest.importorskip("s3fs")
-    with s3_server() as env, environment(env):
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir(BUCKET)
+    with local_s3(BUCKET) as s3:
         for name, path in local.items():
-            fs.put(str(path), f"{BUCKET}/{name}")
+            s3.fs.put(str(path), f"{BUCKET}/{name}")
         yield f"s3://{BUCKET}"
 
 

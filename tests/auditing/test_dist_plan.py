@@ -35,7 +35,7 @@ from ckptaudit.auditing.share import (
 from ckptaudit.cli import main
 from ckptaudit.formats.io.tensors import TensorData
 from ckptaudit.launch import launch
-from local_s3 import environment, s3_server
+from local_s3 import local_s3
 
 FAST: dict[str, Any] = {"start_method": "forkserver", "preload": ("torch", "torch.distributed", "dist_plan_jobs")}
 
@@ -158,17 +158,9 @@ def test_a_rank_that_sees_other_metadata_bytes_reports_it_and_reads_nothing(fsdp
 @pytest.fixture(scope="module")
 def s3_dcp(fsdp_dcp: Path) -> Iterator[tuple[str, dict[str, str]]]:
     """The FSDP2 save on a local S3 server (moto's server mode on 127.0.0.1), and the environment to reach it."""
-    pytest.importorskip("moto.server")
-    s3fs = pytest.importorskip("s3fs")
-    with s3_server() as env, environment(env):
-        s3fs.S3FileSystem.clear_instance_cache()  # ckptaudit's cached client must not outlive the server
-        try:
-            fs = s3fs.S3FileSystem(skip_instance_cache=True)
-            fs.mkdir("plans")
-            fs.put(str(fsdp_dcp), "plans/fsdp", recursive=True)
-            yield "s3://plans/fsdp", env
-        finally:
-            s3fs.S3FileSystem.clear_instance_cache()
+    with local_s3("plans") as s3:
+        s3.fs.put(str(fsdp_dcp), "plans/fsdp", recursive=True)
+        yield "s3://plans/fsdp", s3.env
 
 
 def test_two_ranks_audit_a_url_as_one_process_does(s3_dcp: tuple[str, dict[str, str]]) -> None:

@@ -349,31 +349,10 @@ def test_safe_dcp_reader_hands_torch_the_bytes_it_checked(dcp_dir: Path, tmp_pat
 
 @pytest.fixture
 def s3_env() -> Iterator[Any]:
-    moto_server = pytest.importorskip("moto.server")
-    s3fs = pytest.importorskip("s3fs")
-    import logging
+    from local_s3 import local_s3
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    keys = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
-    saved = {k: os.environ.get(k) for k in keys}
-    try:
-        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-                          AWS_ENDPOINT_URL=f"http://127.0.0.1:{server._server.server_port}")
-        s3fs.S3FileSystem.clear_instance_cache()
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir("ckpts")
-        yield fs
-    finally:
-        # ckptaudit reached this server through fsspec's cached instance: never let a later test reuse it
-        s3fs.S3FileSystem.clear_instance_cache()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
+    with local_s3("one-reading") as s3:
+        yield s3.fs
 
 
 def test_the_prefixed_dcp_item_is_refused_behind_s3_too(dcp_dir: Path, tmp_path: Path, s3_env: Any) -> None:
@@ -381,8 +360,8 @@ def test_the_prefixed_dcp_item_is_refused_behind_s3_too(dcp_dir: Path, tmp_path:
 
     evil = tmp_path / "evil"
     _rewrite_item(dcp_dir, evil, "step", payload(tmp_path / "never") + _item_bytes(dcp_dir, "step"))
-    s3_env.put(str(evil), "ckpts/evil", recursive=True)
-    report = run_audit("s3://ckpts/evil")
+    s3_env.put(str(evil), "one-reading/evil", recursive=True)
+    report = run_audit("s3://one-reading/evil")
     assert any(f.code == "security.unsafe-pickle" and f.subject == "step" for f in report.findings), report.findings
 
 

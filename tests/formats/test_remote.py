@@ -23,7 +23,7 @@ import torch
 import hostile_files as hf
 import real_checkpoints as rc
 from ckptaudit.cli import main
-from local_s3 import environment, s3_server
+from local_s3 import local_s3
 from real_checkpoints import hf_sharded_directory
 
 pytest.importorskip("moto.server")
@@ -36,9 +36,8 @@ def s3(tmp_path_factory: pytest.TempPathFactory, scale_checkpoints: dict[str, Pa
     """A local S3 server holding a torch.save file, a safetensors file, a strided torch.save file, a sharded HF
     directory, DCP directories (and damaged copies, see :func:`_dcp_variants`) and a DCP with one 64 MiB tensor;
     the environment points the S3 client at it."""
-    with s3_server() as env, environment(env):
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir("ckpts")
+    with local_s3("ckpts") as s3:
+        fs = s3.fs
         local = tmp_path_factory.mktemp("remote")
         strided = local / "strided.pt"
         g = torch.Generator().manual_seed(0)

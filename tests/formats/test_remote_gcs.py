@@ -191,3 +191,162 @@ def test_a_stalled_gs_read_is_bounded_by_the_remote_timeout(gcs: dict[str, Any],
     _, local, _ = _json("audit", str(gcs["local"] / "ckpt.pt"))
     remote = json.loads(proc.stdout)
     assert {k: v for k, v in remote.items() if k != "path"} == {k: v for k, v in local.items() if k != "path"}
+
+
+def _replaceable(fs: Any, name: str, tmp_path: Path) -> bytes:
+    """A torch.save file of 4 tensors of 256 KiB put at ``BUCKET/name`` (each test its own object); its bytes."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    torch.save({"model": {f"w{i}": torch.randn(1 << 16, generator=g) for i in range(4)}, "step": 3},
+               tmp_path / "ckpt.pt")
+    data = (tmp_path / "ckpt.pt").read_bytes()
+    fs.pipe(f"{BUCKET}/{name}", data)
+    return data
+
+
+def _altered(data: bytes) -> bytes:
+    altered = bytearray(data)
+    altered[len(data) // 2] ^= 0xFF  # inside a tensor's data, same length
+    return bytes(altered)
+
+
+def _scan(plan: Any) -> Any:
+    from ckptaudit.auditing.scan import assemble, scan_items
+
+    try:
+        return assemble(plan, scan_items(plan, plan.scannable()))
+    finally:
+        plan.close()
+
+
+def test_a_gs_object_replaced_after_its_only_staging_is_refused_by_its_generation(gcs: dict[str, Any],
+                                                                                tmp_path: Path) -> None:
+    """Every read asks for the generation listed at staging; once the object is replaced, Cloud Storage answers 404
+    for that generation (the emulator does not: a proxy in front of it answers as the store does), and its tensors
+    are ``integrity.corrupt`` "changed since it was staged", never the new bytes."""
+    from gcsfs import GCSFileSystem
+
+    from ckptaudit.auditing.plan import plan_scan
+    from local_gcs import GenerationProxy
+
+    # gcsfs reads STORAGE_EMULATOR_HOST at each request: the writer is bound to the emulator itself
+    fs = GCSFileSystem(token="anon", endpoint_url=gcs["env"]["STORAGE_EMULATOR_HOST"], skip_instance_cache=True)
+    data = _replaceable(fs, "replaced-once.pt", tmp_path)
+    listed = str(fs.info(f"{BUCKET}/replaced-once.pt")["generation"])
+    with GenerationProxy(gcs["env"]["STORAGE_EMULATOR_HOST"]) as proxy, \
+            gcs_environment({**gcs["env"], "STORAGE_EMULATOR_HOST": proxy.url}):
+        plan = plan_scan(f"gs://{BUCKET}/replaced-once.pt")
+        staged = len(proxy.asked)
+        fs.pipe(f"{BUCKET}/replaced-once.pt", _altered(data))
+        assert str(fs.info(f"{BUCKET}/replaced-once.pt", refresh=True)["generation"]) != listed
+        scanned = _scan(plan)
+    assert staged and len(proxy.asked) > staged  # staging and tensor reads both went through the proxy
+    assert proxy.asked == [(f"{BUCKET}/replaced-once.pt".partition("/")[2], listed)] * len(proxy.asked)
+    changed = [f for f in scanned.findings if f.code == "integrity.corrupt"]
+    assert len(changed) == 4 and all("replaced-once.pt changed since it was staged (generation " + listed in f.message
+                                     for f in changed), [(f.code, f.message) for f in scanned.findings]
+    assert [r.hash for r in scanned.records] == [None] * 4  # nothing of the new bytes hashed
+
+
+def test_a_gs_object_replaced_then_staged_again_fails_the_first_audit_and_not_the_second(gcs: dict[str, Any],
+                                                                                        tmp_path: Path) -> None:
+    """Staged, replaced by bytes of the same length, staged again by a second audit in the same process (on the
+    emulator itself, which serves any generation asked): the first audit's reads are refused before they are sent
+    (its generation is no longer the one listed), the second reads the new object as it staged it."""
+    from ckptaudit.auditing.plan import plan_scan
+
+    fs = gcs["fs"]
+    data = _replaceable(fs, "replaced-twice.pt", tmp_path)
+    url = f"gs://{BUCKET}/replaced-twice.pt"
+    first = plan_scan(url)
+    try:
+        fs.pipe(f"{BUCKET}/replaced-twice.pt", _altered(data))
+        second = plan_scan(url)
+    except BaseException:
+        first.close()
+        raise
+    scanned, again = _scan(first), _scan(second)
+    changed = [f for f in scanned.findings if f.code == "integrity.corrupt"]
+    assert changed and all("changed since it was staged (generation " in f.message and "when staged again since"
+                           in f.message for f in changed), [(f.code, f.message) for f in scanned.findings]
+    assert not [f for f in again.findings if f.code.startswith("integrity")]
+    assert None not in [r.hash for r in again.records]
+    assert [r.hash for r in again.records] != [r.hash for r in scanned.records]
+
+
+def test_the_guards_pinned_copy_of_a_gs_object_is_its_listed_generation_or_refused(gcs: dict[str, Any],
+                                                                                  tmp_path: Path) -> None:
+    """The guard's pin of a ``gs://`` checkpoint (:mod:`ckptaudit.formats.remote.snapshot`): the snapshot records the
+    generation, the copy asks for it (the bytes saved); replaced after the snapshot, the copy is refused."""
+    from gcsfs import GCSFileSystem
+
+    from ckptaudit.formats.remote.errors import ObjectChanged
+    from ckptaudit.formats.remote.snapshot import copy_pinned, snapshot
+    from local_gcs import GenerationProxy
+
+    fs = GCSFileSystem(token="anon", endpoint_url=gcs["env"]["STORAGE_EMULATOR_HOST"], skip_instance_cache=True)
+    data = _replaceable(fs, "guarded.pt", tmp_path)
+    with GenerationProxy(gcs["env"]["STORAGE_EMULATOR_HOST"]) as proxy, \
+            gcs_environment({**gcs["env"], "STORAGE_EMULATOR_HOST": proxy.url}):
+        was = snapshot(f"gs://{BUCKET}/guarded.pt")
+        [listed] = [o.version for o in was.objects]
+        (tmp_path / "first").mkdir()
+        (tmp_path / "second").mkdir()
+        copy = copy_pinned(was, str(tmp_path / "first"))
+        fs.pipe(f"{BUCKET}/guarded.pt", _altered(data))
+        with pytest.raises(ObjectChanged, match=f"generation {listed}"):
+            copy_pinned(was, str(tmp_path / "second"))
+    assert Path(copy).read_bytes() == data
+    assert listed and {g for _, g in proxy.asked} == {listed}
+
+
+def test_another_ranks_share_of_a_gs_checkpoint_reads_the_generation_it_listed(gcs: dict[str, Any],
+                                                                               tmp_path: Path) -> None:
+    """A distributed audit's other rank (:class:`~ckptaudit.formats.remote.staging.ShareReader`) behind ``gs://``:
+    rank 0's share carries each data file's ETag, this rank's reads ask for the generation it listed; an object
+    replaced after it listed is refused (the store's 404 for that generation), and its view then names the object
+    as another than rank 0 read."""
+    from gcsfs import GCSFileSystem
+
+    from ckptaudit.auditing.plan import plan_scan
+    from ckptaudit.auditing.share import decode_share, encode_share, vetted_file_problems
+    from ckptaudit.formats.remote.errors import ObjectChanged
+    from ckptaudit.formats.remote.staging import ShareReader
+    from local_gcs import GenerationProxy
+
+    fs = GCSFileSystem(token="anon", endpoint_url=gcs["env"]["STORAGE_EMULATOR_HOST"], skip_instance_cache=True)
+    fs.put(str(gcs["local"] / "dcp"), f"{BUCKET}/shared", recursive=True)
+    url = f"gs://{BUCKET}/shared"
+    with GenerationProxy(gcs["env"]["STORAGE_EMULATOR_HOST"]) as proxy, \
+            gcs_environment({**gcs["env"], "STORAGE_EMULATOR_HOST": proxy.url}):
+        plan = plan_scan(url)
+        try:
+            raw = decode_share(encode_share(plan, plan.scannable()))
+        finally:
+            plan.close()
+        assert raw.data_files and all(v.etag for v in raw.vetted if v.name in raw.data_files)
+
+        def problems() -> list[tuple[str, str]]:
+            reader = ShareReader(url, single_file=raw.single_file)
+            try:
+                view = reader.view([v.name for v in raw.vetted], digest={v.name for v in raw.vetted if v.digest})
+            finally:
+                reader.close()
+            return [p for v in raw.vetted for p in ([(v.name, view[v.name])] if isinstance(view[v.name], str) else
+                                                     vetted_file_problems(v, *view[v.name]))]
+
+        assert problems() == []
+        reader = ShareReader(url, single_file=raw.single_file)
+        reader.view([v.name for v in raw.vetted], digest=set())
+        root, remote = reader.stand_in(raw.data_files)
+        name = sorted(raw.data_files)[0]
+        try:
+            body = bytearray(fs.cat_file(f"{BUCKET}/shared/{name}"))
+            body[len(body) // 2] ^= 0x01  # same size, other bytes
+            fs.pipe_file(f"{BUCKET}/shared/{name}", bytes(body))
+            with pytest.raises(ObjectChanged, match="changed since it was staged \\(generation "):
+                remote.read_into(os.path.join(root, name), memoryview(bytearray(4096)), len(body) // 2 - 100)
+        finally:
+            remote.close()
+        assert [n for n, what in problems() if what.startswith("is another object than rank 0 read (ETag ")] == [name]

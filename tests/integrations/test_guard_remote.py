@@ -27,22 +27,14 @@ BUCKET = "guard-remote"
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    pytest.importorskip("moto.server")
-    s3fs = pytest.importorskip("s3fs")
-    from local_s3 import environment, s3_server
+    from local_s3 import local_s3
 
     local = tmp_path_factory.mktemp("guard-remote")
     dcp_checkpoint(local / "step-2")
     trained(local / "ckpt-0004.pt")
     trained(local / "ckpt-0006.pt", rounded=True)
-    with s3_server() as env, environment(env):
-        s3fs.S3FileSystem.clear_instance_cache()  # ckptaudit's cached client must not outlive the server
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir(BUCKET)
-        try:
-            yield {"local": local, "fs": fs}
-        finally:
-            s3fs.S3FileSystem.clear_instance_cache()
+    with local_s3(BUCKET) as s3:
+        yield {"local": local, "fs": s3.fs}
 
 
 def _objects(fs: Any, prefix: str) -> dict[str, bytes]:
@@ -96,6 +88,14 @@ def test_a_passing_file_gets_its_passport_beside_it(s3: dict[str, Any]) -> None:
     assert code == 0, out + err
 
 
+def _latest(root: str) -> dict[str, Any]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["latest", root, "--format", "json", "--no-progress"], stdout=out, stderr=err)
+    assert code in (0, 1) and out.getvalue(), err.getvalue()
+    doc: dict[str, Any] = json.loads(out.getvalue())
+    return doc
+
+
 def test_a_failing_checkpoint_is_marked_never_deleted_and_latest_passes_over_it(s3: dict[str, Any]) -> None:
     fs = s3["fs"]
     for name in ("ckpt-0004.pt", "ckpt-0006.pt"):
@@ -137,6 +137,16 @@ def test_a_failing_checkpoint_is_marked_never_deleted_and_latest_passes_over_it(
     here = {c["name"]: c for c in json.loads(out.getvalue())["candidates"]}
     assert here["ckpt-0006.pt"]["layout"] == "quarantined"
 
+    # The marked checkpoint given itself as the root, on the store and on the local copy: the marker beside it is
+    # read as when its folder is surveyed; the good one beside it stays resumable.
+    for root, ok in ((bad, False), (str(local / "ckpt-0006.pt"), False), (good, True)):
+        doc = _latest(root)
+        [row] = doc["candidates"]
+        assert row["resumable"] is ok and (row["layout"] == "quarantined") is not ok, (root, row)
+        if not ok:
+            assert [f["code"] for f in row["findings"]] == ["guard.quarantined"], row
+            assert "(precision.bf16-rounded" in row["findings"][0]["message"], row
+
 
 def test_a_failing_folder_is_marked_beside_it_and_latest_passes_over_it(s3: dict[str, Any]) -> None:
     fs = s3["fs"]
@@ -155,6 +165,11 @@ def test_a_failing_folder_is_marked_beside_it_and_latest_passes_over_it(s3: dict
     [row] = doc["candidates"]
     assert row["name"] == "step-2" and row["layout"] == "quarantined"
     assert [f["code"] for f in row["findings"]] == ["guard.quarantined"]
+    # The marked folder given itself as the root: the marker beside it is read as when its parent is surveyed.
+    for root in (f"s3://{BUCKET}/dirs/step-2/", f"s3://{BUCKET}/dirs/step-2"):
+        [row] = _latest(root)["candidates"]
+        assert row["name"] == "step-2" and row["layout"] == "quarantined" and row["resumable"] is False, row
+        assert [f["code"] for f in row["findings"]] == ["guard.quarantined"], row
 
 
 def test_an_object_replaced_after_submit_is_not_judged(s3: dict[str, Any]) -> None:

@@ -254,12 +254,10 @@ def test_the_library_and_the_cli_default_to_the_protecting_level(tmp_path: Path)
 
 @pytest.fixture(scope="module")
 def s3_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    pytest.importorskip("moto.server")
-    s3fs = pytest.importorskip("s3fs")
     from ckptaudit.launch import RankContext
     from ckptaudit.recipes.tinygpt import plain_recipe
     from ckptaudit.store import save_checkpoint
-    from local_s3 import environment, s3_server
+    from local_s3 import local_s3
 
     store = tmp_path_factory.mktemp("s3-store")
     job = plain_recipe.setup(RankContext(rank=0, world_size=1, backend="gloo", shared_dir=""))
@@ -270,19 +268,14 @@ def s3_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     trained(local / "ckpt-0002.pt")
     trained(local / "ckpt-0004.pt")
     trained(local / "ckpt-0006.pt", rounded=True)
-    with s3_server() as env, environment(env):
-        s3fs.S3FileSystem.clear_instance_cache()  # ckptaudit's cached client must not outlive the server
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
-        fs.mkdir("latest-runs")
+    with local_s3("latest-runs") as s3:
+        fs = s3.fs
         for p in sorted(local.iterdir()):
             fs.put(str(p), f"latest-runs/run/{p.name}")
         fs.put(str(local / "ckpt-0002.pt"), "latest-runs/nested/stage-1/ckpt-0002.pt")
         fs.pipe("latest-runs/run/notes.txt", b"hello")
         fs.put(str(store), "latest-runs/store", recursive=True)
-        try:
-            yield {"local": local, "store": store, "fs": fs}
-        finally:
-            s3fs.S3FileSystem.clear_instance_cache()
+        yield {"local": local, "store": store, "fs": fs}
 
 
 def test_an_s3_root_is_listed_and_judged_like_its_local_copy(s3_run: Any) -> None:

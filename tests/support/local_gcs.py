@@ -10,6 +10,7 @@ retry: this module switches it off before gcsfs is imported.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -106,10 +107,10 @@ def gcs_environment(env: dict[str, str]) -> Iterator[Any]:
             fsspec.config.conf["gs"] = saved
 
 
-class StallingProxy:
-    """A proxy in front of the emulator at ``upstream`` (``GET`` only: what a reader sends) that holds the first
-    ranged read (a ``Range`` header) without answering until :meth:`close`, as a stalled store does, and forwards
-    every other request. ``stalled``: whether it held one. A context manager (its thread and sockets closed)."""
+class ForwardingProxy:
+    """A proxy in front of the emulator at ``upstream`` (``GET`` only: what a reader sends): each request goes to
+    :meth:`intercept`, which answers it itself (returns ``True``) or lets it through to the emulator. A context
+    manager (its thread and sockets closed)."""
 
     def __init__(self, upstream: str) -> None:
         import threading
@@ -117,7 +118,6 @@ class StallingProxy:
 
         proxy = self
         self.upstream = upstream
-        self.stalled = False
         self.release = threading.Event()
         self._lock = threading.Lock()
 
@@ -128,20 +128,10 @@ class StallingProxy:
                 pass
 
             def do_GET(self) -> None:
-                with proxy._lock:
-                    hold = "Range" in self.headers and not proxy.stalled
-                    proxy.stalled = proxy.stalled or hold
-                if hold:
-                    proxy.release.wait(120)
-                    self.close_connection = True
+                if proxy.intercept(self):
                     return
-                request = urllib.request.Request(proxy.upstream + self.path, headers={
+                status, headers, body = proxy.fetch(self.path, {
                     k: v for k, v in self.headers.items() if k.lower() in ("range", "accept", "accept-encoding")})
-                try:
-                    with urllib.request.urlopen(request, timeout=30) as reply:
-                        status, headers, body = reply.status, reply.headers, reply.read()
-                except urllib.error.HTTPError as exc:
-                    status, headers, body = exc.code, exc.headers, exc.read()
                 self.send_response(status)
                 for k, v in headers.items():
                     if k.lower() in ("content-type", "content-range", "etag", "content-encoding"):
@@ -155,7 +145,19 @@ class StallingProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> StallingProxy:
+    def fetch(self, path: str, headers: dict[str, str]) -> tuple[int, Any, bytes]:
+        """``GET path`` of the emulator: its status, headers and body."""
+        request = urllib.request.Request(self.upstream + path, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                return reply.status, reply.headers, reply.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.headers, exc.read()
+
+    def intercept(self, handler: Any) -> bool:
+        return False
+
+    def __enter__(self) -> ForwardingProxy:
         self._thread.start()
         return self
 
@@ -164,3 +166,57 @@ class StallingProxy:
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(timeout=10)
+
+
+class StallingProxy(ForwardingProxy):
+    """Holds the first ranged read (a ``Range`` header) without answering until closed, as a stalled store does,
+    and forwards every other request. ``stalled``: whether it held one."""
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(upstream)
+        self.stalled = False
+
+    def intercept(self, handler: Any) -> bool:
+        with self._lock:
+            hold = "Range" in handler.headers and not self.stalled
+            self.stalled = self.stalled or hold
+        if hold:
+            self.release.wait(120)
+            handler.close_connection = True
+        return hold
+
+
+class GenerationProxy(ForwardingProxy):
+    """What Cloud Storage does and the emulator does not: a media read asking for a ``generation`` is answered
+    404 when that is no longer the object's generation (a bucket without versioning keeps no other; the emulator
+    ignores the parameter and serves whatever the object holds now). ``asked``: for each ranged media read, the
+    object's name and the generation it asked (``None`` when it asked none)."""
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(upstream)
+        self.asked: list[tuple[str, str | None]] = []
+
+    def intercept(self, handler: Any) -> bool:
+        from urllib.parse import parse_qs, unquote, urlsplit
+
+        parts = urlsplit(handler.path)
+        prefix = "/download/storage/v1/b/"
+        if not parts.path.startswith(prefix) or "/o/" not in parts.path:
+            return False
+        bucket, _, name = parts.path[len(prefix):].partition("/o/")
+        asked = parse_qs(parts.query).get("generation", [None])[0]
+        if "Range" in handler.headers:
+            with self._lock:
+                self.asked.append((unquote(name), asked))
+        if asked is None:
+            return False
+        status, _, body = self.fetch(f"/storage/v1/b/{bucket}/o/{name}", {})
+        if status == 200 and str(json.loads(body).get("generation")) == asked:
+            return False
+        reply = json.dumps({"error": {"code": 404, "message": f"No such object: {bucket}/{unquote(name)}"}}).encode()
+        handler.send_response(404)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(reply)))
+        handler.end_headers()
+        handler.wfile.write(reply)
+        return True

@@ -195,15 +195,18 @@ def classify_file(name: str) -> tuple[str, int | None] | str:
 
 
 def survey(root: str, lister: Lister, *, root_name: str, join: Callable[[str, str], str],
-           is_file: bool = False, root_mtime: float = 0.0) -> Survey:
+           is_file: bool = False, root_mtime: float = 0.0, root_marked: Callable[[], bool] | None = None) -> Survey:
     """The candidates and skipped entries under ``root`` (``join(root, relative name)`` makes a candidate's
-    path). ``root_name``: the root's own base name, for a root that is itself one checkpoint."""
+    path). ``root_name``: the root's own base name, for a root that is itself one checkpoint; ``root_marked()``:
+    whether the guard's quarantine marker lies beside the root (asked only when the root is itself one checkpoint,
+    which is then a ``quarantined`` candidate, as it is when its parent is surveyed)."""
     out = Survey(root)
     if is_file:
         kind = classify_file(root_name)
         if isinstance(kind, tuple):
-            out.candidates.append(Candidate(root, root_name, kind[0], kind[1], root_mtime,
-                                            "name" if kind[1] is not None else ""))
+            marked = root_marked is not None and root_marked()
+            out.candidates.append(Candidate(root, root_name, "quarantined" if marked else kind[0], kind[1],
+                                            root_mtime, "name" if kind[1] is not None else ""))
         else:
             out.skipped.append(Skipped(root_name, kind))
         return out
@@ -211,6 +214,11 @@ def survey(root: str, lister: Lister, *, root_name: str, join: Callable[[str, st
     out.listed = len(top)
     own = classify_dir(root_name, [e.name for e in top])
     if own is not None and own[0] != "directory":
+        if own[0] != "quarantined" and root_marked is not None and root_marked():
+            # Marked by the guard (an object store's failing checkpoint, left in place): the root is the one
+            # candidate, quarantined, whatever folder checkpoint it holds.
+            out.candidates.append(_folder(root, root_name, ("quarantined", own[1]), root_mtime, join, "", top))
+            return out
         # The root is one checkpoint folder (step-N/ given directly): its files are its parts; a folder checkpoint
         # inside it (the Trainer's checkpoint-N/global_stepN/ of DeepSpeed) is the candidate instead.
         for e in sorted(top, key=lambda e: e.name):
@@ -236,7 +244,9 @@ def survey(root: str, lister: Lister, *, root_name: str, join: Callable[[str, st
         out.candidates = [c for c in out.candidates if "/" in c.name or c.layout not in _SINGLE_FILES]
         out.skipped = [s for s in out.skipped if "/" in s.name or s.reason.startswith(("the guard", "a link"))]
         if not out.candidates:
-            out.candidates.append(_folder(root, root_name, own, root_mtime, join, "", top))
+            marked = root_marked is not None and root_marked()
+            out.candidates.append(_folder(root, root_name, ("quarantined", own[1]) if marked else own, root_mtime,
+                                          join, "", top))
     return out
 
 

@@ -2,7 +2,8 @@
 ``gs://``) listed through fsspec with bounded requests.
 
 What the local survey reads of files, the remote one reads with one bounded ranged read each (:func:`read_head`):
-the root's pointer (``latest``, Megatron's ``latest_checkpointed_iteration.txt``), a guard's quarantine marker, and
+the root's pointer (``latest``, Megatron's ``latest_checkpointed_iteration.txt``), a guard's quarantine marker (beside
+a checkpoint under the root, or beside the root when it is itself one checkpoint: one ``info``), and
 the step inside a single file whose name has none (:func:`step_readable`: the staging reads a ``torch.save``
 archive's metadata and a safetensors header, never the tensor data; a file in another container is read only when
 it is at most :data:`STEP_PROBE_BYTES`).
@@ -21,6 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from ckptaudit.latest.candidates import Entry, Skipped, Survey, survey
+from ckptaudit.ondisk import quarantine
 
 __all__ = ["MAX_REMOTE_KEYS", "MAX_REMOTE_LISTINGS", "REMOTE_DEADLINE_S", "STEP_PROBE_BYTES", "RemoteLister",
            "local_survey", "read_head", "remote_survey", "step_readable"]
@@ -64,7 +66,7 @@ def local_survey(root: str) -> Survey:
         return os.path.join(base, rel)
 
     return survey(root, lister, root_name=os.path.basename(root), join=join, is_file=os.path.isfile(root),
-                  root_mtime=_mtime(root))
+                  root_mtime=_mtime(root), root_marked=lambda: os.path.isfile(quarantine.marker_name(root)))
 
 
 class RemoteLister:
@@ -145,14 +147,26 @@ def remote_survey(url: str, *, max_listings: int = MAX_REMOTE_LISTINGS, max_keys
     lister = RemoteLister(fs, path, max_listings=max_listings, max_keys=max_keys, deadline_s=deadline_s)
     url = url.rstrip("/")
     name = os.path.basename(path.rstrip("/")) or url
+
+    def marked() -> bool:
+        """Whether the guard's marker lies beside the root (one ``info``; a store that cannot answer is an error,
+        never taken for no marker)."""
+        marker = quarantine.marker_name(path)
+        fs.invalidate_cache(marker)  # a listing cached before the guard wrote it must not answer
+        try:
+            return info_of(fs, marker, quarantine.marker_name(url)).get("type") == "file"
+        except FileNotFoundError:
+            return False
+
     if info.get("type") != "directory":
-        return survey(url, lister, root_name=name, join=_RemoteJoin(), is_file=True, root_mtime=_when(info))
+        return survey(url, lister, root_name=name, join=_RemoteJoin(), is_file=True, root_mtime=_when(info),
+                      root_marked=marked)
     try:
         lister("")  # the root itself must list: an error here is the store's, said in one line (exit 2)
     except OSError as exc:
         raise RemoteError(f"{url}: cannot list it ({exc})") from None
     lister.listings, lister.keys = 0, 0
-    out = survey(url, lister, root_name=name, join=_RemoteJoin(), root_mtime=_when(info))
+    out = survey(url, lister, root_name=name, join=_RemoteJoin(), root_mtime=_when(info), root_marked=marked)
     out.skipped += [Skipped(f"{folder}/...", f"listing cut at the bound of {max_keys} keys") for folder in lister.cut]
     return out
 

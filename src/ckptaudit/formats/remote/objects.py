@@ -3,7 +3,9 @@
 Every read goes through :class:`RemoteObject` (one object of the staged checkpoint): its reply must be exactly the
 range asked (never more bytes are kept, fewer is an error), the object must still be the one staged (its ETag,
 read at staging, is sent as ``If-Match`` with every S3 ``GetObject`` and every HTTP request and checked in the
-replies: a replacement of the same length is reported, never read as the staged object), and the first read
+replies; on GCS every read asks for the object's generation listed at staging, which the store serves or answers
+404 once it is no longer stored: a replacement of the same length is reported, never read as the staged object),
+and the first read
 that times out or breaks the protocol fails every later read of the checkpoint at once (a misbehaving server
 costs one deadline, not one per request). ``http(s)://`` requests are bounded one by one
 (:mod:`ckptaudit.formats.remote.http`: a deadline per request, the reply capped to the range asked); S3 requests
@@ -11,8 +13,8 @@ by the client's connect and read timeouts, GCS requests by gcsfs's ``requests_ti
 unless fsspec's configuration sets it). ``$CKPTAUDIT_REMOTE_TIMEOUT`` (seconds, default 30) sets them.
 
 Credentials and endpoints come from fsspec's and the storage library's usual configuration (for S3:
-``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles; ``FSSPEC_S3_*`` where the
-installed s3fs takes the option). A configuration the storage library rejects, or credentials it cannot find or
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, profiles; ``FSSPEC_S3_*`` for s3fs's own
+options, ``endpoint_url`` among them since the aiobotocore-based s3fs the ``[remote]`` extra asks for). A configuration the storage library rejects, or credentials it cannot find or
 use, is a :class:`RemoteError` naming the URL: one line, exit code 2.
 """
 
@@ -39,6 +41,7 @@ __all__ = [
     "COALESCE_GAP",
     "FILL_PIECE",
     "READ_AHEAD",
+    "Pin",
     "Pins",
     "ReadGuard",
     "RemoteFiles",
@@ -75,6 +78,22 @@ class ReadGuard:
 
 
 @dataclass(frozen=True, slots=True)
+class Pin:
+    """What one object was when staged, which every read of it is held to (:class:`Pins`)."""
+
+    key: tuple[str, str, str]
+    """``("s3" | "gs", bucket, key)``."""
+    value: str
+    """What each read sends: S3's ETag (``IfMatch``), GCS's generation (the read asks for exactly it)."""
+    etag: str | None = None
+    """The ETag listed (another rank of a distributed audit compares its own listing's with it)."""
+
+    @property
+    def kind(self) -> str:
+        return "ETag" if self.key[0] == "s3" else "generation"
+
+
+@dataclass(frozen=True, slots=True)
 class RemoteObject:
     """One remote object of a staged checkpoint, read only through :meth:`read` / :meth:`read_many`."""
 
@@ -82,8 +101,8 @@ class RemoteObject:
     path: str
     size: int
     guard: ReadGuard = field(default_factory=ReadGuard)
-    pin: tuple[tuple[str, str], str] | None = None
-    """S3: (bucket, key) and the ETag staged, which must still be the one every read sends."""
+    pin: Pin | None = None
+    """S3's ETag or GCS's generation staged, which must still be the one every read sends."""
 
     def read(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the object (clipped to its size): exactly those, or :class:`RemoteReadError`."""
@@ -92,20 +111,24 @@ class RemoteObject:
     def read_many(self, ranges: list[tuple[int, int]]) -> list[bytes]:
         """:meth:`read` of each ``(start, end)``, concurrently where the filesystem can (``cat_ranges``)."""
         self.guard.check()
+        options: dict[str, str] = {}
         if self.pin is not None:
-            with _S3_LOCK:
-                now = _S3_PINS.get(self.pin[0])
-            if now is None or now[0] != self.pin[1]:
-                raise ObjectChanged(f"{self.path} changed since it was staged (ETag {self.pin[1]} then, "
+            with _PINS_LOCK:
+                now = _PINS.get(self.pin.key)
+            if now is None or now[0] != self.pin.value:
+                raise ObjectChanged(f"{self.path} changed since it was staged ({self.pin.kind} {self.pin.value} then, "
                                     f"{now[0] if now else 'unknown'} when staged again since)")
+            if self.pin.kind == "generation":
+                options["generation"] = self.pin.value  # gcsfs asks the store for exactly that generation
         spans = [(s, max(s, min(self.size, e))) for s, e in ranges]
         todo = [(s, e) for s, e in spans if e > s]
         datas: list[Any]
         try:
             if len(todo) == 1:
-                datas = [self.fs.cat_file(self.path, start=todo[0][0], end=todo[0][1])]
+                datas = [self.fs.cat_file(self.path, start=todo[0][0], end=todo[0][1], **options)]
             elif todo:
-                datas = self.fs.cat_ranges([self.path] * len(todo), [s for s, _ in todo], [e for _, e in todo])
+                datas = self.fs.cat_ranges([self.path] * len(todo), [s for s, _ in todo], [e for _, e in todo],
+                                           **options)
             else:
                 datas = []
         except Exception as exc:  # noqa: BLE001 - the storage library's errors, one per read
@@ -129,6 +152,10 @@ class RemoteObject:
         if "precondition" in lower or "pre-condition" in lower or " 412" in lower:  # the pinned ETag refused
             return ObjectChanged(f"{self.path} changed since it was staged (the store refused the ETag pinned "
                                  f"then: {text})")
+        if isinstance(exc, FileNotFoundError) and self.pin is not None and self.pin.kind == "generation":
+            # GCS answers 404 for a generation it no longer stores: the object was replaced or deleted
+            return ObjectChanged(f"{self.path} changed since it was staged (generation {self.pin.value}, listed "
+                                 f"then, is no longer stored: replaced or deleted)")
         if isinstance(exc, TimeoutError) or "Timeout" in type(exc).__name__:
             return RequestTimeout(f"{self.path}: bytes {start}-{end - 1}: {text}")
         return RemoteReadError(f"ranged read of {self.path} at {start}: {text}")
@@ -160,12 +187,13 @@ class RemoteFiles:
         return local in self._files
 
     def etag(self, local: str) -> str | None:
-        """The ETag the object behind ``local`` is pinned to (S3, HTTP), or ``None`` (not remote, not pinned)."""
+        """The ETag of the object behind ``local`` as staged (S3 and HTTP reads are pinned to it; GCS reads to the
+        generation listed with it), or ``None`` (not remote, not pinned)."""
         r = self._files.get(local)
         if r is None:
             return None
         if r.pin is not None:
-            return r.pin[1]
+            return r.pin.etag
         pins = getattr(r.fs, "pins", None)
         held = pins.get(r.path) if isinstance(pins, dict) else None
         return held[0] if isinstance(held, tuple) and isinstance(held[0], str) else None
@@ -326,66 +354,84 @@ def _quiet_library_logger(name: str) -> None:
         log.addHandler(logging.NullHandler())
 
 
-_S3_PINS: dict[tuple[str, str], tuple[str, int]] = {}
-"""(bucket, key) -> (the ETag staged, how many live stagings hold it): what every ``GetObject`` of the key sends
-as ``IfMatch``. Process-wide, as the S3 filesystem (and its client) is fsspec's cached instance."""
-_S3_LOCK = threading.Lock()
+_PINS: dict[tuple[str, str, str], tuple[str, int]] = {}
+"""(store, bucket, key) -> (the ETag or generation staged, how many live stagings hold it): what every read of the
+key sends (S3: ``IfMatch`` on ``GetObject``; GCS: the generation asked). Process-wide, as the filesystem (and its
+client) is fsspec's cached instance: a staging that lists the object anew with another identity fails the reads
+of the stagings before it."""
+_PINS_LOCK = threading.Lock()
 
 
 def _inject_if_match(params: dict[str, Any], **_: Any) -> None:
     """botocore's ``before-parameter-build.s3.GetObject`` event: a pinned key is read only as it was staged."""
-    with _S3_LOCK:
-        pin = _S3_PINS.get((str(params.get("Bucket")), str(params.get("Key"))))
+    with _PINS_LOCK:
+        pin = _PINS.get(("s3", str(params.get("Bucket")), str(params.get("Key"))))
     if pin is not None and "IfMatch" not in params and "VersionId" not in params:
         params["IfMatch"] = pin[0]
 
 
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = getattr(fs, "protocol", ())
+    return tuple(protocol) if isinstance(protocol, tuple | list) else (str(protocol),)
+
+
 class Pins:
-    """The identity of each staged object (its ETag), recorded from ``info``/``ls`` and enforced by the
-    filesystem's own requests: S3 sends it as ``IfMatch`` with every ``GetObject`` (botocore's event hook on the
-    filesystem's client) and answers 412 once the object was replaced; HTTP sends ``If-Match`` and checks the
-    replies' ETag (:mod:`ckptaudit.formats.remote.http`). Other filesystems: not pinned (sizes still checked)."""
+    """The identity of each staged object, recorded from ``info``/``ls`` and enforced by the filesystem's own
+    requests: S3 sends its ETag as ``IfMatch`` with every ``GetObject`` (botocore's event hook on the filesystem's
+    client) and answers 412 once the object was replaced; GCS reads ask for its generation (gcsfs's ``generation``,
+    sent as the request's ``generation=``), which the store answers with exactly those bytes or a 404 once that
+    generation is no longer stored (a bucket without versioning; a versioned bucket still serves the generation
+    listed, so the audit reads the object as staged). HTTP sends ``If-Match`` and checks the replies' ETag
+    (:mod:`ckptaudit.formats.remote.http`). Other filesystems: not pinned (sizes still checked)."""
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
-        self.s3 = False
-        self.held: list[tuple[tuple[str, str], str]] = []
-        if hasattr(fs, "split_path") and "s3" in (fs.protocol if isinstance(fs.protocol, tuple | list) else
-                                                  (fs.protocol,)):
+        self.store: str | None = None
+        """``"s3"`` or ``"gs"`` where the reads are pinned here."""
+        self.held: list[Pin] = []
+        protocols = _protocols(fs)
+        if hasattr(fs, "split_path") and "s3" in protocols:
             events = getattr(getattr(getattr(fs, "s3", None), "meta", None), "events", None)
             if events is not None:
                 events.register("before-parameter-build.s3.GetObject", _inject_if_match,
                                 unique_id="ckptaudit-pin-etag")  # once per client
-                self.s3 = True
+                self.store = "s3"
+        elif hasattr(fs, "split_path") and "gs" in protocols:
+            self.store = "gs"
 
-    def add(self, path: str, info: dict[str, Any]) -> tuple[tuple[str, str], str] | None:
-        """Pin ``path`` as ``info`` describes it; the S3 pin (key, ETag) to check before each read, if any."""
+    def add(self, path: str, info: dict[str, Any]) -> Pin | None:
+        """Pin ``path`` as ``info`` describes it; the pin to check (and send) with each read, if any."""
         pin = getattr(self.fs, "pin", None)
         if pin is not None:
             pin(path, info)
             return None
         etag = info.get("ETag") or info.get("etag")
-        if not self.s3 or not isinstance(etag, str) or not etag:
+        etag = etag if isinstance(etag, str) and etag else None
+        value = etag if self.store == "s3" else info.get("generation") if self.store == "gs" else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if self.store is None or not isinstance(value, str) or not value:
             return None
         bucket, key = self.fs.split_path(path)[:2]
-        with _S3_LOCK:
-            old = _S3_PINS.get((bucket, key))
-            # Another live staging pinned another ETag: the object changed between the two; its reads now fail
-            # their check in RemoteObject.read_many, and this staging pins what it saw.
-            holders = old[1] + 1 if old is not None and old[0] == etag else 1
-            _S3_PINS[(bucket, key)] = (etag, holders)
-        self.held.append(((bucket, key), etag))
-        return (bucket, key), etag
+        made = Pin((self.store, bucket, key), value, etag)
+        with _PINS_LOCK:
+            old = _PINS.get(made.key)
+            # Another live staging pinned another identity: the object changed between the two; its reads now
+            # fail their check in RemoteObject.read_many, and this staging pins what it saw.
+            holders = old[1] + 1 if old is not None and old[0] == value else 1
+            _PINS[made.key] = (value, holders)
+        self.held.append(made)
+        return made
 
     def release(self) -> None:
-        with _S3_LOCK:
-            for key, etag in self.held:
-                pin = _S3_PINS.get(key)
-                if pin is not None and pin[0] == etag:
-                    if pin[1] <= 1:
-                        del _S3_PINS[key]
+        with _PINS_LOCK:
+            for made in self.held:
+                now = _PINS.get(made.key)
+                if now is not None and now[0] == made.value:
+                    if now[1] <= 1:
+                        del _PINS[made.key]
                     else:
-                        _S3_PINS[key] = (etag, pin[1] - 1)
+                        _PINS[made.key] = (made.value, now[1] - 1)
         self.held = []
 
 

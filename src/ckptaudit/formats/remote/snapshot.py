@@ -9,12 +9,13 @@ pinned by hard links; an object store has none, so:
   it (the guard: a folder's own passport) is left out.
 - :func:`copy_pinned` (on the guard's worker) copies those objects into a private local folder through
   :class:`~ckptaudit.formats.remote.objects.RemoteObject`, each read pinned to the ETag of the snapshot (S3 sends it
-  as ``If-Match``; the store answers 412 once the object was replaced), bounded and exactly the range asked: the
-  copy is the bytes that were saved, or :class:`~ckptaudit.formats.remote.errors.ObjectChanged`.
+  as ``If-Match``; the store answers 412 once the object was replaced) or its generation (GCS: 404 once that
+  generation is gone), bounded and exactly the range asked: the copy is the bytes that were saved, or
+  :class:`~ckptaudit.formats.remote.errors.ObjectChanged`.
 - :func:`changes` (after the audit) lists the checkpoint again: what differs from the snapshot (an object added,
   removed, of another size, ETag or version), or ``None``.
 
-Every read is pinned where the store pins reads (S3); no object is written or deleted here.
+Every read is pinned where the store pins reads (S3, GCS); no object is written or deleted here.
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ def copy_pinned(was: Snapshot, folder: str) -> str:
             if parts:
                 os.makedirs(os.path.dirname(local), exist_ok=True)
             key = was.key(o.rel)
-            entry = {"ETag": o.etag} if o.etag else {}
+            # What the store's reads are pinned by: S3 the ETag, GCS the generation (recorded as the version).
+            entry = {k: v for k, v in (("ETag", o.etag), ("generation", o.version)) if v}
             # Where the store's reads cannot be pinned (no ETag, another protocol) the copy is unpinned, and the
             # guard's listing after the audit (changes) is what vouches for it.
             remote = RemoteObject(fs, key, o.size, guard, pins.add(key, entry))
