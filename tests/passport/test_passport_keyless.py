@@ -184,6 +184,16 @@ def test_verify_runs_both_statements_through_sigstore_in_order(tmp_path: Path) -
                         "--sigstore-issuer", SIGNER.issuer, "--sigstore-offline")
     assert code == 1 and "model-signing statement: Sigstore verification failed for mallory@example.com" in out
 
+    # Held to a CA of one's own instead, it is named for what it is.
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    leaf = x509.load_der_x509_certificate(base64.b64decode(_bundle()["verificationMaterial"]["certificate"]["rawBytes"]))
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(leaf.public_bytes(Encoding.PEM))
+    code, out, _ = _cli("verify", str(folder), "--cert-chain", str(ca))
+    assert code == 1 and "signed keylessly through Sigstore" in out and "--sigstore-identity ID" in out
+
 
 def test_a_key_signed_or_digest_only_passport_is_refused_by_the_sigstore_verifier(ckpt: Path, tmp_path: Path) -> None:
     from cryptography.hazmat.primitives import serialization as ser
