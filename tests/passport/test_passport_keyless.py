@@ -74,11 +74,17 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 @pytest.fixture
 def ckpt(tmp_path: Path) -> Path:
+    """A small training checkpoint that passes its audit (model and an AdamW state)."""
     import torch
 
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 8)).square().mean().backward()
+    opt.step()
     d = tmp_path / "step-2"
     d.mkdir()
-    torch.save({"model": {"w": torch.randn(4, 4, generator=torch.Generator().manual_seed(0))}}, d / "model.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, d / "model.pt")
     return d
 
 
@@ -268,3 +274,24 @@ def test_the_keyless_options_parse(ckpt: Path, tmp_path: Path) -> None:
         code, out, err = _cli(*argv)
         assert code == 2 and out == "" and says in err and len(err.strip().splitlines()) == 1, (argv, err)
     assert not (ckpt / PASSPORT_NAME).exists()
+
+
+def test_the_guard_signs_keylessly_with_the_jobs_ambient_identity_or_says_why_not(
+        ckpt: Path, tmp_path: Path, offline: None, caplog: pytest.LogCaptureFixture) -> None:
+    """``Guard(passport_sigstore=True)``: each passport asks for the job's ambient identity; where there is none the
+    checkpoint's verdict stands (it passed), no passport is placed, and the log says why in one line."""
+    from ckptaudit.integrations.guard import Guard
+
+    good = tmp_path / "run" / "checkpoint-2"
+    shutil.copytree(ckpt, good)
+    guard = Guard(background="thread", passport_sigstore=True)
+    assert guard.signing["sigstore"] is True
+    guard.submit(str(good), step=2)
+    with caplog.at_level("WARNING", logger="ckptaudit"):
+        assert guard.close(120)
+    (v,) = guard.verdicts
+    assert v.ok and v.passport is None and not (good / PASSPORT_NAME).exists()
+    (said,) = [r.getMessage() for r in caplog.records if "passport could not be written" in r.getMessage()]
+    assert "needs an OIDC identity token" in said and "\n" not in said
+    with pytest.raises(ValueError, match="passport_sigstore=True signs each passport keylessly"):
+        Guard(passport_sigstore=True, passport=False)
