@@ -295,3 +295,49 @@ def test_the_guard_signs_keylessly_with_the_jobs_ambient_identity_or_says_why_no
     assert "needs an OIDC identity token" in said and "\n" not in said
     with pytest.raises(ValueError, match="passport_sigstore=True signs each passport keylessly"):
         Guard(passport_sigstore=True, passport=False)
+
+
+def test_a_sigstore_policy_file_where_a_key_goes_in_latest_the_store_loader_and_the_testing_assertion(
+        ckpt: Path, tmp_path: Path) -> None:
+    """``latest --require passport=POLICY.json``, ``require_passport=POLICY.json`` (the store loader's step) and
+    ``assert_passport_verifies(key=POLICY.json)``: a JSON trust file names the keyless signer trusted. The
+    public-good statement passes it and the unsigned audit statement beside it does not; a key-signed passport is
+    refused as not keyless; a JSON file that is no policy is one line."""
+    from ckptaudit.passport import passport_findings
+    from ckptaudit.testing import PassportFailed, assert_passport_verifies
+
+    policy = tmp_path / "trust.json"
+    policy.write_text(json.dumps({"sigstore": {"identity": SIGNER.identity, "issuer": SIGNER.issuer,
+                                               "offline": True}}))
+    run = tmp_path / "run"
+    keyed, keyless = run / "step-2", run / "step-4"
+    shutil.copytree(ckpt, keyed)
+    from cryptography.hazmat.primitives import serialization as ser
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = tmp_path / "key.pem"
+    key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption()))
+    attest(str(keyed), key=str(key))
+    shutil.copytree(SIGNED, keyless)
+    stmt = json.loads(base64.b64decode(_bundle()["dsseEnvelope"]["payload"]))
+    forged = copy.deepcopy(_bundle())
+    forged["dsseEnvelope"]["payload"] = base64.b64encode(_audit_statement(stmt)).decode()
+    _passport_around(keyless, forged)
+
+    code, out, err = _cli("latest", str(run), "--require", f"passport={policy}", "--format", "json",
+                          "--no-progress", "--all")
+    doc = json.loads(out)
+    assert doc["latest"] is None and code == 1, out + err
+    rows = {c["name"]: " ".join(f["message"] for f in c["findings"]) for c in doc["candidates"]}
+    assert "model-signing statement: not a Sigstore keyless bundle" in rows["step-2"]
+    assert "audit statement: Sigstore verification failed" in rows["step-4"]
+
+    [refused] = passport_findings(str(keyless), "step-4", key=str(policy))
+    assert refused.code == "passport.signature" and "DSSE: invalid signature" in refused.message
+    with pytest.raises(PassportFailed, match="not a Sigstore keyless bundle"):
+        assert_passport_verifies(keyed, key=policy)
+
+    policy.write_text(json.dumps({"sigstore": {"identity": SIGNER.identity}}))
+    [bad] = passport_findings(str(keyed), "step-2", key=str(policy))
+    assert bad.code == "passport.malformed" and "a JSON trust file is a Sigstore policy" in bad.message

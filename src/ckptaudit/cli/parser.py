@@ -196,8 +196,8 @@ def _latest_args(lt: argparse.ArgumentParser) -> None:
                     "run the whole audit on each candidate")
     lt.add_argument("--require", default="",
                     help="comma-separated components whose absence rejects a candidate: scheduler,rng,data-progress; "
-                    "passport (or passport=KEY.pub, or passport=CA.pem): only a candidate whose passport verifies "
-                    "(docs/passport.md)")
+                    "passport (or passport=KEY.pub, passport=CA.pem, or passport=SIGSTORE.json): only a candidate "
+                    "whose passport verifies (docs/passport.md)")
     lt.add_argument("--master-dtype", default="auto", choices=MASTER_DTYPES,
                     help="the master dtype the quick and full audits hold parameters to (auto: read it from each "
                     "candidate); a mixed-precision run's is float32")

@@ -32,7 +32,7 @@ from ckptaudit.passport.keyless import KeylessVerifier, SigstoreIdentity
 from ckptaudit.passport.model import Artifact, FileDigest, PassportError, VerifyResult
 from ckptaudit.passport.statements import load_public_key, verify_bundle
 
-__all__ = ["passport_findings", "trust_of", "verify"]
+__all__ = ["passport_findings", "trust_from_file", "trust_of", "verify"]
 
 _KEYLESS = "Sigstore identity "
 """How :class:`~ckptaudit.passport.keyless.KeylessVerifier` describes the signer it verified."""
@@ -323,15 +323,41 @@ def trust_of(key: str | None) -> tuple[str | None, tuple[str, ...]]:
     """What a trust file given as ``KEY`` (``latest --require passport=KEY``, the store loader's
     ``require_passport=KEY``, the testing assertion's ``key``) is: a PEM public key -> ``(key, ())``; a PEM file of
     certificates (a CA or a bundle of them) -> ``(None, (key,))``, the chain the passport's certificate must chain
-    to. A file that cannot be read is left as a key (:func:`verify` then names it)."""
+    to. A file that cannot be read is left as a key (:func:`verify` then names it). A Sigstore policy file:
+    :func:`trust_from_file`."""
+    public, chain, _ = trust_from_file(key)
+    return public, chain
+
+
+def trust_from_file(key: str | None) -> tuple[str | None, tuple[str, ...], SigstoreIdentity | None]:
+    """:func:`trust_of`, and a third kind: a JSON file ``{"sigstore": {"identity": ID, "issuer": URL,
+    "offline": false}}`` -> ``(None, (), SigstoreIdentity)``, the keyless signer trusted (``attest --sigstore``).
+    :class:`PassportError` for a JSON file that is not such a policy."""
     if key is None:
-        return None, ()
+        return None, (), None
     try:
         with open(key, "rb") as fh:
             head = fh.read(1 << 20)
     except OSError:
-        return key, ()
-    return (None, (key,)) if b"-----BEGIN CERTIFICATE-----" in head else (key, ())
+        return key, (), None
+    if head.lstrip().startswith(b"{"):
+        return None, (), _sigstore_policy(head, key)
+    return (None, (key,), None) if b"-----BEGIN CERTIFICATE-----" in head else (key, (), None)
+
+
+def _sigstore_policy(raw: bytes, file: str) -> SigstoreIdentity:
+    from ckptaudit.formats.io.safejson import loads_limited
+
+    try:
+        doc = loads_limited(raw, file, unique_keys=True)
+    except ValueError as exc:
+        raise PassportError(f"{file}: not a Sigstore policy ({exc})") from None
+    policy = doc.get("sigstore") if isinstance(doc, dict) else None
+    if not isinstance(policy, dict) or not all(isinstance(policy.get(k), str) for k in ("identity", "issuer")) \
+            or not isinstance(policy.get("offline", False), bool):
+        raise PassportError(f'{file}: a JSON trust file is a Sigstore policy: {{"sigstore": {{"identity": ID, '
+                            '"issuer": URL, "offline": false}}}} (the identity and OIDC issuer trusted to sign)')
+    return SigstoreIdentity(policy["identity"], policy["issuer"], policy.get("offline", False))
 
 
 def passport_findings(path: str, name: str, *, key: str | None = None,
@@ -340,10 +366,10 @@ def passport_findings(path: str, name: str, *, key: str | None = None,
     ``path`` (named ``name`` in messages) from being chosen: no passport, one that cannot be read or does not
     verify, or one whose verdict was no pass. Empty when its passport verifies (one read of every byte). ``key``:
     the signer's PEM public key, or a PEM file of the CA certificates its signing certificate must chain to
-    (:func:`trust_of`)."""
-    public, chain = trust_of(key)
+    (:func:`trust_of`), or a Sigstore policy file (:func:`trust_from_file`)."""
     try:
-        result = verify(path, key=public, expect=expect, cert_chain=chain)
+        public, chain, keyless = trust_from_file(key)
+        result = verify(path, key=public, expect=expect, cert_chain=chain, sigstore=keyless)
     except PassportError as exc:
         return (finding("passport.malformed", name, f"{name}: its passport cannot be used: {exc}"),)
     except OSError as exc:
