@@ -58,18 +58,23 @@ def _bundle() -> dict[str, Any]:
     return doc
 
 
+@pytest.fixture(autouse=True)
+def _sigstore_dirs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """sigstore-python's TUF metadata and caches (written even offline) under tmp_path, not the user's home."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+
+
 @pytest.fixture
-def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No ambient identity, Sigstore's caches under tmp_path, and every HTTP(S) request sent to a closed port: the
-    same on a machine with network as without."""
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ambient identity, and every HTTP(S) request sent to a closed port: the same on a machine with network as
+    without."""
     for name in _AMBIENT:
         monkeypatch.delenv(name, raising=False)
     for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
         monkeypatch.setenv(name, "http://127.0.0.1:9")
     monkeypatch.delenv("NO_PROXY", raising=False)
     monkeypatch.delenv("no_proxy", raising=False)
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
 
 
 @pytest.fixture
