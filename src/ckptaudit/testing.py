@@ -177,18 +177,18 @@ def assert_passport_verifies(path: str | os.PathLike[str], passport: str | os.Pa
     (``passport``; default: the one it carries) and return the :class:`~ckptaudit.passport.VerifyResult`; raise
     :class:`PassportFailed` unless every byte is the attested one, the signature verifies with ``key`` (the
     signer's PEM public key; with it a digest-only passport fails; a PEM file of CA certificates there is taken as
-    ``cert_chain``), or the signing certificate chains to ``cert_chain`` (PEM files of the CA certificates trusted:
+    ``cert_chain``, a Sigstore policy file the keyless signer trusted), or the signing certificate chains to ``cert_chain`` (PEM files of the CA certificates trusted:
     ``attest --cert``), and the recorded verdict is a pass for ``expect`` (``training`` or ``serving``). A passport
     that cannot be read fails too (the message says why)."""
     from ckptaudit.passport import PassportError, verify
     from ckptaudit.passport.render import verify_text
-    from ckptaudit.passport.verifying import trust_of
+    from ckptaudit.passport.verifying import trust_from_file
 
-    public, chain = trust_of(None if key is None else os.fspath(key))
-    chain = (*chain, *(os.fspath(c) for c in cert_chain))
     try:
+        public, chain, keyless = trust_from_file(None if key is None else os.fspath(key))
+        chain = (*chain, *(os.fspath(c) for c in cert_chain))
         result = verify(os.fspath(path), None if passport is None else os.fspath(passport),
-                        key=public, expect=expect, cert_chain=chain)
+                        key=public, expect=expect, cert_chain=chain, sigstore=keyless)
     except PassportError as exc:
         raise PassportFailed(f"{os.fspath(path)}: its passport cannot be used: {exc}", None) from None
     if not result.ok:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TextIO
+from typing import Any, TextIO
 
 from ckptaudit.cli.output import EXIT_CLEAN, EXIT_FINDINGS, EXIT_USAGE, emit, progress_bar
 from ckptaudit.cli.parser import UsageError, ignore_codes, require, resolved
@@ -203,11 +203,37 @@ def _cmd_attest(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
     try:
         options = AuditOptions(master_dtype=args.master_dtype, ignore=ignore_codes(args.ignore))
         p = attest(args.path, key=args.key, output=args.output, artifact=args.expect, options=options,
-                   jobs=args.jobs, algorithm=args.digest, certificate=args.cert, cert_chain=args.cert_chain)
+                   jobs=args.jobs, algorithm=args.digest, certificate=args.cert, cert_chain=args.cert_chain,
+                   sigstore=_sigstore_signing(args))
     except PassportError as exc:
         raise UsageError(str(exc)) from None
     stdout.write(dumps(attest_json(p, args.path)) if args.format == "json" else attest_text(p, args.path))
     return EXIT_CLEAN if p.verdict == "pass" else EXIT_FINDINGS
+
+
+def _sigstore_signing(args: argparse.Namespace) -> Any:
+    """``attest --sigstore [--identity-token T] [--sigstore-trust-config F]`` (or ``None``: not keyless)."""
+    from ckptaudit.passport.keyless import SigstoreSigning
+
+    if not args.sigstore:
+        if args.identity_token is not None or args.sigstore_trust_config is not None:
+            raise UsageError("--identity-token and --sigstore-trust-config sign keylessly: add --sigstore")
+        return None
+    return SigstoreSigning(args.identity_token or os.environ.get("SIGSTORE_IDENTITY_TOKEN") or None,
+                           args.sigstore_trust_config)
+
+
+def _sigstore_identity(args: argparse.Namespace) -> Any:
+    """``verify --sigstore-identity ID --sigstore-issuer URL [--sigstore-offline]`` (or ``None``)."""
+    from ckptaudit.passport.keyless import SigstoreIdentity
+
+    if args.sigstore_identity is None and args.sigstore_issuer is None:
+        if args.sigstore_offline or args.sigstore_trust_config is not None:
+            raise UsageError("--sigstore-offline and --sigstore-trust-config verify a keyless signature: give "
+                             "--sigstore-identity ID and --sigstore-issuer URL")
+        return None
+    return SigstoreIdentity(args.sigstore_identity or "", args.sigstore_issuer or "", args.sigstore_offline,
+                            args.sigstore_trust_config)
 
 
 def _cmd_verify(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
@@ -216,7 +242,7 @@ def _cmd_verify(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int
 
     try:
         result = verify(args.path, args.passport, key=args.key, expect=args.expect, jobs=args.jobs,
-                        cert_chain=args.cert_chain)
+                        cert_chain=args.cert_chain, sigstore=_sigstore_identity(args))
     except PassportError as exc:  # the passport itself is unreadable, or the key: one line, exit 2
         raise UsageError(" ".join(str(exc).split())) from None
     stdout.write(dumps(verify_json(result)) if args.format == "json" else verify_text(result, args.verbose))

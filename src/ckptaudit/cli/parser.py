@@ -196,8 +196,8 @@ def _latest_args(lt: argparse.ArgumentParser) -> None:
                     "run the whole audit on each candidate")
     lt.add_argument("--require", default="",
                     help="comma-separated components whose absence rejects a candidate: scheduler,rng,data-progress; "
-                    "passport (or passport=KEY.pub, or passport=CA.pem): only a candidate whose passport verifies "
-                    "(docs/passport.md)")
+                    "passport (or passport=KEY.pub, passport=CA.pem, or passport=SIGSTORE.json): only a candidate "
+                    "whose passport verifies (docs/passport.md)")
     lt.add_argument("--master-dtype", default="auto", choices=MASTER_DTYPES,
                     help="the master dtype the quick and full audits hold parameters to (auto: read it from each "
                     "candidate); a mixed-precision run's is float32")
@@ -226,6 +226,14 @@ def _attest_args(at: argparse.ArgumentParser) -> None:
                     "signing's certificate mode; the passport carries the certificate and --cert-chain)")
     at.add_argument("--cert-chain", metavar="CERT", action="append", default=[],
                     help="PEM file of certificates linking --cert to your CA (repeatable)")
+    at.add_argument("--sigstore", action="store_true",
+                    help="sign keylessly through Sigstore (an OIDC identity, a Fulcio certificate, logged in Rekor) "
+                    "instead of with a key; needs the network and an identity token")
+    at.add_argument("--identity-token", metavar="TOKEN",
+                    help="the OIDC identity token for --sigstore (default: $SIGSTORE_IDENTITY_TOKEN, else an ambient "
+                    "one: GitHub Actions, GCP, GitLab, Buildkite, CircleCI)")
+    at.add_argument("--sigstore-trust-config", metavar="FILE",
+                    help="a Sigstore client trust configuration (JSON) for an instance other than the public one")
     at.add_argument("--expect", default="training", choices=["training", "serving"],
                     help="what the checkpoint is: a resumable training checkpoint (default) or a serving export")
     at.add_argument("--digest", default=None, choices=["sha256", "blake3"],
@@ -246,6 +254,15 @@ def _verify_args(ve: argparse.ArgumentParser) -> None:
     ve.add_argument("--cert-chain", metavar="CERT", action="append", default=[],
                     help="PEM file of the certificates you trust (your CA; repeatable): the passport must be signed "
                     "under a certificate that chains to them (attest --cert); instead of --key")
+    ve.add_argument("--sigstore-identity", metavar="ID",
+                    help="the identity trusted to have signed keylessly (attest --sigstore): an email or a workflow "
+                    "URI; with --sigstore-issuer, instead of --key")
+    ve.add_argument("--sigstore-issuer", metavar="URL", help="the OIDC issuer that vouched for --sigstore-identity "
+                    "(e.g. https://token.actions.githubusercontent.com)")
+    ve.add_argument("--sigstore-offline", action="store_true",
+                    help="use the Sigstore trusted root sigstore-python holds, without refreshing it (no network)")
+    ve.add_argument("--sigstore-trust-config", metavar="FILE",
+                    help="a Sigstore client trust configuration (JSON) for an instance other than the public one")
     ve.add_argument("--expect", default="training", choices=["training", "serving"],
                     help="what the checkpoint is used as; its recorded verdict must be a pass for that")
     ve.add_argument("--jobs", "-j", type=_jobs, default=None, metavar="N", help="files read at once")

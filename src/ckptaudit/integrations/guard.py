@@ -158,7 +158,7 @@ class Guard:
 
     def __init__(self, *, on_failure: str = "warn", background: str = "process",
                  max_unverified: int | object | None = _BY_MODE, passport: bool = True,
-                 passport_key: str | os.PathLike[str] | None = None,
+                 passport_key: str | os.PathLike[str] | None = None, passport_sigstore: bool = False,
                  passport_certificate: str | os.PathLike[str] | None = None,
                  passport_cert_chain: Sequence[str | os.PathLike[str]] = (), **audit_options: Any) -> None:
         from ckptaudit.options import AUDIT_OPTIONS, resolve
@@ -178,7 +178,8 @@ class Guard:
         resolve("ckptaudit guard", audit_options, AUDIT_OPTIONS)
         self.passport = bool(passport)
         """Write a passport beside (inside) each checkpoint that passes (:mod:`ckptaudit.passport`)."""
-        self.signing = passport_signing(passport, passport_key, passport_certificate, passport_cert_chain)
+        self.signing = passport_signing(passport, passport_key, passport_certificate, passport_cert_chain,
+                                        passport_sigstore)
         """How each passport is signed (key, certificate, chain; all ``None`` for digest-only passports)."""
         self.passport_key = self.signing["key"]
         self.on_failure = on_failure

@@ -284,10 +284,12 @@ def failure_advice(damage: Damage, live: LiveState | None, good: SaveRecord | No
             "whether the training state or only the file is damaged")
 
 
-def passport_signing(passport: bool, key: Any, certificate: Any, chain: Sequence[Any]) -> dict[str, Any]:
+def passport_signing(passport: bool, key: Any, certificate: Any, chain: Sequence[Any],
+                     sigstore: bool = False) -> dict[str, Any]:
     """(training thread, at construction) The guard's signing options checked before training starts: ``key`` a PEM
-    private key file; ``certificate`` (its signing certificate) and ``chain`` (its issuers' PEM files) need it.
-    Raises ``ValueError`` naming the option and the fix."""
+    private key file; ``certificate`` (its signing certificate) and ``chain`` (its issuers' PEM files) need it;
+    ``sigstore``: sign keylessly with the job's ambient OIDC identity (each passport asks for a fresh token; the
+    ``[sign]`` extra). Raises ``ValueError`` naming the option and the fix."""
     paths = {"passport_key": key, "passport_certificate": certificate}
     for i, c in enumerate(chain):
         paths[f"passport_cert_chain[{i}]"] = c
@@ -299,9 +301,20 @@ def passport_signing(passport: bool, key: Any, certificate: Any, chain: Sequence
     if key is None and (certificate is not None or chain):
         raise ValueError("ckptaudit guard: passport_certificate / passport_cert_chain sign with a key: pass "
                          "passport_key (the certificate's private key) too")
+    if sigstore:
+        if not passport or key is not None:
+            raise ValueError("ckptaudit guard: passport_sigstore=True signs each passport keylessly: pass it with "
+                             "passport=True and without passport_key (one way of signing)")
+        from importlib.util import find_spec
+
+        if find_spec("sigstore") is None or find_spec("model_signing") is None:
+            from ckptaudit.extras import install_line
+
+            raise ValueError("ckptaudit guard: passport_sigstore=True needs the [sign] extra (model-signing, "
+                             f"sigstore): {install_line('sign')}")
     return {"key": None if key is None else os.fspath(key),
             "certificate": None if certificate is None else os.fspath(certificate),
-            "cert_chain": [os.fspath(c) for c in chain]}
+            "cert_chain": [os.fspath(c) for c in chain], "sigstore": bool(sigstore)}
 
 
 def passport_request(lineage: dict[str, Any], signing: dict[str, Any], folder: str | None,

@@ -43,8 +43,8 @@ def audit_to_file(checkpoint: str, where: str, options: dict[str, Any], as_path:
                   passport: dict[str, Any] | None = None) -> dict[str, Any]:
     """(worker) Audit ``checkpoint``, write its JSON report to ``where`` atomically, return the gist. ``as_path``:
     the path the report names (the checkpoint's own, when ``checkpoint`` is its pinned copy). ``passport``:
-    ``{"output": PATH, "key": PATH | None, "certificate": PATH | None, "cert_chain": [PATH], "durable": bool,
-    "lineage": {...}}`` also writes the checkpoint's passport there, of the
+    ``{"output": PATH, "key": PATH | None, "certificate": PATH | None, "cert_chain": [PATH], "sigstore": bool,
+    "durable": bool, "lineage": {...}}`` also writes the checkpoint's passport there, of the
     same bytes, with this audit's report and the digests taken in its own pass (:func:`ckptaudit.passport.attest`,
     :func:`~ckptaudit.passport.digests.audit_digests`: nothing read twice); the answer's ``"passport"`` then holds its
     ``file``, ``digest`` and ``root_digest`` (or an ``error``: the verdict stands without a passport)."""
@@ -97,6 +97,7 @@ def _attest(checkpoint: str, raw: Any, options: dict[str, Any], spec: dict[str, 
     from ckptaudit.options import AUDIT_OPTIONS, resolve
     from ckptaudit.passport import attest
     from ckptaudit.passport.document import lineage_from_json
+    from ckptaudit.passport.keyless import SigstoreSigning
 
     try:
         lineage = lineage_from_json(spec.get("lineage"), "the guard's lineage")
@@ -104,6 +105,7 @@ def _attest(checkpoint: str, raw: Any, options: dict[str, Any], spec: dict[str, 
         made = attest(checkpoint, key=spec.get("key"), output=spec["output"], lineage=lineage, report=raw,
                       options=opts, jobs=opts.jobs, digests=digests,
                       certificate=spec.get("certificate"), cert_chain=spec.get("cert_chain") or (),
+                      sigstore=SigstoreSigning() if spec.get("sigstore") else None,
                       durable=bool(spec.get("durable", True)))
     except Exception as exc:  # noqa: BLE001 - the verdict stands; the guard says why there is no passport
         return {"error": f"{type(exc).__name__}: {exc}"}

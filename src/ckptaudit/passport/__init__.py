@@ -18,6 +18,7 @@ from __future__ import annotations
 from ckptaudit.ondisk.passport import find_passport, passport_path, signature_path
 from ckptaudit.passport.attesting import attest
 from ckptaudit.passport.document import read_passport
+from ckptaudit.passport.keyless import SigstoreIdentity, SigstoreSigning
 from ckptaudit.passport.model import (
     Ancestor,
     FileDigest,
@@ -37,6 +38,8 @@ __all__ = [
     "Passport",
     "PassportError",
     "ServingInfo",
+    "SigstoreIdentity",
+    "SigstoreSigning",
     "TensorDigest",
     "VerifyResult",
     "attest",

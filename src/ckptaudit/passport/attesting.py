@@ -9,6 +9,7 @@ measures what that costs.
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from ckptaudit.passport.digests import (
     tensor_digests,
 )
 from ckptaudit.passport.document import dump_passport, parse_passport
+from ckptaudit.passport.keyless import SigstoreSigning, keyless_signer
 from ckptaudit.passport.model import Artifact, Lineage, Passport, PassportError, ServingInfo, TensorDigest
 from ckptaudit.passport.statements import (
     audit_statement,
@@ -37,6 +39,7 @@ from ckptaudit.passport.statements import (
     key_fingerprint,
     load_private_key,
     model_signing_bundle,
+    model_signing_payload,
     model_signing_statement,
     sign_statement,
 )
@@ -72,7 +75,8 @@ def _tensors_of_quick(path: str, jobs: int) -> list[TensorDigest]:
 
 def _predicate(name: str, report: RawReport, options: dict[str, Any], artifact: Artifact, files: list[Any],
                algorithm: str, root: str, tensors: list[TensorDigest], lineage: Lineage,
-               serving: ServingInfo | None, signer: str | None) -> dict[str, Any]:
+               serving: ServingInfo | None, signer: str | None, signer_kind: str | None,
+               signer_issuer: str | None) -> dict[str, Any]:
     c = report.contract
     algo = tensors[0].digest.split(":", 1)[0] if tensors else None
     return {
@@ -95,6 +99,8 @@ def _predicate(name: str, report: RawReport, options: dict[str, Any], artifact: 
                                                   "source_passport_digest": serving.source_passport_digest},
         "lineage": lineage.to_json(),
         "signer": signer,
+        "signer_kind": signer_kind,
+        "signer_issuer": signer_issuer,
     }
 
 
@@ -102,7 +108,7 @@ def attest(path: str, *, key: str | None = None, key_password: str | None = None
            lineage: Lineage | None = None, report: RawReport | None = None, artifact: Artifact = "training",
            serving: ServingInfo | None = None, options: AuditOptions | None = None, jobs: int | None = None,
            algorithm: str | None = None, digests: AuditDigests | None = None, certificate: str | None = None,
-           cert_chain: Sequence[str] = (), durable: bool = True) -> Passport:
+           cert_chain: Sequence[str] = (), durable: bool = True, sigstore: SigstoreSigning | None = None) -> Passport:
     """Audit the checkpoint at ``path`` (unless ``report`` is the audit of these bytes, from the same pass) and
     write its passport to ``output`` (default: :func:`~ckptaudit.ondisk.passport.passport_path`; a signed one also
     writes model-signing's bundle at :func:`~ckptaudit.ondisk.passport.signature_path`).
@@ -113,7 +119,9 @@ def attest(path: str, *, key: str | None = None, key_password: str | None = None
     (model-signing's certificate mode) and a verifier checks it against the CA it trusts. ``durable=False``: no
     fsync of the passport (still written whole or not at all): the guard's, as durable as the checkpoint and the
     report beside it, which the library and the guard do not fsync either. ``lineage``: which checkpoint this one
-    descends from (the guards fill it). ``artifact``: ``training`` (a resumable checkpoint) or ``serving`` (an
+    descends from (the guards fill it). ``sigstore``: sign keylessly through Sigstore instead of with a key
+    (:mod:`ckptaudit.passport.keyless`: an identity token given or ambient, the certificate from Fulcio, the
+    signatures logged in Rekor); its extra, token and service are checked before the audit. ``artifact``: ``training`` (a resumable checkpoint) or ``serving`` (an
     inference export; ``serving`` then holds its gate results and the training checkpoint's passport digest).
     ``options``: the audit's :class:`~ckptaudit.auditing.judge.AuditOptions` (its ``expect`` is set from
     ``artifact``). ``algorithm``: the file digests' (``sha256``, model-signing's default, or ``blake3``; ``None``:
@@ -142,6 +150,9 @@ def attest(path: str, *, key: str | None = None, key_password: str | None = None
         raise PassportError(f"--digest {algorithm!r}: model-signing verifies {', '.join(FILE_ALGORITHMS)}")
     if artifact not in ("training", "serving"):
         raise PassportError(f"artifact must be training or serving, not {artifact!r}")
+    if sigstore is not None and (key is not None or certificate is not None or cert_chain):
+        raise PassportError("sign with a key (--key, --cert) or keylessly through Sigstore (--sigstore), not both")
+    keyless = keyless_signer(sigstore) if sigstore is not None else None
     private = load_private_key(key, key_password.encode() if key_password else None) if key else None
     chain = None
     if certificate is not None or cert_chain:
@@ -176,26 +187,31 @@ def attest(path: str, *, key: str | None = None, key_password: str | None = None
     opts = {"master_dtype": options.master_dtype, "expect": options.expect,
             "require": sorted(k.value for k in options.require), "ignore": list(options.ignore),
             "quick": options.quick}
-    signer = key_fingerprint(private) if private is not None else None
+    signer, kind, issuer = ((keyless.identity, "sigstore", keyless.issuer) if keyless is not None else
+                            (key_fingerprint(private), "key" if chain is None else "certificate", None)
+                            if private is not None else (None, None, None))
     au_stmt = audit_statement(name, root, _predicate(name, report, opts, artifact, files, algorithm, root, tensors,
-                                                     lineage or Lineage(), serving, signer))
+                                                     lineage or Lineage(), serving, signer, kind, issuer))
     out = output or passport_path(path, is_dir=is_dir)
-    if private is not None:
+    sig = signature_path(path, is_dir=is_dir) if output is None else out.removesuffix(".json") + ".sig"
+    ms_part: dict[str, Any]
+    if keyless is not None:
+        ms_text = keyless.sign_model_signing(model_signing_payload(ms_stmt))
+        ms_part = json.loads(ms_text)
+        au_part = keyless.sign_statement(canonical(au_stmt))
+        _write(sig, ms_text.encode(), durable)
+    elif private is not None:
         assert key is not None
         ms_text = model_signing_bundle(ms_stmt, key, key_password, certificate, cert_chain)
-        import json
-
-        ms_part: dict[str, Any] = json.loads(ms_text)
+        ms_part = json.loads(ms_text)
         au_part = sign_statement(au_stmt, private, chain)
-        sig = signature_path(path, is_dir=is_dir) if output is None else out.removesuffix(".json") + ".sig"
         _write(sig, ms_text.encode(), durable)
     else:
         ms_part = {"dsseEnvelope": envelope(canonical(ms_stmt))}
         au_part = {"dsseEnvelope": envelope(canonical(au_stmt))}
-        stale = signature_path(path, is_dir=is_dir) if output is None else out.removesuffix(".json") + ".sig"
-        if os.path.isfile(stale) and not os.path.islink(stale):
-            os.remove(stale)  # an earlier signed passport's bundle: it signs another statement than this one
-    raw = dump_passport(private is not None, ms_part, au_part)
+        if os.path.isfile(sig) and not os.path.islink(sig):
+            os.remove(sig)  # an earlier signed passport's bundle: it signs another statement than this one
+    raw = dump_passport(private is not None or keyless is not None, ms_part, au_part)
     _write(out, raw, durable)
     return parse_passport(raw, out).passport
 

@@ -108,6 +108,9 @@ def _bundle_chain(bundle: Any, what: str) -> Chain:
     chain = material.get("x509CertificateChain") if isinstance(material, dict) else None
     certs = chain.get("certificates") if isinstance(chain, dict) else None
     if not isinstance(certs, list) or not certs:
+        if isinstance(material, dict) and isinstance(material.get("certificate"), dict):
+            raise PassportError(f"{what}: signed keylessly through Sigstore (a Fulcio certificate, not your CA's): "
+                                "verify it with --sigstore-identity ID --sigstore-issuer URL")
         raise PassportError(f"{what}: carries no certificate chain (signed with a bare key: verify it with --key "
                             "PUBLIC_KEY, or attest again with --cert)")
     try:

@@ -24,6 +24,7 @@ from ckptaudit.ondisk.passport import MAX_PASSPORT_BYTES, PASSPORT_VERSION, PRED
 from ckptaudit.passport.model import (
     ARTIFACTS,
     LINEAGE_STATES,
+    SIGNER_KINDS,
     VERDICTS,
     Ancestor,
     FileDigest,
@@ -242,6 +243,10 @@ def _parse(doc: dict[str, Any], raw: bytes, file: str) -> Parsed:
     root = "sha256:" + ms_stmt["subject"][0]["digest"]["sha256"]
     files = tuple(FileDigest(n, d, sizes.get(n)) for n, d in digests.items())
     signer = p.get("signer")
+    kind = p.get("signer_kind")
+    if kind is not None and kind not in SIGNER_KINDS:
+        raise PassportError(f"{what}: signer_kind {str(kind)[:40]!r} is not one of {', '.join(SIGNER_KINDS)}")
+    issuer = p.get("signer_issuer")
     passport = Passport(
         file=file, digest="sha256:" + hashlib.sha256(raw).hexdigest(), signed=signed,
         signer=signer if isinstance(signer, str) else None, checkpoint=str(p.get("checkpoint", ""))[:4096],
@@ -250,5 +255,6 @@ def _parse(doc: dict[str, Any], raw: bytes, file: str) -> Parsed:
         serving=serving, tool=p.get("tool") if isinstance(p.get("tool"), dict) else {},
         contract=p.get("contract") if isinstance(p.get("contract"), dict) else {},
         options=p.get("options") if isinstance(p.get("options"), dict) else {},
-        summary=str(p.get("summary", ""))[:4096], predicate=p)
+        summary=str(p.get("summary", ""))[:4096], predicate=p, signer_kind=kind,
+        signer_issuer=issuer if isinstance(issuer, str) else None)
     return Parsed(passport, ms, au, ms_stmt, au_stmt, min(len(ms_sigs), len(au_sigs)), frozenset(listed))

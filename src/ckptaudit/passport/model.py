@@ -15,6 +15,7 @@ from ckptaudit.findings import Finding
 __all__ = [
     "ARTIFACTS",
     "LINEAGE_STATES",
+    "SIGNER_KINDS",
     "VERDICTS",
     "Ancestor",
     "Artifact",
@@ -24,6 +25,7 @@ __all__ = [
     "Passport",
     "PassportError",
     "ServingInfo",
+    "SignerKind",
     "TensorDigest",
     "Verdict",
     "VerifyResult",
@@ -33,6 +35,8 @@ Verdict = Literal["pass", "fail", "not-judged"]
 VERDICTS: tuple[Verdict, ...] = ("pass", "fail", "not-judged")
 Artifact = Literal["training", "serving"]
 ARTIFACTS: tuple[Artifact, ...] = ("training", "serving")
+SignerKind = Literal["key", "certificate", "sigstore"]
+SIGNER_KINDS: tuple[SignerKind, ...] = ("key", "certificate", "sigstore")
 LineageState = Literal["clean", "descends-from-damage"]
 LINEAGE_STATES: tuple[LineageState, ...] = ("clean", "descends-from-damage")
 
@@ -138,7 +142,8 @@ class Passport:
     signed: bool
     """Signed by a key (``False``: digest-only, which proves nothing about who wrote it)."""
     signer: str | None
-    """The signing public key's fingerprint, ``sha256:<hex>`` of its DER form, when signed."""
+    """Who signed, when signed: the signing public key's fingerprint (``sha256:<hex>`` of its PEM form; under a
+    certificate, the certificate's key), or the Sigstore identity (an email or a workflow URI)."""
     checkpoint: str
     """The checkpoint's name when it was attested (its base name)."""
     artifact: Artifact
@@ -163,6 +168,11 @@ class Passport:
     summary: str = ""
     predicate: Mapping[str, Any] = field(default_factory=dict)
     """ckptaudit's predicate as it stands in the statement (JSON data), for what the fields above leave out."""
+    signer_kind: SignerKind | None = None
+    """How it was signed: ``key``, ``certificate`` (a key under a certificate of the user's CA), ``sigstore``
+    (keyless); ``None``: digest-only (or written before the field existed)."""
+    signer_issuer: str | None = None
+    """The OIDC issuer that vouched for a Sigstore ``signer``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +200,8 @@ class VerifyResult:
     summary: str = ""
     certificate: str | None = None
     """The signing certificate (subject, issuer, fingerprint) when the signature verified under a certificate chain
-    the caller trusts (``verify --cert-chain``)."""
+    the caller trusts (``verify --cert-chain``), or ``Sigstore identity ID (ISSUER)`` when it verified keylessly
+    (``verify --sigstore-identity``)."""
 
     @property
     def exit_code(self) -> int:

@@ -2,8 +2,9 @@
 chosen, and how the requirement rides in ``require`` beside the components.
 
 ``require`` takes ``passport`` (any passport that verifies: the bytes are the attested ones and its verdict a
-pass) or ``passport=KEY`` (the signature must also verify: ``KEY`` is the signer's PEM public key, or a PEM file of
-the CA certificates the passport's signing certificate must chain to; a digest-only passport is refused). :func:`split_require` takes it out before the components are judged.
+pass) or ``passport=KEY`` (the signature must also verify: ``KEY`` is the signer's PEM public key, a PEM file of
+the CA certificates the passport's signing certificate must chain to, or a Sigstore policy file naming the keyless
+signer trusted; a digest-only passport is refused). :func:`split_require` takes it out before the components are judged.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BUNDLE_MEDIA_TYPE", "MODEL_SIGNING_PREDICATE", "PAYLOAD_TYPE", "STATEMENT_TYPE", "Key", "audit_statement",
            "canonical", "envelope", "key_fingerprint", "load_private_key", "load_public_key", "model_signing_bundle",
-           "model_signing_statement", "open_envelope", "pae", "sign_statement", "verify_bundle",
+           "model_signing_payload", "model_signing_statement", "open_envelope", "pae", "sign_statement", "verify_bundle",
            "verify_certificate_bundle"]
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -216,15 +216,13 @@ def verify_certificate_bundle(bundle: Any, trusted: Sequence[Any], what: str) ->
     return _signed_payload(bundle, public, what, f"its {chain.describe()}"), chain
 
 
-def model_signing_bundle(statement: Mapping[str, Any], key_path: str, password: str | None = None,
-                         certificate: str | None = None, chain: Sequence[str] = ()) -> str:
-    """Sign model-signing's ``statement`` with model-signing's own key signer (or its certificate signer, given the
-    signing ``certificate`` and the ``chain`` files); the bundle's JSON text (what ``model_signing verify key`` /
-    ``verify certificate`` reads). Needs the ``[sign]`` extra."""
+def model_signing_payload(statement: Mapping[str, Any]) -> Any:
+    """model-signing's own ``Payload`` of ``statement``, checked to name the root digest ckptaudit computed (or its
+    verifier would refuse the bundle). Needs the ``[sign]`` extra."""
     try:
         from model_signing import manifest as ms_manifest
         from model_signing._hashing import hashing as ms_hashing
-        from model_signing._signing import sign_certificate, sign_ec_key, signing
+        from model_signing._signing import signing
     except ImportError as exc:
         raise PassportError(f"signing a passport needs the [sign] extra (model-signing, pyOpenSSL): "
                             f"{install_line('sign')} ({exc})") from None
@@ -238,6 +236,17 @@ def model_signing_bundle(statement: Mapping[str, Any], key_path: str, password: 
     theirs = dict(payload.statement.pb.subject[0].digest)["sha256"]
     if ours != theirs:  # our serialization and model-signing's must agree, or its verifier would refuse it
         raise PassportError(f"internal: model-signing computes root digest {theirs}, ckptaudit {ours}")
+    return payload
+
+
+def model_signing_bundle(statement: Mapping[str, Any], key_path: str, password: str | None = None,
+                         certificate: str | None = None, chain: Sequence[str] = ()) -> str:
+    """Sign model-signing's ``statement`` with model-signing's own key signer (or its certificate signer, given the
+    signing ``certificate`` and the ``chain`` files); the bundle's JSON text (what ``model_signing verify key`` /
+    ``verify certificate`` reads). Needs the ``[sign]`` extra."""
+    payload = model_signing_payload(statement)
+    from model_signing._signing import sign_certificate, sign_ec_key
+
     try:
         signer: sign_ec_key.Signer  # the certificate signer is one
         if certificate is not None:  # model-signing's certificate signer takes no password: loaded unencrypted

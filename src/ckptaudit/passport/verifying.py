@@ -28,10 +28,14 @@ from ckptaudit.passport.digests import (
     tensor_digests,
 )
 from ckptaudit.passport.document import Parsed, parse_passport, read_passport_bytes
+from ckptaudit.passport.keyless import KeylessVerifier, SigstoreIdentity
 from ckptaudit.passport.model import Artifact, FileDigest, PassportError, VerifyResult
 from ckptaudit.passport.statements import load_public_key, verify_bundle
 
-__all__ = ["passport_findings", "trust_of", "verify"]
+__all__ = ["passport_findings", "trust_from_file", "trust_of", "verify"]
+
+_KEYLESS = "Sigstore identity "
+"""How :class:`~ckptaudit.passport.keyless.KeylessVerifier` describes the signer it verified."""
 
 
 def _result(path: str, file: str | None, parsed: Parsed | None, findings: list[Finding], **kw: Any) -> VerifyResult:
@@ -41,8 +45,10 @@ def _result(path: str, file: str | None, parsed: Parsed | None, findings: list[F
         head = f"{name}: verified against its passport"
         if parsed is not None:
             p = parsed.passport
+            cert = kw.get("certificate") or ""
             head += (f" ({len(p.files)} file(s), {p.artifact} checkpoint, verdict {p.verdict}, "
-                     + (f"signed by {p.signer}" + (f" under its {kw['certificate']}" if kw.get("certificate") else "")
+                     + ((f"signed keylessly by {cert.removeprefix(_KEYLESS)}" if cert.startswith(_KEYLESS) else
+                         f"signed by {p.signer}" + (f" under its {cert}" if cert else ""))
                         if kw.get("signature") == "verified" else "digest-only, not signed"
                         if not p.signed else "signature not checked: no --key") + ")")
     else:
@@ -103,6 +109,23 @@ def _check_certificates(parsed: Parsed, file: str,
     return [], "verified", au_chain.describe()
 
 
+def _check_keyless(parsed: Parsed, file: str, verifier: KeylessVerifier) -> tuple[list[Finding], str, str | None]:
+    """Both statements signed keylessly by the identity trusted, before anything else (Sigstore's verifier: the
+    certificate chains to Fulcio, names the identity and issuer, was valid when Rekor logged the signature)."""
+    who = verifier.who
+    given = f"--sigstore-identity {who.identity} --sigstore-issuer {who.issuer}"
+    if parsed.signatures == 0:
+        return [finding("passport.signature", PASSPORT_NAME,
+                        f"{file}: a digest-only passport (no signature) where {given} was given; nothing in it can be "
+                        "trusted: attest the checkpoint again with --sigstore", key=given)], "failed", None
+    try:
+        _, described = verifier.payload(parsed.model_signing, f"{file}: model-signing statement")
+        verifier.payload(parsed.audit, f"{file}: audit statement")
+    except PassportError as exc:
+        return [finding("passport.signature", PASSPORT_NAME, str(exc), key=given)], "failed", None
+    return [], "verified", described
+
+
 def _consistency(parsed: Parsed, file: str) -> list[Finding]:
     """The two statements must be about the same bytes."""
     p = parsed.passport
@@ -135,13 +158,16 @@ def _digest_remote(files: Sequence[tuple[str, str, int]], remote: Any, algorithm
 
 
 def verify(path: str, passport: str | None = None, *, key: str | None = None, expect: Artifact = "training",
-           jobs: int | None = None, cert_chain: Sequence[str] = ()) -> VerifyResult:
+           jobs: int | None = None, cert_chain: Sequence[str] = (),
+           sigstore: SigstoreIdentity | None = None) -> VerifyResult:
     """Verify the checkpoint at ``path`` (a local path or an ``s3://`` / ``gs://`` URL) against its passport
     (``passport``: the passport file; default: the one the checkpoint carries, :func:`passport_path`).
 
     ``key``: the signer's PEM public key; with it an unsigned (digest-only) or hand-edited passport is refused.
     ``cert_chain``: PEM files of the certificates trusted (the CA's; model-signing's ``--certificate_chain``): the
     passport must be signed under a certificate that chains to one of them (``attest --cert``); not with ``key``.
+    ``sigstore``: the identity and OIDC issuer trusted to have signed keylessly (``attest --sigstore``), checked by
+    Sigstore's verifier (:mod:`~ckptaudit.passport.keyless`); not with ``key`` or ``cert_chain``.
     ``expect``: what the checkpoint is used as; the recorded verdict must be a pass for it. Raises
     :class:`~ckptaudit.passport.model.PassportError` when the passport itself cannot be read (malformed, too large,
     an unknown version: exit 2 on the command line), or the key does not load; ``FileNotFoundError`` when nothing
@@ -150,9 +176,11 @@ def verify(path: str, passport: str | None = None, *, key: str | None = None, ex
 
     if expect not in ("training", "serving"):
         raise PassportError(f"--expect must be training or serving, not {expect!r}")
-    if key is not None and cert_chain:
-        raise PassportError("give --key (a passport signed with a bare key) or --cert-chain (one signed under a "
-                            "certificate), not both")
+    if sum((key is not None, bool(cert_chain), sigstore is not None)) > 1:
+        raise PassportError("give one of --key (a passport signed with a bare key), --cert-chain (one signed under a "
+                            "certificate) or --sigstore-identity/--sigstore-issuer (one signed keylessly)")
+    # Sigstore's trusted root first (a refresh from its TUF repository unless offline): unreachable, one line.
+    keyless = KeylessVerifier(sigstore) if sigstore is not None else None
     trusted = None
     if cert_chain:
         from ckptaudit.passport.certificates import load_certificates
@@ -186,7 +214,9 @@ def verify(path: str, passport: str | None = None, *, key: str | None = None, ex
                 f"{path}: no passport at {file}; `ckptaudit attest` writes one (a folder carries it inside, a file "
                 "beside it), or give --passport FILE")])
         parsed = parse_passport(raw, file)
-        if trusted is not None:
+        if keyless is not None:
+            findings, signature, certificate = _check_keyless(parsed, file, keyless)
+        elif trusted is not None:
             findings, signature, certificate = _check_certificates(parsed, file, trusted)
         else:
             (findings, signature), certificate = _check_signature(parsed, key, file), None
@@ -293,15 +323,41 @@ def trust_of(key: str | None) -> tuple[str | None, tuple[str, ...]]:
     """What a trust file given as ``KEY`` (``latest --require passport=KEY``, the store loader's
     ``require_passport=KEY``, the testing assertion's ``key``) is: a PEM public key -> ``(key, ())``; a PEM file of
     certificates (a CA or a bundle of them) -> ``(None, (key,))``, the chain the passport's certificate must chain
-    to. A file that cannot be read is left as a key (:func:`verify` then names it)."""
+    to. A file that cannot be read is left as a key (:func:`verify` then names it). A Sigstore policy file:
+    :func:`trust_from_file`."""
+    public, chain, _ = trust_from_file(key)
+    return public, chain
+
+
+def trust_from_file(key: str | None) -> tuple[str | None, tuple[str, ...], SigstoreIdentity | None]:
+    """:func:`trust_of`, and a third kind: a JSON file ``{"sigstore": {"identity": ID, "issuer": URL,
+    "offline": false}}`` -> ``(None, (), SigstoreIdentity)``, the keyless signer trusted (``attest --sigstore``).
+    :class:`PassportError` for a JSON file that is not such a policy."""
     if key is None:
-        return None, ()
+        return None, (), None
     try:
         with open(key, "rb") as fh:
             head = fh.read(1 << 20)
     except OSError:
-        return key, ()
-    return (None, (key,)) if b"-----BEGIN CERTIFICATE-----" in head else (key, ())
+        return key, (), None
+    if head.lstrip().startswith(b"{"):
+        return None, (), _sigstore_policy(head, key)
+    return (None, (key,), None) if b"-----BEGIN CERTIFICATE-----" in head else (key, (), None)
+
+
+def _sigstore_policy(raw: bytes, file: str) -> SigstoreIdentity:
+    from ckptaudit.formats.io.safejson import loads_limited
+
+    try:
+        doc = loads_limited(raw, file, unique_keys=True)
+    except ValueError as exc:
+        raise PassportError(f"{file}: not a Sigstore policy ({exc})") from None
+    policy = doc.get("sigstore") if isinstance(doc, dict) else None
+    if not isinstance(policy, dict) or not all(isinstance(policy.get(k), str) for k in ("identity", "issuer")) \
+            or not isinstance(policy.get("offline", False), bool):
+        raise PassportError(f'{file}: a JSON trust file is a Sigstore policy: {{"sigstore": {{"identity": ID, '
+                            '"issuer": URL, "offline": false}}}} (the identity and OIDC issuer trusted to sign)')
+    return SigstoreIdentity(policy["identity"], policy["issuer"], policy.get("offline", False))
 
 
 def passport_findings(path: str, name: str, *, key: str | None = None,
@@ -310,10 +366,10 @@ def passport_findings(path: str, name: str, *, key: str | None = None,
     ``path`` (named ``name`` in messages) from being chosen: no passport, one that cannot be read or does not
     verify, or one whose verdict was no pass. Empty when its passport verifies (one read of every byte). ``key``:
     the signer's PEM public key, or a PEM file of the CA certificates its signing certificate must chain to
-    (:func:`trust_of`)."""
-    public, chain = trust_of(key)
+    (:func:`trust_of`), or a Sigstore policy file (:func:`trust_from_file`)."""
     try:
-        result = verify(path, key=public, expect=expect, cert_chain=chain)
+        public, chain, keyless = trust_from_file(key)
+        result = verify(path, key=public, expect=expect, cert_chain=chain, sigstore=keyless)
     except PassportError as exc:
         return (finding("passport.malformed", name, f"{name}: its passport cannot be used: {exc}"),)
     except OSError as exc:
